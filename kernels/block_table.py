@@ -1,0 +1,259 @@
+"""Attention metadata built on the device from a padded block table.
+
+Row r of `block_tables` lists the KV blocks of request r in order; entries past the
+ones its sequence uses are padding and never read. The token at absolute position p of
+row r lives in block `block_tables[r, p // B]` at offset `p % B` (flat slot
+`block * B + offset`), as in `radixrt.kv.pool`.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from ._triton import tl, triton
+
+_BLOCK = 256  # entries copied per loop iteration of one program
+
+
+class KVMetadata(NamedTuple):
+    kv_indptr: torch.Tensor  # [R + 1] int32: prefix sums of the rows' block counts
+    kv_indices: torch.Tensor  # [sum ceil(seq_len / B)] int32: the used block ids, concatenated
+    kv_last_page_len: torch.Tensor  # [R] int32: tokens in each row's last block, 1..B
+
+
+class TokenMetadata(NamedTuple):
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * B + offset) of each new token
+
+
+@triton.jit
+def _kv_indices_kernel(
+    block_tables_ptr,  # [R, max_blocks] int32
+    seq_lens_ptr,  # [R] int32
+    kv_indptr_ptr,  # [R + 1] int32
+    kv_indices_ptr,  # [num_kv_indices] int32, written
+    stride_bt_row,
+    stride_bt_col,
+    max_blocks,
+    num_kv_indices,
+    block_size,
+    BLOCK: tl.constexpr,
+):
+    # One program per row; loads are kept inside the table and stores inside kv_indices
+    # even when the caller broke the contract (seq_len > max_blocks * B, short nnz).
+    row = tl.program_id(0)
+    seq_len = tl.load(seq_lens_ptr + row)
+    num_blocks = tl.minimum((seq_len + block_size - 1) // block_size, max_blocks)
+    start = tl.load(kv_indptr_ptr + row)
+    src = block_tables_ptr + row.to(tl.int64) * stride_bt_row
+    for i in range(0, num_blocks, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        mask = (idx < num_blocks) & (start + idx < num_kv_indices)
+        block_ids = tl.load(src + idx * stride_bt_col, mask)
+        tl.store(kv_indices_ptr + start + idx, block_ids, mask)
+
+
+@triton.jit
+def _token_metadata_kernel(
+    block_tables_ptr,  # [R, max_blocks] int32
+    start_pos_ptr,  # [R] int32
+    num_new_ptr,  # [R] int32
+    qo_indptr_ptr,  # [R + 1] int32
+    positions_ptr,  # [T] int64, written
+    slot_mapping_ptr,  # [T] int64, written
+    stride_bt_row,
+    stride_bt_col,
+    max_blocks,
+    num_tokens,
+    block_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    start_pos = tl.load(start_pos_ptr + row).to(tl.int64)
+    num_new = tl.load(num_new_ptr + row)
+    out = tl.load(qo_indptr_ptr + row)
+    src = block_tables_ptr + row.to(tl.int64) * stride_bt_row
+    for i in range(0, num_new, BLOCK):
+        j = i + tl.arange(0, BLOCK)
+        mask = (j < num_new) & (out + j < num_tokens)
+        pos = start_pos + j
+        col = pos // block_size
+        block = tl.load(src + col * stride_bt_col, mask & (col < max_blocks))
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        tl.store(positions_ptr + out + j, pos, mask)
+        tl.store(slot_mapping_ptr + out + j, slot, mask)
+
+
+def _check_table(block_tables: torch.Tensor, block_size: int, **rows: torch.Tensor) -> None:
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be [R, max_blocks] int32, got "
+            f"{tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_rows = block_tables.shape[0]
+    for name, t in rows.items():
+        length = num_rows + 1 if name == "qo_indptr" else num_rows
+        if t.shape != (length,) or t.dtype != torch.int32:
+            raise ValueError(
+                f"{name} must be [{length}] int32 (R = {num_rows}), got {tuple(t.shape)} {t.dtype}"
+            )
+        if t.device != block_tables.device:
+            raise ValueError(
+                f"{name} is on {t.device} but block_tables on {block_tables.device}; "
+                "all inputs must share one device"
+            )
+
+
+def build_kv_metadata(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    num_kv_indices: int | None = None,
+) -> KVMetadata:
+    """Paged-KV metadata (FlashInfer's kv_indptr / kv_indices / kv_last_page_len).
+
+    block_tables: [R, max_blocks] int32, any device (any strides): padded block table.
+    seq_lens:     [R] int32, same device: KV length of each row after this step; each must
+                  be in 1..max_blocks * block_size (not checked: that needs a host sync).
+                  Row r uses the first ceil(seq_lens[r] / block_size) entries of its row.
+    num_kv_indices: sum of ceil(seq_lens / block_size) when the caller knows it (e.g. from
+                  CPU copies); then no host sync happens. If None, it is read back from the
+                  device (one sync). A wrong value leaves kv_indices short or partly unset.
+    Returns fresh tensors on block_tables' device; reads nothing past each row's used blocks.
+    """
+    _check_table(block_tables, block_size, seq_lens=seq_lens)
+    device = block_tables.device
+    num_rows, max_blocks = block_tables.shape
+    num_blocks = (seq_lens + (block_size - 1)) // block_size  # [R] int32
+    kv_indptr = torch.zeros(num_rows + 1, dtype=torch.int32, device=device)
+    kv_indptr[1:] = torch.cumsum(num_blocks, 0, dtype=torch.int32)
+    kv_last_page_len = seq_lens - (num_blocks - 1) * block_size
+    if num_kv_indices is None:
+        num_kv_indices = int(kv_indptr[-1].item())  # host sync
+    kv_indices = torch.empty(num_kv_indices, dtype=torch.int32, device=device)
+    if num_rows > 0 and num_kv_indices > 0:
+        _kv_indices_kernel[(num_rows,)](
+            block_tables,
+            seq_lens,
+            kv_indptr,
+            kv_indices,
+            block_tables.stride(0),
+            block_tables.stride(1),
+            max_blocks,
+            num_kv_indices,
+            block_size,
+            BLOCK=_BLOCK,
+        )
+    return KVMetadata(kv_indptr, kv_indices, kv_last_page_len)
+
+
+def build_token_metadata(
+    block_tables: torch.Tensor,
+    start_pos: torch.Tensor,
+    num_new: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+) -> TokenMetadata:
+    """Positions and KV slots of a batch's new tokens, one program per row.
+
+    block_tables: [R, max_blocks] int32, any device (any strides): padded block table.
+    start_pos:    [R] int32, same device: tokens of the row already in KV (cached prefix).
+    num_new:      [R] int32, same device: new tokens of the row (0 allowed).
+    qo_indptr:    [R + 1] int32, same device: row r's new tokens are [qo_indptr[r],
+                  qo_indptr[r+1]) of the flattened batch; qo_indptr[r+1] - qo_indptr[r] must
+                  equal num_new[r] and qo_indptr[R] must equal num_tokens.
+    num_tokens:   T, a host int (no sync).
+    Token j of row r gets position p = start_pos[r] + j and slot
+    block_tables[r, p // B] * B + p % B; every p // B must be < max_blocks. None of the
+    "must"s is checked here (each needs a host sync); `build_token_metadata_reference`
+    checks them.
+    Returns fresh [T] int64 tensors on block_tables' device.
+    """
+    _check_table(
+        block_tables, block_size, start_pos=start_pos, num_new=num_new, qo_indptr=qo_indptr
+    )
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    device = block_tables.device
+    positions = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    num_rows, max_blocks = block_tables.shape
+    if num_rows > 0 and num_tokens > 0:
+        _token_metadata_kernel[(num_rows,)](
+            block_tables,
+            start_pos,
+            num_new,
+            qo_indptr,
+            positions,
+            slot_mapping,
+            block_tables.stride(0),
+            block_tables.stride(1),
+            max_blocks,
+            num_tokens,
+            block_size,
+            BLOCK=_BLOCK,
+        )
+    return TokenMetadata(positions, slot_mapping)
+
+
+def build_kv_metadata_reference(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    num_kv_indices: int | None = None,
+) -> KVMetadata:
+    """Torch version of `build_kv_metadata` (loops over rows; checks seq_lens' range)."""
+    _check_table(block_tables, block_size, seq_lens=seq_lens)
+    max_blocks = block_tables.shape[1]
+    indptr, indices, last_page_len = [0], [], []
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        if not 1 <= seq_len <= max_blocks * block_size:
+            raise ValueError(f"seq_lens[{row}] = {seq_len} not in 1..{max_blocks * block_size}")
+        num_blocks = -(-seq_len // block_size)
+        indices.append(block_tables[row, :num_blocks])
+        indptr.append(indptr[-1] + num_blocks)
+        last_page_len.append(seq_len - (num_blocks - 1) * block_size)
+    if num_kv_indices is not None and num_kv_indices != indptr[-1]:
+        raise ValueError(f"num_kv_indices = {num_kv_indices} but the rows use {indptr[-1]}")
+    device = block_tables.device
+    return KVMetadata(
+        torch.tensor(indptr, dtype=torch.int32, device=device),
+        torch.cat(indices) if indices else block_tables.new_empty(0),
+        torch.tensor(last_page_len, dtype=torch.int32, device=device),
+    )
+
+
+def build_token_metadata_reference(
+    block_tables: torch.Tensor,
+    start_pos: torch.Tensor,
+    num_new: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+) -> TokenMetadata:
+    """Torch version of `build_token_metadata` (loops over rows; checks the "must"s)."""
+    _check_table(
+        block_tables, block_size, start_pos=start_pos, num_new=num_new, qo_indptr=qo_indptr
+    )
+    indptr = qo_indptr.tolist()
+    if indptr[0] != 0 or indptr[-1] != num_tokens:
+        raise ValueError(f"qo_indptr must run from 0 to num_tokens = {num_tokens}, got {indptr}")
+    max_blocks = block_tables.shape[1]
+    positions, slots = [], []
+    for row, (start, count) in enumerate(zip(start_pos.tolist(), num_new.tolist())):
+        if start < 0 or count < 0:
+            raise ValueError(f"row {row}: start_pos {start} and num_new {count} must be >= 0")
+        if indptr[row + 1] - indptr[row] != count:
+            raise ValueError(f"qo_indptr and num_new disagree on row {row}")
+        if count and (start + count - 1) // block_size >= max_blocks:
+            raise ValueError(f"row {row} reaches past its {max_blocks} blocks")
+        pos = torch.arange(start, start + count, device=block_tables.device)
+        positions.append(pos)
+        slots.append(block_tables[row, pos // block_size].long() * block_size + pos % block_size)
+    empty = torch.empty(0, dtype=torch.int64, device=block_tables.device)
+    return TokenMetadata(
+        torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty
+    )

@@ -1,0 +1,28 @@
+"""AttentionBackend protocol: paged attention over a KVPool for a mixed batch."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.kv.pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Plan the step (once per forward, before any layer runs)."""
+        ...
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        pool: KVPool,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store the new K/V at batch.slot_mapping, then attend: each new token sees its
+        row's cached prefix and the row's new tokens up to itself (causal)."""
+        ...

@@ -1,0 +1,32 @@
+"""Prefix caches: radix (token-level tree), blockhash (vLLM APC baseline), none."""
+
+from __future__ import annotations
+
+from radixrt.cache.base import CacheStats, InsertResult, MatchResult, PrefixCache
+from radixrt.kv.allocator import BlockAllocator
+
+
+def create_prefix_cache(kind: str, allocator: BlockAllocator, block_size: int) -> PrefixCache:
+    """Build the cache named by `kind` (radix | blockhash | none) over `allocator`."""
+    if kind == "radix":
+        from radixrt.cache.radix import RadixCache
+
+        return RadixCache(allocator, block_size)
+    if kind == "blockhash":
+        from radixrt.cache.blockhash import BlockHashCache
+
+        return BlockHashCache(allocator, block_size)
+    if kind == "none":
+        from radixrt.cache.none import NoCache
+
+        return NoCache(block_size)
+    raise ValueError(f"prefix_cache must be radix, blockhash or none, got {kind!r}")
+
+
+__all__ = [
+    "CacheStats",
+    "InsertResult",
+    "MatchResult",
+    "PrefixCache",
+    "create_prefix_cache",
+]

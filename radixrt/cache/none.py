@@ -1,0 +1,48 @@
+"""No prefix caching: every request computes its whole prompt."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+
+
+class NoCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.stats = CacheStats()
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        self.stats.num_queried_tokens += len(tokens)
+        return MatchResult([], 0, None)
+
+    def lock(self, handle: Any) -> None:
+        pass
+
+    def unlock(self, handle: Any) -> None:
+        pass
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
+        return InsertResult(None, 0)
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    @property
+    def evictable_blocks(self) -> int:
+        return 0
+
+    @property
+    def cached_blocks(self) -> int:
+        return 0
+
+    def held_refs(self) -> Counter[int]:
+        return Counter()
+
+    def check_integrity(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,355 @@
+"""Token-level radix tree over reference-counted KV blocks (SGLang-style prefix cache).
+
+Each edge is a run of tokens. A node records, for every block index its edge touches,
+the block holding the KV of its tokens there: the token at absolute position p of the
+node lives in `node.block_at(p)` at offset p % B. Invariant (kept by the scheduler's
+copy-on-write): the block recorded for p holds valid KV for positions
+floor(p / B) * B .. p of the node's path. A node whose edge starts or ends inside a block
+shares that block index with its parent or child; they may record the same block (after a
+split, or a request inserting its progress twice) or different ones (branches that
+diverged mid-block). Every node holds one reference on each block it records, so a block
+recorded by two nodes carries two cache references (see `held_refs`).
+
+Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
+- match: O(d + m) plus C-level list comparisons of the edges; at most one split.
+- insert: O(d + new tokens / B); at most one split and one new leaf.
+- lock / unlock: O(d) plus O(blocks) of the nodes whose lock state flips.
+- evict: O(log N) per removed leaf (N = evictable leaves) plus its blocks.
+- evictable_blocks, cached_blocks, total_tokens: O(1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+
+from sortedcontainers import SortedKeyList
+
+from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.kv.allocator import BlockAllocator
+
+
+class RadixNode:
+    """One edge of the tree. Fields are read-only outside `RadixCache`."""
+
+    __slots__ = ("id", "key", "start", "blocks", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
+        self.id = node_id  # unique, breaks ties between equal access times
+        self.key = key  # token ids of the edge (empty only for the root)
+        self.start = start  # absolute position of key[0]
+        self.blocks = blocks  # block per block index start // B .. (end - 1) // B
+        self.children: dict[int, RadixNode] = {}  # by first token of the child's key
+        self.parent: RadixNode | None = None  # None for the root and for evicted nodes
+        self.lock_ref = 0  # lock() calls whose handle is this node or a descendant
+        self.last_access = 0  # cache clock at the last match/insert through this node
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the edge's last token (= depth of the node)."""
+        return self.start + len(self.key)
+
+    def block_at(self, pos: int, block_size: int) -> int:
+        """Block recorded for absolute position `pos` (start <= pos < end)."""
+        assert self.start <= pos < self.end
+        return self.blocks[pos // block_size - self.start // block_size]
+
+
+class RadixCache:
+    """Prefix cache keyed by exact token prefixes; see `radixrt.cache.base` for ownership.
+
+    `evictable_blocks` counts the distinct cached blocks that no locked node records. It
+    equals what `evict` would free if every unlocked node were evicted, provided every
+    block a request holds that the tree also records lies on a path the request locked
+    (the scheduler protocol: lock the match handle, lock each insert's handle at once).
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.stats = CacheStats()
+        self._ids = itertools.count()
+        self._clock = 0
+        self.root = RadixNode(next(self._ids), [], 0, [])
+        # Unlocked non-root leaves, least recently used first.
+        self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        self._refs: Counter[int] = Counter()  # block -> nodes recording it
+        self._locked_refs: Counter[int] = Counter()  # block -> locked nodes recording it
+        self._total_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens` (token-exact). Splits a node when the match
+        ends inside an edge, so the handle ends exactly at the match; refreshes access
+        times along the path. Takes no references."""
+        tokens = list(tokens)
+        self.stats.num_queried_tokens += len(tokens)
+        stamp = self._tick()
+        node, pos, table = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(child.key, tokens, pos)
+            if k < len(child.key):
+                child = self._split(child, k)
+            self._touch(child, stamp)
+            if child.start % self.block_size:
+                table.pop()  # block index shared with the parent: the deeper node wins
+            table.extend(child.blocks)
+            node, pos = child, pos + k
+        self.stats.num_hit_tokens += pos
+        return MatchResult(table, pos, node)
+
+    @property
+    def evictable_blocks(self) -> int:
+        """Distinct cached blocks recorded by no locked node (see the class docstring)."""
+        return len(self._refs) - len(self._locked_refs)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Distinct blocks the tree holds a reference on."""
+        return len(self._refs)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens stored in the tree (= distinct cached non-empty prefixes)."""
+        return self._total_tokens
+
+    def held_refs(self) -> Counter[int]:
+        """Block -> references held by the tree (one per node recording the block)."""
+        return Counter(self._refs)
+
+    # ---- locking -------------------------------------------------------------------
+
+    def lock(self, handle: RadixNode) -> None:
+        """Protect the path root..handle from eviction (nestable)."""
+        assert handle is self.root or handle.parent is not None, "lock of an evicted node"
+        node = handle
+        while node is not self.root:
+            if node.lock_ref == 0:
+                if not node.children:
+                    self._evictable.remove(node)
+                for b in node.blocks:
+                    self._locked_refs[b] += 1
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: RadixNode) -> None:
+        """Undo one `lock(handle)`."""
+        node = handle
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                for b in node.blocks:
+                    self._drop(self._locked_refs, b)
+                if not node.children:
+                    self._evictable.add(node)
+            node = node.parent
+
+    # ---- mutation ------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
+        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]).
+
+        Cached tokens keep their blocks; the uncached tail becomes one new leaf that
+        takes a reference on each block it records. Returns the node ending at
+        len(tokens) (split if needed; the root for no tokens): lock it before anything
+        can evict."""
+        tokens = list(tokens)
+        n, bs = len(tokens), self.block_size
+        assert len(blocks) >= -(-n // bs), f"{len(blocks)} blocks cannot hold {n} tokens"
+        stamp = self._tick()
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(child.key, tokens, pos)
+            if k < len(child.key):
+                child = self._split(child, k)
+            self._touch(child, stamp)
+            node, pos = child, pos + k
+        num_new = n - pos
+        if num_new:
+            leaf = RadixNode(
+                next(self._ids), tokens[pos:], pos, list(blocks[pos // bs : (n - 1) // bs + 1])
+            )
+            leaf.last_access = stamp
+            self._attach(node, leaf)
+            node = leaf
+        self.stats.num_inserted_tokens += num_new
+        return InsertResult(node, num_new)
+
+    def evict(self, num_blocks: int) -> int:
+        """Remove least recently used unlocked leaves until `num_blocks` blocks became
+        free in the allocator or nothing is evictable. Returns the blocks freed."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        freed = 0
+        while freed < num_blocks and self._evictable:
+            freed += self._remove_leaf(self._evictable.pop(0))
+        self.stats.num_evicted_blocks += freed
+        return freed
+
+    def reset(self) -> None:
+        """Remove every unlocked node (locked paths stay)."""
+        freed = 0
+        while self._evictable:
+            freed += self._remove_leaf(self._evictable.pop(0))
+        self.stats.num_evicted_blocks += freed
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _is_evictable(self, node: RadixNode) -> bool:
+        return node is not self.root and node.lock_ref == 0 and not node.children
+
+    def _touch(self, node: RadixNode, stamp: int) -> None:
+        if self._is_evictable(node):  # re-key in the sorted list
+            self._evictable.remove(node)
+            node.last_access = stamp
+            self._evictable.add(node)
+        else:
+            node.last_access = stamp
+
+    def _hold(self, node: RadixNode, blocks: Sequence[int]) -> None:
+        """Record that `node` holds a reference on each of `blocks`."""
+        self.allocator.incref(blocks)
+        for b in blocks:
+            self._refs[b] += 1
+            if node.lock_ref:
+                self._locked_refs[b] += 1
+
+    @staticmethod
+    def _drop(counter: Counter[int], block: int) -> None:
+        if counter[block] == 1:
+            del counter[block]
+        else:
+            counter[block] -= 1
+
+    def _attach(self, parent: RadixNode, leaf: RadixNode) -> None:
+        if self._is_evictable(parent):
+            self._evictable.remove(parent)
+        parent.children[leaf.key[0]] = leaf
+        leaf.parent = parent
+        self._hold(leaf, leaf.blocks)
+        self._total_tokens += len(leaf.key)
+        self._evictable.add(leaf)
+
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Cut node's edge after k tokens (0 < k < len(key)); returns the new upper node.
+
+        `node` keeps its identity (handles to it stay valid) as the lower half. If the
+        cut falls inside a block, both halves record that block: one more reference."""
+        bs, s = self.block_size, node.start
+        cut = s + k
+        upper = RadixNode(
+            next(self._ids), node.key[:k], s, node.blocks[: (cut - 1) // bs - s // bs + 1]
+        )
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        upper.parent = node.parent
+        upper.children = {node.key[k]: node}
+        node.parent.children[node.key[0]] = upper
+        node.parent = upper
+        node.blocks = node.blocks[cut // bs - s // bs :]
+        node.key = node.key[k:]
+        node.start = cut
+        if cut % bs:
+            self._hold(upper, [upper.blocks[-1]])
+        return upper
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        """Detach an (already unlisted) unlocked leaf; returns blocks freed."""
+        assert node.lock_ref == 0 and not node.children
+        parent = node.parent
+        del parent.children[node.key[0]]
+        node.parent = None
+        self._total_tokens -= len(node.key)
+        for b in node.blocks:
+            self._drop(self._refs, b)
+        if self._is_evictable(parent):
+            self._evictable.add(parent)
+        return self.allocator.decref(node.blocks)
+
+    # ---- debugging -----------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert tree shape, lock counts, reference counters and the evictable list."""
+        bs = self.block_size
+        assert not self.root.key and self.root.parent is None and not self.root.blocks
+        refs: Counter[int] = Counter()
+        locked: Counter[int] = Counter()
+        leaves: set[int] = set()
+        total = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for first, child in node.children.items():
+                assert child.key and child.key[0] == first, "child keyed by its first token"
+                assert child.parent is node and child.start == node.end
+                assert len(child.blocks) == (child.end - 1) // bs - child.start // bs + 1
+                assert len(set(child.blocks)) == len(child.blocks), "block twice in a node"
+                assert child.lock_ref >= 0
+                if node is not self.root:
+                    assert node.lock_ref >= child.lock_ref
+                child_locks += child.lock_ref
+                refs.update(child.blocks)
+                if child.lock_ref:
+                    locked.update(child.blocks)
+                if not child.children and not child.lock_ref:
+                    leaves.add(child.id)
+                total += len(child.key)
+                stack.append(child)
+            if node is not self.root:
+                assert node.lock_ref >= child_locks, "lock_ref below the children's sum"
+        assert refs == self._refs, "reference counter out of sync"
+        assert locked == self._locked_refs, "locked reference counter out of sync"
+        assert total == self._total_tokens
+        listed = [node.id for node in self._evictable]
+        assert len(listed) == len(set(listed)) and set(listed) == leaves, "evictable leaves"
+        keys = [(node.last_access, node.id) for node in self._evictable]
+        assert keys == sorted(keys)
+        for b, r in refs.items():
+            assert self.allocator.ref_counts[b] >= r, f"block {b}: tree holds more refs"
+
+    def format_tree(self) -> str:
+        """One line per node: tokens, position range, blocks, lock_ref, last_access."""
+        lines: list[str] = []
+        stack = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node is self.root:
+                lines.append(f"root tokens={self._total_tokens} cached_blocks={self.cached_blocks}")
+            else:
+                lines.append(
+                    f"{'  ' * depth}{node.key} [{node.start},{node.end}) blocks={node.blocks} "
+                    f"lock={node.lock_ref} t={node.last_access}"
+                )
+            for first in sorted(node.children, reverse=True):
+                stack.append((node.children[first], depth + 1))
+        return "\n".join(lines)
+
+    def pretty_print(self) -> None:
+        print(self.format_tree())
+
+
+def _common_prefix_len(key: list[int], tokens: list[int], pos: int) -> int:
+    """Length of the common prefix of `key` and tokens[pos:]."""
+    seg = tokens[pos : pos + len(key)]
+    if seg == key:
+        return len(key)
+    for i, (a, b) in enumerate(zip(key, seg)):
+        if a != b:
+            return i
+    return len(seg)

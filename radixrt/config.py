@@ -1,0 +1,187 @@
+"""Frozen configuration for the model, the KV cache, the scheduler and the server.
+
+"auto" values are resolved by the code that builds a config (see `Engine`), never by
+mutating a config afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+PREFIX_CACHES = ("radix", "blockhash", "none")
+POLICIES = ("fcfs", "lpm", "dfs-weight")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape, read from an HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # transformers >= 5 nests rope settings under "rope_parameters".
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_path: str) -> ModelConfig:
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {model_path!r}: expected an HF model dir")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV memory and the prefix cache over it."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; None: from mem_fraction
+    mem_fraction: float = 0.85  # of free device memory after weights (CUDA only)
+    cpu_kv_blocks: int = 4096  # pool size on CPU when num_kv_blocks is None
+    prefix_cache: str = "radix"  # radix | blockhash | none
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(
+                f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and the waiting-queue policy."""
+
+    max_num_batched_tokens: int = 8192  # tokens (prefill + decode) in one forward
+    max_running_requests: int = 256
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: no cap
+    policy: str = "fcfs"  # fcfs | lpm | dfs-weight (Engine resolves "auto")
+    # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
+    # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
+    aging_tokens_per_step: float = 32.0
+    enable_preemption: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_running_requests < 1:
+            raise ValueError(
+                f"max_running_requests must be >= 1, got {self.max_running_requests}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 means no cap)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.aging_tokens_per_step < 0:
+            raise ValueError("aging_tokens_per_step must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an Engine needs, resolved (no "auto" left)."""
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights)
+    attention_backend: str = "torch"  # torch | flashinfer
+    enable_cuda_graph: bool = False
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.attention_backend not in ("torch", "flashinfer"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'flashinfer', got {self.attention_backend!r}"
+            )

@@ -1,0 +1,281 @@
+"""Engine: the in-process API (used directly, by the frontend DSL, and inside the server's
+scheduler process). The loop is `batch = scheduler.schedule()`, `runner.forward(batch)`,
+`scheduler.update(batch, tokens)`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from radixrt.cache import create_prefix_cache
+from radixrt.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.engine.runner import ModelRunner
+from radixrt.kv.allocator import BlockAllocator
+from radixrt.sampling import SamplingParams
+from radixrt.scheduler.request import Request
+from radixrt.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt: str | None  # the prompt text, when the request was given as text
+    text: str  # generated text (stop string excluded)
+    token_ids: list[int]  # generated token ids
+    finish_reason: str | None  # stop | length | abort; None while running
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    logprobs: list[float] = field(default_factory=list)  # when SamplingParams.logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamDelta:
+    rid: str
+    index: int  # position of the prompt in the generate call
+    text: str  # new text since the last delta
+    token_ids: list[int]  # new token ids since the last delta
+    finish_reason: str | None  # set on the request's last delta
+
+
+def resolve_config(model_path: str, device: str = "auto", dtype: str = "auto",
+                   **options: object) -> EngineConfig:
+    """Turn user options (flat keyword arguments; "auto" allowed) into a frozen
+    EngineConfig. Unknown options raise ValueError listing the allowed ones."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    sub: dict[str, dict[str, object]] = {k: {} for k in groups}
+    top: dict[str, object] = {}
+    top_names = {f.name for f in fields(EngineConfig)} - set(groups)
+    for key, value in options.items():
+        owner = next((g for g, c in groups.items() if key in {f.name for f in fields(c)}), None)
+        if owner is not None:
+            sub[owner][key] = value
+        elif key in top_names:
+            top[key] = value
+        else:
+            allowed = sorted(top_names | {f.name for c in groups.values() for f in fields(c)})
+            raise ValueError(f"unknown engine option {key!r}; allowed: {', '.join(allowed)}")
+    if top.get("attention_backend", "auto") == "auto":
+        top["attention_backend"] = "flashinfer" if _flashinfer_usable(device) else "torch"
+    top.setdefault("enable_cuda_graph", device.startswith("cuda"))
+    cache = CacheConfig(**sub["cache"])
+    if sub["scheduler"].get("policy", "auto") == "auto":
+        sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"
+    return EngineConfig(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        cache=cache,
+        scheduler=SchedulerConfig(**sub["scheduler"]),
+        **top,
+    )
+
+
+def _flashinfer_usable(device: str) -> bool:
+    if not device.startswith("cuda"):
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Engine:
+    """Generate text in-process.
+
+    >>> engine = Engine("path/to/model", prefix_cache="radix")
+    >>> engine.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
+    """
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto",
+                 **options: object) -> None:
+        from radixrt.model.loader import check_model_dir, load_tokenizer
+
+        if options.get("load_format", "auto") != "dummy":
+            check_model_dir(model_path)
+        self.config = cfg = resolve_config(model_path, device, dtype, **options)
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        self.tokenizer = load_tokenizer(model_path)
+        self.runner = ModelRunner(cfg, self.model_config, self.max_model_len)
+        self.allocator = BlockAllocator(self.runner.pool.num_blocks)
+        self.cache = create_prefix_cache(
+            cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            cfg.scheduler,
+            self.allocator,
+            self.cache,
+            self.runner.pool,
+            max_model_len=self.max_model_len,
+            eos_token_ids=sorted(eos),
+        )
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # ---- low level: add / step / abort ----
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    rid: str | None = None) -> str:
+        """Queue one request; returns its id. Raises ValueError on bad input."""
+        ids = [int(t) for t in prompt_ids]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Request(rid=rid, prompt_len=len(ids), token_ids=ids, params=params)
+        self.scheduler.add_request(req)
+        self._detok[rid] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, ids
+        )
+        return rid
+
+    def step(self) -> list[tuple[Request, str]]:
+        """Run one scheduler step. Returns (request, new text) for each request that got
+        tokens; finished requests have `finish_reason` set."""
+        sched = self.scheduler
+        batch = sched.schedule()
+        if batch is None:
+            return []
+        tokens, logprobs = self.runner.forward(batch, sched.tables)
+        out = []
+        for req in sched.update(batch, tokens, logprobs):
+            detok = self._detok[req.rid]
+            new = req.output_ids[-1:] if req.num_output else []
+            text = detok.add(new, final=req.is_finished)
+            if detok.stopped and not req.is_finished:
+                sched.abort(req.rid, reason="stop")
+            if req.is_finished:
+                del self._detok[req.rid]
+            out.append((req, text))
+        return out
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+        self._detok.pop(rid, None)
+
+    # ---- batch API ----
+    def _requests(self, prompts, sampling_params, prompt_token_ids):
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(
+            prompt_token_ids[0], int
+        ):
+            prompt_token_ids = [prompt_token_ids]
+        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
+        if prompts is not None:
+            prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+        n = len(prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * n
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return texts, prompt_token_ids, params
+
+    def generate_stream(self, prompts=None, sampling_params=None,
+                        prompt_token_ids=None) -> Iterator[StreamDelta]:
+        """Like `generate`, but yields text deltas as tokens arrive (any request order)."""
+        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
+        yield from self._run(ids, params, {})
+
+    def generate(self, prompts=None, sampling_params=None,
+                 prompt_token_ids=None) -> list[RequestOutput]:
+        """Generate for a batch of prompts (text or token ids); one SamplingParams for all
+        or one per prompt. Returns outputs in prompt order."""
+        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
+        reqs: dict[int, Request] = {}
+        text = [""] * len(ids)
+        for delta in self._run(ids, params, reqs):
+            text[delta.index] += delta.text
+        return [
+            RequestOutput(
+                rid=req.rid,
+                prompt=texts[i],
+                text=text[i],
+                token_ids=req.output_ids,
+                finish_reason=req.finish_reason,
+                prompt_tokens=req.prompt_len,
+                completion_tokens=req.num_output,
+                num_cached_tokens=req.num_cached_tokens,
+                logprobs=list(req.output_logprobs),
+            )
+            for i, req in sorted(reqs.items())
+        ]
+
+    def _run(self, ids, params, reqs: dict[int, Request]) -> Iterator[StreamDelta]:
+        """Add the requests, step until all finish, yield their deltas. A consumer that
+        stops early aborts what is left (no KV leaks)."""
+        index: dict[str, int] = {}
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                rid = self.add_request(p, sp)
+                index[rid] = i
+                reqs[i] = self.scheduler.requests[rid]
+            pending = set(index)
+            while pending:
+                for req, text in self.step():
+                    if req.rid not in pending:
+                        continue
+                    new_ids = req.output_ids[-1:] if req.num_output else []
+                    yield StreamDelta(req.rid, index[req.rid], text, new_ids, req.finish_reason)
+                    if req.is_finished:
+                        pending.discard(req.rid)
+        finally:
+            for rid in index:
+                if rid in self.scheduler.requests:
+                    self.abort(rid)
+
+    # ---- introspection ----
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict[str, float]:
+        s, c = self.scheduler.stats, self.cache.stats
+        return {
+            "num_requests": s.num_requests,
+            "prompt_tokens": s.num_prompt_tokens,
+            "cached_tokens": s.num_cached_tokens,
+            "cache_hit_rate": s.cache_hit_rate,
+            "generated_tokens": s.num_generated_tokens,
+            "preemptions": s.num_preemptions,
+            "cow_copies": s.num_cow_copies,
+            "evicted_blocks": c.num_evicted_blocks,
+            "steps": s.num_steps,
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_blocks_free": self.allocator.num_free,
+        }
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and release the model and KV memory."""
+        for rid in list(self.scheduler.requests):
+            self.abort(rid)
+        self.runner = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,158 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; turns a
+ScheduledBatch into a ForwardBatch, runs the forward and samples."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from radixrt.attention import create_attention_backend
+from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.engine.sampler import SampleOutput, sample
+from radixrt.kv.pool import KVPool
+from radixrt.model import DTYPES, build_model
+from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.block_size = cfg.cache.block_size
+        self.model = build_model(
+            model_cfg,
+            cfg.model_path,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
+            max_positions=max_model_len,
+            seed=cfg.seed,
+        )
+        self.pool = KVPool(
+            model_cfg.num_layers,
+            self._num_kv_blocks(),
+            self.block_size,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.backend = create_attention_backend(
+            cfg.attention_backend, model_cfg, self.device, self.dtype
+        )
+        self._use_kernels = self.device.type == "cuda"
+
+    def _num_kv_blocks(self) -> int:
+        c, m = self.cfg.cache, self.model_cfg
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if self.device.type != "cuda":
+            return c.cpu_kv_blocks
+        per_block = KVPool.bytes_per_block(
+            m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Leave (1 - mem_fraction) of the whole device for activations, graphs, workspace.
+        budget = free - (1.0 - c.mem_fraction) * total
+        num = int(budget // per_block)
+        if num < 2:
+            raise ValueError(
+                f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
+                f"loading the model; raise mem_fraction or set num_kv_blocks"
+            )
+        logger.info("KV pool: %d blocks of %d tokens (%.1f GiB)", num, c.block_size,
+                    num * per_block / 2**30)
+        return num
+
+    # ---- batch building ----
+    def build_batch(self, batch: ScheduledBatch, tables: BlockTableArray) -> ForwardBatch:
+        rows, num_new = batch.rows, batch.num_new
+        bs = self.block_size
+        start = np.fromiter((r.num_computed for r in rows), dtype=np.int32, count=len(rows))
+        new = np.asarray(num_new, dtype=np.int32)
+        seq_lens = start + new
+        qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(new, out=qo_indptr[1:])
+        nblocks = (seq_lens + bs - 1) // bs
+        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(nblocks, out=kv_indptr[1:])
+        ids: list[int] = [r.token_ids[-1] for r in rows[: batch.num_decode]]
+        for r, s, n in zip(rows[batch.num_decode :], start[batch.num_decode :],
+                           new[batch.num_decode :]):
+            ids += r.token_ids[s : s + n]
+        # Rows that reach the end of their tokens sample from their last new token.
+        samples = np.array([s + n == len(r.token_ids) for r, s, n in zip(rows, start, new)],
+                           dtype=bool)
+        logits_indices = qo_indptr[1:][samples] - 1
+
+        dev = self.device
+        max_blocks = int(nblocks.max())
+        block_tables = torch.from_numpy(tables.table[batch.table_rows, :max_blocks])
+        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        block_tables_d = block_tables.to(dev, non_blocking=True)
+        seq_lens_d, start_d, new_d, qo_d = map(to_dev, (seq_lens, start, new, qo_indptr))
+        num_tokens = int(qo_indptr[-1])
+        if self._use_kernels:
+            from radixrt.kernels import build_kv_metadata, build_token_metadata
+        else:
+            from radixrt.kernels import build_kv_metadata_reference as build_kv_metadata
+            from radixrt.kernels import build_token_metadata_reference as build_token_metadata
+        kv = build_kv_metadata(block_tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
+        tok = build_token_metadata(block_tables_d, start_d, new_d, qo_d, num_tokens, bs)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=tok.positions,
+            slot_mapping=tok.slot_mapping,
+            qo_indptr=qo_d,
+            kv_indptr=kv.kv_indptr,
+            kv_indices=kv.kv_indices,
+            kv_last_page_len=kv.kv_last_page_len,
+            seq_lens=seq_lens_d,
+            logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(dev),
+            num_decode=batch.num_decode,
+            qo_indptr_cpu=torch.from_numpy(qo_indptr),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            kv_indptr_cpu=torch.from_numpy(kv_indptr),
+            block_size=bs,
+        ), samples
+
+    # ---- forward ----
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, tables: BlockTableArray) -> tuple[list[int], list[float] | None]:
+        """Run one step. Returns (token per row — 0 for rows that do not sample,
+        log-probs per row or None when no row asked for them)."""
+        fb, samples = self.build_batch(batch, tables)
+        self.backend.prepare(fb)
+        hidden = self.model(fb, self.backend, self.pool)
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        sampling_rows = [r for r, s in zip(batch.rows, samples) if s]
+        if not sampling_rows:
+            return [0] * len(batch.rows), None
+        from radixrt.engine.sampler import apply_penalties
+
+        params = [r.params for r in sampling_rows]
+        apply_penalties(
+            logits,
+            params,
+            [r.token_ids[: r.prompt_len] for r in sampling_rows],
+            [r.output_ids for r in sampling_rows],
+        )
+        want_logprobs = any(p.logprobs for p in params)
+        out: SampleOutput = sample(logits, params, [r.num_output for r in sampling_rows],
+                                   want_logprobs)
+        sampled = out.token_ids.tolist()
+        sampled_lp = out.logprobs.tolist() if out.logprobs is not None else None
+        tokens = [0] * len(batch.rows)
+        logprobs = [0.0] * len(batch.rows) if sampled_lp is not None else None
+        for j, i in enumerate(np.flatnonzero(samples)):
+            tokens[i] = sampled[j]
+            if logprobs is not None:
+                logprobs[i] = sampled_lp[j]
+        return tokens, logprobs

@@ -1,0 +1,114 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds.
+
+All rows are processed together; the only per-row Python work is building small
+parameter tensors (and one generator call per seeded row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from radixrt.sampling import SamplingParams
+
+
+class SampleOutput(NamedTuple):
+    token_ids: torch.Tensor  # [S] int64, device
+    logprobs: torch.Tensor | None  # [S] float32: log p(token) under the raw model, if asked
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [S, V] float32, modified in place
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> None:
+    """OpenAI presence/frequency penalties on generated tokens; HF-style repetition
+    penalty on prompt + generated tokens (logit / p if > 0 else logit * p)."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    for i in rows:  # rows with penalties are rare; each costs O(its tokens) on the device
+        p = params[i]
+        out = torch.tensor(output_ids[i], dtype=torch.int64, device=device)
+        counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        counts.scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(prompt_ids[i], dtype=torch.int64, device=device)] = True
+            penalised = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def sample(
+    logits: torch.Tensor,  # [S, V] float32
+    params: Sequence[SamplingParams],
+    seed_offsets: Sequence[int],  # per row: tokens generated so far (seeded rows' RNG step)
+    want_logprobs: bool = False,
+) -> SampleOutput:
+    num_rows = logits.shape[0]
+    device = logits.device
+    logprobs = None
+    if want_logprobs:
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        tokens = greedy_tokens
+    else:
+        temps = torch.tensor(
+            [p.temperature if not p.greedy else 1.0 for p in params], device=device
+        )
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        probs = _filter(probs, params)
+        noise = _exponential_noise(probs.shape, params, seed_offsets, device)
+        sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max equivalent: p / Exp(1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    if want_logprobs:
+        logprobs = logprobs_all.gather(1, tokens.view(num_rows, 1)).squeeze(1)
+    return SampleOutput(tokens, logprobs)
+
+
+def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero out tokens outside each row's top-k / top-p / min-p set (renormalising is
+    unnecessary for p / Exp(1) sampling)."""
+    device = probs.device
+    need_sort = any(p.top_k is not None or p.top_p < 1.0 for p in params)
+    if need_sort:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[1]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = (ranks >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1))
+        drop_sorted[:, 0] = False  # the most likely token always survives
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponential_noise(
+    shape: torch.Size,
+    params: Sequence[SamplingParams],
+    seed_offsets: Sequence[int],
+    device: torch.device,
+) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, p in enumerate(params):
+        if p.seed is not None and not p.greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed((p.seed * 1_000_003 + seed_offsets[i]) % (2**63))
+            noise[i].exponential_(generator=gen)
+    return noise.clamp_(min=1e-20)

@@ -1,0 +1,81 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int | None = None  # keep the k most likely tokens; None: all
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob, in [0, 1]
+    seed: int | None = None  # per-request RNG seed: the same seed reproduces a sample
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    stop: tuple[str, ...] = ()  # stop strings (output is cut before them)
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    prompt_logprobs: bool = False  # also return the log-prob of each prompt token
+    logprobs: bool = False  # return the log-prob of each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 0",
+        )
+        _check(_num(self.temperature) and self.temperature >= 0, "temperature",
+               self.temperature, "a number >= 0 (0 means greedy)")
+        _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(
+            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+            "top_k",
+            self.top_k,
+            "an integer >= 1, or None for no limit",
+        )
+        _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(
+            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer"
+        )
+        _check(_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        _check(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: must be {allowed}")
