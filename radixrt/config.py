@@ -150,9 +150,7 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if self.max_running_requests < 1:
-            raise ValueError(
-                f"max_running_requests must be >= 1, got {self.max_running_requests}"
-            )
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0 means no cap)")
         if self.policy not in POLICIES:

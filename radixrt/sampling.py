@@ -35,8 +35,12 @@ class SamplingParams:
             self.max_tokens,
             "an integer >= 0",
         )
-        _check(_num(self.temperature) and self.temperature >= 0, "temperature",
-               self.temperature, "a number >= 0 (0 means greedy)")
+        _check(
+            _num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "a number >= 0 (0 means greedy)",
+        )
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
             self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
@@ -45,19 +49,34 @@ class SamplingParams:
             "an integer >= 1, or None for no limit",
         )
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
         _check(
-            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer"
+            _num(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number > 0 (1 = off)",
         )
-        _check(_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
-        _check(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-               "presence_penalty", self.presence_penalty, "in [-2, 2]")
-        _check(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-               "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", self.stop_token_ids, "non-negative integers")
+        _check(
+            _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "in [-2, 2]",
+        )
+        _check(
+            _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "in [-2, 2]",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "non-negative integers",
+        )
 
     @property
     def greedy(self) -> bool:

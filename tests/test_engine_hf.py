@@ -28,10 +28,15 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                eos_token_id=None, pad_token_id=0, min_new_tokens=max_new,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                min_new_tokens=max_new,
             )
-            outs.append(y[0, len(ids):].tolist())
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 

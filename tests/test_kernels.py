@@ -57,14 +57,13 @@ def device(request) -> torch.device:
         if not torch.cuda.is_available():
             pytest.skip("CUDA is not available")
     elif not _kernels_interpreted():
-        reason = (
+        if torch.cuda.is_available():  # kernels compiled for the GPU; the cuda case runs
+            pytest.skip("CPU tensors need TRITON_INTERPRET=1; the cuda case runs instead")
+        pytest.fail(  # a CPU-only run that would otherwise test nothing
             "triton.language or radixrt.kernels was imported before TRITON_INTERPRET=1 was "
             "set, so kernels compile for a GPU; export TRITON_INTERPRET=1 (or set it in "
             "tests/conftest.py)"
         )
-        if torch.cuda.is_available():
-            pytest.skip(reason)  # the cuda case runs the same comparison
-        pytest.fail(reason)  # a CPU-only machine that would test nothing
     return torch.device(request.param)
 
 

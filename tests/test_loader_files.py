@@ -98,8 +98,9 @@ def test_rope_scaling_written_in_hub_layout(tmp_path, rope_scaling) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     assert cfg.rope_scaling == rope_scaling and cfg.rope_theta == 500000.0
     hf_cfg = AutoConfig.from_pretrained(model_dir)
-    assert hf_cfg.rope_parameters["rope_type"] == rope_scaling["rope_type"]
-    assert hf_cfg.rope_parameters["rope_theta"] == 500000.0
+    hf_rope = getattr(hf_cfg, "rope_parameters", None) or hf_cfg.rope_scaling  # v5 or v4 name
+    assert hf_rope["rope_type"] == rope_scaling["rope_type"]
+    assert hf_rope.get("rope_theta", getattr(hf_cfg, "rope_theta", None)) == 500000.0
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()

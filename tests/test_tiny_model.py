@@ -40,9 +40,7 @@ RENDERED = (
 )
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+# `tiny_model_dir` (session-scoped, built by ensure_tiny_model) comes from conftest.py.
 
 
 @pytest.fixture(scope="session")

@@ -87,22 +87,15 @@ class RadixCache:
         ends inside an edge, so the handle ends exactly at the match; refreshes access
         times along the path. Takes no references."""
         tokens = list(tokens)
-        self.stats.num_queried_tokens += len(tokens)
-        stamp = self._tick()
-        node, pos, table = self.root, 0, []
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            k = _common_prefix_len(child.key, tokens, pos)
-            if k < len(child.key):
-                child = self._split(child, k)
-            self._touch(child, stamp)
-            if child.start % self.block_size:
+        path, pos = self._walk(tokens)
+        table: list[int] = []
+        for node in path:
+            if node.start % self.block_size:
                 table.pop()  # block index shared with the parent: the deeper node wins
-            table.extend(child.blocks)
-            node, pos = child, pos + k
+            table.extend(node.blocks)
+        self.stats.num_queried_tokens += len(tokens)
         self.stats.num_hit_tokens += pos
+        node = path[-1] if path else self.root
         return MatchResult(table, pos, node)
 
     @property
@@ -164,23 +157,14 @@ class RadixCache:
         tokens = list(tokens)
         n, bs = len(tokens), self.block_size
         assert len(blocks) >= -(-n // bs), f"{len(blocks)} blocks cannot hold {n} tokens"
-        stamp = self._tick()
-        node, pos = self.root, 0
-        while pos < n:
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            k = _common_prefix_len(child.key, tokens, pos)
-            if k < len(child.key):
-                child = self._split(child, k)
-            self._touch(child, stamp)
-            node, pos = child, pos + k
+        path, pos = self._walk(tokens)
+        node = path[-1] if path else self.root
         num_new = n - pos
         if num_new:
             leaf = RadixNode(
                 next(self._ids), tokens[pos:], pos, list(blocks[pos // bs : (n - 1) // bs + 1])
             )
-            leaf.last_access = stamp
+            leaf.last_access = self._clock
             self._attach(node, leaf)
             node = leaf
         self.stats.num_inserted_tokens += num_new
@@ -206,9 +190,23 @@ class RadixCache:
 
     # ---- internals -----------------------------------------------------------------
 
-    def _tick(self) -> int:
+    def _walk(self, tokens: list[int]) -> tuple[list[RadixNode], int]:
+        """Nodes on the path of the longest cached prefix of `tokens` and its length. The
+        last node is split to end exactly there; all are stamped with a new clock."""
         self._clock += 1
-        return self._clock
+        path: list[RadixNode] = []
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(child.key, tokens, pos)
+            if k < len(child.key):
+                child = self._split(child, k)
+            self._touch(child, self._clock)
+            path.append(child)
+            node, pos = child, pos + k
+        return path, pos
 
     def _is_evictable(self, node: RadixNode) -> bool:
         return node is not self.root and node.lock_ref == 0 and not node.children

@@ -4,22 +4,17 @@ scheduler process). The loop is `batch = scheduler.schedule()`, `runner.forward(
 
 from __future__ import annotations
 
-import itertools
 import logging
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from radixrt.cache import create_prefix_cache
 from radixrt.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.engine.runner import ModelRunner
-from radixrt.kv.allocator import BlockAllocator
+from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import Request
-from radixrt.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +45,9 @@ class StreamDelta:
     finish_reason: str | None  # set on the request's last delta
 
 
-def resolve_config(model_path: str, device: str = "auto", dtype: str = "auto",
-                   **options: object) -> EngineConfig:
+def resolve_config(
+    model_path: str, device: str = "auto", dtype: str = "auto", **options: object
+) -> EngineConfig:
     """Turn user options (flat keyword arguments; "auto" allowed) into a frozen
     EngineConfig. Unknown options raise ValueError listing the allowed ones."""
     if device == "auto":
@@ -104,74 +100,56 @@ class Engine:
     >>> engine.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto",
-                 **options: object) -> None:
+    def __init__(
+        self, model_path: str, device: str = "auto", dtype: str = "auto", **options: object
+    ) -> None:
         from radixrt.model.loader import check_model_dir, load_tokenizer
 
-        if options.get("load_format", "auto") != "dummy":
-            check_model_dir(model_path)
-        self.config = cfg = resolve_config(model_path, device, dtype, **options)
-        self.model_config = ModelConfig.from_pretrained(model_path)
-        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        check_model_dir(model_path, require_weights=options.get("load_format") != "dummy")
+        cfg = resolve_config(model_path, device, dtype, **options)
+        model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = load_tokenizer(model_path)
-        self.runner = ModelRunner(cfg, self.model_config, self.max_model_len)
-        self.allocator = BlockAllocator(self.runner.pool.num_blocks)
-        self.cache = create_prefix_cache(
-            cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size
-        )
-        eos = set(self.model_config.eos_token_ids)
+        eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(
-            cfg.scheduler,
-            self.allocator,
-            self.cache,
-            self.runner.pool,
-            max_model_len=self.max_model_len,
-            eos_token_ids=sorted(eos),
-        )
+        self.core = EngineCore(cfg, model_config, sorted(eos))
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._ids = itertools.count()
+
+    config = property(lambda self: self.core.config)
+    model_config = property(lambda self: self.core.model_config)
+    scheduler = property(lambda self: self.core.scheduler)
+    allocator = property(lambda self: self.core.allocator)
+    cache = property(lambda self: self.core.cache)
+    max_model_len = property(lambda self: self.core.max_model_len)
 
     # ---- low level: add / step / abort ----
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                    rid: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> str:
         """Queue one request; returns its id. Raises ValueError on bad input."""
-        ids = [int(t) for t in prompt_ids]
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        req = Request(rid=rid, prompt_len=len(ids), token_ids=ids, params=params)
-        self.scheduler.add_request(req)
-        self._detok[rid] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens, ids
+        req = self.core.add_request(prompt_ids, params, rid)
+        self._detok[req.rid] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, req.token_ids
         )
-        return rid
+        return req.rid
 
     def step(self) -> list[tuple[Request, str]]:
         """Run one scheduler step. Returns (request, new text) for each request that got
         tokens; finished requests have `finish_reason` set."""
-        sched = self.scheduler
-        batch = sched.schedule()
-        if batch is None:
-            return []
-        tokens, logprobs = self.runner.forward(batch, sched.tables)
         out = []
-        for req in sched.update(batch, tokens, logprobs):
+        for req in self.core.step():
             detok = self._detok[req.rid]
             new = req.output_ids[-1:] if req.num_output else []
             text = detok.add(new, final=req.is_finished)
             if detok.stopped and not req.is_finished:
-                sched.abort(req.rid, reason="stop")
+                self.core.abort(req.rid, reason="stop")
             if req.is_finished:
                 del self._detok[req.rid]
             out.append((req, text))
         return out
 
     def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+        self.core.abort(rid)
         self._detok.pop(rid, None)
 
     # ---- batch API ----
@@ -180,8 +158,10 @@ class Engine:
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
-        if prompt_token_ids is not None and prompt_token_ids and isinstance(
-            prompt_token_ids[0], int
+        if (
+            prompt_token_ids is not None
+            and prompt_token_ids
+            and isinstance(prompt_token_ids[0], int)
         ):
             prompt_token_ids = [prompt_token_ids]
         texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
@@ -199,14 +179,16 @@ class Engine:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return texts, prompt_token_ids, params
 
-    def generate_stream(self, prompts=None, sampling_params=None,
-                        prompt_token_ids=None) -> Iterator[StreamDelta]:
+    def generate_stream(
+        self, prompts=None, sampling_params=None, prompt_token_ids=None
+    ) -> Iterator[StreamDelta]:
         """Like `generate`, but yields text deltas as tokens arrive (any request order)."""
         texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
         yield from self._run(ids, params, {})
 
-    def generate(self, prompts=None, sampling_params=None,
-                 prompt_token_ids=None) -> list[RequestOutput]:
+    def generate(
+        self, prompts=None, sampling_params=None, prompt_token_ids=None
+    ) -> list[RequestOutput]:
         """Generate for a batch of prompts (text or token ids); one SamplingParams for all
         or one per prompt. Returns outputs in prompt order."""
         texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
@@ -254,28 +236,15 @@ class Engine:
 
     # ---- introspection ----
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self.core.check_integrity()
 
     def stats(self) -> dict[str, float]:
-        s, c = self.scheduler.stats, self.cache.stats
-        return {
-            "num_requests": s.num_requests,
-            "prompt_tokens": s.num_prompt_tokens,
-            "cached_tokens": s.num_cached_tokens,
-            "cache_hit_rate": s.cache_hit_rate,
-            "generated_tokens": s.num_generated_tokens,
-            "preemptions": s.num_preemptions,
-            "cow_copies": s.num_cow_copies,
-            "evicted_blocks": c.num_evicted_blocks,
-            "steps": s.num_steps,
-            "kv_blocks_total": self.allocator.num_blocks,
-            "kv_blocks_free": self.allocator.num_free,
-        }
+        return self.core.stats()
 
     def shutdown(self) -> None:
         """Abort everything in flight and release the model and KV memory."""
         for rid in list(self.scheduler.requests):
             self.abort(rid)
-        self.runner = None  # type: ignore[assignment]
+        self.core.runner = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

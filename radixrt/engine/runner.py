@@ -67,8 +67,9 @@ class ModelRunner:
                 f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                 f"loading the model; raise mem_fraction or set num_kv_blocks"
             )
-        logger.info("KV pool: %d blocks of %d tokens (%.1f GiB)", num, c.block_size,
-                    num * per_block / 2**30)
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f GiB)", num, c.block_size, num * per_block / 2**30
+        )
         return num
 
     # ---- batch building ----
@@ -84,12 +85,14 @@ class ModelRunner:
         kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(nblocks, out=kv_indptr[1:])
         ids: list[int] = [r.token_ids[-1] for r in rows[: batch.num_decode]]
-        for r, s, n in zip(rows[batch.num_decode :], start[batch.num_decode :],
-                           new[batch.num_decode :]):
+        for r, s, n in zip(
+            rows[batch.num_decode :], start[batch.num_decode :], new[batch.num_decode :]
+        ):
             ids += r.token_ids[s : s + n]
         # Rows that reach the end of their tokens sample from their last new token.
-        samples = np.array([s + n == len(r.token_ids) for r, s, n in zip(rows, start, new)],
-                           dtype=bool)
+        samples = np.array(
+            [s + n == len(r.token_ids) for r, s, n in zip(rows, start, new)], dtype=bool
+        )
         logits_indices = qo_indptr[1:][samples] - 1
 
         dev = self.device
@@ -125,7 +128,9 @@ class ModelRunner:
 
     # ---- forward ----
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, tables: BlockTableArray) -> tuple[list[int], list[float] | None]:
+    def forward(
+        self, batch: ScheduledBatch, tables: BlockTableArray
+    ) -> tuple[list[int], list[float] | None]:
         """Run one step. Returns (token per row — 0 for rows that do not sample,
         log-probs per row or None when no row asked for them)."""
         fb, samples = self.build_batch(batch, tables)
@@ -145,8 +150,9 @@ class ModelRunner:
             [r.output_ids for r in sampling_rows],
         )
         want_logprobs = any(p.logprobs for p in params)
-        out: SampleOutput = sample(logits, params, [r.num_output for r in sampling_rows],
-                                   want_logprobs)
+        out: SampleOutput = sample(
+            logits, params, [r.num_output for r in sampling_rows], want_logprobs
+        )
         sampled = out.token_ids.tolist()
         sampled_lp = out.logprobs.tolist() if out.logprobs is not None else None
         tokens = [0] * len(batch.rows)

@@ -40,9 +40,7 @@ def apply_penalties(
         if p.repetition_penalty != 1.0:
             seen = counts > 0
             seen[torch.tensor(prompt_ids[i], dtype=torch.int64, device=device)] = True
-            penalised = torch.where(
-                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
-            )
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 

@@ -100,9 +100,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(
-        self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool
-    ) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         """Runs every new token of `batch`; returns hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(batch.input_ids)
         residual = None
