@@ -1,8 +1,10 @@
 """Triton kernels (radixrt.kernels), each beside the torch reference it is tested against.
 
-Importing this package never needs Triton: without it, calling a kernel launcher raises
-ImportError, and the *_reference functions still work. On CPU, set TRITON_INTERPRET=1
-before this package is first imported: Triton reads it when a kernel is defined.
+Importing this package never imports Triton: a launcher imports its `_*_triton` module on
+first call (ImportError naming the fix where Triton is missing), and the *_reference
+functions, the CPU path, never need it. To run kernels on CPU tensors, set
+TRITON_INTERPRET=1 before the first launch and before anything imports triton.language:
+Triton reads it when `@triton.jit` runs (tl.sum and friends are jit functions too).
 """
 
 from ._triton import HAS_TRITON

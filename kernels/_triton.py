@@ -1,48 +1,33 @@
-"""Triton, or a stand-in that raises ImportError when a kernel is first used.
+"""Triton is imported on a kernel's first launch, never by `import radixrt.kernels`.
 
-Kernel modules import `triton` and `tl` from here, so `import radixrt.kernels` works on
-machines without Triton (CPU-only installs); the torch references stay usable there.
+So CPU-only installs without Triton import the package (the *_reference functions are
+their CPU path), and TRITON_INTERPRET=1 may be set any time before the first launch:
+Triton reads it when `@triton.jit` runs, i.e. when a `_*_triton` module is imported.
 """
 
+import importlib
 import importlib.util
+from types import ModuleType
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-_MISSING = (
-    "radixrt.kernels needs Triton to launch its kernels: pip install 'triton>=3.0' "
-    "(or radixrt[gpu]); the *_reference functions work without it"
-)
+
+def load_triton_module(name: str) -> ModuleType:
+    """The Triton kernel module `radixrt.kernels.<name>`, imported on first use.
+
+    Raises ImportError naming the fix when Triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise ImportError(
+            "radixrt.kernels needs Triton to launch its kernels: pip install 'triton>=3.0' "
+            "(or radixrt[gpu]); the *_reference functions work without it"
+        )
+    return importlib.import_module(f"{__package__}.{name}")
 
 
-class _MissingKernel:
-    """What `@triton.jit` yields without Triton: launching it raises ImportError."""
-
-    def __init__(self, fn) -> None:
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
-
-    def __getitem__(self, grid):
-        raise ImportError(_MISSING)
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
-class _MissingTriton:
-    @staticmethod
-    def jit(fn):
-        return _MissingKernel(fn)
-
-    def __getattr__(self, name: str):
-        raise ImportError(_MISSING)
-
-
-class _MissingLanguage:
-    constexpr = object  # only evaluated in kernel signatures' annotations
-
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-else:
-    triton = _MissingTriton()
-    tl = _MissingLanguage()
-
-__all__ = ["HAS_TRITON", "tl", "triton"]
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import load_triton_module
 
 _BLOCK = 256  # entries copied per loop iteration of one program
 
@@ -24,64 +24,6 @@ class KVMetadata(NamedTuple):
 class TokenMetadata(NamedTuple):
     positions: torch.Tensor  # [T] int64: absolute position of each new token
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * B + offset) of each new token
-
-
-@triton.jit
-def _kv_indices_kernel(
-    block_tables_ptr,  # [R, max_blocks] int32
-    seq_lens_ptr,  # [R] int32
-    kv_indptr_ptr,  # [R + 1] int32
-    kv_indices_ptr,  # [num_kv_indices] int32, written
-    stride_bt_row,
-    stride_bt_col,
-    max_blocks,
-    num_kv_indices,
-    block_size,
-    BLOCK: tl.constexpr,
-):
-    # One program per row; loads are kept inside the table and stores inside kv_indices
-    # even when the caller broke the contract (seq_len > max_blocks * B, short nnz).
-    row = tl.program_id(0)
-    seq_len = tl.load(seq_lens_ptr + row)
-    num_blocks = tl.minimum((seq_len + block_size - 1) // block_size, max_blocks)
-    start = tl.load(kv_indptr_ptr + row)
-    src = block_tables_ptr + row.to(tl.int64) * stride_bt_row
-    for i in range(0, num_blocks, BLOCK):
-        idx = i + tl.arange(0, BLOCK)
-        mask = (idx < num_blocks) & (start + idx < num_kv_indices)
-        block_ids = tl.load(src + idx * stride_bt_col, mask)
-        tl.store(kv_indices_ptr + start + idx, block_ids, mask)
-
-
-@triton.jit
-def _token_metadata_kernel(
-    block_tables_ptr,  # [R, max_blocks] int32
-    start_pos_ptr,  # [R] int32
-    num_new_ptr,  # [R] int32
-    qo_indptr_ptr,  # [R + 1] int32
-    positions_ptr,  # [T] int64, written
-    slot_mapping_ptr,  # [T] int64, written
-    stride_bt_row,
-    stride_bt_col,
-    max_blocks,
-    num_tokens,
-    block_size,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    start_pos = tl.load(start_pos_ptr + row).to(tl.int64)
-    num_new = tl.load(num_new_ptr + row)
-    out = tl.load(qo_indptr_ptr + row)
-    src = block_tables_ptr + row.to(tl.int64) * stride_bt_row
-    for i in range(0, num_new, BLOCK):
-        j = i + tl.arange(0, BLOCK)
-        mask = (j < num_new) & (out + j < num_tokens)
-        pos = start_pos + j
-        col = pos // block_size
-        block = tl.load(src + col * stride_bt_col, mask & (col < max_blocks))
-        slot = block.to(tl.int64) * block_size + pos % block_size
-        tl.store(positions_ptr + out + j, pos, mask)
-        tl.store(slot_mapping_ptr + out + j, slot, mask)
 
 
 def _check_table(block_tables: torch.Tensor, block_size: int, **rows: torch.Tensor) -> None:
@@ -134,7 +76,8 @@ def build_kv_metadata(
         num_kv_indices = int(kv_indptr[-1].item())  # host sync
     kv_indices = torch.empty(num_kv_indices, dtype=torch.int32, device=device)
     if num_rows > 0 and num_kv_indices > 0:
-        _kv_indices_kernel[(num_rows,)](
+        kernel = load_triton_module("_block_table_triton").kv_indices_kernel
+        kernel[(num_rows,)](
             block_tables,
             seq_lens,
             kv_indptr,
@@ -182,7 +125,8 @@ def build_token_metadata(
     slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=device)
     num_rows, max_blocks = block_tables.shape
     if num_rows > 0 and num_tokens > 0:
-        _token_metadata_kernel[(num_rows,)](
+        kernel = load_triton_module("_block_table_triton").token_metadata_kernel
+        kernel[(num_rows,)](
             block_tables,
             start_pos,
             num_new,

@@ -4,46 +4,12 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import load_triton_module, next_power_of_2
 
 
 class RMSNormResult(NamedTuple):
     out: torch.Tensor  # [T, H] x.dtype: rmsnorm(new_residual) * weight
     new_residual: torch.Tensor  # [T, H] x.dtype: x + residual (x itself when residual is None)
-
-
-@triton.jit
-def _rmsnorm_kernel(
-    x_ptr,  # [T, H]
-    residual_ptr,  # [T, H] or x_ptr when there is no residual (then never read)
-    weight_ptr,  # [H]
-    out_ptr,  # [T, H], written
-    new_residual_ptr,  # [T, H], written when HAS_RESIDUAL
-    stride_x,
-    stride_residual,
-    stride_out,
-    stride_new_residual,
-    hidden,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # One program per token row; the whole row is one block (BLOCK >= hidden).
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask)
-    # Normalise the residual as stored (rounded to x's dtype), as the unfused model does.
-    x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_out + cols, (x * rstd * weight).to(out_ptr.dtype.element_ty), mask
-    )
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -75,19 +41,18 @@ def rmsnorm(
     Without a residual new_residual is `x` itself (no copy). T = 0 launches nothing.
     """
     _check_args(x, weight, residual)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight.contiguous()
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    if residual is None:
-        new_residual = x
-    else:
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-        new_residual = torch.empty_like(out)
+    new_residual = x if residual is None else torch.empty_like(out)
     if num_tokens == 0:
         return RMSNormResult(out, new_residual)
-    block = triton.next_power_of_2(hidden)
-    _rmsnorm_kernel[(num_tokens,)](
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    block = next_power_of_2(hidden)
+    kernel = load_triton_module("_rmsnorm_triton").rmsnorm_kernel
+    kernel[(num_tokens,)](
         x,
         x if residual is None else residual,
         weight,

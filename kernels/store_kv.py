@@ -6,46 +6,7 @@ index 0 and V at 1. A token's flat slot is `block * block_size + offset`.
 
 import torch
 
-from ._triton import tl, triton
-
-
-@triton.jit
-def _store_kv_kernel(
-    kv_ptr,  # [2, num_blocks, block_size, H, D]
-    slots_ptr,  # [T] int64
-    k_ptr,  # [T, H, D]
-    v_ptr,  # [T, H, D]
-    stride_kv_kv,
-    stride_kv_block,
-    stride_kv_offset,
-    stride_kv_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    num_heads,
-    head_dim,
-    block_size,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # One program per (token, block of BLOCK_H heads); the last dim of every tensor is
-    # contiguous (stride 1, checked by the launcher).
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
-
-    slot = tl.load(slots_ptr + token)
-    block = slot // block_size
-    offset = slot % block_size
-    dst = block * stride_kv_block + offset * stride_kv_offset
-    dst += heads[:, None] * stride_kv_head + dims[None, :]
-
-    k = tl.load(k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask)
-    v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask)
-    tl.store(kv_ptr + dst, k.to(kv_ptr.dtype.element_ty), mask)
-    tl.store(kv_ptr + stride_kv_kv + dst, v.to(kv_ptr.dtype.element_ty), mask)
+from ._triton import cdiv, load_triton_module, next_power_of_2
 
 
 def _check_args(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -85,11 +46,12 @@ def store_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _, _, block_size, num_heads, head_dim = kv_layer.shape
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     # About 4K elements a program: all heads of one token for small models.
-    block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _store_kv_kernel[grid](
+    block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(num_heads, block_h))
+    kernel = load_triton_module("_store_kv_triton").store_kv_kernel
+    kernel[grid](
         kv_layer,
         slots,
         k,

@@ -20,7 +20,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     skip_special_tokens: bool = True  # leave special tokens out of the text
-    prompt_logprobs: bool = False  # also return the log-prob of each prompt token
+    prompt_logprobs: bool = False  # return log p(prompt token i | tokens < i) ...
+    logprob_start_len: int = 1  # ... for prompt indices i >= this (>= 1); the prefix cache
+    # is used only below that point, so those tokens are computed
     logprobs: bool = False  # return the log-prob of each sampled token
 
     def __post_init__(self) -> None:

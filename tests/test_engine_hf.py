@@ -50,3 +50,34 @@ def test_greedy_matches_hf(make_engine, tiny_model_dir):
         assert o.token_ids == r
         assert o.completion_tokens == 32 and o.finish_reason == "length"
         assert o.prompt_tokens == len(ids[ours.index(o)])
+
+
+def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, from HF."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def test_prompt_logprobs_match_hf_with_cached_prefix(make_engine, tiny_model_dir):
+    engine = make_engine(prefix_cache="radix", block_size=4, max_num_batched_tokens=8)
+    prefix = engine.tokenizer.encode(PROMPTS[7])
+    full = prefix + engine.tokenizer.encode(" and then everyone laughed")
+    ref = hf_logprobs(tiny_model_dir, full)
+    # Warm the cache with the prefix, then ask for log-probs of the suffix only.
+    engine.generate(prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1))
+    start = len(prefix)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=True, logprob_start_len=start)
+    out = engine.generate(prompt_token_ids=[full], sampling_params=params)[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.num_cached_tokens == start - 1  # the prefix, less the recomputed token
+    torch.testing.assert_close(
+        torch.tensor(out.prompt_logprobs), ref[start - 1 :], atol=1e-4, rtol=1e-4
+    )
+    # Whole prompt, chunked across steps.
+    params = SamplingParams(max_tokens=2, prompt_logprobs=True, temperature=0)
+    out = engine.generate(prompt_token_ids=[full], sampling_params=params)[0]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref, atol=1e-4, rtol=1e-4)
+    assert len(out.token_ids) == 2

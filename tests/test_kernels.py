@@ -1,11 +1,12 @@
 """Triton kernels vs their torch references, on CPU (TRITON_INTERPRET=1) and on CUDA.
 
-Triton (3.9) reads TRITON_INTERPRET when a kernel is *defined*: when `@triton.jit` runs,
-at the first import of radixrt.kernels and of triton.language (whose tl.sum etc. are jit
-functions too). So this module sets it, when CUDA is unavailable, before importing either.
-If another module of the same pytest process imported one of them earlier without it,
-the CPU cases fail (on a CUDA machine: skip) with a message saying so; export
-TRITON_INTERPRET=1 or set it in tests/conftest.py.
+Triton (3.9) reads TRITON_INTERPRET when `@triton.jit` runs: when radixrt.kernels'
+`_*_triton` modules are first imported (on a launcher's first call) and when
+triton.language is first imported (tl.sum etc. are jit functions too). So this module
+sets it, when CUDA is unavailable, at collection time, before any test launches a kernel.
+If something in the same pytest process imported triton earlier without it, the CPU cases
+fail (on a CUDA machine: skip) saying so; export TRITON_INTERPRET=1 or set it in
+tests/conftest.py. Importing radixrt.kernels alone does not import triton.
 """
 
 import os
@@ -44,7 +45,7 @@ def _kernels_interpreted() -> bool:
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    ours = importlib.import_module("radixrt.kernels.store_kv")._store_kv_kernel
+    ours = importlib.import_module("radixrt.kernels._store_kv_triton").store_kv_kernel
     return isinstance(ours, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction)
 
 

@@ -60,8 +60,7 @@ class EngineCore:
         batch = sched.schedule()
         if batch is None:
             return []
-        tokens, logprobs = self.runner.forward(batch, sched.tables)
-        return sched.update(batch, tokens, logprobs)
+        return sched.update(batch, self.runner.forward(batch, sched.tables))
 
     def abort(self, rid: str, reason: str = "abort") -> Request | None:
         return self.scheduler.abort(rid, reason)

@@ -30,6 +30,8 @@ class RequestOutput:
     completion_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     logprobs: list[float] = field(default_factory=list)  # when SamplingParams.logprobs
+    # when SamplingParams.prompt_logprobs: prompt tokens [logprob_start_len, prompt_tokens)
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -207,6 +209,7 @@ class Engine:
                 completion_tokens=req.num_output,
                 num_cached_tokens=req.num_cached_tokens,
                 logprobs=list(req.output_logprobs),
+                prompt_logprobs=list(req.prompt_logprobs),
             )
             for i, req in sorted(reqs.items())
         ]

@@ -11,10 +11,10 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.forward_batch import ForwardBatch
-from radixrt.engine.sampler import SampleOutput, sample
+from radixrt.engine.sampler import apply_penalties, sample
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
-from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
+from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -128,20 +128,18 @@ class ModelRunner:
 
     # ---- forward ----
     @torch.inference_mode()
-    def forward(
-        self, batch: ScheduledBatch, tables: BlockTableArray
-    ) -> tuple[list[int], list[float] | None]:
-        """Run one step. Returns (token per row — 0 for rows that do not sample,
-        log-probs per row or None when no row asked for them)."""
+    def forward(self, batch: ScheduledBatch, tables: BlockTableArray) -> StepOutput:
+        """Run one step: forward every row's new tokens, sample the rows that reached
+        the end of their tokens, and compute prompt log-probs where asked."""
         fb, samples = self.build_batch(batch, tables)
         self.backend.prepare(fb)
         hidden = self.model(fb, self.backend, self.pool)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        prompt_lps = self._prompt_logprobs(batch, hidden)
         sampling_rows = [r for r, s in zip(batch.rows, samples) if s]
+        tokens = [0] * len(batch.rows)
         if not sampling_rows:
-            return [0] * len(batch.rows), None
-        from radixrt.engine.sampler import apply_penalties
-
+            return StepOutput(tokens, None, prompt_lps)
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
         params = [r.params for r in sampling_rows]
         apply_penalties(
             logits,
@@ -150,15 +148,42 @@ class ModelRunner:
             [r.output_ids for r in sampling_rows],
         )
         want_logprobs = any(p.logprobs for p in params)
-        out: SampleOutput = sample(
-            logits, params, [r.num_output for r in sampling_rows], want_logprobs
-        )
+        out = sample(logits, params, [r.num_output for r in sampling_rows], want_logprobs)
         sampled = out.token_ids.tolist()
         sampled_lp = out.logprobs.tolist() if out.logprobs is not None else None
-        tokens = [0] * len(batch.rows)
         logprobs = [0.0] * len(batch.rows) if sampled_lp is not None else None
         for j, i in enumerate(np.flatnonzero(samples)):
             tokens[i] = sampled[j]
             if logprobs is not None:
                 logprobs[i] = sampled_lp[j]
-        return tokens, logprobs
+        return StepOutput(tokens, logprobs, prompt_lps)
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, hidden: torch.Tensor
+    ) -> dict[int, list[float]]:
+        """log p(prompt token p+1 | ...) for each new token at position p with
+        logprob_start_len - 1 <= p <= prompt_len - 2, per row that asked."""
+        rows, index, targets = [], [], []
+        offset = 0
+        for i, (req, n) in enumerate(zip(batch.rows, batch.num_new)):
+            if req.params.prompt_logprobs:
+                lo = max(req.num_computed, req.params.logprob_start_len - 1)
+                hi = min(req.num_computed + n, req.prompt_len - 1)
+                if hi > lo:
+                    rows.append((i, hi - lo))
+                    index.extend(
+                        range(offset + lo - req.num_computed, offset + hi - req.num_computed)
+                    )
+                    targets.extend(req.token_ids[lo + 1 : hi + 1])
+            offset += n
+        if not rows:
+            return {}
+        dev = hidden.device
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=dev)])
+        target = torch.tensor(targets, device=dev).unsqueeze(1)
+        lps = torch.log_softmax(logits, dim=-1).gather(1, target).squeeze(1).tolist()
+        out, k = {}, 0
+        for i, count in rows:
+            out[i] = lps[k : k + count]
+            k += count
+        return out

@@ -35,7 +35,8 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
-    prompt_logprobs: list[float] = field(default_factory=list)  # when params.prompt_logprobs
+    # when params.prompt_logprobs: log-probs of prompt tokens [logprob_start_len, prompt_len)
+    prompt_logprobs: list[float] = field(default_factory=list)
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
 
     @property

@@ -11,6 +11,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,12 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+
+class StepOutput(NamedTuple):
+    tokens: list[int]  # sampled token per row (0 for rows that did not sample)
+    logprobs: list[float] | None  # log-prob of each sampled token, when any row asked
+    prompt_logprobs: dict[int, list[float]]  # row -> log-probs of its prompt tokens this step
 
 
 @dataclass
@@ -221,7 +228,13 @@ class Scheduler:
         """Match the cached prefix, lock it and take its blocks (copying a partial last
         block). Returns False, holding nothing, when blocks are short."""
         bs = self.block_size
-        m = self.cache.match(req.token_ids[:-1])  # the last token is always recomputed
+        # The last token is always recomputed (its logits are sampled); with prompt
+        # log-probs, so is every token from logprob_start_len - 1 on.
+        limit = len(req.token_ids) - 1
+        if req.params.prompt_logprobs:
+            limit = min(limit, req.params.logprob_start_len - 1)
+            req.prompt_logprobs = []
+        m = self.cache.match(req.token_ids[:limit])
         self.cache.lock(m.handle)
         req.cache_handle = m.handle
         req.table_row = self.tables.acquire()
@@ -284,15 +297,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the forward ----
-    def update(
-        self,
-        batch: ScheduledBatch,
-        next_tokens: Sequence[int],
-        logprobs: Sequence[float] | None = None,
-    ) -> list[Request]:
-        """Account the step: `next_tokens[i]` is row i's sampled token (ignored for rows
+    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Account the step: `out.tokens[i]` is row i's sampled token (ignored for rows
         that fed a non-final prefill chunk). Returns the rows that got a token."""
         changed: list[Request] = []
+        next_tokens, logprobs = out.tokens, out.logprobs
+        for i, prompt_lps in out.prompt_logprobs.items():
+            batch.rows[i].prompt_logprobs += prompt_lps
         for i, (req, n) in enumerate(zip(batch.rows, batch.num_new)):
             req.num_computed += n
             if req.num_computed < len(req.token_ids):  # a prefill chunk; more to come

@@ -1,0 +1,151 @@
+"""`radixrt` command line: demo, make-tiny-model, generate, serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
+    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
+    g.add_argument("--prefix-cache", default="radix", choices=["radix", "blockhash", "none"])
+    g.add_argument("--policy", default="auto", help="fcfs | lpm | dfs-weight | auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--mem-fraction", type=float, default=0.85)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--attention-backend", default="auto", help="torch | flashinfer | auto")
+    g.add_argument("--disable-cuda-graph", action="store_true")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """Engine keyword arguments from parsed `_engine_args` options."""
+    opts = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "prefix_cache": args.prefix_cache,
+        "policy": args.policy,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "mem_fraction": args.mem_fraction,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_running_requests": args.max_running_requests,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "max_model_len": args.max_model_len,
+        "load_format": args.load_format,
+        "attention_backend": args.attention_backend,
+    }
+    if args.disable_cuda_graph:
+        opts["enable_cuda_graph"] = False
+    return opts
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    from radixrt.model.tiny import make_tiny_model
+
+    print(make_tiny_model(args.dir, seed=args.seed))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Multi-turn chat + shared-prefix batch on the tiny model, showing cache reuse."""
+    from radixrt import Engine, SamplingParams
+    from radixrt.model.tiny import ensure_tiny_model
+
+    model = args.model or ensure_tiny_model()
+    print(f"model: {model}")
+    engine = Engine(model, **engine_options(args))
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    system = "You are a helpful assistant. Answer briefly and kindly. " * 4
+    messages = [{"role": "system", "content": system}]
+    print(f"\n== multi-turn chat ({engine.config.cache.prefix_cache} cache) ==")
+    for turn, question in enumerate(
+        ["Hello! Who are you?", "What is the weather like?", "Tell me a story."], 1
+    ):
+        messages.append({"role": "user", "content": question})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        t0 = time.perf_counter()
+        out = engine.generate([prompt], params)[0]
+        dt = time.perf_counter() - t0
+        messages.append({"role": "assistant", "content": out.text})
+        print(f"turn {turn}: user: {question}")
+        print(f"        assistant: {out.text!r}")
+        print(
+            f"        prompt {out.prompt_tokens} tok, cached {out.num_cached_tokens}, "
+            f"{out.completion_tokens} new, {dt * 1000:.0f} ms"
+        )
+    print("\n== 8 questions sharing a few-shot prefix ==")
+    shots = "Q: What is 2 + 2?\nA: 4\nQ: What color is the sky?\nA: Blue\n" * 3
+    qs = [f"{shots}Q: Question number {i}?\nA:" for i in range(8)]
+    t0 = time.perf_counter()
+    outs = engine.generate(qs, params)
+    dt = time.perf_counter() - t0
+    for o in outs[:3]:
+        print(f"  {o.prompt_tokens} tok prompt, {o.num_cached_tokens} cached -> {o.text!r}")
+    stats = engine.stats()
+    print(f"  ... 8 requests in {dt * 1000:.0f} ms")
+    print(
+        f"\ncache hit rate {stats['cache_hit_rate']:.1%} "
+        f"({stats['cached_tokens']}/{stats['prompt_tokens']} prompt tokens), "
+        f"{stats['cow_copies']} copy-on-write blocks, {stats['steps']} steps"
+    )
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from radixrt import Engine, SamplingParams
+
+    engine = Engine(args.model, **engine_options(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for delta in engine.generate_stream([args.prompt], params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    print()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="radixrt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run a short demo on the tiny model (CPU is fine)")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    _engine_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("make-tiny-model", help="write the tiny test checkpoint to DIR")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("generate", help="generate from one prompt, streaming")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    _engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    try:
+        from radixrt.server.launch import add_serve_command
+    except ImportError:
+        pass
+    else:
+        add_serve_command(sub, _engine_args, engine_options)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
