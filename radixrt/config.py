@@ -142,7 +142,6 @@ class SchedulerConfig:
     # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
     # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
     aging_tokens_per_step: float = 32.0
-    enable_preemption: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

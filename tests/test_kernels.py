@@ -343,8 +343,23 @@ def test_rmsnorm_rejects_bad_shapes():
 # ---------------------------------------------------------------- without triton
 
 
+def _run_python(code: str) -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_import_does_not_import_triton():
+    _run_python(
+        "import sys, radixrt.kernels as K\n"
+        "assert 'triton' not in sys.modules, 'radixrt.kernels imported triton'\n"
+        "assert K.HAS_TRITON\n"
+    )
+
+
 def test_import_without_triton_fails_only_when_a_kernel_runs():
-    code = """
+    _run_python("""
 import sys
 sys.modules["triton"] = None  # makes `import triton` fail, as when it is not installed
 import torch
@@ -361,8 +376,4 @@ except ImportError as e:
     assert "needs Triton" in str(e), e
 else:
     raise AssertionError("store_kv ran without triton")
-"""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+""")

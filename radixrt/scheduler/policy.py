@@ -21,6 +21,22 @@ from radixrt.scheduler.request import Request
 # Matching every waiting request costs O(prompt length) each; past this queue length
 # the cache-aware policies fall back to FCFS (SGLang does the same).
 MAX_QUEUE_FOR_MATCHING = 256
+# A waiting request sharing at least this many not-yet-cached prefix tokens with a request
+# being prefilled waits for that prefill to land in the cache (lpm / dfs-weight only).
+IN_BATCH_PREFIX_THRESHOLD = 32
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists (compares 64-token slices at C speed)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    i = min(i, n)
+    end = min(i + 64, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def order_waiting(

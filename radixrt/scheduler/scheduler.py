@@ -19,7 +19,7 @@ from radixrt.cache.base import PrefixCache
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.kv.pool import KVPool
-from radixrt.scheduler.policy import order_waiting
+from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import Request, Status
 
 
@@ -187,8 +187,6 @@ class Scheduler:
         taken = set(map(id, exclude))
         candidates = [r for r in self.running if id(r) not in taken]
         assert candidates, "a request needing a block is always preemptible itself"
-        if not self.cfg.enable_preemption:
-            raise RuntimeError("out of KV blocks and preemption is disabled")
         return max(candidates, key=lambda r: r.admission_seq)
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -201,9 +199,15 @@ class Scheduler:
         order = order_waiting(
             self.waiting, self.cfg.policy, self.cache, self.cfg.aging_tokens_per_step
         )
+        # Cache-aware policies hold back a request whose uncached prefix another request is
+        # computing right now: next step it finds that prefix in the cache instead.
+        computing = [r for r in self.running if r.num_pending > 1]
+        dedup = self.cfg.policy != "fcfs"
         for req in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
+            if dedup and computing and self._shares_uncached_prefix(req, computing):
+                continue
             if not self._start(req):
                 break
             n = self._chunk(req, budget)
@@ -221,8 +225,16 @@ class Scheduler:
             req.admission_seq = self._admissions
             self.running.append(req)
             extend.append((req, n))
+            computing.append(req)
             budget -= n
         return budget
+
+    def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
+        cached = self.cache.match(req.token_ids[:-1]).num_cached_tokens
+        return any(
+            common_prefix_len(req.token_ids, other.token_ids) - cached >= IN_BATCH_PREFIX_THRESHOLD
+            for other in computing
+        )
 
     def _start(self, req: Request) -> bool:
         """Match the cached prefix, lock it and take its blocks (copying a partial last
@@ -306,13 +318,15 @@ class Scheduler:
             batch.rows[i].prompt_logprobs += prompt_lps
         for i, (req, n) in enumerate(zip(batch.rows, batch.num_new)):
             req.num_computed += n
-            if req.num_computed < len(req.token_ids):  # a prefill chunk; more to come
-                self._cache_progress(req)
-                continue
-            changed.append(req)
-            if req.params.max_tokens == 0:
+            if req.params.max_tokens == 0 and req.num_computed == len(req.token_ids):
+                changed.append(req)  # prefill-only (scoring / cache warming): done
                 self._finish_running(req, "length")
                 continue
+            if i >= batch.num_decode:  # prefill progress is shared with others at once
+                self._cache_progress(req)
+            if req.num_computed < len(req.token_ids):  # a prefill chunk; more to come
+                continue
+            changed.append(req)
             token = int(next_tokens[i])
             req.token_ids.append(token)
             if logprobs is not None and req.params.logprobs:
