@@ -8,6 +8,9 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU; it must be set before triton loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

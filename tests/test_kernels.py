@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from radixrt.kernels import (
     HAS_TRITON,
     build_kv_metadata,
@@ -33,7 +34,6 @@ from radixrt.kernels import (
     store_kv,
     store_kv_reference,
 )
-
 from radixrt.kv.pool import KVPool
 
 BLOCK_SIZES = [1, 4, 16]
