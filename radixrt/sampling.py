@@ -71,6 +71,12 @@ class SamplingParams:
             "in [-2, 2]",
         )
         _check(
+            isinstance(self.logprob_start_len, int) and self.logprob_start_len >= 1,
+            "logprob_start_len",
+            self.logprob_start_len,
+            "an integer >= 1",
+        )
+        _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
         _check(

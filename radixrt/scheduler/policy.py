@@ -6,9 +6,9 @@
   below) first, so requests sharing a prefix run back to back; plus aging.
 
 Aging: a request's priority is its matched tokens + aging_tokens_per_step * waited steps.
-Bound: a request that matches nothing overtakes every request that arrived after it
-once it waited max_prompt_len / aging_tokens_per_step steps, so it waits at most that many
-steps plus the time to admit the requests that arrived before it.
+Bound (tested): a waiting request is never overtaken by one that arrived more than
+max_prompt_len / aging_tokens_per_step steps after it, so lpm delays a request at most by
+the requests arriving in that window, compared with FCFS.
 """
 
 from __future__ import annotations

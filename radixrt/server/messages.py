@@ -1,0 +1,93 @@
+"""Typed messages between the front process and the scheduler process (msgpack via msgspec).
+
+front -> scheduler (`ToScheduler`): `TokenizedRequest`, `AbortRequest`, `Shutdown`.
+scheduler -> front (`FromScheduler`): `Ready` once after the model loads, then one
+`TokenBatchOut` per loop iteration that did something (a step, or handled messages), and
+`SchedulerFailed` if the loop dies of an exception.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixrt.sampling import SamplingParams
+
+
+# ---- front -> scheduler ----
+class TokenizedRequest(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    reason: str = "abort"  # "abort" (client gone, /abort) | "stop" (front saw a stop string)
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+ToScheduler = TokenizedRequest | AbortRequest | Shutdown
+
+
+# ---- scheduler -> front ----
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    pid: int  # the scheduler process
+    max_model_len: int  # prompt + output tokens of one request at most
+    vocab_size: int
+    kv_blocks_total: int
+    block_size: int
+
+
+class TokenOut(msgspec.Struct, frozen=True):
+    """One request's progress in one step."""
+
+    rid: str
+    new_ids: list[int]  # output token ids generated since the previous TokenOut
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    new_logprobs: list[float]  # log-probs of new_ids (when params.logprobs)
+    # when params.prompt_logprobs, on the finishing TokenOut only: prompt tokens
+    # [logprob_start_len, prompt_tokens)
+    prompt_logprobs: list[float]
+
+
+class RequestError(msgspec.Struct, frozen=True):
+    """A request the scheduler refused (EngineCore.add_request raised ValueError)."""
+
+    rid: str
+    message: str
+
+
+class SchedulerSnapshot(msgspec.Struct, frozen=True):
+    """Engine state after the step (cumulative counters since start)."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int  # held by the prefix cache (locked or not)
+    kv_blocks_in_use: int  # held by requests or locked cache paths: total - free - evictable
+    cache_hit_rate: float
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    preemptions: int
+    steps: int
+    integrity_error: str | None = None  # debug mode: check_integrity() failure when idle
+
+
+class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):
+    outputs: list[TokenOut]
+    errors: list[RequestError]
+    snapshot: SchedulerSnapshot
+
+
+class SchedulerFailed(msgspec.Struct, tag=True, frozen=True):
+    message: str  # the exception and traceback that ended the scheduler loop
+
+
+FromScheduler = Ready | TokenBatchOut | SchedulerFailed

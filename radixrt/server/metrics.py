@@ -1,0 +1,81 @@
+"""Prometheus metrics of the server (one registry per server, served at /metrics).
+
+Counters and latency histograms are observed by the front as requests progress; the
+gauges mirror the scheduler's latest `SchedulerSnapshot`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from radixrt.server.messages import SchedulerSnapshot
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "radixrt_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("radixrt_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "radixrt_cached_tokens", "Prompt tokens served by the prefix cache", registry=r
+        )
+        self.generated_tokens = Counter("radixrt_generated_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "radixrt_time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "radixrt_inter_token_latency_seconds",
+            "Time between consecutive token deliveries of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "radixrt_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        g = lambda name, doc: Gauge(name, doc, registry=r)
+        self.running = g("radixrt_num_requests_running", "Requests running in the scheduler")
+        self.waiting = g("radixrt_num_requests_waiting", "Requests waiting in the scheduler")
+        self.cache_hit_rate = g(
+            "radixrt_cache_hit_rate", "Cached / prompt tokens of admitted requests since start"
+        )
+        self.kv_blocks_total = g("radixrt_kv_blocks_total", "KV blocks in the pool")
+        self.kv_blocks_free = g("radixrt_kv_blocks_free", "KV blocks nobody holds")
+        self.kv_blocks_cached = g("radixrt_kv_blocks_cached", "KV blocks the prefix cache holds")
+        self.kv_blocks_in_use = g(
+            "radixrt_kv_blocks_in_use",
+            "KV blocks held by requests or locked cache paths (not free, not evictable)",
+        )
+        self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
+
+    def update(self, snap: SchedulerSnapshot) -> None:
+        self.running.set(snap.running)
+        self.waiting.set(snap.waiting)
+        self.cache_hit_rate.set(snap.cache_hit_rate)
+        self.kv_blocks_total.set(snap.kv_blocks_total)
+        self.kv_blocks_free.set(snap.kv_blocks_free)
+        self.kv_blocks_cached.set(snap.kv_blocks_cached)
+        self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
+
+    def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, e2e_s: float) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,213 @@
+"""The scheduler process: EngineCore driven by messages from the front process.
+
+Loop: drain incoming messages (block on the socket only when there is no work), one
+engine step, then ONE `TokenBatchOut` with every changed request's new token ids,
+finish info and cached-token count. Exits on `Shutdown`, on SIGTERM, or when its
+parent (the front) is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.messages import (
+    AbortRequest,
+    FromScheduler,
+    Ready,
+    RequestError,
+    SchedulerFailed,
+    SchedulerSnapshot,
+    Shutdown,
+    TokenBatchOut,
+    TokenizedRequest,
+    TokenOut,
+    ToScheduler,
+)
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5  # idle wait on the socket between checks that the parent lives
+
+
+@dataclass(frozen=True)
+class SchedulerProcessArgs:
+    model_path: str
+    device: str
+    dtype: str
+    eos_token_ids: list[int]
+    in_addr: str  # front -> scheduler (this end pulls, connects)
+    out_addr: str  # scheduler -> front (this end pushes, connects)
+    parent_pid: int  # exit when this process is no longer our parent
+    options: dict[str, object] = field(default_factory=dict)  # resolve_config options
+    debug: bool = False  # run check_integrity() whenever the engine goes idle
+
+
+def scheduler_main(args: SchedulerProcessArgs) -> None:
+    """Entry point of the spawned process."""
+    # Ctrl-C reaches the whole process group; the front decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
+    )
+    ctx = zmq.Context()
+    inbox: Channel[ToScheduler] = Channel(
+        ctx, args.in_addr, MsgpackCodec(ToScheduler), push=False, bind=False
+    )
+    outbox: Channel[FromScheduler] = Channel(
+        ctx, args.out_addr, MsgpackCodec(FromScheduler), push=True, bind=False
+    )
+    code = 0
+    try:
+        core = build_core(args)
+        SchedulerLoop(core, inbox, outbox, args.parent_pid, args.debug).run()
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("scheduler loop failed:\n%s", message)
+        outbox.send(SchedulerFailed(message))
+        code = 1
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+    sys.exit(code)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def build_core(args: SchedulerProcessArgs):
+    """Load the model and build the EngineCore, as `Engine` does."""
+    from radixrt.config import ModelConfig
+    from radixrt.engine.core import EngineCore
+    from radixrt.engine.engine import resolve_config
+    from radixrt.model.loader import check_model_dir
+
+    check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
+    cfg = resolve_config(args.model_path, args.device, args.dtype, **args.options)
+    model_config = ModelConfig.from_pretrained(args.model_path)
+    return EngineCore(cfg, model_config, args.eos_token_ids)
+
+
+class SchedulerLoop:
+    def __init__(
+        self,
+        core,
+        inbox: Channel[ToScheduler],
+        outbox: Channel[FromScheduler],
+        parent_pid: int,
+        debug: bool = False,
+    ) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.debug = debug
+        self._sent: dict[str, int] = {}  # rid -> output tokens already shipped
+
+    def run(self) -> None:
+        core = self.core
+        self.outbox.send(
+            Ready(
+                pid=os.getpid(),
+                max_model_len=core.max_model_len,
+                vocab_size=core.model_config.vocab_size,
+                kv_blocks_total=core.allocator.num_blocks,
+                block_size=core.config.cache.block_size,
+            )
+        )
+        logger.info("ready: max_model_len=%d", core.max_model_len)
+        while self._parent_alive():
+            msgs = self._receive()
+            if any(isinstance(m, Shutdown) for m in msgs):
+                logger.info("shutdown requested")
+                return
+            errors, finished = self._handle(msgs)
+            changed = core.step() if core.has_work else []
+            if msgs or changed:
+                outputs = [self._output(req) for req in (*finished, *changed)]
+                self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
+        logger.info("parent process %d is gone; exiting", self.parent_pid)
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def _receive(self) -> list[ToScheduler]:
+        if self.core.has_work:
+            return self.inbox.drain()
+        first = self.inbox.recv(timeout_s=PARENT_POLL_S)
+        return [] if first is None else [first, *self.inbox.drain()]
+
+    def _handle(self, msgs: Sequence[ToScheduler]) -> tuple[list[RequestError], list]:
+        errors: list[RequestError] = []
+        finished = []
+        for msg in msgs:
+            if isinstance(msg, TokenizedRequest):
+                try:
+                    self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
+                except ValueError as e:
+                    errors.append(RequestError(msg.rid, str(e)))
+                else:
+                    self._sent[msg.rid] = 0
+            elif isinstance(msg, AbortRequest):
+                req = self.core.abort(msg.rid, msg.reason)
+                if req is not None:
+                    finished.append(req)
+        return errors, finished
+
+    def _output(self, req) -> TokenOut:
+        sent = self._sent[req.rid]
+        new_ids = req.output_ids[sent:]
+        if req.is_finished:
+            del self._sent[req.rid]
+        else:
+            self._sent[req.rid] = sent + len(new_ids)
+        params = req.params
+        return TokenOut(
+            rid=req.rid,
+            new_ids=new_ids,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            num_cached_tokens=req.num_cached_tokens,
+            new_logprobs=req.output_logprobs[sent:] if params.logprobs else [],
+            prompt_logprobs=(
+                list(req.prompt_logprobs) if params.prompt_logprobs and req.is_finished else []
+            ),
+        )
+
+    def _snapshot(self) -> SchedulerSnapshot:
+        core = self.core
+        s = core.stats()
+        total, free = core.allocator.num_blocks, core.allocator.num_free
+        integrity_error = None
+        if self.debug and not core.has_work:
+            try:
+                core.check_integrity()
+            except AssertionError:
+                integrity_error = traceback.format_exc()
+                logger.error("integrity check failed:\n%s", integrity_error)
+        return SchedulerSnapshot(
+            running=int(s["running"]),
+            waiting=int(s["waiting"]),
+            kv_blocks_total=total,
+            kv_blocks_free=free,
+            kv_blocks_cached=core.cache.cached_blocks,
+            kv_blocks_in_use=total - free - core.cache.evictable_blocks,
+            cache_hit_rate=float(s["cache_hit_rate"]),
+            prompt_tokens=int(s["prompt_tokens"]),
+            cached_tokens=int(s["cached_tokens"]),
+            generated_tokens=int(s["generated_tokens"]),
+            preemptions=int(s["preemptions"]),
+            steps=int(s["steps"]),
+            integrity_error=integrity_error,
+        )

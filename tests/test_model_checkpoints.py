@@ -1,0 +1,99 @@
+"""Our model on checkpoints written by transformers' save_pretrained (sharded) matches
+HF: per-token log-probs of a prompt and greedy continuations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from radixrt import Engine, SamplingParams
+from radixrt.model.tiny import make_hf_checkpoint
+
+IDS = [17, 250, 999, 12, 1500, 77, 31, 640, 8, 1999, 333, 42, 1024, 5, 700, 91, 23]
+
+CASES = {
+    "llama-sharded": dict(arch="llama", max_shard_size="100KB"),
+    "qwen3-sharded": dict(arch="qwen3", max_shard_size="100KB"),
+    "qwen2-bias": dict(arch="qwen2"),
+    "mistral": dict(arch="mistral"),
+    "llama-tied": dict(arch="llama", tie_word_embeddings=True),
+    "llama3-rope": dict(
+        arch="llama",
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_matches_hf(tmp_path, case):
+    path = make_hf_checkpoint(str(tmp_path / case), **CASES[case])
+    if CASES[case].get("max_shard_size"):
+        assert (tmp_path / case / "model.safetensors.index.json").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([IDS])).logits[0]
+        ref_lp = torch.log_softmax(logits.float(), -1)[:-1].gather(
+            1, torch.tensor(IDS[1:]).unsqueeze(1)
+        )[:, 0]
+        x = torch.tensor([IDS])
+        ref_tokens = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=12,
+        )[0, len(IDS) :].tolist()
+    engine = Engine(path, device="cpu", dtype="float32", block_size=4)
+    out = engine.generate(
+        prompt_token_ids=[IDS],
+        sampling_params=SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=True
+        ),
+    )[0]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref_lp, atol=1e-4, rtol=1e-4)
+    assert out.token_ids == ref_tokens
+    engine.check_integrity()
+
+
+def test_missing_tensor_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_hf_checkpoint(str(tmp_path / "m"), arch="llama")
+    weights = load_file(f"{path}/model.safetensors")
+    weights.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks"):
+        Engine(path, device="cpu")
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    path = make_hf_checkpoint(str(tmp_path / "m"), arch="llama")
+    cfg = json.load(open(f"{path}/config.json"))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(f"{path}/config.json", "w"))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        Engine(path, device="cpu")
+
+
+def test_dummy_weights_need_no_safetensors(tmp_path):
+    import os
+
+    path = make_hf_checkpoint(str(tmp_path / "m"), arch="llama")
+    os.remove(f"{path}/model.safetensors")
+    engine = Engine(path, device="cpu", load_format="dummy")
+    out = engine.generate(prompt_token_ids=[IDS], sampling_params=SamplingParams(max_tokens=4))
+    assert len(out[0].token_ids) <= 4
+    engine.check_integrity()
