@@ -81,9 +81,10 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     import json
 
     path = make_hf_checkpoint(str(tmp_path / "m"), arch="llama")
-    cfg = json.load(open(f"{path}/config.json"))
+    config = tmp_path / "m" / "config.json"
+    cfg = json.loads(config.read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
-    json.dump(cfg, open(f"{path}/config.json", "w"))
+    config.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture"):
         Engine(path, device="cpu")
 
