@@ -133,3 +133,11 @@ def test_aging_bounds_lpm_starvation(make_engine):
     finished, overtook = run(aging=aging)
     assert finished and overtook, overtook
     assert max(overtook) <= bound + 1, (max(overtook), bound)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "dfs-weight"])
+def test_policies_same_outputs(make_engine, reference_turns, policy):
+    engine = make_engine(prefix_cache="radix", block_size=B, policy=policy, max_running_requests=2)
+    log = multi_turn(engine)
+    assert [o.token_ids for _, o in log] == [o.token_ids for _, o in reference_turns]
+    assert engine.stats()["cache_hit_rate"] > 0.5

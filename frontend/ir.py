@@ -1,0 +1,211 @@
+"""The program expressions: text, gen, select and role blocks.
+
+`s += expr` turns an expression into a flat list of operations (`to_ops`) that the
+interpreter runs in order. Expressions concatenate with `+` ("Q: " + gen("a")).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Union
+
+from radixrt.sampling import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+
+
+class Expr:
+    """Base of every program expression; `a + b` builds a sequence."""
+
+    def __add__(self, other: ExprLike) -> Seq:
+        return Seq((self, *_items(other)))
+
+    def __radd__(self, other: ExprLike) -> Seq:
+        return Seq((*_items(other), self))
+
+
+ExprLike = Union[str, Expr, Sequence["ExprLike"]]
+
+
+@dataclass(frozen=True)
+class Text(Expr):
+    value: str
+
+
+@dataclass(frozen=True)
+class Seq(Expr):
+    items: tuple[Expr | str, ...]
+
+    def __add__(self, other: ExprLike) -> Seq:
+        return Seq((*self.items, *_items(other)))
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling options of one gen; None means "the program default, else SamplingParams'"."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.resolve(GenParams())  # validate now, where the user wrote gen(...)
+
+    def set_values(self) -> dict[str, object]:
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def resolve(self, defaults: GenParams) -> SamplingParams:
+        """SamplingParams from these values over `defaults` over DEFAULT_GEN_PARAMS.
+        Raises ValueError (SamplingParams' message) for an invalid value."""
+        values = {**DEFAULT_GEN_PARAMS.set_values(), **defaults.set_values(), **self.set_values()}
+        return SamplingParams(**values)
+
+
+DEFAULT_GEN_PARAMS = GenParams.__new__(GenParams)  # filled below without validation recursion
+object.__setattr__(DEFAULT_GEN_PARAMS, "__dict__", {})
+for _f in fields(GenParams):
+    object.__setattr__(DEFAULT_GEN_PARAMS, _f.name, None)
+object.__setattr__(DEFAULT_GEN_PARAMS, "max_tokens", 128)
+
+
+@dataclass(frozen=True)
+class Gen(Expr):
+    name: str | None  # variable that receives the generated text; None: not stored
+    params: GenParams
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    name: str | None
+    choices: tuple[str, ...]
+    normalize: bool  # score = mean token log-prob (True) or their sum (False)
+
+
+@dataclass(frozen=True)
+class Role(Expr):
+    role: str
+    content: tuple[Expr | str, ...]
+
+
+@dataclass(frozen=True)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(frozen=True)
+class RoleEnd(Expr):
+    role: str
+
+
+Op = Union[Text, Gen, Select, RoleBegin, RoleEnd]
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    ignore_eos: bool | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+) -> Gen:
+    """Generate text at this point of the program and store it in variable `name`.
+    Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
+    (max_tokens 128, temperature 1.0). Raises ValueError for an invalid value."""
+    _check_name(name, "gen")
+    params = GenParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop=stop,  # type: ignore[arg-type]
+        stop_token_ids=stop_token_ids,  # type: ignore[arg-type]
+        ignore_eos=ignore_eos,
+    )
+    return Gen(name, params)
+
+
+def select(name: str | None, choices: Sequence[str], normalize: bool = True) -> Select:
+    """Append the choice the model finds most likely after the text so far and store it in
+    `name`. Each choice is scored by the log-probs of its tokens (tokenized on its own,
+    after the separately tokenized prefix): their mean (normalize=True) or sum. Ties go to
+    the first choice. Raises ValueError for no choices or an empty choice."""
+    _check_name(name, "select")
+    if isinstance(choices, str) or not choices:
+        raise ValueError(f"select({name!r}) needs a non-empty list of choices, got {choices!r}")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select({name!r}) choices must be non-empty strings, got {choices!r}")
+    return Select(name, tuple(choices), bool(normalize))
+
+
+def role(name: str, *content: ExprLike) -> Role:
+    """A chat message of role `name`, rendered with the model's chat template."""
+    if name not in ROLES:
+        raise ValueError(f"unknown role {name!r}; allowed: {', '.join(ROLES)}")
+    return Role(name, tuple(x for c in content for x in _items(c)))
+
+
+def system(*content: ExprLike) -> Role:
+    return role("system", *content)
+
+
+def user(*content: ExprLike) -> Role:
+    return role("user", *content)
+
+
+def assistant(*content: ExprLike) -> Role:
+    return role("assistant", *content)
+
+
+def to_ops(expr: ExprLike) -> list[Op]:
+    """Flatten an expression into the operations the interpreter runs, in order."""
+    if isinstance(expr, str):
+        return [Text(expr)] if expr else []
+    if isinstance(expr, Seq):
+        return [op for item in expr.items for op in to_ops(item)]
+    if isinstance(expr, Role):
+        body = [op for item in expr.content for op in to_ops(item)]
+        if any(isinstance(op, RoleBegin) for op in body):
+            raise ValueError(f"role {expr.role!r} contains another role; roles do not nest")
+        return [RoleBegin(expr.role), *body, RoleEnd(expr.role)]
+    if isinstance(expr, (Text, Gen, Select, RoleBegin, RoleEnd)):
+        return [expr] if not (isinstance(expr, Text) and not expr.value) else []
+    if isinstance(expr, (list, tuple)):
+        return [op for item in expr for op in to_ops(item)]
+    raise ValueError(
+        f"cannot add {type(expr).__name__} to a program state; allowed: str, gen(...), "
+        "select(...), system/user/assistant(...), or a + / list of those"
+    )
+
+
+def _items(x: ExprLike) -> tuple[Expr | str, ...]:
+    if isinstance(x, Seq):
+        return x.items
+    if isinstance(x, (list, tuple)):
+        return tuple(i for item in x for i in _items(item))
+    if isinstance(x, (str, Expr)):
+        return (x,)
+    raise ValueError(f"cannot concatenate {type(x).__name__} with a program expression")
+
+
+def _check_name(name: object, what: str) -> None:
+    if name is not None and not (isinstance(name, str) and name):
+        raise ValueError(f"{what} variable name must be a non-empty string or None, got {name!r}")
