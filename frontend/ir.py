@@ -62,23 +62,23 @@ class GenParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self.resolve(GenParams())  # validate now, where the user wrote gen(...)
+        self.resolve(None)  # validate now, where the user wrote gen(...)
 
     def set_values(self) -> dict[str, object]:
+        """The options that are set (not None)."""
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
-    def resolve(self, defaults: GenParams) -> SamplingParams:
-        """SamplingParams from these values over `defaults` over DEFAULT_GEN_PARAMS.
+    def resolve(self, defaults: GenParams | None) -> SamplingParams:
+        """SamplingParams from these values over `defaults` over BASE_GEN_DEFAULTS.
         Raises ValueError (SamplingParams' message) for an invalid value."""
-        values = {**DEFAULT_GEN_PARAMS.set_values(), **defaults.set_values(), **self.set_values()}
+        values = dict(BASE_GEN_DEFAULTS)
+        if defaults is not None:
+            values.update(defaults.set_values())
+        values.update(self.set_values())
         return SamplingParams(**values)
 
 
-DEFAULT_GEN_PARAMS = GenParams.__new__(GenParams)  # filled below without validation recursion
-object.__setattr__(DEFAULT_GEN_PARAMS, "__dict__", {})
-for _f in fields(GenParams):
-    object.__setattr__(DEFAULT_GEN_PARAMS, _f.name, None)
-object.__setattr__(DEFAULT_GEN_PARAMS, "max_tokens", 128)
+BASE_GEN_DEFAULTS = {"max_tokens": 128}  # over SamplingParams' own defaults
 
 
 @dataclass(frozen=True)

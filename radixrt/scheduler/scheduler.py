@@ -35,6 +35,11 @@ class ScheduledBatch:
         return sum(self.num_new)
 
 
+# Scanning the waiting queue past this many held-back requests stops for the step (each
+# check costs a prefix match).
+MAX_DEFERRED_PER_STEP = 64
+
+
 class StepOutput(NamedTuple):
     tokens: list[int]  # sampled token per row (0 for rows that did not sample)
     logprobs: list[float] | None  # log-prob of each sampled token, when any row asked
@@ -203,10 +208,14 @@ class Scheduler:
         # computing right now: next step it finds that prefix in the cache instead.
         computing = [r for r in self.running if r.num_pending > 1]
         dedup = self.cfg.policy != "fcfs"
+        skipped = 0
         for req in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             if dedup and computing and self._shares_uncached_prefix(req, computing):
+                skipped += 1
+                if skipped >= MAX_DEFERRED_PER_STEP:
+                    break
                 continue
             if not self._start(req):
                 break

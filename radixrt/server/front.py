@@ -158,20 +158,21 @@ class Front:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
 
-    def scheduler_died(self, reason: str) -> None:
-        """Fail every in-flight request and refuse new ones (503) from now on."""
+    def stop_serving(self, reason: str) -> None:
+        """Fail every in-flight request and refuse new ones (503) from now on (the
+        scheduler is gone, or the server is shutting down)."""
         if self.dead is not None:
             return
         self.dead = reason
-        logger.error("scheduler unavailable: %s", reason)
+        logger.warning("not serving any more: %s", reason)
         self.metrics.ready.set(0)
         self.dead_event.set()
         for st in list(self.states.values()):
-            self._fail(st, self._unavailable())
+            self._fail(st, self.unavailable_error())
 
-    def _unavailable(self) -> ApiError:
+    def unavailable_error(self) -> ApiError:
         if self.dead is not None:
-            msg = f"the scheduler process is gone ({self.dead}); the server cannot generate"
+            msg = f"the server cannot generate: {self.dead}"
             return ApiError(msg, status=503, type="server_error")
         return ApiError("the model is still loading; retry shortly", status=503, type="server_error")
 
@@ -192,7 +193,7 @@ class Front:
         """Validate, tokenize and send every request of `spec` (n per prompt). Raises
         ApiError (nothing is sent then): 503 while not serving, 400 for bad input."""
         if not self.serving:
-            raise self._unavailable()
+            raise self.unavailable_error()
         if group is not None and any(st.group == group for st in self.states.values()):
             raise ApiError(f"request id {group!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
@@ -264,7 +265,7 @@ class Front:
         try:
             self.to_scheduler.send(msg)
         except ConnectionError as e:
-            self.scheduler_died(str(e))
+            self.stop_serving(f"the scheduler process is gone ({e})")
 
     def abort(self, st: RequestState) -> None:
         """Client gone: stop the request now; the scheduler frees its KV."""
@@ -290,7 +291,7 @@ class Front:
             raise
         except Exception as e:
             logger.exception("front failed to handle a scheduler message")
-            self.scheduler_died(f"front reader failed: {e!r}")
+            self.stop_serving(f"the front failed to read scheduler output ({e!r})")
 
     def _dispatch(self, msg: FromScheduler) -> None:
         if isinstance(msg, TokenBatchOut):
@@ -314,7 +315,8 @@ class Front:
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
             )  # fmt: skip
         elif isinstance(msg, SchedulerFailed):
-            self.scheduler_died(f"scheduler loop failed: {msg.message.strip().splitlines()[-1]}")
+            last = msg.message.strip().splitlines()[-1]
+            self.stop_serving(f"the scheduler process failed ({last})")
 
     def _on_output(self, st: RequestState, out: TokenOut) -> None:
         st.num_cached_tokens = out.num_cached_tokens

@@ -1,0 +1,87 @@
+"""What the interpreter needs from a backend: tokenize, generate, score continuations.
+
+Both backends tokenize on the client side with the model's tokenizer and send token ids,
+so one program produces the same prompts (and, greedy, the same text) on both.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixrt.sampling import SamplingParams
+
+from ..chat import ChatTemplate
+
+DeltaCallback = Callable[[str], None]  # receives generated text as it arrives
+
+
+@dataclass
+class GenResult:
+    text: str  # generated text (stop string excluded)
+    output_ids: list[int]  # generated token ids
+    finish_reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served by the prefix cache
+    # log-probs of prompt tokens [logprob_start_len, prompt_tokens), when asked
+    prompt_logprobs: list[float] = field(default_factory=list)
+
+
+class Backend(ABC):
+    """A model behind the DSL. Methods block until their result is ready and may be called
+    from many threads at once (that is how forks and run_batch run concurrently)."""
+
+    tokenizer: Any  # the model's HF fast tokenizer
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_delta: DeltaCallback | None = None,
+    ) -> GenResult:
+        """Generate from `prompt_ids`; `on_delta` (if given) gets text pieces as they arrive
+        (their concatenation is the result's text). Raises ValueError for input the model
+        rejects, BackendError when the backend cannot serve."""
+
+    @abstractmethod
+    def score_continuations(
+        self, prefix_ids: list[int], continuations: list[list[int]]
+    ) -> list[list[float]]:
+        """Log-prob of each continuation token given prefix + the continuation's earlier
+        tokens: one list per continuation, all scored in one batched submission with
+        max_tokens=0 and logprob_start_len = len(prefix_ids). Send the prefix first
+        (`cache_prefix`) so every continuation reuses its cached KV."""
+
+    def cache_prefix(self, prompt_ids: list[int]) -> GenResult:
+        """Prefill `prompt_ids` without generating (max_tokens=0) so the prefix cache holds
+        them for the requests that follow."""
+        return self.generate(prompt_ids, SamplingParams(max_tokens=0))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt: special tokens (BOS) are added unless the text already
+        starts with the BOS token (chat templates that render it)."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+        return self.tokenizer.encode(text, add_special_tokens=add_special)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of text that follows a prompt (no special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        return ChatTemplate(self.tokenizer)
+
+    def close(self) -> None:
+        """Release what the backend holds (threads, engines it owns). Idempotent."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,191 @@
+"""In-process backend: one background thread owns the Engine (which is not thread-safe).
+
+Callers from any thread submit requests through a queue and wait on futures; the engine
+thread adds them, loops `engine.step()` while anything is running (sleeping on the queue
+otherwise), forwards text deltas and resolves each request's future when it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixrt.sampling import SamplingParams
+
+from ..errors import BackendError
+from .base import Backend, DeltaCallback, GenResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    """Requests added to the engine together (in the same step)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    futures: list[Future]
+    on_delta: DeltaCallback | None
+
+
+@dataclass
+class _Pending:
+    future: Future
+    on_delta: DeltaCallback | None
+    text: list[str] = field(default_factory=list)  # deltas so far
+
+
+_STOP = object()  # queue item that ends the engine thread
+
+
+class EngineBackend(Backend):
+    """Run programs on an in-process `radixrt.Engine`. The backend's thread owns the engine
+    from construction until `close()`: do not call the engine from elsewhere meanwhile."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="radixrt-frontend-engine")
+        self._thread.daemon = True  # a forgotten close() must not hang interpreter exit
+        self._thread.start()
+
+    # ---- client side (any thread) ----
+    def submit(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        on_delta: DeltaCallback | None = None,
+    ) -> list[Future]:
+        """Queue requests to be added in the same engine step; returns one Future per
+        prompt resolving to a GenResult (or raising ValueError / BackendError)."""
+        if self._closed:
+            raise BackendError("the EngineBackend is closed")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        futures: list[Future] = [Future() for _ in prompts]
+        self._inbox.put(_Submit([list(p) for p in prompts], plist, futures, on_delta))
+        return futures
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_delta: DeltaCallback | None = None,
+    ) -> GenResult:
+        return self.submit([prompt_ids], params, on_delta)[0].result()
+
+    def score_continuations(
+        self, prefix_ids: list[int], continuations: list[list[int]]
+    ) -> list[list[float]]:
+        params = SamplingParams(
+            max_tokens=0, prompt_logprobs=True, logprob_start_len=max(1, len(prefix_ids))
+        )
+        futures = self.submit([prefix_ids + c for c in continuations], params)
+        return [f.result().prompt_logprobs for f in futures]
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still running are aborted and their futures
+        fail with BackendError. The engine itself stays usable by the caller."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.put(_STOP)
+        self._thread.join()
+
+    # ---- engine thread ----
+    def _loop(self) -> None:
+        pending: dict[str, _Pending] = {}
+        while True:
+            items = [] if pending else [self._inbox.get()]  # idle: sleep until work arrives
+            while not self._inbox.empty():
+                items.append(self._inbox.get())
+            for item in items:
+                if item is _STOP:
+                    self._fail_all(pending, BackendError("the EngineBackend was closed"))
+                    self._fail_unstarted()
+                    return
+                self._add(item, pending)
+            if pending:
+                self._step(pending)
+
+    def _add(self, sub: _Submit, pending: dict[str, _Pending]) -> None:
+        for ids, params, future in zip(sub.prompts, sub.params, sub.futures):
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                rid = self.engine.add_request(ids, params)
+            except Exception as e:  # bad input (ValueError): that caller gets the error
+                future.set_exception(e)
+                continue
+            pending[rid] = _Pending(future, sub.on_delta)
+
+    def _step(self, pending: dict[str, _Pending]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # an engine bug: fail every waiter rather than hang them
+            logger.exception("engine step failed")
+            self._fail_all(pending, e)
+            return
+        for req, text in outputs:
+            p = pending[req.rid]
+            if text:
+                p.text.append(text)
+                if p.on_delta is not None:
+                    try:
+                        p.on_delta(text)
+                    except Exception as e:  # the consumer's error ends its request
+                        self.engine.abort(req.rid)
+                        del pending[req.rid]
+                        p.future.set_exception(e)
+                        continue
+            if req.is_finished:
+                del pending[req.rid]
+                p.future.set_result(
+                    GenResult(
+                        text="".join(p.text),
+                        output_ids=list(req.output_ids),
+                        finish_reason=req.finish_reason,
+                        prompt_tokens=req.prompt_len,
+                        completion_tokens=req.num_output,
+                        cached_tokens=req.num_cached_tokens,
+                        prompt_logprobs=list(req.prompt_logprobs),
+                    )
+                )
+
+    def _fail_unstarted(self) -> None:
+        """Fail submissions that raced with close()."""
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            for future in [] if item is _STOP else item.futures:
+                future.set_exception(BackendError("the EngineBackend was closed"))
+
+    def _fail_all(self, pending: dict[str, _Pending], error: BaseException) -> None:
+        for rid, p in pending.items():
+            if rid in self.engine.scheduler.requests:
+                self.engine.abort(rid)
+            p.future.set_exception(error)
+        pending.clear()
+
+
+class Runtime(EngineBackend):
+    """An EngineBackend that owns its Engine: `Runtime(model_path, **engine_options)`
+    (options as for `radixrt.Engine`). `close()` also shuts the engine down."""
+
+    def __init__(self, model_path: str, **engine_options: Any) -> None:
+        from radixrt.engine import Engine
+
+        super().__init__(Engine(model_path, **engine_options))
+
+    def close(self) -> None:
+        was_open = not self._closed
+        super().close()
+        if was_open:
+            self.engine.shutdown()

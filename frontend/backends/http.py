@@ -1,0 +1,198 @@
+"""HTTP backend: a running `radixrt serve`, through its native POST /generate.
+
+Prompts are tokenized here (with the model's tokenizer) and sent as `input_ids`, exactly
+as the in-process backend feeds the engine, so a program gives the same results on both.
+The tokenizer comes from `model_path`, else from the path the server reports at
+GET /get_model_info (which works when client and server share a filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from radixrt.sampling import SamplingParams
+
+from ..errors import BackendError
+from .base import Backend, DeltaCallback, GenResult
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+class RuntimeEndpoint(Backend):
+    """Backend for a radixrt server at `url` (e.g. "http://127.0.0.1:30000").
+
+    Raises BackendError when the server does not answer GET /health, and ValueError when
+    no tokenizer can be found (pass `model_path`)."""
+
+    def __init__(
+        self,
+        url: str,
+        model_path: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout  # seconds per HTTP request
+        self._request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+        if model_path is None:
+            model_path = self._model_path_from_server()
+        from radixrt.model.loader import load_tokenizer
+
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+
+    def _model_path_from_server(self) -> str:
+        try:
+            info = self._request("GET", "/get_model_info", timeout=HEALTH_TIMEOUT_S)
+        except BackendError as e:
+            raise ValueError(
+                f"RuntimeEndpoint({self.url!r}) needs the model's tokenizer: pass "
+                f"model_path=<local model dir> (GET /get_model_info failed: {e})"
+            ) from e
+        path = info.get("model_path") if isinstance(info, dict) else None
+        if not isinstance(path, str):
+            raise ValueError(
+                f"GET {self.url}/get_model_info returned no model_path ({info!r}); pass "
+                "model_path=<local model dir> to RuntimeEndpoint"
+            )
+        return path
+
+    # ---- Backend ----
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_delta: DeltaCallback | None = None,
+    ) -> GenResult:
+        body = {"input_ids": prompt_ids, "sampling_params": sampling_json(params)}
+        if on_delta is None:
+            return _result(self._request("POST", "/generate", body))
+        body["stream"] = True
+        text: list[str] = []
+        ids: list[int] = []
+        meta: dict[str, Any] = {}
+        for event in self._stream("/generate", body):
+            if event.get("text"):
+                text.append(event["text"])
+                on_delta(event["text"])
+            ids += event.get("output_ids") or []
+            meta = event.get("meta_info") or meta
+        if not meta.get("finish_reason"):
+            raise BackendError(f"the stream from {self.url}/generate ended before finishing")
+        return _result({"text": "".join(text), "output_ids": ids, "meta_info": meta})
+
+    def score_continuations(
+        self, prefix_ids: list[int], continuations: list[list[int]]
+    ) -> list[list[float]]:
+        body = {
+            "input_ids": [prefix_ids + c for c in continuations],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_prompt_logprob": True,
+            "logprob_start_len": max(1, len(prefix_ids)),
+        }
+        outs = self._request("POST", "/generate", body)
+        if not isinstance(outs, list) or len(outs) != len(continuations):
+            raise BackendError(f"/generate answered {len(continuations)} prompts with {outs!r}")
+        scores = []
+        for out, cont in zip(outs, continuations):
+            lps = [_logprob(x) for x in out["meta_info"].get("input_token_logprobs") or []]
+            if len(lps) != len(cont):
+                raise BackendError(
+                    f"/generate returned {len(lps)} prompt log-probs for a {len(cont)}-token "
+                    "continuation; expected those of tokens [logprob_start_len, prompt_len)"
+                )
+            scores.append(lps)
+        return scores
+
+    # ---- transport ----
+    def _open(self, method: str, path: str, body: Any, timeout: float | None):
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            return urllib.request.urlopen(req, timeout=timeout or self.timeout)
+        except urllib.error.HTTPError as e:
+            message = _error_message(e)
+            if e.code == 400:
+                raise ValueError(f"the server rejected the request: {message}") from None
+            raise BackendError(f"{method} {self.url}{path} failed: HTTP {e.code}: {message}") from e
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise BackendError(
+                f"cannot reach the radixrt server at {self.url} ({method} {path}): {reason}; "
+                "is `radixrt serve` running there?"
+            ) from e
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None):
+        with self._open(method, path, body, timeout) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw.strip() else None
+
+    def _stream(self, path: str, body: Any):
+        """Yield the JSON events of an SSE response until `data: [DONE]`."""
+        with self._open("POST", path, body, None) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise BackendError(f"{self.url}{path} stream failed: {event['error']}")
+                yield event
+        raise BackendError(f"the stream from {self.url}{path} ended without [DONE]")
+
+
+def sampling_json(params: SamplingParams) -> dict[str, Any]:
+    """The /generate `sampling_params` object for SamplingParams (defaults left out)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.top_k is not None:
+        out["top_k"] = params.top_k
+    if params.seed is not None:
+        out["seed"] = params.seed
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def _result(out: dict[str, Any]) -> GenResult:
+    meta = out["meta_info"]
+    reason = meta["finish_reason"]
+    return GenResult(
+        text=out["text"],
+        output_ids=list(out.get("output_ids") or []),
+        finish_reason=reason["type"] if isinstance(reason, dict) else reason,
+        prompt_tokens=meta["prompt_tokens"],
+        completion_tokens=meta["completion_tokens"],
+        cached_tokens=meta.get("cached_tokens", 0),
+        prompt_logprobs=[_logprob(x) for x in meta.get("input_token_logprobs") or []],
+    )
+
+
+def _logprob(x: Any) -> float:
+    """A log-prob entry: a float, or SGLang's [logprob, token_id, text] triple."""
+    return float(x[0] if isinstance(x, (list, tuple)) else x)
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    raw = e.read().decode(errors="replace")
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return raw[:500] or e.reason

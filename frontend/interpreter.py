@@ -1,0 +1,252 @@
+"""The interpreter: runs one program state's operations, in order, against a backend.
+
+A state's executor runs operations either in the caller's thread (`concurrent=False`: the
+main state of a program) or on its own worker thread (`concurrent=True`: forks, so the
+branches' gens reach the backend together and are batched). A worker records the first
+error, skips the operations after it, and the error is raised at the next sync point
+(reading a variable or the text, fork, join, program end).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .backends.base import Backend
+from .errors import UnknownVariableError
+from .ir import Gen, GenParams, Op, RoleBegin, RoleEnd, Select, Text
+
+
+class TraceStop(BaseException):
+    """Raised inside a traced program at its first operation that needs the model
+    (internal to run_batch's prefix tracing; BaseException so `except Exception` in a
+    program does not catch it)."""
+
+
+class StreamSink:
+    """Text chunks of one program as they are appended, for `text_iter`. Thread-safe."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, var: str | None, chunk: str) -> None:
+        self._queue.put((var, chunk))
+
+    def end(self) -> None:
+        self._queue.put(self._END)
+
+    def chunks(self):
+        """Yield (variable or None, chunk) until `end()`; one consumer only."""
+        while (item := self._queue.get()) is not self._END:
+            yield item
+
+
+@dataclass
+class _OpenRole:
+    role: str
+    content_start: int  # offset in the state's text where the message content begins
+
+
+class Executor:
+    """Holds one program state (text, variables, meta, messages) and runs its operations.
+
+    Not shared between threads except through `submit`/`sync`/`finish` (and the reads after
+    `sync`). `tracing=True` runs no model call: it stops (TraceStop) at the first gen,
+    select, variable read or fork and keeps the text built so far.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        gen_defaults: GenParams | None,
+        *,
+        concurrent: bool = False,
+        sink: StreamSink | None = None,
+        tracing: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.gen_defaults = gen_defaults
+        self.sink = sink
+        self.tracing = tracing
+        self.text = ""
+        self.variables: dict[str, str] = {}
+        self.meta: dict[str, dict[str, Any]] = {}
+        self.messages: list[dict[str, str]] = []
+        self.open_role: _OpenRole | None = None
+        self.children: list[Executor] = []  # forks, finished with this executor
+        self._error: BaseException | None = None
+        self._finished = False
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if concurrent:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._work, name="radixrt-fork", daemon=True)
+            self._thread.start()
+
+    # ---- control ----
+    def submit(self, ops: list[Op]) -> None:
+        """Run `ops` now (in this thread) or queue them for the worker."""
+        if self._finished:
+            raise RuntimeError("this fork was joined; add to the parent state or fork again")
+        if self._queue is None:
+            for op in ops:
+                self._execute(op)
+        else:
+            self._raise_error()
+            self._queue.put(ops)
+
+    def sync(self) -> None:
+        """Wait until every submitted operation ran; raise the first error."""
+        if self.tracing:
+            raise TraceStop
+        if self._queue is not None and not self._finished:
+            self._queue.join()
+        self._raise_error()
+
+    def finish(self) -> BaseException | None:
+        """Wait for the queued operations and for every fork, stop the worker; returns the
+        first error of this state or its forks (None if all succeeded). Idempotent."""
+        if not self._finished and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()  # type: ignore[union-attr]
+        self._finished = True
+        errors = [self._error] + [child.finish() for child in self.children]
+        return next((e for e in errors if e is not None), None)
+
+    def fork(self, n: int) -> list[Executor]:
+        """n concurrent copies of this state. The shared prefix is prefilled once first
+        (max_tokens=0) so every branch's first request hits the prefix cache."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
+        self.sync()
+        prefix_ids = self.backend.encode(self.text) if self.text else []
+        if n > 1 and prefix_ids:
+            self.backend.cache_prefix(prefix_ids)
+        children = []
+        for _ in range(n):
+            child = Executor(self.backend, self.gen_defaults, concurrent=True)
+            child.text = self.text
+            child.variables = dict(self.variables)
+            child.meta = copy.deepcopy(self.meta)
+            child.messages = copy.deepcopy(self.messages)
+            child.open_role = copy.copy(self.open_role)
+            children.append(child)
+        self.children += children
+        return children
+
+    def get_variable(self, name: str) -> str:
+        self.sync()
+        if name not in self.variables:
+            raise UnknownVariableError(name, sorted(self.variables))
+        return self.variables[name]
+
+    def get_meta(self, name: str) -> dict[str, Any]:
+        self.sync()
+        if name not in self.meta:
+            raise UnknownVariableError(name, sorted(self.meta))
+        return self.meta[name]
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        while (ops := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    for op in ops:
+                        self._execute(op)
+                except BaseException as e:  # kept and raised at the next sync point
+                    self._error = e
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---- operations ----
+    def _execute(self, op: Op) -> None:
+        if isinstance(op, Text):
+            self._append(op.value, None, stream=True)
+        elif isinstance(op, Gen):
+            self._gen(op)
+        elif isinstance(op, Select):
+            self._select(op)
+        elif isinstance(op, RoleBegin):
+            self._role_begin(op.role)
+        elif isinstance(op, RoleEnd):
+            self._role_end(op.role)
+        else:
+            raise AssertionError(f"unknown operation {op!r}")
+
+    def _append(self, text: str, var: str | None, stream: bool) -> None:
+        self.text += text
+        if stream and self.sink is not None and text:
+            self.sink.put(var, text)
+
+    def _gen(self, op: Gen) -> None:
+        if self.tracing:
+            raise TraceStop
+        params = op.params.resolve(self.gen_defaults)
+        if not self.text:
+            raise ValueError(f"gen({op.name!r}) needs text before it (the prompt is empty)")
+        prompt_ids = self.backend.encode(self.text)
+        on_delta = None
+        if self.sink is not None:
+            sink, name = self.sink, op.name
+            on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
+        result = self.backend.generate(prompt_ids, params, on_delta)
+        self._append(result.text, op.name, stream=False)  # streamed piecewise above
+        if op.name is not None:
+            self.variables[op.name] = result.text
+            self.meta[op.name] = {
+                "finish_reason": result.finish_reason,
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "cached_tokens": result.cached_tokens,
+                "output_ids": result.output_ids,
+            }
+
+    def _select(self, op: Select) -> None:
+        if self.tracing:
+            raise TraceStop
+        if not self.text:
+            raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
+        prefix_ids = self.backend.encode(self.text)
+        choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
+        self.backend.cache_prefix(prefix_ids)
+        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids)
+        sums = [sum(lps) for lps in token_logprobs]
+        scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
+        best = max(range(len(scores)), key=scores.__getitem__)  # first of equal maxima
+        choice = op.choices[best]
+        self._append(choice, op.name, stream=True)
+        if op.name is not None:
+            self.variables[op.name] = choice
+            self.meta[op.name] = {
+                "choices": list(op.choices),
+                "index": best,
+                "scores": scores,
+                "logprob_sums": sums,
+                "token_logprobs": token_logprobs,
+                "normalize": op.normalize,
+            }
+
+    def _role_begin(self, role: str) -> None:
+        if self.open_role is not None:
+            raise ValueError(
+                f"cannot open a {role!r} block inside the open {self.open_role.role!r} "
+                "block; roles do not nest"
+            )
+        self._append(self.backend.chat_template.prefix(self.messages, role), None, stream=True)
+        self.open_role = _OpenRole(role, len(self.text))
+
+    def _role_end(self, role: str) -> None:
+        assert self.open_role is not None and self.open_role.role == role, (role, self.open_role)
+        content = self.text[self.open_role.content_start :]
+        self._append(self.backend.chat_template.suffix(self.messages, role), None, stream=True)
+        self.messages.append({"role": role, "content": content})
+        self.open_role = None

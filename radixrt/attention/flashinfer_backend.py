@@ -1,0 +1,221 @@
+"""FlashInfer paged attention (CUDA only): plan once per step, run per layer.
+
+Decode rows (q_len 1) go through `BatchDecodeWithPagedKVCacheWrapper` with tensor cores,
+extend rows (prefill chunks over a cached prefix) through
+`BatchPrefillWithPagedKVCacheWrapper` (causal over the paged cache, prefix included); a mixed
+batch runs both wrappers in one forward. KV layout is NHD (`KVPool.k_cache(layer)`); new K/V
+are written by the Triton `store_kv` kernel before attending.
+
+CUDA graphs (decode-only steps): one decode wrapper per batch-size bucket, built with
+`use_cuda_graph=True` over fixed index buffers that all buckets share. `prepare_cuda_graph`
+plans it (outside the graph) right before the graph is replayed.
+
+Head dims: FlashInfer's kernels take 64, 128 or 256. Smaller heads (test models) are
+zero-padded to `kv_head_dim`: the KV pool must then be allocated with `kv_head_dim` (the
+runner does), q/k/v are padded before the kernels and the output is cut back. Zero columns
+change neither q.k nor the first `head_dim` output columns.
+
+This module imports flashinfer at construction; CPU-only code never imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from radixrt.config import ModelConfig
+from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.kv.pool import KVPool
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 256 << 20  # float workspace shared by every wrapper (split-KV partials)
+ATTENTION_BACKEND = "fa2"  # the tensor-core decode uses fa2 too: one JIT module per head dim
+
+
+def kv_head_dim(head_dim: int) -> int:
+    """Head dim of the KV pool for a model with `head_dim` (padded up to a supported one)."""
+    for d in SUPPORTED_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(
+        f"the flashinfer backend supports head_dim up to {SUPPORTED_HEAD_DIMS[-1]}, "
+        f"got {head_dim}; use attention_backend='torch'"
+    )
+
+
+def prebuild_kernels(head_dims: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile (in one parallel ninja run) every FlashInfer JIT module radixrt uses for
+    models with these head dims: attention per padded head dim, RMSNorm, RoPE, SiLU-and-mul.
+    Modules already built or restored are skipped. Optional: each is built on first use."""
+    from flashinfer.jit import (
+        build_jit_specs,
+        gen_act_and_mul_module,
+        gen_batch_prefill_module,
+    )
+    from flashinfer.jit.norm import gen_norm_module
+    from flashinfer.jit.rope import gen_rope_module
+
+    specs = [
+        gen_batch_prefill_module(
+            ATTENTION_BACKEND, dtype, dtype, dtype, torch.int32, d, d, 0, False, False, False
+        )
+        for d in sorted({kv_head_dim(h) for h in head_dims})
+    ]
+    specs += [gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu")]
+    build_jit_specs(specs, verbose=False)
+
+
+class FlashInferBackend:
+    """AttentionBackend over FlashInfer; see the module docstring."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        import flashinfer
+
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"the flashinfer backend needs dtype bfloat16 or float16, got {dtype}; "
+                "use attention_backend='torch' for float32"
+            )
+        self._flashinfer = flashinfer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.kv_head_dim = kv_head_dim(cfg.head_dim)
+        self.sm_scale = cfg.head_dim**-0.5
+        self.device = device
+        self.dtype = dtype
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, backend=ATTENTION_BACKEND
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=ATTENTION_BACKEND
+        )
+        # CUDA graphs: bucket size -> decode wrapper over the shared fixed buffers
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_indptr: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
+        # Per-step state, set by prepare / prepare_cuda_graph
+        self._slots: torch.Tensor | None = None  # [T] int64: KV slot of each new token
+        self._num_decode = 0
+        self._decode = None  # wrapper planned for rows [0, num_decode), or None
+        self._prefill = None  # wrapper planned for the extend rows, or None
+
+    # ---- planning ----
+    def _plan_args(self, page_size: int) -> dict[str, object]:
+        return dict(
+            num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            page_size=page_size,
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Plan both wrappers for this step from the batch's CPU copies (no host sync)."""
+        nd, bs = batch.num_decode, batch.block_size
+        qo, kvp, seq = batch.qo_indptr_cpu, batch.kv_indptr_cpu, batch.seq_lens_cpu
+        last_page_len = seq - (kvp[1:] - kvp[:-1] - 1) * bs  # [R] int32, 1..bs
+        split = int(kvp[nd])
+        self._slots = batch.slot_mapping
+        self._num_decode = nd
+        self._decode = self._prefill = None
+        args = self._plan_args(bs)
+        if nd:
+            self.decode_wrapper.plan(
+                kvp[: nd + 1],
+                batch.kv_indices[:split],
+                last_page_len[:nd],
+                head_dim=self.kv_head_dim,
+                seq_lens=seq[:nd],
+                **args,
+            )
+            self._decode = self.decode_wrapper
+        if batch.num_extend:
+            self.prefill_wrapper.plan(
+                qo[nd:] - qo[nd],
+                kvp[nd:] - split,
+                batch.kv_indices[split:],
+                last_page_len[nd:],
+                head_dim_qk=self.kv_head_dim,
+                causal=True,
+                seq_lens=seq[nd:],
+                **args,
+            )
+            self._prefill = self.prefill_wrapper
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_pages: int) -> None:
+        """Allocate the index buffers shared by every bucket's graph decode wrapper."""
+        dev = self.device
+        self._graph_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)
+        self._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)
+        self._graph_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+
+    def prepare_cuda_graph(
+        self,
+        batch_size: int,
+        kv_indptr: torch.Tensor,  # [bs + 1] int32 cpu
+        kv_indices: torch.Tensor,  # [kv_indptr[-1]] int32 cpu (pinned) or cuda
+        kv_last_page_len: torch.Tensor,  # [bs] int32 cpu
+        seq_lens: torch.Tensor,  # [bs] int32 cpu
+        slot_mapping: torch.Tensor,  # [bs] int64 cuda: the graph's static slot buffer
+        page_size: int,
+    ) -> None:
+        """Plan the decode wrapper of bucket `batch_size` (all rows decode rows). Call it
+        before capturing that bucket's graph and before each replay."""
+        assert self._graph_indptr is not None, "init_cuda_graph() must run first"
+        wrapper = self._graph_wrappers.get(batch_size)
+        if wrapper is None:
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._graph_indptr[: batch_size + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:batch_size],
+                backend=ATTENTION_BACKEND,
+            )
+            self._graph_wrappers[batch_size] = wrapper
+        wrapper.plan(
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            head_dim=self.kv_head_dim,
+            seq_lens=seq_lens,
+            **self._plan_args(page_size),
+        )
+        self._slots = slot_mapping
+        self._num_decode = batch_size
+        self._decode = wrapper
+        self._prefill = None
+
+    # ---- per layer ----
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        """Store k/v at the step's slots, then attend (see AttentionBackend.forward).
+        q [T, hq, d], k/v [T, hkv, d] (last dim contiguous; other strides free)."""
+        from radixrt.kernels import store_kv
+
+        assert self._slots is not None, "prepare() must run before forward()"
+        pad = self.kv_head_dim - self.head_dim
+        if pad:
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+        store_kv(pool.kv[layer], self._slots, k, v)
+        kv_cache = (pool.k_cache(layer), pool.v_cache(layer))
+        out = torch.empty(
+            (q.shape[0], self.num_heads, self.kv_head_dim), dtype=q.dtype, device=q.device
+        )
+        nd = self._num_decode
+        if self._decode is not None:
+            self._decode.run(q[:nd], kv_cache, out=out[:nd])
+        if self._prefill is not None:
+            self._prefill.run(q[nd:], kv_cache, out=out[nd:])
+        return out[..., : self.head_dim] if pad else out

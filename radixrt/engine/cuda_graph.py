@@ -1,0 +1,190 @@
+"""CUDA graphs for decode-only steps, one per batch-size bucket.
+
+A decode step of R rows runs the graph of the smallest bucket >= R; rows [R, bucket) are
+padding. Padding rows feed token 0 at position 0 and write their K/V into a scratch block
+that the allocator never hands out (`scratch_block`, the pool's last block), and attend over
+that block alone, so they never touch the KV of real requests. Each graph computes the
+logits of every row (model forward + lm_head); sampling runs outside.
+
+Host-side inputs are built with numpy from the block table (no device kernels, no sync),
+copied into static device buffers with one pinned copy, and the attention backend plans the
+bucket's decode wrapper right before the replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+DECODE_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
+
+
+def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Buckets covering 1..max_batch_size (the largest may exceed it)."""
+    if not 1 <= max_batch_size <= DECODE_BUCKETS[-1]:
+        raise ValueError(f"max_batch_size must be in 1..{DECODE_BUCKETS[-1]}, got {max_batch_size}")
+    i = bisect.bisect_left(DECODE_BUCKETS, max_batch_size)
+    return DECODE_BUCKETS[: i + 1]
+
+
+class DecodeCudaGraphs:
+    """Captured decode graphs over `forward_logits`, which maps a ForwardBatch of decode rows
+    to logits [rows, vocab] float32 and must use the backend planned by
+    `backend.prepare_cuda_graph` (see FlashInferBackend)."""
+
+    def __init__(
+        self,
+        forward_logits: Callable[[ForwardBatch], torch.Tensor],
+        backend,
+        *,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ) -> None:
+        self.buckets = decode_buckets(max_batch_size)
+        self.max_batch_size = self.buckets[-1]
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.backend = backend
+        self._forward_logits = forward_logits
+        n = self.max_batch_size
+        # Static inputs: rows [0, n) of ids | positions | slots, filled by one copy per step.
+        self._host = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
+        self._static = torch.zeros(3 * n, dtype=torch.int64, device=device)
+        self._host_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        backend.init_cuda_graph(n, n * max_blocks_per_seq)
+        # Padding rows: each its own slot in the scratch block where it can.
+        pad = np.arange(n, dtype=np.int64)
+        self._pad_slots = scratch_block * block_size + pad % block_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+                self._capture(bs, pool)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
+            len(self.buckets),
+            n,
+            time.perf_counter() - start,
+        )
+
+    def bucket(self, num_rows: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        """Decode-only batches of at most max_batch_size rows."""
+        return batch.num_decode == len(batch.rows) and 0 < len(batch.rows) <= self.max_batch_size
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        n = self.max_batch_size
+        ids, pos, slots = self._static[:bs], self._static[n : n + bs], self._static[2 * n :]
+        one = torch.ones(bs, dtype=torch.int32)
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slots[:bs],
+            qo_indptr=indptr.to(ids.device),
+            kv_indptr=indptr.to(ids.device),
+            kv_indices=torch.full((bs,), self.scratch_block, dtype=torch.int32, device=ids.device),
+            kv_last_page_len=one.to(ids.device),
+            seq_lens=one.to(ids.device),
+            logits_indices=torch.arange(bs, device=ids.device),
+            num_decode=bs,
+            qo_indptr_cpu=indptr,
+            seq_lens_cpu=one,
+            kv_indptr_cpu=indptr,
+            block_size=self.block_size,
+        )
+
+    def _plan(self, bs: int, indptr, indices, last_page_len, seq_lens) -> None:
+        n = self.max_batch_size
+        self.backend.prepare_cuda_graph(
+            bs,
+            indptr,
+            indices,
+            last_page_len,
+            seq_lens,
+            self._static[2 * n : 2 * n + bs],
+            self.block_size,
+        )
+
+    def _capture(self, bs: int, pool) -> None:
+        n = self.max_batch_size
+        host = self._host.numpy()
+        host[:] = 0
+        host[2 * n :] = self._pad_slots
+        self._static.copy_(self._host)
+        one = torch.ones(bs, dtype=torch.int32)
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        indices = torch.full((bs,), self.scratch_block, dtype=torch.int32)
+        fb = self._static_batch(bs)
+        self._plan(bs, indptr, indices, one, one)
+        self._forward_logits(fb)  # warm-up: kernel selection, lazy allocations, Triton JIT
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits[bs] = self._forward_logits(fb)
+        self.graphs[bs] = graph
+
+    def run(self, batch: ScheduledBatch, tables: BlockTableArray) -> torch.Tensor:
+        """Replay the graph for a decode-only batch; returns logits [R, vocab] float32 (a
+        view of the graph's output, valid until the next replay)."""
+        rows = batch.rows
+        num_rows, bsz = len(rows), self.block_size
+        bs = self.bucket(num_rows)
+        n = self.max_batch_size
+        start = np.fromiter((r.num_computed for r in rows), dtype=np.int64, count=num_rows)
+        seq_lens = start + 1
+        nblocks = (seq_lens + bsz - 1) // bsz
+        max_blocks = int(nblocks.max())
+        table = tables.table[batch.table_rows, :max_blocks]  # [R, max_blocks] int32
+        used = np.arange(max_blocks) < nblocks[:, None]
+        real_indices = table[used]  # row-major: each row's blocks in order
+        assert not (real_indices == self.scratch_block).any(), (
+            "a request holds the CUDA-graph scratch block: build the BlockAllocator with "
+            "runner.num_usable_blocks blocks"
+        )
+        host = self._host.numpy()
+        host[:num_rows] = np.fromiter(
+            (r.token_ids[-1] for r in rows), dtype=np.int64, count=num_rows
+        )
+        host[num_rows:n] = 0
+        host[n : n + num_rows] = start
+        host[n + num_rows : 2 * n] = 0
+        blocks = table[np.arange(num_rows), start // bsz].astype(np.int64)
+        host[2 * n : 2 * n + num_rows] = blocks * bsz + start % bsz
+        host[2 * n + num_rows :] = self._pad_slots[num_rows:]
+        self._static.copy_(self._host, non_blocking=True)
+
+        pad = bs - num_rows
+        indptr = np.zeros(bs + 1, dtype=np.int32)
+        np.cumsum(np.concatenate([nblocks, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
+        num_indices = int(indptr[-1])
+        indices = self._host_indices[:num_indices]
+        ind = indices.numpy()
+        ind[: len(real_indices)] = real_indices
+        ind[len(real_indices) :] = self.scratch_block
+        last = np.ones(bs, dtype=np.int32)
+        last[:num_rows] = seq_lens - (nblocks - 1) * bsz
+        seq = np.ones(bs, dtype=np.int32)
+        seq[:num_rows] = seq_lens
+        self._plan(
+            bs, torch.from_numpy(indptr), indices, torch.from_numpy(last), torch.from_numpy(seq)
+        )
+        self.graphs[bs].replay()
+        return self.logits[bs][:num_rows]

@@ -1,0 +1,205 @@
+"""`radixrt serve`: start the scheduler process and the HTTP front, stop both cleanly.
+
+Process model: this (front) process binds two ipc:// sockets in a private temp dir,
+spawns the scheduler process ("spawn" context, daemon child), and serves HTTP at once;
+/health is 503 until the scheduler's Ready arrives. SIGINT/SIGTERM: stop accepting, fail
+in-flight requests with 503, close HTTP, send Shutdown, join the child (terminate/kill if
+it lingers), remove the temp dir. The child exits by itself if this process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+from aiohttp import web
+
+from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.front import Front, eos_token_ids
+from radixrt.server.http_api import create_app
+from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
+from radixrt.server.metrics import ServerMetrics
+from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
+
+logger = logging.getLogger("radixrt.server")
+
+SHUTDOWN_TIMEOUT_S = 5.0  # HTTP handlers, then the child, get this long each to finish
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # /v1/models id; None: the model path
+    debug_endpoints: bool = False  # GET /debug/state and integrity checks when idle
+    device: str = "auto"
+    dtype: str = "auto"
+    options: dict[str, object] = field(default_factory=dict)  # other engine options
+
+
+def add_serve_command(
+    subparsers: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    engine_options: Callable[[argparse.Namespace], dict],
+) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", required=True, help="local HF model dir")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="GET /debug/state (scheduler state, KV blocks) and integrity checks when idle",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+
+    def run(args: argparse.Namespace) -> None:
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s front %(levelname)s %(message)s"
+        )
+        options = engine_options(args)
+        cfg = ServeConfig(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            debug_endpoints=args.enable_debug_endpoints,
+            device=options.pop("device"),
+            dtype=options.pop("dtype"),
+            options=options,
+        )
+        sys.exit(serve(cfg))
+
+    p.set_defaults(func=run)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit code (1: the scheduler
+    process failed before it was ready)."""
+    from radixrt.config import ModelConfig
+    from radixrt.engine.engine import resolve_config
+    from radixrt.model.loader import check_model_dir, load_tokenizer
+
+    # Fail fast on a bad model dir or engine option, before any process starts.
+    check_model_dir(cfg.model, require_weights=cfg.options.get("load_format") != "dummy")
+    resolve_config(cfg.model, cfg.device, cfg.dtype, **cfg.options)
+    tokenizer = load_tokenizer(cfg.model)
+    eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
+
+    ipc_dir = tempfile.mkdtemp(prefix="radixrt-ipc-")
+    ctx = zmq.Context()
+    to_scheduler: Channel[ToScheduler] = Channel(
+        ctx, f"ipc://{ipc_dir}/to_scheduler", MsgpackCodec(ToScheduler), push=True, bind=True
+    )
+    from_scheduler: Channel[FromScheduler] = Channel(
+        ctx, f"ipc://{ipc_dir}/from_scheduler", MsgpackCodec(FromScheduler), push=False, bind=True
+    )
+    args = SchedulerProcessArgs(
+        model_path=cfg.model,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        eos_token_ids=eos,
+        in_addr=to_scheduler.addr,
+        out_addr=from_scheduler.addr,
+        parent_pid=os.getpid(),
+        options=dict(cfg.options),
+        debug=cfg.debug_endpoints,
+    )
+    proc = multiprocessing.get_context("spawn").Process(
+        target=scheduler_main, args=(args,), name="radixrt-scheduler", daemon=True
+    )
+    proc.start()
+    logger.info("scheduler process started (pid %d)", proc.pid)
+    try:
+        return asyncio.run(_serve_http(cfg, tokenizer, to_scheduler, from_scheduler, proc))
+    finally:
+        _stop_scheduler(to_scheduler, proc)
+        to_scheduler.close()
+        from_scheduler.close()
+        ctx.term()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        logger.info("server stopped")
+
+
+async def _serve_http(
+    cfg: ServeConfig,
+    tokenizer: object,
+    to_scheduler: Channel[ToScheduler],
+    from_scheduler: Channel[FromScheduler],
+    proc: multiprocessing.process.BaseProcess,
+) -> int:
+    loop = asyncio.get_running_loop()
+    front = Front(tokenizer, to_scheduler, from_scheduler, ServerMetrics())
+    front.start()
+
+    def on_child_exit() -> None:
+        loop.remove_reader(proc.sentinel)
+        proc.join(0)
+        front.stop_serving(f"the scheduler process exited with code {proc.exitcode}")
+
+    loop.add_reader(proc.sentinel, on_child_exit)
+    app = create_app(
+        front,
+        model_name=cfg.served_model_name or cfg.model,
+        api_key=cfg.api_key,
+        debug=cfg.debug_endpoints,
+    )
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        logger.info("listening on http://%s:%d (model %s)", cfg.host, cfg.port, cfg.model)
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, front.dead_event)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set() and front.ready is None:
+            logger.error("the scheduler process failed to start: %s", front.dead)
+            code = 1
+        else:  # the scheduler may have died after Ready: keep answering 503 until told
+            await stop.wait()
+        for w in waits:
+            w.cancel()
+        logger.info("shutting down")
+    finally:
+        front.stop_serving("the server is shutting down")
+        await runner.cleanup()
+        await front.stop()
+        if proc.is_alive():
+            loop.remove_reader(proc.sentinel)
+    return code
+
+
+def _stop_scheduler(to_scheduler: Channel[ToScheduler], proc: multiprocessing.Process) -> None:
+    if proc.is_alive():
+        try:
+            to_scheduler.send(Shutdown())
+        except ConnectionError:
+            logger.warning("scheduler process unreachable; terminating it")
+        proc.join(SHUTDOWN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(SHUTDOWN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
