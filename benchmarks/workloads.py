@@ -302,7 +302,7 @@ SIZES: dict[str, dict[str, dict]] = {
     "shared-prefix": {  # best hit rate 15/16 * 2048/2176 = 88.2% (smoke: 15/16 * 256/272)
         "full": dict(num_groups=64, prompts_per_group=16, system_len=2048, question_len=128,
                      output_len=256),
-        "smoke": dict(num_groups=8, prompts_per_group=16, system_len=256, question_len=16,
+        "smoke": dict(num_groups=4, prompts_per_group=16, system_len=256, question_len=16,
                       output_len=16),
     },
     "multi-turn": {
@@ -314,7 +314,7 @@ SIZES: dict[str, dict[str, dict]] = {
     "agent": {
         "full": dict(num_agents=48, num_steps=10, system_len=512, task_len=64, action_len=48,
                      observation_len=(16, 256)),
-        "smoke": dict(num_agents=8, num_steps=10, system_len=128, task_len=32, action_len=16,
+        "smoke": dict(num_agents=6, num_steps=10, system_len=128, task_len=32, action_len=16,
                       observation_len=(8, 48)),
     },
     "tree-of-thought": {
@@ -326,7 +326,7 @@ SIZES: dict[str, dict[str, dict]] = {
     "few-shot": {
         "full": dict(num_subjects=8, questions_per_subject=32, num_shots=5, shot_len=128,
                      question_len=64, num_choices=4, choice_len=16, max_tokens=0),
-        "smoke": dict(num_subjects=4, questions_per_subject=8, num_shots=5, shot_len=48,
+        "smoke": dict(num_subjects=4, questions_per_subject=6, num_shots=5, shot_len=32,
                       question_len=16, num_choices=4, choice_len=4, max_tokens=0),
     },
     "random": {

@@ -92,7 +92,11 @@ class Executor:
     def submit(self, ops: list[Op]) -> None:
         """Run `ops` now (in this thread) or queue them for the worker."""
         if self._finished:
-            raise RuntimeError("this fork was joined; add to the parent state or fork again")
+            raise RuntimeError(
+                "this fork was joined; add to the parent state or fork again"
+                if self._queue is not None
+                else "the program has finished; its state is read-only (start another run)"
+            )
         if self._queue is None:
             for op in ops:
                 self._execute(op)
@@ -102,8 +106,6 @@ class Executor:
 
     def sync(self) -> None:
         """Wait until every submitted operation ran; raise the first error."""
-        if self.tracing:
-            raise TraceStop
         if self._queue is not None and not self._finished:
             self._queue.join()
         self._raise_error()
@@ -123,6 +125,8 @@ class Executor:
         (max_tokens=0) so every branch's first request hits the prefix cache."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
+        if self.tracing:
+            raise TraceStop
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
@@ -140,12 +144,22 @@ class Executor:
         return children
 
     def get_variable(self, name: str) -> str:
+        if self.tracing:
+            raise TraceStop
         self.sync()
         if name not in self.variables:
             raise UnknownVariableError(name, sorted(self.variables))
         return self.variables[name]
 
+    def all_variables(self) -> dict[str, str]:
+        if self.tracing:
+            raise TraceStop
+        self.sync()
+        return dict(self.variables)
+
     def get_meta(self, name: str) -> dict[str, Any]:
+        if self.tracing:
+            raise TraceStop
         self.sync()
         if name not in self.meta:
             raise UnknownVariableError(name, sorted(self.meta))

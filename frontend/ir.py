@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Union
 
 from radixrt.sampling import SamplingParams
 
@@ -25,7 +24,7 @@ class Expr:
         return Seq((*_items(other), self))
 
 
-ExprLike = Union[str, Expr, Sequence["ExprLike"]]
+ExprLike = str | Expr | Sequence["ExprLike"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class RoleEnd(Expr):
     role: str
 
 
-Op = Union[Text, Gen, Select, RoleBegin, RoleEnd]
+Op = Text | Gen | Select | RoleBegin | RoleEnd
 
 
 def gen(

@@ -77,7 +77,7 @@ class Backend(ABC):
     def chat_template(self) -> ChatTemplate:
         return ChatTemplate(self.tokenizer)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook, nothing to release by default)
         """Release what the backend holds (threads, engines it owns). Idempotent."""
 
     def __enter__(self) -> Backend:

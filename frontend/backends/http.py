@@ -9,6 +9,7 @@ GET /get_model_info (which works when client and server share a filesystem).
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -46,20 +47,23 @@ class RuntimeEndpoint(Backend):
         self.tokenizer = load_tokenizer(model_path)
 
     def _model_path_from_server(self) -> str:
-        try:
-            info = self._request("GET", "/get_model_info", timeout=HEALTH_TIMEOUT_S)
-        except BackendError as e:
-            raise ValueError(
-                f"RuntimeEndpoint({self.url!r}) needs the model's tokenizer: pass "
-                f"model_path=<local model dir> (GET /get_model_info failed: {e})"
-            ) from e
-        path = info.get("model_path") if isinstance(info, dict) else None
-        if not isinstance(path, str):
-            raise ValueError(
-                f"GET {self.url}/get_model_info returned no model_path ({info!r}); pass "
-                "model_path=<local model dir> to RuntimeEndpoint"
-            )
-        return path
+        """The server's model dir: GET /get_model_info's `model_path`, else the model id of
+        GET /v1/models when it is a local directory (the default served model name)."""
+        tried = []
+        for route in ("/get_model_info", "/v1/models"):
+            try:
+                info = self._request("GET", route, timeout=HEALTH_TIMEOUT_S)
+            except BackendError as e:  # route missing: try the next one
+                tried.append(f"{route}: {e}")
+                continue
+            path = _reported_model_path(info)
+            if path is not None and os.path.isdir(path):
+                return path
+            tried.append(f"{route}: no local model dir in {str(info)[:200]}")
+        raise ValueError(
+            f"RuntimeEndpoint({self.url!r}) needs the model's tokenizer: pass "
+            f"model_path=<local model dir> ({'; '.join(tried)})"
+        )
 
     # ---- Backend ----
     def generate(
@@ -183,6 +187,18 @@ def _result(out: dict[str, Any]) -> GenResult:
         cached_tokens=meta.get("cached_tokens", 0),
         prompt_logprobs=[_logprob(x) for x in meta.get("input_token_logprobs") or []],
     )
+
+
+def _reported_model_path(info: Any) -> str | None:
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("model_path"), str):
+        return info["model_path"]
+    data = info.get("data")
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        model_id = data[0].get("id")
+        return model_id if isinstance(model_id, str) else None
+    return None
 
 
 def _logprob(x: Any) -> float:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from radixrt.config import ModelConfig
 from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.kernels import store_kv
 from radixrt.kv.pool import KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -202,8 +203,6 @@ class FlashInferBackend:
     ) -> torch.Tensor:
         """Store k/v at the step's slots, then attend (see AttentionBackend.forward).
         q [T, hq, d], k/v [T, hkv, d] (last dim contiguous; other strides free)."""
-        from radixrt.kernels import store_kv
-
         assert self._slots is not None, "prepare() must run before forward()"
         pad = self.kv_head_dim - self.head_dim
         if pad:

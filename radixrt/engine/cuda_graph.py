@@ -17,6 +17,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,11 @@ def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
         raise ValueError(f"max_batch_size must be in 1..{DECODE_BUCKETS[-1]}, got {max_batch_size}")
     i = bisect.bisect_left(DECODE_BUCKETS, max_batch_size)
     return DECODE_BUCKETS[: i + 1]
+
+
+def scratch_block_slots(scratch_block: int, block_size: int, num: int) -> np.ndarray:
+    """KV slots of `num` padding rows: spread over the scratch block's offsets."""
+    return scratch_block * block_size + np.arange(num, dtype=np.int64) % block_size
 
 
 class DecodeCudaGraphs:
@@ -65,9 +71,6 @@ class DecodeCudaGraphs:
         self._static = torch.zeros(3 * n, dtype=torch.int64, device=device)
         self._host_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32).pin_memory()
         backend.init_cuda_graph(n, n * max_blocks_per_seq)
-        # Padding rows: each its own slot in the scratch block where it can.
-        pad = np.arange(n, dtype=np.int64)
-        self._pad_slots = scratch_block * block_size + pad % block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
         start = time.perf_counter()
@@ -127,7 +130,7 @@ class DecodeCudaGraphs:
         n = self.max_batch_size
         host = self._host.numpy()
         host[:] = 0
-        host[2 * n :] = self._pad_slots
+        host[2 * n :] = scratch_block_slots(self.scratch_block, self.block_size, n)
         self._static.copy_(self._host)
         one = torch.ones(bs, dtype=torch.int32)
         indptr = torch.arange(bs + 1, dtype=torch.int32)
@@ -144,47 +147,79 @@ class DecodeCudaGraphs:
     def run(self, batch: ScheduledBatch, tables: BlockTableArray) -> torch.Tensor:
         """Replay the graph for a decode-only batch; returns logits [R, vocab] float32 (a
         view of the graph's output, valid until the next replay)."""
-        rows = batch.rows
-        num_rows, bsz = len(rows), self.block_size
+        num_rows, n = len(batch.rows), self.max_batch_size
         bs = self.bucket(num_rows)
-        n = self.max_batch_size
-        start = np.fromiter((r.num_computed for r in rows), dtype=np.int64, count=num_rows)
-        seq_lens = start + 1
-        nblocks = (seq_lens + bsz - 1) // bsz
-        max_blocks = int(nblocks.max())
-        table = tables.table[batch.table_rows, :max_blocks]  # [R, max_blocks] int32
-        used = np.arange(max_blocks) < nblocks[:, None]
-        real_indices = table[used]  # row-major: each row's blocks in order
-        assert not (real_indices == self.scratch_block).any(), (
-            "a request holds the CUDA-graph scratch block: build the BlockAllocator with "
-            "runner.num_usable_blocks blocks"
-        )
+        meta = decode_metadata(batch, tables, bs, self.block_size, self.scratch_block)
         host = self._host.numpy()
-        host[:num_rows] = np.fromiter(
-            (r.token_ids[-1] for r in rows), dtype=np.int64, count=num_rows
-        )
-        host[num_rows:n] = 0
-        host[n : n + num_rows] = start
-        host[n + num_rows : 2 * n] = 0
-        blocks = table[np.arange(num_rows), start // bsz].astype(np.int64)
-        host[2 * n : 2 * n + num_rows] = blocks * bsz + start % bsz
-        host[2 * n + num_rows :] = self._pad_slots[num_rows:]
+        host[:bs] = meta.input_ids
+        host[n : n + bs] = meta.positions
+        host[2 * n : 2 * n + bs] = meta.slot_mapping
         self._static.copy_(self._host, non_blocking=True)
-
-        pad = bs - num_rows
-        indptr = np.zeros(bs + 1, dtype=np.int32)
-        np.cumsum(np.concatenate([nblocks, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
-        num_indices = int(indptr[-1])
-        indices = self._host_indices[:num_indices]
-        ind = indices.numpy()
-        ind[: len(real_indices)] = real_indices
-        ind[len(real_indices) :] = self.scratch_block
-        last = np.ones(bs, dtype=np.int32)
-        last[:num_rows] = seq_lens - (nblocks - 1) * bsz
-        seq = np.ones(bs, dtype=np.int32)
-        seq[:num_rows] = seq_lens
+        indices = self._host_indices[: len(meta.kv_indices)]
+        indices.numpy()[:] = meta.kv_indices
         self._plan(
-            bs, torch.from_numpy(indptr), indices, torch.from_numpy(last), torch.from_numpy(seq)
+            bs,
+            torch.from_numpy(meta.kv_indptr),
+            indices,
+            torch.from_numpy(meta.kv_last_page_len),
+            torch.from_numpy(meta.seq_lens),
         )
         self.graphs[bs].replay()
         return self.logits[bs][:num_rows]
+
+
+class DecodeMetadata(NamedTuple):
+    """Host-side inputs of one padded decode step (bucket rows; rows >= R are padding)."""
+
+    input_ids: np.ndarray  # [bucket] int64: each row's last token; padding 0
+    positions: np.ndarray  # [bucket] int64: position of that token; padding 0
+    slot_mapping: np.ndarray  # [bucket] int64: its KV slot; padding: slots of the scratch block
+    kv_indptr: np.ndarray  # [bucket + 1] int32
+    kv_indices: np.ndarray  # [kv_indptr[-1]] int32: real rows' blocks, then one scratch each
+    kv_last_page_len: np.ndarray  # [bucket] int32: 1..block_size; padding 1
+    seq_lens: np.ndarray  # [bucket] int32: KV length after the step; padding 1
+
+
+def decode_metadata(
+    batch: ScheduledBatch,
+    tables: BlockTableArray,
+    bucket: int,
+    block_size: int,
+    scratch_block: int,
+) -> DecodeMetadata:
+    """Inputs of a decode-only `batch` padded to `bucket` rows, from the block table with
+    numpy (no device work). Row r feeds its last token at position num_computed."""
+    rows = batch.rows
+    num_rows = len(rows)
+    assert batch.num_decode == num_rows <= bucket
+    start = np.fromiter((r.num_computed for r in rows), dtype=np.int64, count=num_rows)
+    seq_lens = start + 1
+    nblocks = (seq_lens + block_size - 1) // block_size
+    table = tables.table[batch.table_rows, : int(nblocks.max())]  # [R, max_blocks] int32
+    real_indices = table[np.arange(table.shape[1]) < nblocks[:, None]]  # row-major: in order
+    assert not (real_indices == scratch_block).any(), (
+        "a request holds the CUDA-graph scratch block: build the BlockAllocator with "
+        "runner.num_usable_blocks blocks"
+    )
+    pad = bucket - num_rows
+    pad_slots = scratch_block_slots(scratch_block, block_size, bucket)[num_rows:]
+    blocks = table[np.arange(num_rows), start // block_size].astype(np.int64)
+    kv_indptr = np.zeros(bucket + 1, dtype=np.int32)
+    np.cumsum(np.concatenate([nblocks, np.ones(pad, dtype=np.int64)]), out=kv_indptr[1:])
+    ones = np.ones(pad, dtype=np.int32)
+    return DecodeMetadata(
+        input_ids=np.concatenate(
+            [
+                np.fromiter((r.token_ids[-1] for r in rows), dtype=np.int64, count=num_rows),
+                np.zeros(pad, dtype=np.int64),
+            ]
+        ),
+        positions=np.concatenate([start, np.zeros(pad, dtype=np.int64)]),
+        slot_mapping=np.concatenate([blocks * block_size + start % block_size, pad_slots]),
+        kv_indptr=kv_indptr,
+        kv_indices=np.concatenate([real_indices, np.full(pad, scratch_block, dtype=np.int32)]),
+        kv_last_page_len=np.concatenate(
+            [(seq_lens - (nblocks - 1) * block_size).astype(np.int32), ones]
+        ),
+        seq_lens=np.concatenate([seq_lens.astype(np.int32), ones]),
+    )

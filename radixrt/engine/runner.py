@@ -1,15 +1,20 @@
 """ModelRunner: owns the model, the KV pool and the attention backend; turns a
-ScheduledBatch into a ForwardBatch, runs the forward and samples."""
+ScheduledBatch into a ForwardBatch, runs the forward (or replays a decode CUDA graph,
+see `radixrt.engine.cuda_graph`) and samples."""
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from radixrt.attention import create_attention_backend
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.engine.sampler import apply_penalties, sample
 from radixrt.kv.pool import KVPool
@@ -19,13 +24,25 @@ from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch, StepOut
 logger = logging.getLogger(__name__)
 
 
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor | None  # [S, vocab] float32: rows that sample, in row order; None if S = 0
+    samples: np.ndarray  # [R] bool: rows that sample this step
+    prompt_logprobs: dict[int, list[float]]  # row -> log-probs of its prompt tokens this step
+
+
 class ModelRunner:
+    """Owns the model, the KV pool and the attention backend. On CUDA with a backend that
+    supports it (flashinfer) and `enable_cuda_graph`, decode-only steps replay CUDA graphs;
+    the pool's last block is then the graphs' scratch block, so the allocator must manage
+    only `num_usable_blocks` blocks."""
+
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size
+        start = time.perf_counter()
         self.model = build_model(
             model_cfg,
             cfg.model_path,
@@ -35,19 +52,40 @@ class ModelRunner:
             max_positions=max_model_len,
             seed=cfg.seed,
         )
+        self.backend = create_attention_backend(
+            cfg.attention_backend, model_cfg, self.device, self.dtype
+        )
+        # FlashInfer pads small heads; the pool stores what the backend attends over.
+        self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
         self.pool = KVPool(
             model_cfg.num_layers,
             self._num_kv_blocks(),
             self.block_size,
             model_cfg.num_kv_heads,
-            model_cfg.head_dim,
+            self.kv_head_dim,
             self.dtype,
             self.device,
         )
-        self.backend = create_attention_backend(
-            cfg.attention_backend, model_cfg, self.device, self.dtype
-        )
         self._use_kernels = self.device.type == "cuda"
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if cfg.enable_cuda_graph and self.device.type == "cuda":
+            if getattr(self.backend, "supports_cuda_graph", False):
+                self.cuda_graphs = DecodeCudaGraphs(
+                    self._decode_logits,
+                    self.backend,
+                    max_batch_size=min(cfg.scheduler.max_running_requests, DECODE_BUCKETS[-1]),
+                    max_blocks_per_seq=math.ceil(max_model_len / self.block_size),
+                    block_size=self.block_size,
+                    scratch_block=self.pool.num_blocks - 1,
+                    device=self.device,
+                )
+            else:
+                logger.info(
+                    "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
+                )
+        # Blocks the allocator may hand out: all but the graphs' scratch block.
+        self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
+        logger.info("model runner ready in %.1f s", time.perf_counter() - start)
 
     def _num_kv_blocks(self) -> int:
         c, m = self.cfg.cache, self.model_cfg
@@ -56,7 +94,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return c.cpu_kv_blocks
         per_block = KVPool.bytes_per_block(
-            m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, self.dtype
+            m.num_layers, c.block_size, m.num_kv_heads, self.kv_head_dim, self.dtype
         )
         free, total = torch.cuda.mem_get_info(self.device)
         # Leave (1 - mem_fraction) of the whole device for activations, graphs, workspace.
@@ -73,7 +111,10 @@ class ModelRunner:
         return num
 
     # ---- batch building ----
-    def build_batch(self, batch: ScheduledBatch, tables: BlockTableArray) -> ForwardBatch:
+    def build_batch(
+        self, batch: ScheduledBatch, tables: BlockTableArray
+    ) -> tuple[ForwardBatch, np.ndarray]:
+        """The step's ForwardBatch and which rows sample ([R] bool)."""
         rows, num_new = batch.rows, batch.num_new
         bs = self.block_size
         start = np.fromiter((r.num_computed for r in rows), dtype=np.int32, count=len(rows))
@@ -128,35 +169,66 @@ class ModelRunner:
 
     # ---- forward ----
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, tables: BlockTableArray) -> StepOutput:
+    def forward(
+        self, batch: ScheduledBatch, tables: BlockTableArray, *, use_cuda_graph: bool = True
+    ) -> StepOutput:
         """Run one step: forward every row's new tokens, sample the rows that reached
-        the end of their tokens, and compute prompt log-probs where asked."""
+        the end of their tokens, and compute prompt log-probs where asked.
+        `use_cuda_graph=False` forces the eager path (benchmarks, tests)."""
+        out = self.run_model(batch, tables, use_cuda_graph=use_cuda_graph)
+        tokens = [0] * len(batch.rows)
+        if out.logits is None:
+            return StepOutput(tokens, None, out.prompt_logprobs)
+        sampling_rows = [r for r, s in zip(batch.rows, out.samples) if s]
+        params = [r.params for r in sampling_rows]
+        if any(p.has_penalties for p in params):  # slicing every row's tokens costs ~5 us
+            apply_penalties(
+                out.logits,
+                params,
+                [r.token_ids[: r.prompt_len] for r in sampling_rows],
+                [r.output_ids for r in sampling_rows],
+            )
+        want_logprobs = any(p.logprobs for p in params)
+        sampled_out = sample(
+            out.logits, params, [r.num_output for r in sampling_rows], want_logprobs
+        )
+        sampled = sampled_out.token_ids.tolist()
+        sampled_lp = sampled_out.logprobs.tolist() if sampled_out.logprobs is not None else None
+        logprobs = [0.0] * len(batch.rows) if sampled_lp is not None else None
+        for j, i in enumerate(np.flatnonzero(out.samples)):
+            tokens[i] = sampled[j]
+            if logprobs is not None:
+                logprobs[i] = sampled_lp[j]
+        return StepOutput(tokens, logprobs, out.prompt_logprobs)
+
+    @torch.inference_mode()
+    def run_model(
+        self, batch: ScheduledBatch, tables: BlockTableArray, *, use_cuda_graph: bool = True
+    ) -> ModelOutput:
+        """Forward one step and return the logits of the rows that sample (no sampling).
+        Decode-only batches replay a CUDA graph when graphs are on and `use_cuda_graph`."""
+        graphs = self.cuda_graphs
+        if (
+            use_cuda_graph
+            and graphs is not None
+            and graphs.can_run(batch)
+            and not any(r.params.prompt_logprobs for r in batch.rows)
+        ):
+            # Every decode row samples (it feeds its last token).
+            logits = graphs.run(batch, tables)
+            return ModelOutput(logits, np.ones(len(batch.rows), dtype=bool), {})
         fb, samples = self.build_batch(batch, tables)
         self.backend.prepare(fb)
         hidden = self.model(fb, self.backend, self.pool)
         prompt_lps = self._prompt_logprobs(batch, hidden)
-        sampling_rows = [r for r, s in zip(batch.rows, samples) if s]
-        tokens = [0] * len(batch.rows)
-        if not sampling_rows:
-            return StepOutput(tokens, None, prompt_lps)
+        if not samples.any():
+            return ModelOutput(None, samples, prompt_lps)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
-        params = [r.params for r in sampling_rows]
-        apply_penalties(
-            logits,
-            params,
-            [r.token_ids[: r.prompt_len] for r in sampling_rows],
-            [r.output_ids for r in sampling_rows],
-        )
-        want_logprobs = any(p.logprobs for p in params)
-        out = sample(logits, params, [r.num_output for r in sampling_rows], want_logprobs)
-        sampled = out.token_ids.tolist()
-        sampled_lp = out.logprobs.tolist() if out.logprobs is not None else None
-        logprobs = [0.0] * len(batch.rows) if sampled_lp is not None else None
-        for j, i in enumerate(np.flatnonzero(samples)):
-            tokens[i] = sampled[j]
-            if logprobs is not None:
-                logprobs[i] = sampled_lp[j]
-        return StepOutput(tokens, logprobs, prompt_lps)
+        return ModelOutput(logits, samples, prompt_lps)
+
+    def _decode_logits(self, fb: ForwardBatch) -> torch.Tensor:
+        """What a decode CUDA graph captures: forward + logits of every row."""
+        return self.model.compute_logits(self.model(fb, self.backend, self.pool))
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, hidden: torch.Tensor

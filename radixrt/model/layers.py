@@ -1,16 +1,44 @@
 """Model building blocks: RMSNorm, rotary embedding, SiLU-and-mul.
 
-Plain torch implementations that run anywhere; `radixrt.model.fast_ops` may swap in
-fused GPU kernels (same contracts) when they are available.
+Each runs FlashInfer's fused CUDA kernel on CUDA half-precision tensors when flashinfer is
+installed (RMSNorm with the residual add fused in, in place; RoPE from the cos/sin cache, in
+place; SiLU-and-mul), and plain torch everywhere else (CPU, float32, or shapes the kernels do
+not take). Both paths share one contract; the fused ones round differently (float32 inside).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+ROPE_HEAD_DIMS = (64, 128, 256, 512)  # head dims FlashInfer's RoPE kernel takes
+
+
+@functools.cache
+def _flashinfer() -> ModuleType | None:
+    """The flashinfer package, imported on first use, or None where it is not installed."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    import flashinfer
+    import flashinfer.activation
+    import flashinfer.norm
+    import flashinfer.rope
+
+    return flashinfer
+
+
+def _fast(x: torch.Tensor) -> ModuleType | None:
+    """flashinfer when `x` can take its kernels (CUDA, fp16/bf16), else None."""
+    if x.is_cuda and x.dtype in HALF_DTYPES:
+        return _flashinfer()
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +50,15 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H]. With `residual`: returns (norm(x + residual), x + residual)."""
+        """x [T, H] (or [T, heads, H] without residual). With `residual` [T, H]: returns
+        (norm(x + residual), x + residual). On the fused CUDA path (2-D x, weight of x's
+        dtype) that pair is written into x and residual themselves (in place)."""
+        fi = _fast(x)
+        if fi is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return fi.norm.rmsnorm(x, self.weight, self.eps)
+            fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -35,6 +71,9 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2 * I] (gate | up) -> silu(gate) * up [T, I]."""
+    fi = _fast(x)
+    if fi is not None and x.is_contiguous() and x.shape[-1] * x.element_size() % 16 == 0:
+        return fi.activation.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
@@ -79,7 +118,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes)."""
+        """positions [T] int64; q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes).
+        On the fused CUDA path q and k are rotated in place (any token/head strides) and
+        returned."""
+        fi = _fast(q)
+        if fi is not None and self.head_dim in ROPE_HEAD_DIMS:
+            fi.rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, self.head_dim, self.cos_sin, is_neox=True
+            )
+            return q, k
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, d/2] each
         cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
         sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)

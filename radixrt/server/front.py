@@ -174,7 +174,9 @@ class Front:
         if self.dead is not None:
             msg = f"the server cannot generate: {self.dead}"
             return ApiError(msg, status=503, type="server_error")
-        return ApiError("the model is still loading; retry shortly", status=503, type="server_error")
+        return ApiError(
+            "the model is still loading; retry shortly", status=503, type="server_error"
+        )
 
     @property
     def serving(self) -> bool:
@@ -211,9 +213,7 @@ class Front:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.skip_special_tokens, ids
                 )
-                states.append(
-                    RequestState(rid, i * spec.n + j, ids, params, detok, events, group)
-                )
+                states.append(RequestState(rid, i * spec.n + j, ids, params, detok, events, group))
         for st in states:
             self.states[st.rid] = st
             self._send(TokenizedRequest(st.rid, st.prompt_ids, st.params))
@@ -247,8 +247,8 @@ class Front:
             )
         if spec.max_tokens is None:
             room = limit - n
-            max_tokens = room if spec.default_max_tokens is None else min(
-                room, spec.default_max_tokens
+            max_tokens = (
+                room if spec.default_max_tokens is None else min(room, spec.default_max_tokens)
             )
         else:
             max_tokens = spec.max_tokens
@@ -337,11 +337,12 @@ class Front:
         st.logprobs.extend(new_lps)
         text = st.detok.add(new_ids, final=final)
         st.text += text
-        if st.detok.stopped and not st.stop_seen and not final:
-            # Stop string: the text is complete; the scheduler ends the request with
-            # reason "stop" and its final TokenOut finishes it here.
+        if st.detok.stopped and not st.stop_seen:
+            # A stop string: the text is complete. The scheduler ends the request with
+            # reason "stop" and its final TokenOut (with prompt log-probs) finishes it here.
             st.stop_seen = True
-            self._send(AbortRequest(st.rid, reason="stop"))
+            if not final:
+                self._send(AbortRequest(st.rid, reason="stop"))
         reason = out.finish_reason
         if reason is not None and st.stop_seen:
             reason = "stop"

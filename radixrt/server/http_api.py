@@ -369,5 +369,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
             return await _sse(request, gen, chunks)
         states = await gen.wait()
-    outs = [{"text": st.text, "output_ids": st.output_ids, "meta_info": meta(st, None)} for st in states]
+    outs = [
+        {"text": st.text, "output_ids": st.output_ids, "meta_info": meta(st, None)} for st in states
+    ]
     return _response(outs if spec.batched else outs[0])

@@ -44,6 +44,7 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # /v1/models id; None: the model path
     debug_endpoints: bool = False  # GET /debug/state and integrity checks when idle
+    cpu_threads: int | None = None  # scheduler's torch threads on CPU; None: cores - 1
     device: str = "auto"
     dtype: str = "auto"
     options: dict[str, object] = field(default_factory=dict)  # other engine options
@@ -65,6 +66,12 @@ def add_serve_command(
         action="store_true",
         help="GET /debug/state (scheduler state, KV blocks) and integrity checks when idle",
     )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads of the scheduler process on CPU (default: all cores but one)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -80,6 +87,7 @@ def add_serve_command(
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             debug_endpoints=args.enable_debug_endpoints,
+            cpu_threads=args.cpu_threads,
             device=options.pop("device"),
             dtype=options.pop("dtype"),
             options=options,
@@ -120,6 +128,7 @@ def serve(cfg: ServeConfig) -> int:
         parent_pid=os.getpid(),
         options=dict(cfg.options),
         debug=cfg.debug_endpoints,
+        cpu_threads=cfg.cpu_threads,
     )
     proc = multiprocessing.get_context("spawn").Process(
         target=scheduler_main, args=(args,), name="radixrt-scheduler", daemon=True

@@ -161,11 +161,15 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as e:
         text = str(e)
         m = re.search(r" - at `\$\.?([^`]*)`$", text)
-        param = m.group(1) if m and m.group(1) else None
-        m2 = re.match(r"Object missing required field `(\w+)`", text)
-        if m2:
-            param = m2.group(1)
-        raise ApiError(f"invalid request: {text}", param=param) from e
+        where = m.group(1) if m else ""  # e.g. "max_tokens", "messages[0]"
+        if missing := re.match(r"Object missing required field `(\w+)`", text):
+            param = f"{where}.{missing.group(1)}" if where else missing.group(1)
+            message = f"missing required field {param}"
+        elif where:  # "Expected `int | null`, got `str` - at `$.max_tokens`"
+            param, message = where, f"invalid {where}: {text[: m.start()]}"
+        else:
+            param, message = None, f"invalid request: {text}"
+        raise ApiError(message, param=param) from e
     except msgspec.DecodeError as e:
         raise ApiError(f"invalid JSON body: {e}") from e
 

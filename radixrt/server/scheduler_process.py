@@ -49,6 +49,7 @@ class SchedulerProcessArgs:
     parent_pid: int  # exit when this process is no longer our parent
     options: dict[str, object] = field(default_factory=dict)  # resolve_config options
     debug: bool = False  # run check_integrity() whenever the engine goes idle
+    cpu_threads: int | None = None  # torch threads on CPU; None: all cores but one (the front's)
 
 
 def scheduler_main(args: SchedulerProcessArgs) -> None:
@@ -95,6 +96,13 @@ def build_core(args: SchedulerProcessArgs):
 
     check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
     cfg = resolve_config(args.model_path, args.device, args.dtype, **args.options)
+    if cfg.device == "cpu":
+        # The front needs a core too; oversubscribed OpenMP threads spin and stall a step.
+        import torch
+
+        threads = args.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        torch.set_num_threads(threads)
+        logger.info("CPU: %d torch threads", threads)
     model_config = ModelConfig.from_pretrained(args.model_path)
     return EngineCore(cfg, model_config, args.eos_token_ids)
 

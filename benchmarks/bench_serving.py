@@ -1,0 +1,356 @@
+"""Radix vs block-hash vs no prefix cache on multi-call workloads, side by side in one run.
+
+Every workload (and a memory-pressure variant of some: a KV pool `--pressure-factor` times
+smaller than their working set) runs under each configuration on the same requests:
+radix+lpm, blockhash+fcfs (vLLM-like) and none+fcfs. Backends:
+- engine: the in-process engine (`benchmarks.engine_driver`); one engine per config and
+  pool size, its prefix cache reset between workloads (the same as a fresh engine).
+- server: a fresh `radixrt serve` per run, driven over streaming POST /generate.
+Writes <out>/<tag>.json (after every run), <tag>.md (table + targets) and <tag>.png.
+
+    python -m benchmarks.bench_serving --size smoke                    # CPU, tiny model
+    python -m benchmarks.bench_serving --size smoke --backend server --workloads shared-prefix
+    python -m benchmarks.bench_serving --model DIR --load-format dummy --scale 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from benchmarks.metrics import DriverResult, format_table, summarize
+from benchmarks.targets import check_targets
+from benchmarks.workloads import WORKLOADS, Workload, make_workload
+
+CONFIGS = {  # name -> (prefix cache, scheduling policy)
+    "radix": ("radix", "lpm"),
+    "blockhash": ("blockhash", "fcfs"),
+    "none": ("none", "fcfs"),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    label: str  # table name: the workload, or "<workload>@kv/<ratio>" under pressure
+    workload: Workload
+    num_kv_blocks: int | None  # None: the engine's default pool
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model dir (default: the tiny model)")
+    p.add_argument("--backend", default="engine", choices=["engine", "server"])
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list")
+    p.add_argument("--pressure", default="multi-turn,agent", help="workloads to rerun under "
+                   "memory pressure (comma list; empty: none)")  # fmt: skip
+    p.add_argument("--pressure-factor", type=float, default=3.0,
+                   help="working set / KV pool of the pressure runs")  # fmt: skip
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of radix, "
+                   "blockhash, none")  # fmt: skip
+    p.add_argument("--size", default="full", choices=["full", "smoke"])
+    p.add_argument("--scale", default="1", help="session-count factor: X, or name=X,... "
+                   "(workloads not named keep 1)")  # fmt: skip
+    p.add_argument("--order", default="config", choices=["config", "workload"],
+                   help="loop order of the runs (see _blocks)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="programs in flight")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
+    p.add_argument("--run-timeout-s", type=float, default=None, help="abort a run after this")
+    p.add_argument("--out", default="benchmarks/out")
+    p.add_argument("--tag", default="serving", help="name of the output files")
+    p.add_argument("--hf-baseline", default=None, help="bench_hf JSON for the 10x target")
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="pool of the normal runs")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--server-startup-timeout-s", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def _scales(spec: str, names: list[str]) -> dict[str, float]:
+    if "=" not in spec:
+        return dict.fromkeys(names, float(spec))
+    scales = dict.fromkeys(names, 1.0)
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in WORKLOADS:
+            raise ValueError(f"--scale: unknown workload {name!r}; allowed: {WORKLOADS}")
+        scales[name] = float(value)
+    return scales
+
+
+def plan_runs(args: argparse.Namespace, vocab_size: int, max_len: int) -> list[RunSpec]:
+    """Normal runs of every workload, then the pressure runs, which share one pool: the
+    smallest of (working set / pressure factor) over the pressure workloads."""
+    names = [n for n in args.workloads.split(",") if n]
+    pressure = [n for n in args.pressure.split(",") if n]
+    scales = _scales(args.scale, sorted(set(names) | set(pressure)))
+    workloads = {
+        n: make_workload(n, args.size, scales[n], args.seed, vocab_size)
+        for n in dict.fromkeys(names + pressure)
+    }
+    for w in workloads.values():
+        if w.max_context > max_len:
+            raise ValueError(
+                f"workload {w.name} needs {w.max_context} tokens of context but the model "
+                f"allows {max_len}; use --size smoke or a longer-context model"
+            )
+    runs = [RunSpec(n, workloads[n], args.num_kv_blocks) for n in names]
+    bs = args.block_size
+    pools = {
+        n: max(
+            math.ceil(working_set_blocks(workloads[n], bs, args.max_concurrency)
+                      / args.pressure_factor),
+            2 * math.ceil(workloads[n].max_context / bs),
+        )
+        for n in pressure
+    }  # fmt: skip
+    if pools:
+        pool = min(pools.values())
+        for n in pressure:
+            ratio = working_set_blocks(workloads[n], bs, args.max_concurrency) / pool
+            runs.append(RunSpec(f"{n}@kv/{ratio:.1f}", workloads[n], pool))
+    return runs
+
+
+def working_set_blocks(w: Workload, block_size: int, max_concurrency: int | None) -> int:
+    return math.ceil(w.working_set_tokens(max_concurrency) / block_size)
+
+
+def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | None) -> dict:
+    opts = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "prefix_cache": cache,
+        "policy": policy,
+        "block_size": args.block_size,
+        "num_kv_blocks": kv,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_running_requests": args.max_running_requests,
+        "load_format": args.load_format,
+    }
+    if args.disable_cuda_graph:
+        opts["enable_cuda_graph"] = False
+    return opts
+
+
+class EngineBackend:
+    """One in-process engine for a block of runs (a context manager); each run starts with
+    an empty prefix cache. Leaving releases the engine's memory."""
+
+    def __init__(self, args: argparse.Namespace, model: str, opts: dict) -> None:
+        self.model, self.opts = model, opts
+        self.kw = _driver_kwargs(args)
+        self.engine = None
+
+    def __enter__(self) -> EngineBackend:
+        from radixrt.engine import Engine
+
+        self.engine = Engine(self.model, **self.opts)
+        self.run(_warmup_workload(self.engine.model_config.vocab_size), lambda: None)
+        return self
+
+    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
+        from benchmarks.engine_driver import run_engine
+
+        result = run_engine(self.engine, workload, on_call_done=on_done, **self.kw)
+        self.engine.cache.reset()
+        assert self.engine.allocator.num_used == 0, "blocks in use after resetting the cache"
+        return result
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.shutdown()
+        self.engine = None
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class ServerBackend:
+    """A fresh `radixrt serve` per run, warmed up with a few requests first."""
+
+    def __init__(self, args: argparse.Namespace, model: str, opts: dict) -> None:
+        self.model = model
+        self.kw = _driver_kwargs(args)
+        self.log = os.path.join(args.out, f"{args.tag}-server.log")
+        self.startup_timeout_s = args.server_startup_timeout_s
+        self.serve_args = []
+        for key, value in opts.items():
+            if key == "enable_cuda_graph":
+                self.serve_args.append("--disable-cuda-graph")
+            elif value is not None:
+                self.serve_args += ["--" + key.replace("_", "-"), str(value)]
+
+    def __enter__(self) -> ServerBackend:
+        return self
+
+    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
+        from benchmarks.http_driver import ServerProcess, run_server
+
+        with ServerProcess(self.model, self.serve_args, self.log, self.startup_timeout_s) as srv:
+            run_server(srv.url, _warmup_workload(workload.params["vocab_size"]))
+            return run_server(srv.url, workload, on_call_done=on_done, **self.kw)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _driver_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+        "timeout_s": args.run_timeout_s,
+    }
+
+
+def _warmup_workload(vocab_size: int) -> Workload:
+    return make_workload("random", "smoke", 4 / 32, seed=12345, vocab_size=vocab_size,
+                         input_len=32, output_len=4)  # fmt: skip
+
+
+def run_suite(args: argparse.Namespace, command: str = "") -> dict:
+    """Run the plan under every config; returns (and keeps writing) the results dict."""
+    from radixrt.config import ModelConfig
+
+    model = args.model
+    if model is None:
+        from radixrt.model.tiny import ensure_tiny_model
+
+        model = ensure_tiny_model()
+    mc = ModelConfig.from_pretrained(model)
+    runs = plan_runs(args, mc.vocab_size, mc.max_position_embeddings)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        raise ValueError(f"unknown configs {sorted(unknown)}; allowed: {', '.join(CONFIGS)}")
+    os.makedirs(args.out, exist_ok=True)
+    results = {"meta": _meta(args, model, command), "runs": [], "targets": []}
+    backend = EngineBackend if args.backend == "engine" else ServerBackend
+    total = len(configs) * sum(r.workload.num_calls for r in runs)
+    bar = tqdm(total=total, unit="call", dynamic_ncols=True, mininterval=0.5 if
+               sys.stderr.isatty() else 10)  # fmt: skip
+    for config, kv, specs in _blocks(runs, configs, args.order):
+        cache, policy = CONFIGS[config]
+        with backend(args, model, engine_options(args, cache, policy, kv)) as b:
+            for spec in specs:
+                bar.set_description(f"{spec.label} {config}")
+                result = b.run(spec.workload, lambda: bar.update(1))
+                row = _row(spec, config, args.backend, result)
+                results["runs"].append(row)
+                bar.write(_one_line(row))
+                _write(results, args)
+    bar.close()
+    hf = None
+    if args.hf_baseline:
+        with open(args.hf_baseline) as f:
+            hf = json.load(f)
+    results["targets"] = check_targets(results["runs"], hf)
+    _write(results, args)
+    from benchmarks.plot import plot_runs
+
+    title = f"{args.tag}: {os.path.basename(model.rstrip('/'))}, {args.backend} backend"
+    plot_runs(results["runs"], os.path.join(args.out, f"{args.tag}.png"), title)
+    return results
+
+
+def _blocks(
+    runs: list[RunSpec], configs: list[str], order: str
+) -> list[tuple[str, int | None, list[RunSpec]]]:
+    """(config, KV pool, runs) per backend instance. config: one engine per config and pool,
+    all its runs in a row; workload: one per run, each workload's configs back to back (less
+    drift between the configs on a shared machine; engines are rebuilt every run)."""
+    if order == "workload":
+        return [(c, r.num_kv_blocks, [r]) for r in runs for c in configs]
+    pools = dict.fromkeys(r.num_kv_blocks for r in runs)
+    return [(c, kv, [r for r in runs if r.num_kv_blocks == kv]) for c in configs for kv in pools]
+
+
+def _row(spec: RunSpec, config: str, backend: str, result: DriverResult) -> dict:
+    cache, policy = CONFIGS[config]
+    return {
+        "workload": spec.label,
+        "workload_name": spec.workload.name,
+        "config": f"{cache}+{policy}",
+        "cache": cache,
+        "policy": policy,
+        "backend": backend,
+        "num_kv_blocks": spec.num_kv_blocks,
+        "num_programs": len(spec.workload.programs),
+        "best_hit_rate": spec.workload.best_hit_rate(),
+        "workload_params": spec.workload.params,
+        **summarize(result),
+    }
+
+
+def _one_line(r: dict) -> str:
+    return (
+        f"{r['workload']:>22} {r['config']:>15}: {r['duration_s']:7.2f} s, "
+        f"{r['request_throughput']:8.2f} req/s, {r['output_throughput']:8.0f} out tok/s, "
+        f"hit {100 * r['hit_rate']:5.1f}% (best {100 * r['best_hit_rate']:.1f}%), "
+        f"evicted {r['evicted_blocks']}, preempted {r['preemptions']}"
+        + ("" if r["complete"] else "  TIMEOUT")
+    )
+
+
+def _write(results: dict, args: argparse.Namespace) -> None:
+    path = os.path.join(args.out, f"{args.tag}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(format_table(results["runs"]) + "\n\n")
+        f.write("\n".join(f"- {t['status']}: {t['text']}" for t in results["targets"]) + "\n")
+
+
+def _meta(args: argparse.Namespace, model: str, command: str) -> dict:
+    import torch
+
+    device = "cpu"
+    if torch.cuda.is_available() and args.device != "cpu":
+        device = torch.cuda.get_device_name()
+    finite = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+    return {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "torch": torch.__version__,
+        "model": model,
+        "args": {k: finite(v) for k, v in vars(args).items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    results = run_suite(args, " ".join(["python -m benchmarks.bench_serving", *argv]))
+    print()
+    print(format_table(results["runs"]))
+    print()
+    for t in results["targets"]:
+        print(f"{t['status']:>4}  {t['text']}")
+    print(f"\nwrote {os.path.join(args.out, args.tag)}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

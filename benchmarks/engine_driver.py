@@ -1,0 +1,94 @@
+"""Drive an in-process `Engine` through a workload: add the ready calls, step, repeat.
+
+Token level (`engine.core`): no detokenizer in the loop, like the server's scheduler
+process. Times are taken after each step, so a token's time is the end of its step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from benchmarks.dispatch import Dispatcher, ReadyCall
+from benchmarks.metrics import CallRecord, DriverResult, KVStats
+from benchmarks.workloads import Workload
+from radixrt.engine import Engine
+from radixrt.sampling import SamplingParams
+
+
+def run_engine(
+    engine: Engine,
+    workload: Workload,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    timeout_s: float | None = None,
+    on_call_done: Callable[[], None] | None = None,
+) -> DriverResult:
+    """Run every call of `workload` on `engine` (which must be idle) and time it.
+
+    After the run (or the timeout, which aborts what is left) the engine is idle: its
+    integrity check passes and only the prefix cache holds blocks; the cache is kept.
+    `on_call_done` is called once per finished call (progress bars)."""
+    core, alloc, cache = engine.core, engine.allocator, engine.cache
+    assert not core.has_work, "run_engine needs an idle engine"
+    params = {
+        n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        for n in {c.max_tokens for p in workload.programs for c in p.calls}
+    }
+    disp = Dispatcher(workload, max_concurrency, request_rate, seed)
+    before = engine.stats()
+    inflight: dict[str, tuple[ReadyCall, CallRecord]] = {}
+    records: list[CallRecord] = []
+    peak_used = peak_active = alloc.num_used
+    complete = True
+    start = time.perf_counter()
+    while not disp.done:
+        now = time.perf_counter() - start
+        if timeout_s is not None and now > timeout_s:
+            complete = False
+            break
+        for call in disp.pop_ready(now):
+            req = core.add_request(call.prompt, params[call.max_tokens])
+            inflight[req.rid] = (call, CallRecord(req.prompt_len, 0, 0, now, now, now))
+        if not core.has_work:  # every program left waits for its arrival time
+            nxt = disp.next_arrival()
+            assert nxt is not None, "nothing running, nothing ready, programs left"
+            time.sleep(max(0.0, nxt - now))
+            continue
+        changed = core.step()
+        t = time.perf_counter() - start
+        used = alloc.num_used
+        peak_used = max(peak_used, used)
+        peak_active = max(peak_active, used - cache.evictable_blocks)
+        for req in changed:
+            call, rec = inflight[req.rid]
+            if req.num_output > len(rec.token_times):
+                rec.token_times.append(t)
+            if req.is_finished:
+                del inflight[req.rid]
+                rec.cached_tokens = req.num_cached_tokens
+                rec.output_tokens = req.num_output
+                rec.first_token = rec.token_times[0] if rec.token_times else t
+                rec.end = t
+                records.append(rec)
+                disp.finish(call, req.output_ids)
+                if on_call_done is not None:
+                    on_call_done()
+    duration = time.perf_counter() - start
+    for rid in list(inflight):
+        core.abort(rid)
+    engine.check_integrity()
+    assert alloc.num_used == cache.cached_blocks, "a finished run left blocks held by requests"
+    after = engine.stats()
+    kv = KVStats(
+        blocks_total=alloc.num_blocks,
+        peak_blocks_used=peak_used,
+        peak_blocks_active=peak_active,
+        evicted_blocks=int(after["evicted_blocks"] - before["evicted_blocks"]),
+        preemptions=int(after["preemptions"] - before["preemptions"]),
+        steps=int(after["steps"] - before["steps"]),
+    )
+    return DriverResult(records, duration, kv, complete)

@@ -1,0 +1,56 @@
+"""Model shapes of public checkpoints, for benchmarks with random ("dummy") weights.
+
+`write_dummy_model_dir` writes an HF-style dir (config.json + the tiny model's tokenizer) so
+that `Engine(dir, load_format="dummy")` builds the real shape with random weights, without
+downloading anything. The tokenizer is the tiny one (2k tokens, all ids valid in the larger
+vocabularies), so bos/eos in config.json are the tiny tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+# preset name -> HF config.json (architecture and shape as published)
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_dummy_model_dir(out_dir: str, preset: str = "llama-3-8b") -> str:
+    """Write config.json of `preset` and the tiny tokenizer into `out_dir` (created if
+    missing; existing files are overwritten). Returns `out_dir`. Raises ValueError for an
+    unknown preset. Builds the tiny model once (cached) to copy its tokenizer."""
+    from radixrt.model.tiny import BOS_ID, EOS_IDS, ensure_tiny_model
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+    tiny = ensure_tiny_model()
+    os.makedirs(out_dir, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(tiny, name), os.path.join(out_dir, name))
+    config = dict(PRESETS[preset], bos_token_id=BOS_ID, eos_token_id=list(EOS_IDS))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return out_dir

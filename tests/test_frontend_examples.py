@@ -1,0 +1,46 @@
+"""The frontend examples run end to end on the tiny model (in-process, small settings)."""
+
+from __future__ import annotations
+
+from radixrt.frontend.examples import chat, few_shot_select, react_agent, tree_of_thought
+from radixrt.frontend.examples.react_agent import calculator, lookup
+
+COMMON = ["--device", "cpu", "--max-tokens", "4"]
+
+
+def test_chat_example(tiny_model_dir, capsys):
+    state = chat.main(["--model", tiny_model_dir, *COMMON, "--turns", "2"])
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"] * 1 + [
+        "user",
+        "assistant",
+    ]
+    assert state.meta("answer_1")["cached_tokens"] > state.meta("answer_0")["prompt_tokens"] // 2
+    assert "prefix cache" in capsys.readouterr().out
+
+
+def test_react_agent_example(tiny_model_dir):
+    state = react_agent.main(["--model", tiny_model_dir, *COMMON, "--steps", "2"])
+    actions = [v for k, v in state.variables().items() if k.startswith("action_")]
+    assert 1 <= len(actions) <= 2 and set(actions) <= set(react_agent.ACTIONS)
+    assert "answer" in state.variables()
+
+
+def test_react_agent_tools():
+    assert calculator("3 * (4 + 5)") == "27"
+    assert calculator("2 ** 100").startswith("error:")  # ** is not offered
+    assert calculator("__import__('os')").startswith("error:")
+    assert "8849" in lookup("How high is Everest?")
+    assert lookup("unknown thing").startswith("no entry")
+
+
+def test_tree_of_thought_example(tiny_model_dir):
+    args = ["--model", tiny_model_dir, *COMMON, "--branches", "2", "--depth", "2"]
+    state = tree_of_thought.main(args)
+    content = state.messages()[-1]["content"]
+    assert content.count("Step ") == 2 and "Answer:" in content
+
+
+def test_few_shot_select_example(tiny_model_dir, capsys):
+    states = few_shot_select.main(["--model", tiny_model_dir, *COMMON, "--num-questions", "3"])
+    assert all(s["answer"] in (" A", " B", " C", " D") for s in states)
+    assert "accuracy" in capsys.readouterr().out

@@ -1,0 +1,165 @@
+"""RuntimeEndpoint against a real `radixrt serve` subprocess on the tiny model: the same
+programs give the same greedy results as the in-process backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from radixrt import SamplingParams
+from radixrt.frontend import (
+    BackendError,
+    EngineBackend,
+    RuntimeEndpoint,
+    assistant,
+    function,
+    gen,
+    select,
+    system,
+    user,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_SERVER = importlib.util.find_spec("radixrt.server.launch") is not None
+STARTUP_TIMEOUT_S = 90
+GREEDY = {"temperature": 0, "max_tokens": 4}
+SHARED = "You are a careful assistant. Think about the question, then answer it briefly. " * 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir, tmp_path_factory):
+    if not HAS_SERVER:
+        pytest.skip("radixrt.server.launch does not exist yet (the HTTP server is unwritten)")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "serve.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "radixrt.cli", "serve", "--model", tiny_model_dir]
+    cmd += ["--device", "cpu", "--dtype", "float32", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}"
+                )
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:  # refused / not ready (HTTPError 503 is an OSError too)
+        return False
+
+
+@pytest.fixture(scope="module")
+def endpoint(server_url, tiny_model_dir):
+    return RuntimeEndpoint(server_url, model_path=tiny_model_dir)
+
+
+@pytest.fixture
+def local(make_engine):
+    b = EngineBackend(make_engine())
+    yield b
+    b.close()
+
+
+@function
+def everything(s, question, forks_out=None):
+    s += system("Be brief.")
+    s += user(question)
+    s += assistant(gen("answer", stop="\n"))
+    with s.user():
+        s += "Sure? " + SHARED
+    with s.assistant():
+        s += "Verdict:" + select("verdict", choices=[" yes", " no", " not sure"])
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" Reason {i}:" + gen("reason", ignore_eos=True)
+        forks.join()
+        s += " Reasons:" + "|".join(forks["reason"])
+        s += gen("final", max_tokens=3)
+    if forks_out is not None:
+        forks_out += forks
+
+
+def test_same_program_same_results_on_both_backends(endpoint, local):
+    forks = []
+    remote = everything.run("What is 2+2?", forks, backend=endpoint, gen_defaults=GREEDY)
+    here = everything.run("What is 2+2?", backend=local, gen_defaults=GREEDY)
+    assert remote.text() == here.text()
+    assert remote.variables() == here.variables()
+    assert remote.messages() == here.messages()
+    remote_scores = remote.meta("verdict")["scores"]
+    assert remote_scores == pytest.approx(here.meta("verdict")["scores"], abs=1e-4)
+    for key in ("prompt_tokens", "completion_tokens", "finish_reason", "output_ids"):
+        assert remote.meta("answer")[key] == here.meta("answer")[key]
+    # the fork's prefix hint reached the server's cache: each branch reused the prefix
+    n_shared = len(endpoint.encode(forks[0].text().rsplit(" Reason", 1)[0]))
+    assert all(f.meta("reason")["cached_tokens"] >= n_shared - 1 for f in forks)
+
+
+def test_run_batch_and_streaming_over_http(endpoint, local):
+    batch = [{"question": f"What is {i}+{i}?"} for i in range(2)]
+    remote = everything.run_batch(batch, backend=endpoint, gen_defaults=GREEDY)
+    here = everything.run_batch(batch, backend=local, gen_defaults=GREEDY)
+    assert [s.text() for s in remote] == [s.text() for s in here]
+    stream = everything.run("What is 0+0?", backend=endpoint, stream=True, gen_defaults=GREEDY)
+    chunks = list(stream.text_iter())
+    assert len(chunks) > 10 and "".join(chunks) == stream.text() == here[0].text()
+
+
+def test_example_runs_against_the_server(server_url, capsys):
+    from radixrt.frontend.examples import few_shot_select
+
+    states = few_shot_select.main(["--url", server_url, "--num-questions", "2"])
+    assert [s["answer"] for s in states] and "accuracy" in capsys.readouterr().out
+
+
+def test_tokenizer_path_from_the_server(server_url, tiny_model_dir):
+    endpoint = RuntimeEndpoint(server_url)  # no model_path: the server reports its model dir
+    assert os.path.samefile(endpoint.model_path, tiny_model_dir)
+
+
+def test_server_rejects_bad_input_with_value_error(endpoint, local):
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="server rejected the request: .*vocabulary"):
+        endpoint.generate([10**6], params)
+    with pytest.raises(ValueError, match="vocabulary"):
+        local.generate([10**6], params)
+
+
+def test_unreachable_server_raises_backend_error(tiny_model_dir):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(BackendError, match=f"cannot reach the radixrt server at {url}"):
+        RuntimeEndpoint(url, model_path=tiny_model_dir)
