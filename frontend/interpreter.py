@@ -79,7 +79,8 @@ class Executor:
         self.messages: list[dict[str, str]] = []
         self.open_role: _OpenRole | None = None
         self.children: list[Executor] = []  # forks, finished with this executor
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # first error of the worker
+        self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -91,12 +92,7 @@ class Executor:
     # ---- control ----
     def submit(self, ops: list[Op]) -> None:
         """Run `ops` now (in this thread) or queue them for the worker."""
-        if self._finished:
-            raise RuntimeError(
-                "this fork was joined; add to the parent state or fork again"
-                if self._queue is not None
-                else "the program has finished; its state is read-only (start another run)"
-            )
+        self._check_open()
         if self._queue is None:
             for op in ops:
                 self._execute(op)
@@ -112,13 +108,26 @@ class Executor:
 
     def finish(self) -> BaseException | None:
         """Wait for the queued operations and for every fork, stop the worker; returns the
-        first error of this state or its forks (None if all succeeded). Idempotent."""
-        if not self._finished and self._queue is not None:
+        first error of this state or its forks that the program has not seen yet (None if
+        there is none). So every error is raised once at least: a program that catches a
+        fork's error (from join or a read) can go on."""
+        if self._finished:
+            return None
+        if self._queue is not None:
             self._queue.put(None)
             self._thread.join()  # type: ignore[union-attr]
         self._finished = True
-        errors = [self._error] + [child.finish() for child in self.children]
+        own = None if self._error_raised else self._error
+        errors = [own] + [child.finish() for child in self.children]
         return next((e for e in errors if e is not None), None)
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise RuntimeError(
+                "this fork was joined; add to the parent state or fork again"
+                if self._queue is not None
+                else "the program has finished; its state is read-only (start another run)"
+            )
 
     def fork(self, n: int) -> list[Executor]:
         """n concurrent copies of this state. The shared prefix is prefilled once first
@@ -127,6 +136,7 @@ class Executor:
             raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
         if self.tracing:
             raise TraceStop
+        self._check_open()
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
@@ -179,6 +189,7 @@ class Executor:
 
     def _raise_error(self) -> None:
         if self._error is not None:
+            self._error_raised = True
             raise self._error
 
     # ---- operations ----

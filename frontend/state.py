@@ -108,6 +108,7 @@ class ForkGroup:
             raise ValueError("the branches of a fork cannot be replaced")
 
     def join(self) -> None:
+        """Wait for every branch; raise the first error not raised to the program yet."""
         errors = [s._executor.finish() for s in self.states]
         first = next((e for e in errors if e is not None), None)
         if first is not None:

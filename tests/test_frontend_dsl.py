@@ -28,6 +28,8 @@ from radixrt.frontend.ir import to_ops
 GREEDY = {"temperature": 0, "max_tokens": 8}
 SHARED = "You are a careful assistant. Think about the question, then answer it briefly. " * 3
 
+ROLES_2_TURNS = ["system", "user", "assistant", "user", "assistant"]
+
 
 @pytest.fixture
 def backend(make_engine):
@@ -245,10 +247,7 @@ def test_roles_render_like_apply_chat_template(backend):
     state = chat.run(question="What is 2+2?", backend=backend, gen_defaults=GREEDY)
     tok = backend.tokenizer
     messages = state.messages()
-    assert [m["role"] for m in messages] == ["system", "user", "assistant"] * 1 + [
-        "user",
-        "assistant",
-    ]
+    assert [m["role"] for m in messages] == ROLES_2_TURNS
     assert messages[3]["content"] == "Thanks! And why?"
     assert messages[4]["content"] == "Because " + state["a2"]
     assert state.text() == tok.apply_chat_template(messages, tokenize=False)
@@ -350,6 +349,20 @@ def test_forks_join_implicitly_and_report_errors(backend):
 
     with pytest.raises(ValueError, match="roles do not nest"):
         failing.run(backend=backend, gen_defaults=GREEDY)
+
+    @function
+    def recovering(s):
+        s += "Start:"
+        forks = s.fork(2)
+        forks[0] += gen("x", max_tokens=4)
+        try:
+            with forks[1].user():
+                forks[1] += user("nested")
+            forks.join()
+        except ValueError:  # a fork error the program handles is not raised again
+            s += " recovered"
+
+    assert recovering.run(backend=backend).text() == "Start: recovered"
 
     @function
     def read_unknown(s):

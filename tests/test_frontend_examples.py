@@ -7,13 +7,12 @@ from radixrt.frontend.examples.react_agent import calculator, lookup
 
 COMMON = ["--device", "cpu", "--max-tokens", "4"]
 
+ROLES_2_TURNS = ["system", "user", "assistant", "user", "assistant"]
+
 
 def test_chat_example(tiny_model_dir, capsys):
     state = chat.main(["--model", tiny_model_dir, *COMMON, "--turns", "2"])
-    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"] * 1 + [
-        "user",
-        "assistant",
-    ]
+    assert [m["role"] for m in state.messages()] == ROLES_2_TURNS
     assert state.meta("answer_1")["cached_tokens"] > state.meta("answer_0")["prompt_tokens"] // 2
     assert "prefix cache" in capsys.readouterr().out
 

@@ -92,7 +92,13 @@ def add_serve_command(
             dtype=options.pop("dtype"),
             options=options,
         )
-        sys.exit(serve(cfg))
+        code = serve(cfg)
+        # Everything is released by now (child joined, sockets closed, temp dir gone);
+        # skip the interpreter's finalization of torch/transformers (seconds on a busy box).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     p.set_defaults(func=run)
 
@@ -129,6 +135,7 @@ def serve(cfg: ServeConfig) -> int:
         options=dict(cfg.options),
         debug=cfg.debug_endpoints,
         cpu_threads=cfg.cpu_threads,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )
     proc = multiprocessing.get_context("spawn").Process(
         target=scheduler_main, args=(args,), name="radixrt-scheduler", daemon=True

@@ -50,6 +50,7 @@ class SchedulerProcessArgs:
     options: dict[str, object] = field(default_factory=dict)  # resolve_config options
     debug: bool = False  # run check_integrity() whenever the engine goes idle
     cpu_threads: int | None = None  # torch threads on CPU; None: all cores but one (the front's)
+    log_level: str = "INFO"
 
 
 def scheduler_main(args: SchedulerProcessArgs) -> None:
@@ -58,7 +59,7 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
+        level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s"
     )
     ctx = zmq.Context()
     inbox: Channel[ToScheduler] = Channel(
@@ -71,6 +72,8 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
     try:
         core = build_core(args)
         SchedulerLoop(core, inbox, outbox, args.parent_pid, args.debug).run()
+    except SystemExit:
+        logger.info("terminated by SIGTERM")
     except Exception:
         message = traceback.format_exc()
         logger.error("scheduler loop failed:\n%s", message)
@@ -80,11 +83,16 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
         inbox.close()
         outbox.close()
         ctx.term()
-    sys.exit(code)
+    # Sockets are closed and the engine holds no outside resource: leave without the
+    # interpreter's slow finalization of torch (the front joins this process).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+    raise SystemExit(0)  # unwinds to scheduler_main's cleanup
 
 
 def build_core(args: SchedulerProcessArgs):
