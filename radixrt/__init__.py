@@ -8,7 +8,17 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isdir(_os.path.join(_root, "kernels")):
     __path__.append(_root)
 
-from radixrt.engine import Engine, RequestOutput, StreamDelta  # noqa: E402
-from radixrt.sampling import SamplingParams  # noqa: E402
-
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "StreamDelta"]
+
+
+def __getattr__(name: str):
+    # Lazy: processes that never build an engine (the HTTP front) skip importing torch.
+    if name in ("Engine", "RequestOutput", "StreamDelta"):
+        from radixrt import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from radixrt.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'radixrt' has no attribute {name!r}")

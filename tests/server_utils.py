@@ -36,6 +36,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.seen_loading = False  # wait_ready saw /health answer 503 "loading"
         cmd = [
             sys.executable, "-m", "radixrt.cli", "serve", "--model", model_dir,
             "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
@@ -57,8 +58,11 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             with contextlib.suppress(OSError):
-                if self.get("/health", timeout=2)[0] == 200:
+                status, body = self.get("/health", timeout=2)
+                if status == 200:
                     return
+                if status == 503 and body["status"] == "loading":
+                    self.seen_loading = True
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.output()}")
 

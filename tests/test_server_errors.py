@@ -58,6 +58,12 @@ BAD = {
     "n_zero": (COMP, {"prompt": "a", "n": 0}, "n", ["n=0"]),
     "stream_wrong_type": (COMP, {"prompt": "a", "stream": "yes"}, "stream", ["bool"]),
     "chat_missing_messages": (CHAT, {"max_tokens": 3}, "messages", ["messages"]),
+    "chat_message_without_role": (
+        CHAT,
+        {"messages": [{"content": "x"}]},
+        "messages[0].role",
+        ["missing", "role"],
+    ),
     "chat_empty_messages": (CHAT, {"messages": []}, "messages", ["empty"]),
     "chat_bad_role": (
         CHAT,

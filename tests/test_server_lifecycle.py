@@ -27,29 +27,12 @@ def servers(tiny_model_dir):
             p.kill_group()
 
 
-def test_sigterm_stops_both_processes(servers):
-    srv = servers[0]
-    sched = srv.state()["scheduler_pid"]
-    assert pid_alive(sched)
-    status, _ = srv.post("/v1/completions", {"prompt": "bye", "max_tokens": 2})
-    assert status == 200
-    t0 = time.monotonic()
-    srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(15) == 0, srv.output()
-    assert wait_dead(sched, 5), "scheduler process outlived the front"
-    assert time.monotonic() - t0 < 12
-
-
-def test_scheduler_death_gives_503_not_hang(servers):
-    srv = servers[1]
-    sched = srv.state()["scheduler_pid"]
-    events, errors = [], []
-
+def _stream_in_background(srv, events, errors):
     def consume():
-        body = {"text": "doomed", "sampling_params": LONG, "stream": True}
+        body = {"text": "in flight", "sampling_params": LONG, "stream": True}
         try:
             events.extend(sse_events(srv.url + "/generate", body, timeout=20))
-        except Exception as e:  # the stream may also just end; record either
+        except Exception as e:  # the stream may also just be cut; record either
             errors.append(e)
 
     t = threading.Thread(target=consume)
@@ -57,6 +40,39 @@ def test_scheduler_death_gives_503_not_hang(servers):
     deadline = time.monotonic() + 10
     while not events and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert events, "no first event"
+    return t
+
+
+def test_health_is_503_until_ready(servers):
+    # HTTP is up before the scheduler process has loaded the model (imports take seconds).
+    assert any(srv.seen_loading for srv in servers)
+    assert all(srv.get("/health")[0] == 200 for srv in servers)
+
+
+def test_sigterm_stops_both_processes(servers):
+    srv = servers[0]
+    sched = srv.state()["scheduler_pid"]
+    assert pid_alive(sched)
+    status, _ = srv.post("/v1/completions", {"prompt": "bye", "max_tokens": 2})
+    assert status == 200
+    events, errors = [], []
+    t = _stream_in_background(srv, events, errors)  # a stream in flight at SIGTERM
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(15) == 0, srv.output()
+    assert wait_dead(sched, 5), "scheduler process outlived the front"
+    assert time.monotonic() - t0 < 10
+    t.join(10)
+    assert not t.is_alive()
+    assert errors or "shutting down" in events[-1]["error"]["message"]
+
+
+def test_scheduler_death_gives_503_not_hang(servers):
+    srv = servers[1]
+    sched = srv.state()["scheduler_pid"]
+    events, errors = [], []
+    t = _stream_in_background(srv, events, errors)
     os.kill(sched, signal.SIGKILL)
     t.join(15)
     assert not t.is_alive(), "in-flight stream hangs after the scheduler died"

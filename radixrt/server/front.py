@@ -13,14 +13,12 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.sampling import SamplingParams
 from radixrt.server.channel import Channel
 from radixrt.server.messages import (
     AbortRequest,
@@ -35,89 +33,9 @@ from radixrt.server.messages import (
 )
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec
+from radixrt.server.request_state import Delta, Generation, RequestState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Delta:
-    """New output of one request."""
-
-    text: str  # new text, safe to show (stop strings excluded)
-    token_ids: list[int]  # new token ids
-    logprobs: list[float]  # their log-probs (when asked)
-    finish_reason: str | None  # set on the request's last delta
-
-
-@dataclass(eq=False)
-class RequestState:
-    rid: str
-    index: int  # position in its HTTP request: input i, choice j -> i * n + j
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    events: asyncio.Queue  # shared by the HTTP request: (state, Delta | ApiError)
-    group: str | None  # client-given rid: /abort with it reaches this request
-    created: float = field(default_factory=time.perf_counter)
-    last_token_at: float | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[float] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    stop_seen: bool = False  # a stop string ended the text; the scheduler's abort is pending
-    finish_reason: str | None = None
-    error: ApiError | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.output_ids)
-
-
-class Generation:
-    """The requests of one HTTP call. Use as `async with`; exiting aborts unfinished ones."""
-
-    def __init__(self, front: Front, states: list[RequestState], events: asyncio.Queue) -> None:
-        self.front = front
-        self.states = states
-        self._events = events
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for st in self.states:
-            if not st.finished:
-                self.front.abort(st)
-
-    async def next_event(self) -> tuple[RequestState, Delta]:
-        """The next delta of any of the requests. Raises the ApiError of a failed one."""
-        st, item = await self._events.get()
-        if isinstance(item, ApiError):
-            raise item
-        return st, item
-
-    async def stream(self) -> AsyncIterator[tuple[RequestState, Delta]]:
-        remaining = len(self.states)
-        while remaining:
-            st, delta = await self.next_event()
-            if delta.finish_reason is not None:
-                remaining -= 1
-            yield st, delta
-
-    async def wait(self) -> list[RequestState]:
-        """Wait until every request finished; returns them in index order."""
-        async for _ in self.stream():
-            pass
-        return self.states
 
 
 def eos_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
@@ -141,7 +59,6 @@ class Front:
         self.from_scheduler = from_scheduler
         self.metrics = metrics
         self.ready: Ready | None = None  # set when the scheduler's Ready arrives
-        self.ready_event = asyncio.Event()
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
         self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
@@ -188,7 +105,7 @@ class Front:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        except TemplateError as e:
+        except (TemplateError, ValueError) as e:  # ValueError: the model has no template
             raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
 
     def generate(self, spec: GenerationSpec, group: str | None = None) -> Generation:
@@ -216,8 +133,10 @@ class Front:
                 states.append(RequestState(rid, i * spec.n + j, ids, params, detok, events, group))
         for st in states:
             self.states[st.rid] = st
-            self._send(TokenizedRequest(st.rid, st.prompt_ids, st.params))
-        return Generation(self, states, events)
+        for st in states:  # a failed send fails every registered request (503)
+            if not self._send(TokenizedRequest(st.rid, st.prompt_ids, st.params)):
+                break
+        return Generation(states, events, self.abort)
 
     def _prepare(
         self, spec: GenerationSpec, prompt: str | list[int], index: int
@@ -261,11 +180,14 @@ class Front:
                 )
         return ids, max_tokens
 
-    def _send(self, msg: ToScheduler) -> None:
+    def _send(self, msg: ToScheduler) -> bool:
+        """Send to the scheduler; False (and stop serving) when it is unreachable."""
         try:
             self.to_scheduler.send(msg)
         except ConnectionError as e:
             self.stop_serving(f"the scheduler process is gone ({e})")
+            return False
+        return True
 
     def abort(self, st: RequestState) -> None:
         """Client gone: stop the request now; the scheduler frees its KV."""
@@ -309,7 +231,6 @@ class Front:
             self.ready = msg
             self.metrics.ready.set(1)
             self.metrics.kv_blocks_total.set(msg.kv_blocks_total)
-            self.ready_event.set()
             logger.info(
                 "scheduler ready (pid %d): max_model_len=%d, vocab=%d, %d KV blocks",
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,

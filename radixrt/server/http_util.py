@@ -1,0 +1,69 @@
+"""Pieces shared by the route modules: app keys, JSON responses, SSE streaming."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixrt.server.front import Front
+from radixrt.server.protocol import ApiError
+from radixrt.server.request_state import Delta, Generation, RequestState
+
+logger = logging.getLogger(__name__)
+
+FRONT = web.AppKey("front", Front)
+MODEL_NAME = web.AppKey("model_name", str)
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+async def sse_response(
+    request: web.Request,
+    gen: Generation,
+    chunks: Callable[[RequestState, Delta], list[dict]],
+    opening: Callable[[], list[dict]] = list,
+    closing: Callable[[], list[dict]] = list,
+) -> web.StreamResponse:
+    """Stream `chunks(state, delta)` per event as SSE, then `closing()` and [DONE].
+    The first event is awaited before the headers go out, so a request refused by the
+    scheduler still gets its HTTP 400; a failure later ends the stream with an error event."""
+    events = gen.stream()
+    first = await anext(events)  # ApiError -> plain error response
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+
+    async def all_events() -> AsyncIterator[tuple[RequestState, Delta]]:
+        yield first
+        async for ev in events:
+            yield ev
+
+    try:
+        await resp.prepare(request)
+        for chunk in opening():
+            await write_event(resp, chunk)
+        try:
+            async for st, delta in all_events():
+                for chunk in chunks(st, delta):
+                    await write_event(resp, chunk)
+            for chunk in closing():
+                await write_event(resp, chunk)
+        except ApiError as e:
+            await write_event(resp, e.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left; `async with gen` aborts what is left
+        logger.info("client disconnected mid-stream: %s", request.path)
+    return resp
+
+
+async def write_event(resp: web.StreamResponse, obj: Any) -> None:
+    await resp.write(b"data: " + _json.encode(obj) + b"\n\n")

@@ -1,0 +1,98 @@
+"""Per-request state in the front, and `Generation`: the requests of one HTTP call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.sampling import SamplingParams
+from radixrt.server.protocol import ApiError
+
+
+@dataclass
+class Delta:
+    """New output of one request."""
+
+    text: str  # new text, safe to show (stop strings excluded)
+    token_ids: list[int]  # new token ids
+    logprobs: list[float]  # their log-probs (when asked)
+    finish_reason: str | None  # set on the request's last delta
+
+
+@dataclass(eq=False)
+class RequestState:
+    rid: str
+    index: int  # position in its HTTP request: input i, choice j -> i * n + j
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    events: asyncio.Queue  # shared by the HTTP request: (state, Delta | ApiError)
+    group: str | None  # client-given rid: /abort with it reaches this request
+    created: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    stop_seen: bool = False  # a stop string ended the text; the scheduler's abort is pending
+    finish_reason: str | None = None
+    error: ApiError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+class Generation:
+    """The requests of one HTTP call. Use as `async with`; exiting aborts unfinished ones."""
+
+    def __init__(
+        self,
+        states: list[RequestState],
+        events: asyncio.Queue,
+        abort: Callable[[RequestState], None],
+    ) -> None:
+        self.states = states  # in index order
+        self._events = events
+        self._abort = abort  # ends one request now (client gone)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for st in self.states:
+            if not st.finished:
+                self._abort(st)
+
+    async def next_event(self) -> tuple[RequestState, Delta]:
+        """The next delta of any of the requests. Raises the ApiError of a failed one."""
+        st, item = await self._events.get()
+        if isinstance(item, ApiError):
+            raise item
+        return st, item
+
+    async def stream(self) -> AsyncIterator[tuple[RequestState, Delta]]:
+        remaining = len(self.states)
+        while remaining:
+            st, delta = await self.next_event()
+            if delta.finish_reason is not None:
+                remaining -= 1
+            yield st, delta
+
+    async def wait(self) -> list[RequestState]:
+        """Wait until every request finished; returns them in index order."""
+        async for _ in self.stream():
+            pass
+        return self.states
