@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="HF model dir (default: the tiny model)")
     p.add_argument("--random-weights", action="store_true",
-                   help="build the model from config.json with random weights (dummy dirs)")  # fmt: skip
+                   help="random weights from config.json alone (dummy dirs)")  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--size", default="full", choices=["full", "smoke"])
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"

@@ -6,7 +6,8 @@ radix+lpm, blockhash+fcfs (vLLM-like) and none+fcfs. Backends:
 - engine: the in-process engine (`benchmarks.engine_driver`); one engine per config and
   pool size, its prefix cache reset between workloads (the same as a fresh engine).
 - server: a fresh `radixrt serve` per run, driven over streaming POST /generate.
-Writes <out>/<tag>.json (after every run), <tag>.md (table + targets) and <tag>.png.
+Writes <out>/<tag>.json and <tag>.md (table + targets) after every run, <tag>.png after
+every engine (a suite stopped by a timeout keeps what it finished).
 
     python -m benchmarks.bench_serving --size smoke                    # CPU, tiny model
     python -m benchmarks.bench_serving --size smoke --backend server --workloads shared-prefix
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from benchmarks.metrics import DriverResult, format_table, summarize
+from benchmarks.plot import plot_runs
 from benchmarks.targets import check_targets
 from benchmarks.workloads import WORKLOADS, Workload, make_workload
 
@@ -246,8 +248,14 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
     if unknown:
         raise ValueError(f"unknown configs {sorted(unknown)}; allowed: {', '.join(CONFIGS)}")
     os.makedirs(args.out, exist_ok=True)
-    results = {"meta": _meta(args, model, command), "runs": [], "targets": [], "all_runs": []}
+    hf = None
+    if args.hf_baseline:
+        with open(args.hf_baseline) as f:
+            hf = json.load(f)
+    results = {"meta": _meta(args, model, command), "hf_baseline": hf, "runs": [],
+               "targets": [], "all_runs": []}  # fmt: skip
     backend = EngineBackend if args.backend == "engine" else ServerBackend
+    title = f"{args.tag}: {os.path.basename(model.rstrip('/'))}, {args.backend} backend"
     total = args.repeat * len(configs) * sum(r.workload.num_calls for r in runs)
     bar = tqdm(total=total, unit="call", dynamic_ncols=True, mininterval=0.5 if
                sys.stderr.isatty() else 10)  # fmt: skip
@@ -262,17 +270,8 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
                 results["runs"] = best_runs(results["all_runs"])
                 bar.write(_one_line(row))
                 _write(results, args)
+        plot_runs(results["runs"], os.path.join(args.out, f"{args.tag}.png"), title)
     bar.close()
-    hf = None
-    if args.hf_baseline:
-        with open(args.hf_baseline) as f:
-            hf = json.load(f)
-    results["targets"] = check_targets(results["runs"], hf)
-    _write(results, args)
-    from benchmarks.plot import plot_runs
-
-    title = f"{args.tag}: {os.path.basename(model.rstrip('/'))}, {args.backend} backend"
-    plot_runs(results["runs"], os.path.join(args.out, f"{args.tag}.png"), title)
     return results
 
 
@@ -339,6 +338,9 @@ def _one_line(r: dict) -> str:
 
 
 def _write(results: dict, args: argparse.Namespace) -> None:
+    """Save the JSON and the markdown table + targets (after every run: a suite killed by
+    a timeout keeps what it finished)."""
+    results["targets"] = check_targets(results["runs"], results["hf_baseline"])
     path = os.path.join(args.out, f"{args.tag}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1)

@@ -26,7 +26,7 @@ class EngineCore:
         self.model_config = model_config
         self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
         self.runner = ModelRunner(cfg, model_config, self.max_model_len)
-        self.allocator = BlockAllocator(self.runner.pool.num_blocks)
+        self.allocator = BlockAllocator(self.runner.num_usable_blocks)
         self.cache = create_prefix_cache(
             cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size
         )
