@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_s": load_s,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
-        "command": " ".join(["python -m benchmarks.bench_hf", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "benchmarks.bench_hf", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     os.makedirs(args.out, exist_ok=True)

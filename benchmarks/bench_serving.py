@@ -17,24 +17,24 @@ every engine (a suite stopped by a timeout keeps what it finished).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import platform
+import shlex
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from benchmarks.backends import EngineBackend, ServerBackend, engine_options
 from benchmarks.metrics import DriverResult, format_table, summarize
 from benchmarks.plot import plot_runs
 from benchmarks.targets import check_targets
 from benchmarks.workloads import WORKLOADS, Workload, make_workload
 
-CONFIGS = {  # name -> (prefix cache, scheduling policy)
+CONFIGS = {  # short name -> (prefix cache, scheduling policy); "<cache>+<policy>" also works
     "radix": ("radix", "lpm"),
     "blockhash": ("blockhash", "fcfs"),
     "none": ("none", "fcfs"),
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pressure-factor", type=float, default=3.0,
                    help="working set / KV pool of the pressure runs")  # fmt: skip
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of radix, "
-                   "blockhash, none")  # fmt: skip
+                   "blockhash, none or <cache>+<policy> (e.g. blockhash+lpm)")  # fmt: skip
     p.add_argument("--size", default="full", choices=["full", "smoke"])
     p.add_argument("--scale", default="1", help="session-count factor: X, or name=X,... "
                    "(workloads not named keep 1)")  # fmt: skip
@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="pool of the normal runs")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--aging-tokens-per-step", type=float, default=None,
+                   help="lpm aging (engine default when unset)")  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (also for "
                    "servers); 1 is robust on a shared, oversubscribed CPU")  # fmt: skip
@@ -138,100 +140,6 @@ def working_set_blocks(w: Workload, block_size: int, max_concurrency: int | None
     return math.ceil(w.working_set_tokens(max_concurrency) / block_size)
 
 
-def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | None) -> dict:
-    opts = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "prefix_cache": cache,
-        "policy": policy,
-        "block_size": args.block_size,
-        "num_kv_blocks": kv,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_running_requests": args.max_running_requests,
-        "load_format": args.load_format,
-    }
-    if args.disable_cuda_graph:
-        opts["enable_cuda_graph"] = False
-    return opts
-
-
-class EngineBackend:
-    """One in-process engine for a block of runs (a context manager); each run starts with
-    an empty prefix cache. Leaving releases the engine's memory."""
-
-    def __init__(self, args: argparse.Namespace, model: str, opts: dict) -> None:
-        self.model, self.opts = model, opts
-        self.kw = _driver_kwargs(args)
-        self.engine = None
-
-    def __enter__(self) -> EngineBackend:
-        from radixrt.engine import Engine
-
-        self.engine = Engine(self.model, **self.opts)
-        self.run(_warmup_workload(self.engine.model_config.vocab_size), lambda: None)
-        return self
-
-    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
-        from benchmarks.engine_driver import run_engine
-
-        result = run_engine(self.engine, workload, on_call_done=on_done, **self.kw)
-        self.engine.cache.reset()
-        assert self.engine.allocator.num_used == 0, "blocks in use after resetting the cache"
-        return result
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine.shutdown()
-        self.engine = None
-        gc.collect()
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-class ServerBackend:
-    """A fresh `radixrt serve` per run, warmed up with a few requests first."""
-
-    def __init__(self, args: argparse.Namespace, model: str, opts: dict) -> None:
-        self.model = model
-        self.kw = _driver_kwargs(args)
-        self.log = os.path.join(args.out, f"{args.tag}-server.log")
-        self.startup_timeout_s = args.server_startup_timeout_s
-        self.serve_args = []
-        for key, value in opts.items():
-            if key == "enable_cuda_graph":
-                self.serve_args.append("--disable-cuda-graph")
-            elif value is not None:
-                self.serve_args += ["--" + key.replace("_", "-"), str(value)]
-
-    def __enter__(self) -> ServerBackend:
-        return self
-
-    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
-        from benchmarks.http_driver import ServerProcess, run_server
-
-        with ServerProcess(self.model, self.serve_args, self.log, self.startup_timeout_s) as srv:
-            run_server(srv.url, _warmup_workload(workload.params["vocab_size"]))
-            return run_server(srv.url, workload, on_call_done=on_done, **self.kw)
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _driver_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "max_concurrency": args.max_concurrency,
-        "request_rate": args.request_rate,
-        "seed": args.seed,
-        "timeout_s": args.run_timeout_s,
-    }
-
-
-def _warmup_workload(vocab_size: int) -> Workload:
-    return make_workload("random", "smoke", 4 / 32, seed=12345, vocab_size=vocab_size,
-                         input_len=32, output_len=4)  # fmt: skip
-
-
 def run_suite(args: argparse.Namespace, command: str = "") -> dict:
     """Run the plan under every config; returns (and keeps writing) the results dict."""
     from radixrt.config import ModelConfig
@@ -243,10 +151,7 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
         model = ensure_tiny_model()
     mc = ModelConfig.from_pretrained(model)
     runs = plan_runs(args, mc.vocab_size, mc.max_position_embeddings)
-    configs = [c for c in args.configs.split(",") if c]
-    unknown = set(configs) - set(CONFIGS)
-    if unknown:
-        raise ValueError(f"unknown configs {sorted(unknown)}; allowed: {', '.join(CONFIGS)}")
+    configs = [parse_config(c) for c in args.configs.split(",") if c]
     os.makedirs(args.out, exist_ok=True)
     hf = None
     if args.hf_baseline:
@@ -260,10 +165,10 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
     bar = tqdm(total=total, unit="call", dynamic_ncols=True, mininterval=0.5 if
                sys.stderr.isatty() else 10)  # fmt: skip
     for config, kv, specs in _blocks(runs, configs, args.order, args.repeat):
-        cache, policy = CONFIGS[config]
+        cache, policy = config
         with backend(args, model, engine_options(args, cache, policy, kv)) as b:
             for spec in specs:
-                bar.set_description(f"{spec.label} {config}")
+                bar.set_description(f"{spec.label} {cache}+{policy}")
                 result = b.run(spec.workload, lambda: bar.update(1))
                 row = _row(spec, config, args.backend, result)
                 results["all_runs"].append(row)
@@ -276,8 +181,8 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
 
 
 def _blocks(
-    runs: list[RunSpec], configs: list[str], order: str, repeat: int
-) -> list[tuple[str, int | None, list[RunSpec]]]:
+    runs: list[RunSpec], configs: list[tuple[str, str]], order: str, repeat: int
+) -> list[tuple[tuple[str, str], int | None, list[RunSpec]]]:
     """(config, KV pool, runs) per backend instance. config: one engine per config and pool,
     all its runs in a row; workload: one per run, each workload's configs back to back,
     `repeat` rounds in turn (less drift between configs on a shared machine)."""
@@ -310,8 +215,23 @@ def best_runs(rows: list[dict]) -> list[dict]:
     return best
 
 
-def _row(spec: RunSpec, config: str, backend: str, result: DriverResult) -> dict:
-    cache, policy = CONFIGS[config]
+def parse_config(name: str) -> tuple[str, str]:
+    """Config name -> (cache, policy): radix, blockhash, none or <cache>+<policy>."""
+    from radixrt.config import POLICIES, PREFIX_CACHES
+
+    cache, _, policy = name.partition("+")
+    if not policy and cache in CONFIGS:
+        return CONFIGS[cache]
+    if cache not in PREFIX_CACHES or policy not in POLICIES:
+        raise ValueError(
+            f"unknown config {name!r}: use {', '.join(CONFIGS)} or <cache>+<policy> with a "
+            f"cache in {PREFIX_CACHES} and a policy in {POLICIES}"
+        )
+    return cache, policy
+
+
+def _row(spec: RunSpec, config: tuple[str, str], backend: str, result: DriverResult) -> dict:
+    cache, policy = config
     return {
         "workload": spec.label,
         "workload_name": spec.workload.name,
@@ -378,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # servers started from here
-    results = run_suite(args, " ".join(["python -m benchmarks.bench_serving", *argv]))
+    results = run_suite(args, shlex.join(["python", "-m", "benchmarks.bench_serving", *argv]))
     print()
     print(format_table(results["runs"]))
     print()

@@ -107,7 +107,15 @@ def run_server(
     )
 
 
-async def _run(base_url, workload, max_concurrency, request_rate, seed, timeout_s, on_done):
+async def _run(
+    base_url: str,
+    workload: Workload,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    timeout_s: float | None,
+    on_done: Callable[[], None] | None,
+) -> DriverResult:
     disp = Dispatcher(workload, max_concurrency, request_rate, seed)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(base_url, connector=connector) as http:
@@ -131,8 +139,9 @@ async def _run(base_url, workload, max_concurrency, request_rate, seed, timeout_
                 wait = None if nxt is None else max(0.0, nxt - now)
                 if timeout_s is not None:
                     wait = max(0.0, min(wait if wait is not None else math.inf, timeout_s - now))
-                if not tasks:
-                    await asyncio.sleep(wait or 0.0)
+                if not tasks:  # every program left waits for its arrival time
+                    assert wait is not None, "nothing in flight, nothing ready, programs left"
+                    await asyncio.sleep(wait)
                     continue
                 done, _ = await asyncio.wait(
                     tasks, timeout=wait, return_when=asyncio.FIRST_COMPLETED

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from benchmarks.metrics import BASELINE
+
 
 def plot_runs(runs: Sequence[dict], path: str, title: str = "") -> None:
     """Write a PNG with three panels: total tok/s (log scale), request throughput relative
@@ -16,7 +18,7 @@ def plot_runs(runs: Sequence[dict], path: str, title: str = "") -> None:
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     configs = list(dict.fromkeys(r["config"] for r in runs))
     by_key = {(r["workload"], r["config"]): r for r in runs}
-    base = {r["workload"]: r["request_throughput"] for r in runs if r["cache"] == "blockhash"}
+    base = {r["workload"]: r["request_throughput"] for r in runs if r["config"] == BASELINE}
     width = 0.8 / len(configs)
     fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.6 * len(workloads)), 11), sharex=True)
     for j, config in enumerate(configs):
@@ -48,10 +50,10 @@ def plot_runs(runs: Sequence[dict], path: str, title: str = "") -> None:
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set_ylabel("throughput / blockhash")
     axes[2].set_ylabel("cache hit rate %")
-    axes[2].set_ylim(0, 105)
+    axes[2].set_ylim(0, 119)
     axes[2].set_xticks(range(len(workloads)), workloads, rotation=20, ha="right")
     axes[0].legend(ncol=len(configs), fontsize=8)
-    axes[2].legend(fontsize=8, loc="upper right")
+    axes[2].legend(fontsize=8, loc="upper center", ncol=len(configs) + 1)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -62,7 +62,7 @@ suite_status=0
 timeout -k 10 "$suite_timeout" "$PYTHON" -m benchmarks.bench_serving "${MODEL_ARGS[@]}" \
   "${SUITE_ARGS[@]}" "${HF_BASELINE[@]}" --run-timeout-s "${RUN_TIMEOUT_S:-60}" \
   --out "$OUT" --tag suite > "$OUT/suite.log" 2> "$OUT/suite.err" || suite_status=$?
-tr '\r' '\n' < "$OUT/suite.err" | grep -E '^ *[a-z-]+(@kv/[0-9.]+)? +[a-z]+\+[a-z]+:' || true
+grep -E '^ *[a-z-]+(@kv/[0-9.]+)? +[a-z]+\+[a-z]+:' "$OUT/suite.log" || true  # one line a run
 
 echo
 echo "== results ($((SECONDS - started)) s; hf exit $hf_status, suite exit $suite_status) =="

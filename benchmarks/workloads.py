@@ -97,9 +97,10 @@ class Workload:
         return sum(sizes[:max_concurrency] if max_concurrency else sizes)
 
     def best_hit_rate(self) -> float:
-        """Upper bound of sum(cached) / sum(prompt tokens): a call reuses its parent's whole
-        context, a root the longest prefix it shares with an earlier root; the engine always
-        computes a prompt's last token, so at most prompt - 1 tokens hit."""
+        """Upper bound of sum(cached) / sum(prompt tokens) for an engine that caches the KV
+        it computed: a call reuses its parent's context except the parent's last output
+        token (sampled, never fed through the model, so it has no KV), a root the longest
+        prefix it shares with an earlier root; a prompt's last token is always computed."""
         trie = PrefixTrie()
         cached = 0
         for program in self.programs:
@@ -109,6 +110,8 @@ class Workload:
                     shared = trie.insert(call.input_ids)
                 else:
                     shared = lens[i] - len(call.input_ids)
+                    if call.extends_output and program.calls[call.parent].max_tokens:
+                        shared -= 1
                 cached += min(shared, lens[i] - 1)
         return cached / self.prompt_tokens
 
@@ -326,7 +329,7 @@ SIZES: dict[str, dict[str, dict]] = {
     "few-shot": {
         "full": dict(num_subjects=8, questions_per_subject=32, num_shots=5, shot_len=128,
                      question_len=64, num_choices=4, choice_len=16, max_tokens=0),
-        "smoke": dict(num_subjects=4, questions_per_subject=6, num_shots=5, shot_len=32,
+        "smoke": dict(num_subjects=4, questions_per_subject=16, num_shots=5, shot_len=32,
                       question_len=16, num_choices=4, choice_len=4, max_tokens=0),
     },
     "random": {

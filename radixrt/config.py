@@ -141,7 +141,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | lpm | dfs-weight (Engine resolves "auto")
     # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
     # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
-    aging_tokens_per_step: float = 32.0
+    aging_tokens_per_step: float = 4.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
