@@ -175,7 +175,10 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
                 results["runs"] = best_runs(results["all_runs"])
                 bar.write(_one_line(row))
                 _write(results, args)
-        plot_runs(results["runs"], os.path.join(args.out, f"{args.tag}.png"), title)
+        try:
+            plot_runs(results["runs"], os.path.join(args.out, f"{args.tag}.png"), title)
+        except ImportError as e:  # the GPU image has no matplotlib: plot the JSON later
+            bar.write(f"no plot ({e}); later: python -m benchmarks.plot {args.out}/{args.tag}.json")
     bar.close()
     return results
 

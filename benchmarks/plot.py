@@ -59,3 +59,12 @@ def plot_runs(runs: Sequence[dict], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    src = sys.argv[1]  # a suite JSON written by bench_serving
+    with open(src) as f:
+        plot_runs(json.load(f)["runs"], src.removesuffix(".json") + ".png", src)
