@@ -1,7 +1,7 @@
 """Throughput and TTFT of N concurrent short streaming requests against `radixrt serve`.
 
-    PYTHONPATH=. python tests/server_bench.py        # starts a CPU server on the tiny model
-    PYTHONPATH=. python tests/server_bench.py --url http://127.0.0.1:30000
+    python -m benchmarks.bench_server_concurrency   # starts a CPU server on the tiny model
+    python -m benchmarks.bench_server_concurrency --url http://127.0.0.1:30000
 
 Each request streams POST /generate (distinct prompts, greedy, ignore_eos); TTFT is the
 time from sending to the first event carrying tokens. Prints requests/s, output tokens/s
@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import tempfile
 import time
 
 import aiohttp
@@ -68,21 +70,17 @@ def main() -> None:
     p.add_argument("-n", type=int, default=64, help="concurrent requests")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
-    server = None
-    url = args.url
-    if url is None:
-        from server_utils import ServerProcess
-
+    if args.url is not None:
+        stats = asyncio.run(run(args.url, args.n, args.max_tokens))
+    else:
+        from benchmarks.http_driver import ServerProcess
         from radixrt.model.tiny import ensure_tiny_model
 
-        server = ServerProcess(args.model or ensure_tiny_model())
-        server.wait_ready()
-        url = server.url
-    try:
-        stats = asyncio.run(run(url, args.n, args.max_tokens))
-    finally:
-        if server is not None:
-            server.stop()
+        serve_args = ["--device", "cpu", "--dtype", "float32"]
+        log = os.path.join(tempfile.gettempdir(), "bench_server_concurrency.log")
+        with ServerProcess(args.model or ensure_tiny_model(), serve_args, log) as server:
+            asyncio.run(run(server.url, 4, args.max_tokens))  # warm-up
+            stats = asyncio.run(run(server.url, args.n, args.max_tokens))
     for k, v in stats.items():
         print(f"{k:>20}: {v:.3g}" if isinstance(v, float) else f"{k:>20}: {v}")
 
