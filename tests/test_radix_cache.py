@@ -216,10 +216,32 @@ def test_evict_stops_when_enough_blocks_are_free():
     cache = RadixCache(alloc, 1)
     for t in range(4):
         cache_tokens(cache, [t, t])
-    assert cache.evict(3) == 4  # leaves hold two blocks each
-    assert cache.total_tokens == 4
+    # LRU first: leaf [0, 0] goes whole (2 blocks), then [1, 1] loses only its tail block.
+    assert cache.evict(3) == 3
+    assert cache.total_tokens == 5
+    assert cache.match([0, 0]).num_cached_tokens == 0
+    assert cache.match([1, 1]).num_cached_tokens == 1
+    cache.check_integrity()
+    alloc.check_integrity(cache.held_refs())
     with pytest.raises(ValueError):
         cache.evict(-1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_evict_trims_the_tail_of_a_long_leaf(block_size):
+    """Evicting n blocks from a long LRU leaf keeps its head: block-aligned, exact."""
+    alloc = BlockAllocator(64)
+    cache = RadixCache(alloc, block_size)
+    tokens = list(range(10 * block_size + 3))  # the last block is partial (B > 1)
+    num_blocks = ceil_div(len(tokens), block_size)
+    cache_tokens(cache, tokens)
+    assert cache.evict(4) == 4
+    kept = (num_blocks - 4) * block_size
+    assert cache.match(tokens).num_cached_tokens == kept
+    assert cache.total_tokens == kept
+    cache.check_integrity()
+    alloc.check_integrity(cache.held_refs())
+    assert cache.evict(100) == num_blocks - 4 and cache.total_tokens == 0
 
 
 def test_pretty_print(capsys):

@@ -177,7 +177,9 @@ class RadixCache:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         freed = 0
         while freed < num_blocks and self._evictable:
-            freed += self._remove_leaf(self._evictable.pop(0))
+            leaf = self._evictable.pop(0)
+            trimmed = self._trim_leaf(leaf, num_blocks - freed)
+            freed += self._remove_leaf(leaf) if trimmed is None else trimmed
         self.stats.num_evicted_blocks += freed
         return freed
 
@@ -265,6 +267,26 @@ class RadixCache:
         if cut % bs:
             self._hold(upper, [upper.blocks[-1]])
         return upper
+
+    def _trim_leaf(self, node: RadixNode, num_blocks: int) -> int | None:
+        """Evict only the tail of an (already unlisted) unlocked leaf: its last
+        `num_blocks` blocks, when the leaf keeps at least one token and its first block.
+        The shortened leaf goes back on the evictable list. Returns blocks freed, or None
+        when the leaf is too short to trim (evict it whole). Like block-hash LRU, which frees a
+        sequence's tail blocks first, this keeps the still-useful head of a long leaf."""
+        bs, first = self.block_size, node.start // self.block_size
+        keep = len(node.blocks) - num_blocks  # blocks the leaf keeps
+        if keep < 1 or (first + keep) * bs <= node.start:
+            return None
+        dropped = node.blocks[keep:]
+        del node.blocks[keep:]
+        new_len = (first + keep) * bs - node.start
+        self._total_tokens -= len(node.key) - new_len
+        del node.key[new_len:]
+        for b in dropped:
+            self._drop(self._refs, b)
+        self._evictable.add(node)
+        return self.allocator.decref(dropped)
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Detach an (already unlisted) unlocked leaf; returns blocks freed."""
