@@ -32,8 +32,8 @@ from radixrt.engine.engine import resolve_config
 from radixrt.engine.runner import ModelRunner
 from radixrt.model.presets import write_dummy_model_dir
 from radixrt.sampling import SamplingParams
+from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
 from radixrt.scheduler.request import Request
-from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
 
 COPY_BW = 4.27e12  # B/s, device-to-device copy measured on this H200 (read + write)
 BF16_FLOPS = 790e12  # FLOP/s, large bf16 GEMM measured on this H200

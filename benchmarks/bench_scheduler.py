@@ -16,7 +16,7 @@ from benchmarks.engine_driver import run_engine
 from benchmarks.workloads import WORKLOADS, make_workload
 from radixrt import Engine
 from radixrt.model.tiny import ensure_tiny_model
-from radixrt.scheduler.scheduler import ScheduledBatch, StepOutput
+from radixrt.scheduler.batch import ScheduledBatch, StepOutput
 
 
 def simulate(workload, cache: str, policy: str, num_kv_blocks: int, block_size: int) -> dict:

@@ -18,8 +18,8 @@ from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 from radixrt.sampling import SamplingParams
+from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
 from radixrt.scheduler.request import Request
-from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
 
 NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS = 8, 2, 2
 DTYPE = torch.bfloat16

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from radixrt.engine.forward_batch import ForwardBatch
-from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch
+from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

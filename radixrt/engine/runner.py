@@ -19,7 +19,7 @@ from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.engine.sampler import apply_penalties, sample
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
-from radixrt.scheduler.scheduler import BlockTableArray, ScheduledBatch, StepOutput
+from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
