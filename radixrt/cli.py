@@ -136,12 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     _engine_args(p)
     p.set_defaults(func=cmd_generate)
 
-    try:
-        from radixrt.server.launch import add_serve_command
-    except ImportError:
-        pass
-    else:
-        add_serve_command(sub, _engine_args, engine_options)
+    from radixrt.server.launch import add_serve_command
+
+    add_serve_command(sub, _engine_args, engine_options)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -3,7 +3,6 @@ programs give the same greedy results as the in-process backend."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -27,7 +26,6 @@ from radixrt.frontend import (
 )
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_SERVER = importlib.util.find_spec("radixrt.server.launch") is not None
 STARTUP_TIMEOUT_S = 90
 GREEDY = {"temperature": 0, "max_tokens": 4}
 SHARED = "You are a careful assistant. Think about the question, then answer it briefly. " * 3
@@ -41,8 +39,6 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir, tmp_path_factory):
-    if not HAS_SERVER:
-        pytest.skip("radixrt.server.launch does not exist yet (the HTTP server is unwritten)")
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
     env = {
