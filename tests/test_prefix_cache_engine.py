@@ -61,6 +61,10 @@ def test_multi_turn_same_outputs_and_exact_reuse(make_engine, reference_turns, c
         exact = min(len(prev_prompt) + len(prev_out.token_ids) - 1, len(prompt) - 1)
         expected = exact if cache == "radix" else exact // B * B
         assert out.num_cached_tokens == expected, (i, out.num_cached_tokens, expected)
+    if cache == "radix":
+        # A turn's match ends where the previous turn's leaf ends, usually mid-block: the
+        # request writes on in that block (no other holder) instead of copying it.
+        assert engine.stats()["inplace_appends"] > 0
 
 
 def test_shared_prefix_token_exact(make_engine):

@@ -82,6 +82,7 @@ class EngineCore:
             "generated_tokens": s.num_generated_tokens,
             "preemptions": s.num_preemptions,
             "cow_copies": s.num_cow_copies,
+            "inplace_appends": s.num_inplace_appends,
             "evicted_blocks": c.num_evicted_blocks,
             "steps": s.num_steps,
             "running": len(self.scheduler.running),

@@ -35,6 +35,7 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_cow_copies: int = 0  # partial blocks copied on a mid-block match
+    num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
     num_steps: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
 
@@ -227,13 +228,22 @@ class Scheduler:
         self.allocator.incref(shared)
         req.block_table = list(shared)
         if partial:
-            copy = self._allocate(1)
-            if copy is None:
-                self._release(req)
-                return False
-            self.pool.copy_prefix(m.blocks[full], copy[0], partial)
-            self.stats.num_cow_copies += 1
-            req.block_table += copy
+            last = m.blocks[full]
+            if self.allocator.ref_counts[last] == 1:
+                # Only the cache node that ends the match records this block (a second
+                # node, e.g. after a split, or any request would hold another reference),
+                # so nothing lives past the matched tokens: append in place, no copy.
+                self.allocator.incref([last])
+                req.block_table.append(last)
+                self.stats.num_inplace_appends += 1
+            else:
+                copy = self._allocate(1)
+                if copy is None:
+                    self._release(req)
+                    return False
+                self.pool.copy_prefix(last, copy[0], partial)
+                self.stats.num_cow_copies += 1
+                req.block_table += copy
         self.tables.write(req.table_row, 0, req.block_table)
         req.num_computed = m.num_cached_tokens
         return True
