@@ -27,8 +27,7 @@ import time
 import numpy as np
 import torch
 
-from radixrt.config import ModelConfig
-from radixrt.engine.engine import resolve_config
+from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.runner import ModelRunner
 from radixrt.model.presets import write_dummy_model_dir
 from radixrt.sampling import SamplingParams

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
@@ -182,3 +182,66 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'torch' or 'flashinfer', got {self.attention_backend!r}"
             )
+
+
+def resolve_config(
+    model_path: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    *,
+    detect_devices: bool = True,
+    **options: object,
+) -> EngineConfig:
+    """Turn user options (flat keyword arguments; "auto" allowed) into a frozen
+    EngineConfig. Unknown options raise ValueError listing the allowed ones.
+
+    `detect_devices=False` validates only (the torch-free front process): "auto" then
+    stands for the CPU and neither torch nor flashinfer is imported."""
+    if device == "auto":
+        device = "cuda" if detect_devices and _cuda_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    sub: dict[str, dict[str, object]] = {k: {} for k in groups}
+    top: dict[str, object] = {}
+    top_names = {f.name for f in fields(EngineConfig)} - set(groups)
+    for key, value in options.items():
+        owner = next((g for g, c in groups.items() if key in {f.name for f in fields(c)}), None)
+        if owner is not None:
+            sub[owner][key] = value
+        elif key in top_names:
+            top[key] = value
+        else:
+            allowed = sorted(top_names | {f.name for c in groups.values() for f in fields(c)})
+            raise ValueError(f"unknown engine option {key!r}; allowed: {', '.join(allowed)}")
+    if top.get("attention_backend", "auto") == "auto":
+        usable = detect_devices and _flashinfer_usable(device)
+        top["attention_backend"] = "flashinfer" if usable else "torch"
+    top.setdefault("enable_cuda_graph", device.startswith("cuda"))
+    cache = CacheConfig(**sub["cache"])
+    if sub["scheduler"].get("policy", "auto") == "auto":
+        sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"
+    return EngineConfig(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        cache=cache,
+        scheduler=SchedulerConfig(**sub["scheduler"]),
+        **top,
+    )
+
+
+def _flashinfer_usable(device: str) -> bool:
+    if not device.startswith("cuda"):
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cuda_available() -> bool:
+    import torch  # only when the device is "auto": the front process passes an explicit one
+
+    return torch.cuda.is_available()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from radixrt.attention.flashinfer_backend import kv_head_dim
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, decode_buckets, decode_metadata
-from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 from radixrt.sampling import SamplingParams

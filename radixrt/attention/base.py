@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.kv.pool import KVPool
 
 

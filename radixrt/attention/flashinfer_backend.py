@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
-from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.kernels import store_kv
 from radixrt.kv.pool import KVPool
 

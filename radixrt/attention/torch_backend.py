@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.kv.pool import KVPool
 
 

@@ -1,11 +1,10 @@
-"""The engine: ForwardBatch, ModelRunner, EngineCore and the in-process Engine."""
+"""The engine: ModelRunner, EngineCore and the in-process Engine."""
 
-__all__ = ["Engine", "RequestOutput", "StreamDelta", "resolve_config"]
+__all__ = ["Engine", "RequestOutput", "StreamDelta"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that radixrt.engine.forward_batch imports without the whole engine
-    # (the model imports it; the engine imports the model).
+    # Lazy: importing radixrt.engine.<module> must not load the whole engine.
     if name in __all__:
         from radixrt.engine import engine
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from radixrt.engine.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
 
 logger = logging.getLogger(__name__)

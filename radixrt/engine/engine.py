@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from radixrt.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
@@ -45,54 +45,6 @@ class StreamDelta:
     text: str  # new text since the last delta
     token_ids: list[int]  # new token ids since the last delta
     finish_reason: str | None  # set on the request's last delta
-
-
-def resolve_config(
-    model_path: str, device: str = "auto", dtype: str = "auto", **options: object
-) -> EngineConfig:
-    """Turn user options (flat keyword arguments; "auto" allowed) into a frozen
-    EngineConfig. Unknown options raise ValueError listing the allowed ones."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
-    sub: dict[str, dict[str, object]] = {k: {} for k in groups}
-    top: dict[str, object] = {}
-    top_names = {f.name for f in fields(EngineConfig)} - set(groups)
-    for key, value in options.items():
-        owner = next((g for g, c in groups.items() if key in {f.name for f in fields(c)}), None)
-        if owner is not None:
-            sub[owner][key] = value
-        elif key in top_names:
-            top[key] = value
-        else:
-            allowed = sorted(top_names | {f.name for c in groups.values() for f in fields(c)})
-            raise ValueError(f"unknown engine option {key!r}; allowed: {', '.join(allowed)}")
-    if top.get("attention_backend", "auto") == "auto":
-        top["attention_backend"] = "flashinfer" if _flashinfer_usable(device) else "torch"
-    top.setdefault("enable_cuda_graph", device.startswith("cuda"))
-    cache = CacheConfig(**sub["cache"])
-    if sub["scheduler"].get("policy", "auto") == "auto":
-        sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"
-    return EngineConfig(
-        model_path=model_path,
-        device=device,
-        dtype=dtype,
-        cache=cache,
-        scheduler=SchedulerConfig(**sub["scheduler"]),
-        **top,
-    )
-
-
-def _flashinfer_usable(device: str) -> bool:
-    if not device.startswith("cuda"):
-        return False
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class Engine:

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from radixrt.attention import create_attention_backend
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
-from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.engine.sampler import apply_penalties, sample
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
-from radixrt.engine.forward_batch import ForwardBatch
 from radixrt.kv.pool import KVPool
 from radixrt.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 

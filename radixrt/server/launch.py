@@ -106,13 +106,12 @@ def add_serve_command(
 def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit code (1: the scheduler
     process failed before it was ready)."""
-    from radixrt.config import ModelConfig
-    from radixrt.engine.engine import resolve_config
+    from radixrt.config import ModelConfig, resolve_config
     from radixrt.model.loader import check_model_dir, load_tokenizer
 
     # Fail fast on a bad model dir or engine option, before any process starts.
     check_model_dir(cfg.model, require_weights=cfg.options.get("load_format") != "dummy")
-    resolve_config(cfg.model, cfg.device, cfg.dtype, **cfg.options)
+    resolve_config(cfg.model, cfg.device, cfg.dtype, detect_devices=False, **cfg.options)
     tokenizer = load_tokenizer(cfg.model)
     eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
 

@@ -97,9 +97,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def build_core(args: SchedulerProcessArgs):
     """Load the model and build the EngineCore, as `Engine` does."""
-    from radixrt.config import ModelConfig
+    from radixrt.config import ModelConfig, resolve_config
     from radixrt.engine.core import EngineCore
-    from radixrt.engine.engine import resolve_config
     from radixrt.model.loader import check_model_dir
 
     check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
