@@ -1,21 +1,26 @@
 """One static batch on a dummy Llama-3-8B (bf16, random weights), one GPU, next to its floor.
 
-Drives ModelRunner directly with token ids (no scheduler, no tokenizer):
+Drives ModelRunner directly with step plans (no scheduler, no tokenizer):
 - decode: B = 1, 32, 256 rows, each with CONTEXT cached tokens (KV filled with random
   values), feeding token CONTEXT + 1 every step (the batch does not grow, so every step is
-  the same). Full step = `runner.forward` (host-side metadata, graph replay or eager
-  forward, lm_head, greedy sampling, the host sync); CUDA graph vs eager; plus the GPU time
-  of the graph replay alone. Floor = (weights read + KV read) / COPY_BW.
+  the same). Full step = `runner.execute(plan).result()` (host-side metadata, graph replay or
+  eager forward, lm_head, greedy sampling, the host round trip); CUDA graph vs eager; plus the
+  GPU time of the graph replay alone.
+- `--engine-core`: B requests through EngineCore (scheduler + runner), pure-decode steps,
+  overlap off and on, next to the graph replay time at the same batch (same run).
+Decode floor = (weights read + KV read) / COPY_BW.
 - prefill: 1 x 4096 and 32 x 1024 tokens from scratch, one forward each (eager). Floor =
   FLOPs / BF16_FLOPS (linear layers + causal attention + lm_head on the sampled rows).
 Timing: CUDA events around each step after warm-up; medians. Prints a table last.
 
-    PYTHONPATH=. python benchmarks/bench_one_batch.py [--json out.json] [--profile kernels.txt]
+    PYTHONPATH=. python benchmarks/bench_one_batch.py [--engine-core] [--json out.json]
+        [--profile kernels.txt]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -28,11 +33,11 @@ import numpy as np
 import torch
 
 from radixrt.config import ModelConfig, resolve_config
+from radixrt.engine.core import EngineCore
 from radixrt.engine.runner import ModelRunner
 from radixrt.model.presets import write_dummy_model_dir
+from radixrt.plan import PlanRow, StepPlan
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
-from radixrt.scheduler.request import Request
 
 COPY_BW = 4.27e12  # B/s, device-to-device copy measured on this H200 (read + write)
 BF16_FLOPS = 790e12  # FLOP/s, large bf16 GEMM measured on this H200
@@ -45,39 +50,70 @@ MAX_MODEL_LEN = 8192
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
 
 
-def make_batch(
+def make_plan(
     runner: ModelRunner, rows: list[tuple[int, int]], rng: np.random.Generator
-) -> tuple[ScheduledBatch, BlockTableArray]:
-    """A ScheduledBatch of rows (num_cached, num_new), decode rows (1 new token on a cached
-    context) first, with consecutive blocks from block 0 (batches may share blocks: only
-    one runs at a time and KV values do not matter here)."""
-    tables = BlockTableArray(len(rows), MAX_MODEL_LEN // BLOCK_SIZE)
+) -> StepPlan:
+    """A StepPlan of rows (num_cached, num_new), decode rows (1 new token on a cached
+    context) first, slot i for row i, with consecutive blocks from block 0 (plans may share
+    blocks: only one runs at a time and KV values do not matter here)."""
     vocab = runner.model_cfg.vocab_size
-    reqs, next_block = [], 0
+    plan_rows, next_block = [], 0
     for i, (cached, new) in enumerate(rows):
         total = cached + new
-        req = Request(
-            rid=f"r{i}",
-            prompt_len=cached if cached else total,
-            token_ids=rng.integers(0, vocab, total).tolist(),
-            params=GREEDY,
-        )
-        req.num_computed = cached
         num_blocks = math.ceil(total / BLOCK_SIZE)
-        req.block_table = list(range(next_block, next_block + num_blocks))
+        assert next_block + num_blocks <= runner.num_usable_blocks, "pool too small for the plan"
+        plan_rows.append(
+            PlanRow(
+                rid=f"r{i}",
+                slot=i,
+                start=cached,
+                num_tokens=new,
+                input_ids=rng.integers(0, vocab, new).tolist(),
+                new_blocks=list(range(next_block, next_block + num_blocks)),
+                sample_offsets=[new - 1],
+                params=GREEDY,
+            )
+        )
         next_block += num_blocks
-        assert next_block <= runner.num_usable_blocks, "pool too small for the batch"
-        req.table_row = tables.acquire()
-        tables.write(req.table_row, 0, req.block_table)
-        reqs.append(req)
-    num_decode = sum(1 for cached, new in rows if cached and new == 1)
-    batch = ScheduledBatch(
-        rows=reqs,
-        num_new=[new for _, new in rows],
-        num_decode=num_decode,
-        table_rows=np.array([r.table_row for r in reqs], dtype=np.int64),
+    return StepPlan(0, plan_rows)
+
+
+def run_step(runner: ModelRunner, plan: StepPlan, use_cuda_graph: bool = True) -> None:
+    """One runner step with its host round trip (what a non-overlapped loop waits for)."""
+    runner.execute(plan, use_cuda_graph=use_cuda_graph).result()
+
+
+def engine_core_decode(
+    cfg, model_cfg, batch: int, steps: int, overlap: bool, rng: np.random.Generator
+) -> dict:
+    """B requests of CONTEXT prompt tokens through EngineCore (scheduler + runner): after
+    their prefill, the median host wall time of a pure-decode `core.step()`."""
+    core = EngineCore(dataclasses.replace(cfg, overlap_schedule=overlap), model_cfg, [])
+    vocab = model_cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    for _ in range(batch):
+        core.add_request(rng.integers(0, vocab, CONTEXT).tolist(), params)
+    while any(r.num_output < 2 for r in core.scheduler.requests.values()):
+        core.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        core.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    replay = core.runner.cuda_graphs.graphs[core.runner.cuda_graphs.bucket(batch)].replay
+    gpu_ms = time_ms(replay, warmup=3, iters=20)
+    for rid in list(core.scheduler.requests):
+        core.abort(rid)
+    while core.has_work:
+        core.step()
+    core.check_integrity()
+    ms = statistics.median(times[5:])
+    del core
+    torch.cuda.empty_cache()
+    return dict(
+        batch=batch, overlap=overlap, ms_per_step=ms, graph_gpu_ms=gpu_ms, over=ms / gpu_ms - 1
     )
-    return batch, tables
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -142,6 +178,11 @@ def main() -> None:
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--profile", help="profile each case; append kernel tables to this file")
     ap.add_argument("--iters", type=int, default=30, help="timed decode steps per case")
+    ap.add_argument(
+        "--engine-core",
+        action="store_true",
+        help="also time decode steps end to end through EngineCore, overlap off and on",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
@@ -165,7 +206,7 @@ def main() -> None:
         max_model_len=MAX_MODEL_LEN,
     )
     start = time.perf_counter()
-    runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN)
+    runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN, cfg.scheduler.max_running_requests)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
     runner.pool.kv.uniform_(-1.0, 1.0)  # random KV: never time on zeros
@@ -185,14 +226,14 @@ def main() -> None:
         f"{PRESET}: weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
         f"B/token; runner built in {build_s:.1f} s (dummy weights, KV pool, CUDA graphs)"
     )
-    results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": []}
+    results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
 
     for bsz in DECODE_BATCHES:
-        batch, tables = make_batch(runner, [(CONTEXT, 1)] * bsz, rng)
+        plan = make_plan(runner, [(CONTEXT, 1)] * bsz, rng)
         kv_bytes = bsz * (CONTEXT + 1) * kv_bytes_per_token
         floor_ms = (weight_bytes + kv_bytes) / COPY_BW * 1e3
         for graph in (True, False):
-            step = functools.partial(runner.forward, batch, tables, use_cuda_graph=graph)
+            step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
             ms = time_ms(step, warmup=5, iters=args.iters)
             gpu_ms = None
             if graph:
@@ -214,20 +255,20 @@ def main() -> None:
         if args.profile:
             for graph in (True, False):
                 case = f"decode B={bsz} graph={graph}"
-                step = functools.partial(runner.forward, batch, tables, use_cuda_graph=graph)
+                step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
                 cats = profile(step, 5, args.profile, case)
                 results["profile"].append(dict(case=case, ms=cats))
                 print(f"profile {case}: {cats}")
 
     for num_rows, length in PREFILLS:
-        batch, tables = make_batch(runner, [(0, length)] * num_rows, rng)
+        plan = make_plan(runner, [(0, length)] * num_rows, rng)
         tokens = num_rows * length
         flops = (
             2 * tokens * linear_params
             + 2 * num_rows * m.hidden_size * m.vocab_size
             + 4 * m.num_layers * m.num_heads * m.head_dim * num_rows * length * (length + 1) / 2
         )
-        step = functools.partial(runner.forward, batch, tables)
+        step = functools.partial(run_step, runner, plan)
         iters = max(3, min(10, int(2e5 // tokens)))
         ms = time_ms(step, warmup=1, iters=iters)
         floor_ms = flops / BF16_FLOPS * 1e3
@@ -248,6 +289,15 @@ def main() -> None:
             results["profile"].append(dict(case=case, ms=cats))
             print(f"profile {case}: {cats}")
 
+    if args.engine_core:
+        del runner
+        torch.cuda.empty_cache()
+        for bsz in DECODE_BATCHES:
+            for overlap in (False, True):
+                row = engine_core_decode(cfg, model_cfg, bsz, args.iters * 2, overlap, rng)
+                results["engine_core"].append(row)
+                print(f"engine_core {row}")
+
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(build_s=build_s, weight_bytes=weight_bytes, **results), f, indent=2)
@@ -261,6 +311,14 @@ def main() -> None:
             f"| {r['ms_per_step']:.2f} | {r['tok_per_s']:.0f} | {gpu} | {r['floor_ms']:.2f} "
             f"| {r['fraction_of_floor']:.0%} |"
         )
+    if results["engine_core"]:
+        print("| EngineCore decode | B | ctx | overlap | ms/step | graph GPU ms | over replay |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results["engine_core"]:
+            print(
+                f"| EngineCore | {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
+                f"| {r['ms_per_step']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
+            )
     print("| prefill | rows x len | | | ms | tok/s | TFLOP/s | floor ms | of floor |")
     for r in results["prefill"]:
         print(

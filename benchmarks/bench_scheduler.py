@@ -14,36 +14,34 @@ import time
 
 from benchmarks.engine_driver import run_engine
 from benchmarks.workloads import WORKLOADS, make_workload
-from radixrt import Engine
+from radixrt.config import ModelConfig, resolve_config
+from radixrt.engine.core import EngineCore
 from radixrt.model.tiny import ensure_tiny_model
-from radixrt.scheduler.batch import ScheduledBatch, StepOutput
+from radixrt.testing import ScriptedRunner
 
 
 def simulate(workload, cache: str, policy: str, num_kv_blocks: int, block_size: int) -> dict:
-    engine = Engine(
-        ensure_tiny_model(),  # only its tokenizer and shape are used: the model never runs
+    model_dir = ensure_tiny_model()  # only its shape is used: the model never runs
+    cfg = resolve_config(
+        model_dir,
         device="cpu",
+        detect_devices=False,
         prefix_cache=cache,
         policy=policy,
-        num_kv_blocks=num_kv_blocks,
         block_size=block_size,
         max_model_len=1 << 20,
     )
-    computed = 0
-
-    def stub_forward(batch: ScheduledBatch, tables: object, **_: object) -> StepOutput:
-        nonlocal computed
-        computed += batch.num_tokens
-        return StepOutput([11] * len(batch.rows), None, {})
-
-    engine.core.runner.forward = stub_forward
+    runner = ScriptedRunner(cfg.scheduler.max_running_requests, block_size, lambda rid, pos: 11)
+    core = EngineCore(
+        cfg, ModelConfig.from_pretrained(model_dir), [], runner=runner, num_kv_blocks=num_kv_blocks
+    )
     start = time.perf_counter()
-    run_engine(engine, workload)
-    engine.check_integrity()
-    stats = engine.stats()
+    run_engine(core, workload)
+    core.check_integrity()
+    stats = core.stats()
     return {
         "steps": stats["steps"],
-        "computed_tokens": computed,
+        "computed_tokens": runner.num_computed_tokens,
         "preemptions": stats["preemptions"],
         "evicted_blocks": stats["evicted_blocks"],
         "hit_rate": stats["cache_hit_rate"],

@@ -14,11 +14,12 @@ from benchmarks.dispatch import Dispatcher, ReadyCall
 from benchmarks.metrics import CallRecord, DriverResult, KVStats
 from benchmarks.workloads import Workload
 from radixrt.engine import Engine
+from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
 
 
 def run_engine(
-    engine: Engine,
+    engine: Engine | EngineCore,
     workload: Workload,
     *,
     max_concurrency: int | None = None,
@@ -32,7 +33,8 @@ def run_engine(
     After the run (or the timeout, which aborts what is left) the engine is idle: its
     integrity check passes and only the prefix cache holds blocks; the cache is kept.
     `on_call_done` is called once per finished call (progress bars)."""
-    core, alloc, cache = engine.core, engine.allocator, engine.cache
+    core = getattr(engine, "core", engine)  # an Engine, or an EngineCore (simulations)
+    alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
     params = {
         n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -42,6 +44,7 @@ def run_engine(
     before = engine.stats()
     inflight: dict[str, tuple[ReadyCall, CallRecord]] = {}
     records: list[CallRecord] = []
+    outputs: dict[str, list[int]] = {}  # rid -> output token ids so far
     peak_used = peak_active = alloc.num_used
     complete = True
     start = time.perf_counter()
@@ -51,8 +54,8 @@ def run_engine(
             complete = False
             break
         for call in disp.pop_ready(now):
-            req = core.add_request(call.prompt, params[call.max_tokens])
-            inflight[req.rid] = (call, CallRecord(req.prompt_len, 0, 0, now, now, now))
+            rid = core.add_request(call.prompt, params[call.max_tokens])
+            inflight[rid] = (call, CallRecord(len(call.prompt), 0, 0, now, now, now))
         if not core.has_work:  # every program left waits for its arrival time
             nxt = disp.next_arrival()
             assert nxt is not None, "nothing running, nothing ready, programs left"
@@ -63,23 +66,25 @@ def run_engine(
         used = alloc.num_used
         peak_used = max(peak_used, used)
         peak_active = max(peak_active, used - cache.evictable_blocks)
-        for req in changed:
-            call, rec = inflight[req.rid]
-            if req.num_output > len(rec.token_times):
-                rec.token_times.append(t)
-            if req.is_finished:
-                del inflight[req.rid]
-                rec.cached_tokens = req.num_cached_tokens
-                rec.output_tokens = req.num_output
+        for d in changed:
+            call, rec = inflight[d.rid]
+            rec.token_times += [t] * len(d.new_token_ids)
+            outputs.setdefault(d.rid, []).extend(d.new_token_ids)
+            if d.finished:
+                del inflight[d.rid]
+                rec.cached_tokens = d.num_cached_tokens
+                rec.output_tokens = d.num_output_tokens
                 rec.first_token = rec.token_times[0] if rec.token_times else t
                 rec.end = t
                 records.append(rec)
-                disp.finish(call, req.output_ids)
+                disp.finish(call, outputs.pop(d.rid))
                 if on_call_done is not None:
                     on_call_done()
     duration = time.perf_counter() - start
     for rid in list(inflight):
         core.abort(rid)
+    while core.has_work:  # a step still in flight
+        core.step()
     engine.check_integrity()
     assert alloc.num_used == cache.cached_blocks, "a finished run left blocks held by requests"
     after = engine.stats()

@@ -168,6 +168,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights)
     attention_backend: str = "torch"  # torch | flashinfer
     enable_cuda_graph: bool = False
+    overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -218,6 +219,7 @@ def resolve_config(
         usable = detect_devices and _flashinfer_usable(device)
         top["attention_backend"] = "flashinfer" if usable else "torch"
     top.setdefault("enable_cuda_graph", device.startswith("cuda"))
+    top.setdefault("overlap_schedule", device.startswith("cuda"))
     cache = CacheConfig(**sub["cache"])
     if sub["scheduler"].get("policy", "auto") == "auto":
         sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16  # new tokens to generate at most
+    max_tokens: int | None = 16  # new tokens to generate at most; None: all that fit
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int | None = None  # keep the k most likely tokens; None: all
@@ -24,6 +26,7 @@ class SamplingParams:
     logprob_start_len: int = 1  # ... for prompt indices i >= this (>= 1); the prefix cache
     # is used only below that point, so those tokens are computed
     logprobs: bool = False  # return the log-prob of each sampled token
+    top_logprobs: int = 0  # also this many most likely tokens' log-probs (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,10 +35,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+            self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 0),
             "max_tokens",
             self.max_tokens,
-            "an integer >= 0",
+            "an integer >= 0, or None for as many as fit in the context",
         )
         _check(
             _num(self.temperature) and self.temperature >= 0,
@@ -80,6 +83,12 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
         _check(
+            _int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            self.top_logprobs,
+            f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
@@ -97,6 +106,10 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _num(x: object) -> bool:

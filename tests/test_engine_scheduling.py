@@ -81,10 +81,13 @@ def test_stop_conditions(make_engine):
     # max_tokens
     out = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0))[0]
     assert len(out.token_ids) <= 3
-    # context length
+    # context length: an explicit max_tokens must fit; None means all the room left
     small = make_engine(prefix_cache="none", max_model_len=20)
     ids = small.tokenizer.encode(PROMPTS[0])
-    out = small.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0]
+    with pytest.raises(ValueError, match=f"max_tokens=24 does not fit.*{len(ids)} tokens"):
+        small.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
+    room = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    out = small.generate(prompt_token_ids=[ids], sampling_params=room)[0]
     assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 20
 
 

@@ -17,9 +17,6 @@ from radixrt.config import ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, decode_buckets, decode_metadata
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
-from radixrt.sampling import SamplingParams
-from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
-from radixrt.scheduler.request import Request
 
 NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS = 8, 2, 2
 DTYPE = torch.bfloat16
@@ -50,21 +47,15 @@ def test_decode_metadata_matches_reference(block_size):
     padding rows use the scratch block only (CPU test)."""
     gen = torch.Generator().manual_seed(block_size)
     num_rows, bucket, scratch = 5, 8, 999
-    tables = BlockTableArray(16, 320)
-    rows = []
-    for i in range(num_rows):
-        computed = int(torch.randint(1, 300, (1,), generator=gen))
-        req = Request(f"r{i}", computed, list(range(computed + 1)), SamplingParams())
-        req.num_computed = computed
-        req.table_row = tables.acquire()
+    tables = np.zeros((num_rows, 320), dtype=np.int32)
+    positions = torch.randint(1, 300, (num_rows,), generator=gen).numpy()
+    for i, computed in enumerate(positions):
         nb = (computed + block_size) // block_size
-        tables.write(req.table_row, 0, torch.randperm(900, generator=gen)[:nb].tolist())
-        rows.append(req)
-    rows = rows[::-1]  # table rows out of order
-    batch = ScheduledBatch(rows, [1] * num_rows, num_rows, np.array([r.table_row for r in rows]))
-    meta = decode_metadata(batch, tables, bucket, block_size, scratch)
-    table = torch.from_numpy(tables.table[batch.table_rows])
-    start = torch.tensor([r.num_computed for r in rows], dtype=torch.int32)
+        tables[i, :nb] = torch.randperm(900, generator=gen)[:nb].numpy()
+    ids = np.arange(num_rows, dtype=np.int64) + 40
+    meta = decode_metadata(ids, positions, tables, bucket, block_size, scratch)
+    table = torch.from_numpy(tables)
+    start = torch.from_numpy(positions.astype(np.int32))
     ones = torch.ones(num_rows, dtype=torch.int32)
     qo = torch.arange(num_rows + 1, dtype=torch.int32)
     kv = build_kv_metadata_reference(table, start + 1, block_size)
@@ -75,7 +66,7 @@ def test_decode_metadata_matches_reference(block_size):
     assert meta.kv_last_page_len[:num_rows].tolist() == kv.kv_last_page_len.tolist()
     assert meta.positions[:num_rows].tolist() == tok.positions.tolist()
     assert meta.slot_mapping[:num_rows].tolist() == tok.slot_mapping.tolist()
-    assert meta.input_ids[:num_rows].tolist() == [r.token_ids[-1] for r in rows]
+    assert meta.input_ids[:num_rows].tolist() == ids.tolist()
     assert meta.seq_lens[:num_rows].tolist() == (start + 1).tolist()
     # padding: one scratch block each, one token, slots inside the scratch block
     assert np.diff(meta.kv_indptr[num_rows:]).tolist() == [1] * (bucket - num_rows)
@@ -83,7 +74,7 @@ def test_decode_metadata_matches_reference(block_size):
     assert (meta.slot_mapping[num_rows:] // block_size == scratch).all()
     assert (meta.seq_lens[num_rows:] == 1).all() and (meta.kv_last_page_len[num_rows:] == 1).all()
     with pytest.raises(AssertionError, match="scratch block"):
-        decode_metadata(batch, tables, bucket, block_size, int(kv.kv_indices[0]))
+        decode_metadata(ids, positions, tables, bucket, block_size, int(kv.kv_indices[0]))
 
 
 def make_batch(

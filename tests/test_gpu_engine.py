@@ -103,21 +103,24 @@ def test_cuda_graph_decode_logits_and_padding(make_engine):
         )
     sizes = set()
     while engine.scheduler.has_work:
-        batch = sched.schedule()
-        if batch.num_decode == len(batch.rows):
-            sizes.add(len(batch.rows))
+        plan = sched.schedule()
+        if plan.num_decode == len(plan.rows):
+            sizes.add(len(plan.rows))
             kv = runner.pool.kv
             before = kv.clone()
-            graph_logits = runner.run_model(batch, sched.tables).logits.clone()
+            graph_logits = runner.logits(plan).clone()
             changed = (kv != before).any(dim=5).any(dim=4).any(dim=1).any(dim=0).flatten()
             real = torch.tensor(
-                [r.block_table[r.num_computed // bs] * bs + r.num_computed % bs for r in batch.rows]
+                [
+                    int(runner.block_tables[r.slot, r.start // bs]) * bs + r.start % bs
+                    for r in plan.rows
+                ]
             )
             allowed = torch.zeros_like(changed)
             allowed[torch.cat([real, scratch]).to(changed.device)] = True
             assert not (changed & ~allowed).any(), "a graph replay wrote outside its slots"
-            eager_logits = runner.run_model(batch, sched.tables, use_cuda_graph=False).logits
+            eager_logits = runner.logits(plan, use_cuda_graph=False)
             err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
-            assert err < 1e-2, f"{len(batch.rows)} rows: graph vs eager logits rel err {err:.2e}"
-        sched.update(batch, runner.forward(batch, sched.tables))
+            assert err < 1e-2, f"{len(plan.rows)} rows: graph vs eager logits rel err {err:.2e}"
+        sched.update(plan, runner.execute(plan).result())
     assert len({graphs.bucket(n) for n in sizes}) >= 3, sizes  # several buckets, padded ones

@@ -120,14 +120,14 @@ def test_aging_bounds_lpm_starvation(make_engine):
         overtook = []
         for step in range(steps):
             arrival[engine.add_request(hot + [rng.randrange(10, 2000)], p)] = step
-            for req, _ in engine.step():
-                if not req.is_finished:
+            for d, _ in engine.step():
+                if not d.finished:
                     continue
-                if req.rid == cold_rid:
+                if d.rid == cold_rid:
                     for rid in list(engine.scheduler.requests):
                         engine.abort(rid)
                     return True, overtook
-                overtook.append(arrival[req.rid])
+                overtook.append(arrival[d.rid])
         for rid in list(engine.scheduler.requests):
             engine.abort(rid)
         return False, overtook

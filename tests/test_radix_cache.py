@@ -86,6 +86,9 @@ def test_insert_match_and_stats():
     blocks = cache_tokens(cache, [1, 2, 3, 4, 5, 6])
     m = cache.match([1, 2, 3, 4, 5, 6, 7])
     assert m.num_cached_tokens == 6 and m.blocks == blocks
+    # match counts nothing: the scheduler records one lookup per admitted prompt
+    assert cache.stats.num_queried_tokens == 0 and cache.stats.num_hit_tokens == 0
+    cache.stats.record_lookup(7, m.num_cached_tokens)
     assert cache.stats.num_queried_tokens == 7 and cache.stats.num_hit_tokens == 6
     assert cache.stats.num_inserted_tokens == 6
     assert cache.total_tokens == 6 and cache.cached_blocks == 2 and cache.evictable_blocks == 2

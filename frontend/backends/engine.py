@@ -38,6 +38,7 @@ class _Pending:
     future: Future
     on_delta: DeltaCallback | None
     text: list[str] = field(default_factory=list)  # deltas so far
+    output_ids: list[int] = field(default_factory=list)  # token ids so far
 
 
 _STOP = object()  # queue item that ends the engine thread
@@ -134,29 +135,30 @@ class EngineBackend(Backend):
             logger.exception("engine step failed")
             self._fail_all(pending, e)
             return
-        for req, text in outputs:
-            p = pending[req.rid]
+        for d, text in outputs:
+            p = pending[d.rid]
+            p.output_ids += d.new_token_ids
             if text:
                 p.text.append(text)
                 if p.on_delta is not None:
                     try:
                         p.on_delta(text)
                     except Exception as e:  # the consumer's error ends its request
-                        self.engine.abort(req.rid)
-                        del pending[req.rid]
+                        self.engine.abort(d.rid)
+                        del pending[d.rid]
                         p.future.set_exception(e)
                         continue
-            if req.is_finished:
-                del pending[req.rid]
+            if d.finished:
+                del pending[d.rid]
                 p.future.set_result(
                     GenResult(
                         text="".join(p.text),
-                        output_ids=list(req.output_ids),
-                        finish_reason=req.finish_reason,
-                        prompt_tokens=req.prompt_len,
-                        completion_tokens=req.num_output,
-                        cached_tokens=req.num_cached_tokens,
-                        prompt_logprobs=list(req.prompt_logprobs),
+                        output_ids=p.output_ids,
+                        finish_reason=d.finish_reason.value,
+                        prompt_tokens=d.prompt_tokens,
+                        completion_tokens=d.num_output_tokens,
+                        cached_tokens=d.num_cached_tokens,
+                        prompt_logprobs=d.prompt_logprobs,
                     )
                 )
 
@@ -169,8 +171,7 @@ class EngineBackend(Backend):
 
     def _fail_all(self, pending: dict[str, _Pending], error: BaseException) -> None:
         for rid, p in pending.items():
-            if rid in self.engine.scheduler.requests:
-                self.engine.abort(rid)
+            self.engine.abort(rid)
             p.future.set_exception(error)
         pending.clear()
 

@@ -3,16 +3,22 @@
 Ownership rules (all implementations):
 - The cache holds its own block references (through the shared `BlockAllocator`);
   requests hold theirs. A block is free when nobody holds it.
-- `match` takes no references and changes no reference count; it may split a tree
-  node and refresh access times. The caller must `lock(result.handle)` before it
-  allocates anything (allocation may evict) and `unlock` it when the request stops
-  using the path (finish, abort, preemption, or after moving the lock by `insert`).
+- `match` takes no references for the caller and refreshes access times. The radix tree
+  may split a node so the handle ends exactly at the match; when the cut falls inside a
+  block, both halves record that block, so the cache's own reference count on it goes up
+  by one (`held_refs` shows it). No other reference count changes. The caller must
+  `lock(result.handle)` before it allocates anything (allocation may evict) and `unlock`
+  it when the request stops using the path (finish, abort, preemption, or after moving
+  the lock by `insert`). `match` counts nothing in `stats`: the scheduler records one
+  lookup per admitted prompt (`CacheStats.record_lookup`).
 - `insert(tokens, blocks)`: `tokens` all have computed KV in `blocks` (the request's
   block table, position p in `blocks[p // block_size]`). The cache takes a reference on
   every block it newly keeps; the caller keeps its own references and releases them
   itself. Returns the handle of the deepest node for `tokens` (lock it, unlock the old).
 - `evict(n)` drops unlocked cached entries, least recently used first, until `n` blocks
   became free in the allocator or nothing evictable is left; returns blocks freed.
+- `version` increases whenever an entry is removed (evict, reset): a MatchResult taken
+  before may name freed blocks and must be matched again.
 """
 
 from __future__ import annotations
@@ -36,15 +42,21 @@ class InsertResult(NamedTuple):
 
 @dataclass
 class CacheStats:
-    num_queried_tokens: int = 0  # tokens passed to match
-    num_hit_tokens: int = 0  # of those, found cached
+    num_queried_tokens: int = 0  # prompt tokens of admitted requests (once per request)
+    num_hit_tokens: int = 0  # of those, served from the cache
     num_evicted_blocks: int = 0  # blocks freed by evict
     num_inserted_tokens: int = 0  # tokens newly cached
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """One admitted prompt of `num_queried` tokens, `num_hit` of them cached."""
+        self.num_queried_tokens += num_queried
+        self.num_hit_tokens += num_hit
 
 
 class PrefixCache(Protocol):
     block_size: int
     stats: CacheStats
+    version: int  # bumped whenever an entry is removed (see the module docstring)
 
     def match(self, tokens: Sequence[int]) -> MatchResult: ...
 

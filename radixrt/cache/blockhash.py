@@ -47,6 +47,7 @@ class BlockHashCache:
         self.allocator = allocator
         self.block_size = block_size
         self.stats = CacheStats()
+        self.version = 0  # bumped by every eviction (match results go stale)
         self._clock = 0
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}  # inverse of _hash_to_block
@@ -69,7 +70,6 @@ class BlockHashCache:
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Cached full blocks of the longest cached block-aligned prefix; refreshes their
         access time. Takes no references. Handle: tuple of the matched blocks."""
-        self.stats.num_queried_tokens += len(tokens)
         blocks = []
         for h in self.block_hashes(tokens):
             b = self._hash_to_block.get(h)
@@ -78,7 +78,6 @@ class BlockHashCache:
             blocks.append(b)
         self._touch(blocks)
         num_cached = len(blocks) * self.block_size
-        self.stats.num_hit_tokens += num_cached
         return MatchResult(blocks, num_cached, tuple(blocks))
 
     @property
@@ -156,6 +155,7 @@ class BlockHashCache:
                 i += 1  # held by a request that did not lock it: skip
                 continue
             del self._queue[i]
+            self.version += 1
             self._uncache(b)
             freed += self.allocator.decref([b])
         self.stats.num_evicted_blocks += freed
@@ -166,6 +166,7 @@ class BlockHashCache:
         freed = 0
         while self._queue:
             b = self._queue.pop(0)[2]
+            self.version += 1
             self._uncache(b)
             freed += self.allocator.decref([b])
         self.stats.num_evicted_blocks += freed

@@ -71,6 +71,7 @@ class RadixCache:
         self.allocator = allocator
         self.block_size = block_size
         self.stats = CacheStats()
+        self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
         self._clock = 0
         self.root = RadixNode(next(self._ids), [], 0, [])
@@ -85,7 +86,8 @@ class RadixCache:
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of `tokens` (token-exact). Splits a node when the match
         ends inside an edge, so the handle ends exactly at the match; refreshes access
-        times along the path. Takes no references."""
+        times along the path. Takes no references for the caller; a split inside a block
+        adds the cache's reference for the second node recording it (see base.py)."""
         tokens = list(tokens)
         path, pos = self._walk(tokens)
         table: list[int] = []
@@ -93,8 +95,6 @@ class RadixCache:
             if node.start % self.block_size:
                 table.pop()  # block index shared with the parent: the deeper node wins
             table.extend(node.blocks)
-        self.stats.num_queried_tokens += len(tokens)
-        self.stats.num_hit_tokens += pos
         node = path[-1] if path else self.root
         return MatchResult(table, pos, node)
 
@@ -177,6 +177,7 @@ class RadixCache:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         freed = 0
         while freed < num_blocks and self._evictable:
+            self.version += 1
             leaf = self._evictable.pop(0)
             trimmed = self._trim_leaf(leaf, num_blocks - freed)
             freed += self._remove_leaf(leaf) if trimmed is None else trimmed
@@ -187,6 +188,7 @@ class RadixCache:
         """Remove every unlocked node (locked paths stay)."""
         freed = 0
         while self._evictable:
+            self.version += 1
             freed += self._remove_leaf(self._evictable.pop(0))
         self.stats.num_evicted_blocks += freed
 

@@ -1,32 +1,75 @@
-"""EngineCore: scheduler + prefix cache + KV pool + model runner, tokens only.
+"""EngineCore: scheduler + prefix cache + model runner, tokens only; THE driver loop.
 
-The in-process `Engine` wraps it with a tokenizer and detokenizers; the server's
-scheduler process drives it directly and ships token ids to the front process."""
+The in-process `Engine`, the server's scheduler process, the frontend DSL (through `Engine`) and
+the benchmark driver all call `step()`, which returns one `RequestDelta` per request that
+got tokens or finished; progress per request is tracked here and nowhere else.
+
+One step (`overlap_schedule=False`): plan, execute, apply the result. With overlap the step
+plans and launches step N+1 first and then applies step N's result, so the host's planning
+and bookkeeping run while the device computes (decode rows of N+1 read N's samples on the
+device). Outputs are the same either way.
+"""
 
 from __future__ import annotations
 
 import itertools
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.engine.runner import ModelRunner
 from radixrt.kv.allocator import BlockAllocator
+from radixrt.limits import resolve_max_tokens
+from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import Request
+from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request (only requests that changed get one)."""
+
+    rid: str
+    new_token_ids: list[int]  # output tokens since the previous delta
+    finish_reason: FinishReason | None  # set on the request's last delta
+    prompt_tokens: int
+    num_output_tokens: int  # output tokens so far
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class EngineCore:
     def __init__(
-        self, cfg: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]
+        self,
+        cfg: EngineConfig,
+        model_config: ModelConfig,
+        eos_token_ids: Sequence[int],
+        runner: Runner | None = None,
+        num_kv_blocks: int | None = None,
     ) -> None:
+        """`runner` replaces the ModelRunner (scripted runners in tests and simulations,
+        which then give `num_kv_blocks`)."""
         self.config = cfg
         self.model_config = model_config
         self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
-        self.runner = ModelRunner(cfg, model_config, self.max_model_len)
-        self.allocator = BlockAllocator(self.runner.num_usable_blocks)
+        num_slots = cfg.scheduler.max_running_requests
+        if runner is None:
+            from radixrt.engine.runner import ModelRunner
+
+            runner = ModelRunner(cfg, model_config, self.max_model_len, num_slots)
+            num_kv_blocks = runner.num_usable_blocks
+        assert num_kv_blocks is not None, "a custom runner needs num_kv_blocks"
+        self.runner = runner
+        self.overlap = cfg.overlap_schedule
+        self.allocator = BlockAllocator(num_kv_blocks)
         self.cache = create_prefix_cache(
             cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size
         )
@@ -34,43 +77,88 @@ class EngineCore:
             cfg.scheduler,
             self.allocator,
             self.cache,
-            self.runner.pool,
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
         )
         self._ids = itertools.count()
+        self._inflight: tuple[StepPlan, StepHandle] | None = None
+        self._sent: dict[str, int] = {}  # rid -> output tokens already in deltas
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
-    ) -> Request:
-        """Queue one request. Raises ValueError on bad input (nothing is queued then)."""
+    ) -> str:
+        """Queue one request; returns its id (generated when `rid` is None). Raises
+        ValueError on bad input (nothing is queued then)."""
         ids = [int(t) for t in prompt_ids]
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        req = Request(rid=rid, prompt_len=len(ids), token_ids=ids, params=params)
+        max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+        if rid is None:
+            rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Request(
+            rid=rid, prompt_len=len(ids), seq_token_ids=ids, params=params, max_tokens=max_tokens
+        )
         self.scheduler.add_request(req)
-        return req
+        self._sent[rid] = 0
+        return rid
 
-    def step(self) -> list[Request]:
-        """One scheduler step; returns the requests that got a token or finished."""
+    def step(self) -> list[RequestDelta]:
+        """One loop iteration; returns the deltas of the requests that changed."""
         sched = self.scheduler
-        batch = sched.schedule()
-        if batch is None:
-            return []
-        return sched.update(batch, self.runner.forward(batch, sched.tables))
+        plan = sched.schedule()
+        handle = self.runner.execute(plan) if plan is not None else None
+        changed: list[Request] = []
+        if self._inflight is not None:
+            prev_plan, prev_handle = self._inflight
+            self._inflight = None
+            changed += sched.update(prev_plan, prev_handle.result())
+        if handle is not None:
+            if self.overlap:
+                self._inflight = (plan, handle)
+            else:
+                changed += sched.update(plan, handle.result())
+        return [self._delta(req) for req in _unique(changed)]
 
-    def abort(self, rid: str, reason: str = "abort") -> Request | None:
-        return self.scheduler.abort(rid, reason)
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
+        """Finish a request now; returns its last delta, or None if it is unknown."""
+        req = self.scheduler.abort(rid, reason)
+        return None if req is None else self._delta(req)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
+
+    def request(self, rid: str) -> Request | None:
+        """The live request (read-only use: tests, introspection)."""
+        return self.scheduler.requests.get(rid)
+
+    def _delta(self, req: Request) -> RequestDelta:
+        sent = self._sent[req.rid]
+        p = req.params
+        delta = RequestDelta(
+            rid=req.rid,
+            new_token_ids=req.seq_token_ids[req.prompt_len + sent :],
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            num_output_tokens=req.num_output,
+            num_cached_tokens=req.num_cached_tokens,
+            new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
+            new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
+            prompt_logprobs=list(req.prompt_logprobs) if req.is_finished else [],
+        )
+        if req.is_finished:
+            del self._sent[req.rid]
+        else:
+            self._sent[req.rid] = req.num_output
+        return delta
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        assert set(self._sent) == set(self.scheduler.requests), "delta bookkeeping leaked"
+        inflight = 0 if self._inflight is None else 1
+        assert self.scheduler.num_inflight_steps == inflight, "a launched plan was lost"
 
     def stats(self) -> dict[str, float]:
         s, c = self.scheduler.stats, self.cache.stats
@@ -80,6 +168,7 @@ class EngineCore:
             "cached_tokens": s.num_cached_tokens,
             "cache_hit_rate": s.cache_hit_rate,
             "generated_tokens": s.num_generated_tokens,
+            "dropped_tokens": s.num_dropped_tokens,
             "preemptions": s.num_preemptions,
             "cow_copies": s.num_cow_copies,
             "inplace_appends": s.num_inplace_appends,
@@ -91,3 +180,13 @@ class EngineCore:
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached": self.cache.cached_blocks,
         }
+
+
+def _unique(reqs: list[Request]) -> list[Request]:
+    seen: set[int] = set()
+    out = []
+    for r in reqs:
+        if id(r) not in seen:
+            seen.add(id(r))
+            out.append(r)
+    return out

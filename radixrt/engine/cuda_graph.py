@@ -6,8 +6,9 @@ that the allocator never hands out (`scratch_block`, the pool's last block), and
 that block alone, so they never touch the KV of real requests. Each graph computes the
 logits of every row (model forward + lm_head); sampling runs outside.
 
-Host-side inputs are built with numpy from the block table (no device kernels, no sync),
-copied into static device buffers with one pinned copy, and the attention backend plans the
+Host-side inputs are built with numpy from the rows' block tables (no device kernels, no
+sync), copied into static device buffers with one pinned copy (rows that read their last
+sample on the device get it by one device gather), and the attention backend plans the
 bucket's decode wrapper right before the replay.
 """
 
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch
+from radixrt.engine.inputs import StepLayout
+from radixrt.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +90,16 @@ class DecodeCudaGraphs:
     def bucket(self, num_rows: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
 
-    def can_run(self, batch: ScheduledBatch) -> bool:
-        """Decode-only batches of at most max_batch_size rows."""
-        return batch.num_decode == len(batch.rows) and 0 < len(batch.rows) <= self.max_batch_size
+    def can_run(self, plan: StepPlan, layout: StepLayout) -> bool:
+        """Decode-only plans of at most max_batch_size rows, each sampling its one token,
+        scoring no prompt tokens."""
+        num_rows = len(plan.rows)
+        return (
+            layout.num_decode == num_rows
+            and 0 < num_rows <= self.max_batch_size
+            and len(layout.sample_tokens) == num_rows
+            and not len(layout.score_tokens)
+        )
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         n = self.max_batch_size
@@ -144,17 +153,31 @@ class DecodeCudaGraphs:
             self.logits[bs] = self._forward_logits(fb)
         self.graphs[bs] = graph
 
-    def run(self, batch: ScheduledBatch, tables: BlockTableArray) -> torch.Tensor:
-        """Replay the graph for a decode-only batch; returns logits [R, vocab] float32 (a
-        view of the graph's output, valid until the next replay)."""
-        num_rows, n = len(batch.rows), self.max_batch_size
+    def run(
+        self,
+        layout: StepLayout,
+        tables: np.ndarray,  # [R, >= blocks used] int32: the rows' block tables
+        last_tokens: torch.Tensor,  # [slots] int64 cuda: each slot's last sample
+        on_inputs_staged: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """Replay the graph for a decode-only step; returns logits [R, vocab] float32 (a view
+        of the graph's output, valid until the next replay). `on_inputs_staged` runs once
+        the inputs' copies are enqueued, before the replay."""
+        num_rows, n = len(layout.starts), self.max_batch_size
         bs = self.bucket(num_rows)
-        meta = decode_metadata(batch, tables, bs, self.block_size, self.scratch_block)
+        meta = decode_metadata(
+            layout.host_ids, layout.starts, tables, bs, self.block_size, self.scratch_block
+        )
         host = self._host.numpy()
         host[:bs] = meta.input_ids
         host[n : n + bs] = meta.positions
         host[2 * n : 2 * n + bs] = meta.slot_mapping
         self._static.copy_(self._host, non_blocking=True)
+        if len(layout.last_read_tokens):
+            dev = self._static.device
+            rows = torch.from_numpy(layout.last_read_tokens).to(dev, non_blocking=True)
+            slots = torch.from_numpy(layout.last_read_slots).to(dev, non_blocking=True)
+            self._static[:bs].index_copy_(0, rows, last_tokens[slots])
         indices = self._host_indices[: len(meta.kv_indices)]
         indices.numpy()[:] = meta.kv_indices
         self._plan(
@@ -164,6 +187,8 @@ class DecodeCudaGraphs:
             torch.from_numpy(meta.kv_last_page_len),
             torch.from_numpy(meta.seq_lens),
         )
+        if on_inputs_staged is not None:
+            on_inputs_staged()
         self.graphs[bs].replay()
         return self.logits[bs][:num_rows]
 
@@ -181,21 +206,21 @@ class DecodeMetadata(NamedTuple):
 
 
 def decode_metadata(
-    batch: ScheduledBatch,
-    tables: BlockTableArray,
+    input_ids: np.ndarray,  # [R] int64: each row's input token (0 where read on the device)
+    positions: np.ndarray,  # [R] int: each row's position (= KV already computed)
+    tables: np.ndarray,  # [R, >= blocks used] int32: block tables
     bucket: int,
     block_size: int,
     scratch_block: int,
 ) -> DecodeMetadata:
-    """Inputs of a decode-only `batch` padded to `bucket` rows, from the block table with
-    numpy (no device work). Row r feeds its last token at position num_computed."""
-    rows = batch.rows
-    num_rows = len(rows)
-    assert batch.num_decode == num_rows <= bucket
-    start = np.fromiter((r.num_computed for r in rows), dtype=np.int64, count=num_rows)
+    """Inputs of a decode-only step of R rows padded to `bucket` rows, with numpy (no
+    device work). Row r feeds one token at position positions[r]."""
+    num_rows = len(positions)
+    assert num_rows <= bucket
+    start = positions.astype(np.int64)
     seq_lens = start + 1
     nblocks = (seq_lens + block_size - 1) // block_size
-    table = tables.table[batch.table_rows, : int(nblocks.max())]  # [R, max_blocks] int32
+    table = tables[:, : int(nblocks.max())]  # [R, max_blocks] int32
     real_indices = table[np.arange(table.shape[1]) < nblocks[:, None]]  # row-major: in order
     assert not (real_indices == scratch_block).any(), (
         "a request holds the CUDA-graph scratch block: build the BlockAllocator with "
@@ -208,12 +233,7 @@ def decode_metadata(
     np.cumsum(np.concatenate([nblocks, np.ones(pad, dtype=np.int64)]), out=kv_indptr[1:])
     ones = np.ones(pad, dtype=np.int32)
     return DecodeMetadata(
-        input_ids=np.concatenate(
-            [
-                np.fromiter((r.token_ids[-1] for r in rows), dtype=np.int64, count=num_rows),
-                np.zeros(pad, dtype=np.int64),
-            ]
-        ),
+        input_ids=np.concatenate([input_ids.astype(np.int64), np.zeros(pad, dtype=np.int64)]),
         positions=np.concatenate([start, np.zeros(pad, dtype=np.int64)]),
         slot_mapping=np.concatenate([blocks * block_size + start % block_size, pad_slots]),
         kv_indptr=kv_indptr,

@@ -1,6 +1,5 @@
-"""Engine: the in-process API (used directly, by the frontend DSL, and inside the server's
-scheduler process). The loop is `batch = scheduler.schedule()`, `runner.forward(batch)`,
-`scheduler.update(batch, tokens)`."""
+"""Engine: the in-process API (used directly and by the frontend DSL): EngineCore's loop plus a
+tokenizer, incremental detokenizers and stop strings."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ import torch
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.engine.core import EngineCore
+from radixrt.engine.core import EngineCore, RequestDelta
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import Request
+from radixrt.scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +24,13 @@ class RequestOutput:
     prompt: str | None  # the prompt text, when the request was given as text
     text: str  # generated text (stop string excluded)
     token_ids: list[int]  # generated token ids
-    finish_reason: str | None  # stop | length | abort; None while running
+    finish_reason: FinishReason | None  # stop | length | abort; None while running
     prompt_tokens: int
     completion_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     logprobs: list[float] = field(default_factory=list)  # when SamplingParams.logprobs
+    # when SamplingParams.top_logprobs: per token, the most likely (token id, log-prob)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # when SamplingParams.prompt_logprobs: prompt tokens [logprob_start_len, prompt_tokens)
     prompt_logprobs: list[float] = field(default_factory=list)
 
@@ -44,7 +45,7 @@ class StreamDelta:
     index: int  # position of the prompt in the generate call
     text: str  # new text since the last delta
     token_ids: list[int]  # new token ids since the last delta
-    finish_reason: str | None  # set on the request's last delta
+    finish_reason: FinishReason | None  # set on the request's last delta
 
 
 class Engine:
@@ -81,25 +82,26 @@ class Engine:
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> str:
         """Queue one request; returns its id. Raises ValueError on bad input."""
-        req = self.core.add_request(prompt_ids, params, rid)
-        self._detok[req.rid] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens, req.token_ids
+        rid = self.core.add_request(prompt_ids, params, rid)
+        self._detok[rid] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, list(prompt_ids)
         )
-        return req.rid
+        return rid
 
-    def step(self) -> list[tuple[Request, str]]:
-        """Run one scheduler step. Returns (request, new text) for each request that got
-        tokens; finished requests have `finish_reason` set."""
+    def step(self) -> list[tuple[RequestDelta, str]]:
+        """Run one engine step. Returns (delta, new text) for each request that changed;
+        a request's last delta has `finish_reason` set (a stop string ends it with STOP)."""
         out = []
-        for req in self.core.step():
-            detok = self._detok[req.rid]
-            new = req.output_ids[-1:] if req.num_output else []
-            text = detok.add(new, final=req.is_finished)
-            if detok.stopped and not req.is_finished:
-                self.core.abort(req.rid, reason="stop")
-            if req.is_finished:
-                del self._detok[req.rid]
-            out.append((req, text))
+        for delta in self.core.step():
+            detok = self._detok[delta.rid]
+            text = detok.add(delta.new_token_ids, final=delta.finished)
+            if detok.stopped and not delta.finished:
+                last = self.core.abort(delta.rid, FinishReason.STOP)
+                delta.finish_reason = last.finish_reason
+                delta.prompt_logprobs = last.prompt_logprobs
+            if delta.finished:
+                del self._detok[delta.rid]
+            out.append((delta, text))
         return out
 
     def abort(self, rid: str) -> None:
@@ -146,47 +148,43 @@ class Engine:
         """Generate for a batch of prompts (text or token ids); one SamplingParams for all
         or one per prompt. Returns outputs in prompt order."""
         texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
-        reqs: dict[int, Request] = {}
-        text = [""] * len(ids)
-        for delta in self._run(ids, params, reqs):
-            text[delta.index] += delta.text
-        return [
-            RequestOutput(
-                rid=req.rid,
-                prompt=texts[i],
-                text=text[i],
-                token_ids=req.output_ids,
-                finish_reason=req.finish_reason,
-                prompt_tokens=req.prompt_len,
-                completion_tokens=req.num_output,
-                num_cached_tokens=req.num_cached_tokens,
-                logprobs=list(req.output_logprobs),
-                prompt_logprobs=list(req.prompt_logprobs),
-            )
-            for i, req in sorted(reqs.items())
-        ]
+        outs: dict[int, RequestOutput] = {}
+        for delta in self._run(ids, params, outs):
+            out = outs[delta.index]
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+        for i, out in outs.items():
+            out.prompt = texts[i]
+        return [outs[i] for i in sorted(outs)]
 
-    def _run(self, ids, params, reqs: dict[int, Request]) -> Iterator[StreamDelta]:
-        """Add the requests, step until all finish, yield their deltas. A consumer that
-        stops early aborts what is left (no KV leaks)."""
+    def _run(self, ids, params, outs: dict[int, RequestOutput]) -> Iterator[StreamDelta]:
+        """Add the requests, step until all finish, yield their deltas (and keep each
+        request's RequestOutput in `outs` up to date, but for text and token ids). A
+        consumer that stops early aborts what is left (no KV leaks)."""
         index: dict[str, int] = {}
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 rid = self.add_request(p, sp)
                 index[rid] = i
-                reqs[i] = self.scheduler.requests[rid]
+                outs[i] = RequestOutput(rid, None, "", [], None, len(p), 0, 0)
             pending = set(index)
             while pending:
-                for req, text in self.step():
-                    if req.rid not in pending:
+                for d, text in self.step():
+                    if d.rid not in pending:
                         continue
-                    new_ids = req.output_ids[-1:] if req.num_output else []
-                    yield StreamDelta(req.rid, index[req.rid], text, new_ids, req.finish_reason)
-                    if req.is_finished:
-                        pending.discard(req.rid)
+                    out = outs[index[d.rid]]
+                    out.finish_reason = d.finish_reason
+                    out.completion_tokens = d.num_output_tokens
+                    out.num_cached_tokens = d.num_cached_tokens
+                    out.logprobs += d.new_logprobs
+                    out.top_logprobs += d.new_top_logprobs
+                    if d.finished:
+                        out.prompt_logprobs = d.prompt_logprobs
+                        pending.discard(d.rid)
+                    yield StreamDelta(d.rid, index[d.rid], text, d.new_token_ids, d.finish_reason)
         finally:
             for rid in index:
-                if rid in self.scheduler.requests:
+                if self.core.request(rid) is not None:
                     self.abort(rid)
 
     # ---- introspection ----
@@ -200,6 +198,8 @@ class Engine:
         """Abort everything in flight and release the model and KV memory."""
         for rid in list(self.scheduler.requests):
             self.abort(rid)
+        while self.core.has_work:  # a step still in flight
+            self.core.step()
         self.core.runner = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,13 +1,18 @@
-"""ModelRunner: owns the model, the KV pool and the attention backend; turns a
-ScheduledBatch into a ForwardBatch, runs the forward (or replays a decode CUDA graph,
-see `radixrt.engine.cuda_graph`) and samples."""
+"""ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend and the
+per-slot row state (block tables, last sampled tokens on the device).
+
+`execute(plan)` applies the plan's block-table changes and block ops, runs one forward over all
+rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`), samples, keeps each
+row's sample on the device for the next step and starts one non-blocking copy of the results to
+the host; it returns at once with a handle (on a CPU the work is already done). It never
+imports the scheduler: a plan is plain data.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,32 +21,30 @@ from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
+from radixrt.engine.inputs import StepLayout, layout_plan
+from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_penalties, sample
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
-from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch, StepOutput
+from radixrt.plan import CopyBlock, StepHandle, StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-class ModelOutput(NamedTuple):
-    logits: torch.Tensor | None  # [S, vocab] float32: rows that sample, in row order; None if S = 0
-    samples: np.ndarray  # [R] bool: rows that sample this step
-    prompt_logprobs: dict[int, list[float]]  # row -> log-probs of its prompt tokens this step
-
-
 class ModelRunner:
-    """Owns the model, the KV pool and the attention backend. On CUDA with a backend that
-    supports it (flashinfer) and `enable_cuda_graph`, decode-only steps replay CUDA graphs;
-    the pool's last block is then the graphs' scratch block, so the allocator must manage
-    only `num_usable_blocks` blocks."""
+    """See the module docstring. On CUDA with a backend that supports it (flashinfer) and
+    `enable_cuda_graph`, decode-only steps replay CUDA graphs; the pool's last block is then
+    the graphs' scratch block, so the allocator must manage only `num_usable_blocks`."""
 
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, num_slots: int
+    ) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size
+        self.num_slots = num_slots
         start = time.perf_counter()
         self.model = build_model(
             model_cfg,
@@ -66,15 +69,23 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self._use_kernels = self.device.type == "cuda"
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        # Row state per slot: the block table (host copy, updated from plans) and the
+        # token the row sampled last (device: the next decode step reads it there).
+        self.block_tables = np.zeros((num_slots, self.max_blocks_per_seq), dtype=np.int32)
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self._is_cuda = self.device.type == "cuda"
+        # Recorded once a step's inputs are on the device: pinned staging buffers (ours and
+        # FlashInfer's plan buffers) are rewritten only after it (overlap safety).
+        self._inputs_on_device: torch.cuda.Event | None = None
         self.cuda_graphs: DecodeCudaGraphs | None = None
-        if cfg.enable_cuda_graph and self.device.type == "cuda":
+        if cfg.enable_cuda_graph and self._is_cuda:
             if getattr(self.backend, "supports_cuda_graph", False):
                 self.cuda_graphs = DecodeCudaGraphs(
                     self._decode_logits,
                     self.backend,
-                    max_batch_size=min(cfg.scheduler.max_running_requests, DECODE_BUCKETS[-1]),
-                    max_blocks_per_seq=math.ceil(max_model_len / self.block_size),
+                    max_batch_size=min(num_slots, DECODE_BUCKETS[-1]),
+                    max_blocks_per_seq=self.max_blocks_per_seq,
                     block_size=self.block_size,
                     scratch_block=self.pool.num_blocks - 1,
                     device=self.device,
@@ -110,48 +121,96 @@ class ModelRunner:
         )
         return num
 
-    # ---- batch building ----
-    def build_batch(
-        self, batch: ScheduledBatch, tables: BlockTableArray
-    ) -> tuple[ForwardBatch, np.ndarray]:
-        """The step's ForwardBatch and which rows sample ([R] bool)."""
-        rows, num_new = batch.rows, batch.num_new
-        bs = self.block_size
-        start = np.fromiter((r.num_computed for r in rows), dtype=np.int32, count=len(rows))
-        new = np.asarray(num_new, dtype=np.int32)
-        seq_lens = start + new
-        qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(new, out=qo_indptr[1:])
-        nblocks = (seq_lens + bs - 1) // bs
-        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(nblocks, out=kv_indptr[1:])
-        ids: list[int] = [r.token_ids[-1] for r in rows[: batch.num_decode]]
-        for r, s, n in zip(
-            rows[batch.num_decode :], start[batch.num_decode :], new[batch.num_decode :]
-        ):
-            ids += r.token_ids[s : s + n]
-        # Rows that reach the end of their tokens sample from their last new token.
-        samples = np.array(
-            [s + n == len(r.token_ids) for r, s, n in zip(rows, start, new)], dtype=bool
-        )
-        logits_indices = qo_indptr[1:][samples] - 1
+    # ---- the step ----
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, *, use_cuda_graph: bool = True) -> StepHandle:
+        """Run `plan` (see the module docstring). `use_cuda_graph=False` forces the eager
+        path (benchmarks, tests)."""
+        layout = self._begin(plan)
+        logits, scores = self._forward(plan, layout, use_cuda_graph)
+        outputs = self._sample(plan, layout, logits)
+        outputs.prompt_logprobs = scores
+        return PendingResult(plan, layout, outputs, copy_to_host=self._is_cuda)
 
+    def _begin(self, plan: StepPlan) -> StepLayout:
+        """Wait until the previous step's inputs left the staging buffers, apply block-table
+        changes, run block ops; returns the step's host layout."""
+        if self._inputs_on_device is not None:
+            self._inputs_on_device.synchronize()
+        for r in plan.rows:
+            if r.new_blocks:
+                self.block_tables[r.slot, r.table_start : r.table_start + len(r.new_blocks)] = (
+                    r.new_blocks
+                )
+        for op in plan.block_ops:
+            if isinstance(op, CopyBlock):
+                self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
+            else:
+                raise ValueError(f"block op {op!r} needs a host KV tier, which is not configured")
+        return layout_plan(plan)
+
+    def _inputs_staged(self) -> None:
+        if self._is_cuda:
+            if self._inputs_on_device is None:
+                self._inputs_on_device = torch.cuda.Event()
+            self._inputs_on_device.record()
+
+    def _forward(
+        self, plan: StepPlan, layout: StepLayout, use_cuda_graph: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits of the sampled tokens [S, vocab] float32 (None if S = 0) and the log-probs
+        of the scored prompt tokens [P] float32 (None if P = 0)."""
+        graphs = self.cuda_graphs
+        if use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
+            tables = self.block_tables[layout.slots]
+            logits = graphs.run(
+                layout, tables, self.last_tokens, on_inputs_staged=self._inputs_staged
+            )
+            return logits, None
+        fb = self.build_batch(layout)
+        self.backend.prepare(fb)
+        self._inputs_staged()
+        hidden = self.model(fb, self.backend, self.pool)
         dev = self.device
-        max_blocks = int(nblocks.max())
-        block_tables = torch.from_numpy(tables.table[batch.table_rows, :max_blocks])
+        num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
+        if num_s + num_p == 0:
+            return None, None
+        index = np.concatenate([layout.sample_tokens, layout.score_tokens])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(dev)])
+        scores = None
+        if num_p:
+            targets = torch.from_numpy(layout.score_targets).to(dev).unsqueeze(1)
+            lps = torch.log_softmax(logits[num_s:], dim=-1)
+            scores = lps.gather(1, targets).squeeze(1)
+        return (logits[:num_s] if num_s else None), scores
+
+    def build_batch(self, layout: StepLayout) -> ForwardBatch:
+        """The step's ForwardBatch: inputs copied to the device, device-resident last samples
+        gathered in, attention metadata built from the slots' block tables."""
+        bs, dev = self.block_size, self.device
+        seq_lens = layout.starts + layout.num_new
+        nblocks = (seq_lens + bs - 1) // bs
+        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(nblocks, out=kv_indptr[1:])
+        tables = self.block_tables[layout.slots, : int(nblocks.max())]
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        block_tables_d = block_tables.to(dev, non_blocking=True)
-        seq_lens_d, start_d, new_d, qo_d = map(to_dev, (seq_lens, start, new, qo_indptr))
-        num_tokens = int(qo_indptr[-1])
-        if self._use_kernels:
+        tables_d, seq_lens_d, start_d, new_d, qo_d = map(
+            to_dev, (tables, seq_lens, layout.starts, layout.num_new, layout.qo_indptr)
+        )
+        input_ids = to_dev(layout.host_ids)
+        if len(layout.last_read_tokens):
+            input_ids[to_dev(layout.last_read_tokens)] = self.last_tokens[
+                to_dev(layout.last_read_slots)
+            ]
+        if self._is_cuda:
             from radixrt.kernels import build_kv_metadata, build_token_metadata
         else:
             from radixrt.kernels import build_kv_metadata_reference as build_kv_metadata
             from radixrt.kernels import build_token_metadata_reference as build_token_metadata
-        kv = build_kv_metadata(block_tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
-        tok = build_token_metadata(block_tables_d, start_d, new_d, qo_d, num_tokens, bs)
+        kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
+        tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=input_ids,
             positions=tok.positions,
             slot_mapping=tok.slot_mapping,
             qo_indptr=qo_d,
@@ -159,103 +218,83 @@ class ModelRunner:
             kv_indices=kv.kv_indices,
             kv_last_page_len=kv.kv_last_page_len,
             seq_lens=seq_lens_d,
-            logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(dev),
-            num_decode=batch.num_decode,
-            qo_indptr_cpu=torch.from_numpy(qo_indptr),
+            logits_indices=to_dev(layout.sample_tokens),
+            num_decode=layout.num_decode,
+            qo_indptr_cpu=torch.from_numpy(layout.qo_indptr),
             seq_lens_cpu=torch.from_numpy(seq_lens),
             kv_indptr_cpu=torch.from_numpy(kv_indptr),
             block_size=bs,
-        ), samples
-
-    # ---- forward ----
-    @torch.inference_mode()
-    def forward(
-        self, batch: ScheduledBatch, tables: BlockTableArray, *, use_cuda_graph: bool = True
-    ) -> StepOutput:
-        """Run one step: forward every row's new tokens, sample the rows that reached
-        the end of their tokens, and compute prompt log-probs where asked.
-        `use_cuda_graph=False` forces the eager path (benchmarks, tests)."""
-        out = self.run_model(batch, tables, use_cuda_graph=use_cuda_graph)
-        tokens = [0] * len(batch.rows)
-        if out.logits is None:
-            return StepOutput(tokens, None, out.prompt_logprobs)
-        sampling_rows = [r for r, s in zip(batch.rows, out.samples) if s]
-        params = [r.params for r in sampling_rows]
-        if any(p.has_penalties for p in params):  # slicing every row's tokens costs ~5 us
-            apply_penalties(
-                out.logits,
-                params,
-                [r.token_ids[: r.prompt_len] for r in sampling_rows],
-                [r.output_ids for r in sampling_rows],
-            )
-        want_logprobs = any(p.logprobs for p in params)
-        sampled_out = sample(
-            out.logits, params, [r.num_output for r in sampling_rows], want_logprobs
         )
-        sampled = sampled_out.token_ids.tolist()
-        sampled_lp = sampled_out.logprobs.tolist() if sampled_out.logprobs is not None else None
-        logprobs = [0.0] * len(batch.rows) if sampled_lp is not None else None
-        for j, i in enumerate(np.flatnonzero(out.samples)):
-            tokens[i] = sampled[j]
-            if logprobs is not None:
-                logprobs[i] = sampled_lp[j]
-        return StepOutput(tokens, logprobs, out.prompt_logprobs)
-
-    @torch.inference_mode()
-    def run_model(
-        self, batch: ScheduledBatch, tables: BlockTableArray, *, use_cuda_graph: bool = True
-    ) -> ModelOutput:
-        """Forward one step and return the logits of the rows that sample (no sampling).
-        Decode-only batches replay a CUDA graph when graphs are on and `use_cuda_graph`."""
-        graphs = self.cuda_graphs
-        if (
-            use_cuda_graph
-            and graphs is not None
-            and graphs.can_run(batch)
-            and not any(r.params.prompt_logprobs for r in batch.rows)
-        ):
-            # Every decode row samples (it feeds its last token).
-            logits = graphs.run(batch, tables)
-            return ModelOutput(logits, np.ones(len(batch.rows), dtype=bool), {})
-        fb, samples = self.build_batch(batch, tables)
-        self.backend.prepare(fb)
-        hidden = self.model(fb, self.backend, self.pool)
-        prompt_lps = self._prompt_logprobs(batch, hidden)
-        if not samples.any():
-            return ModelOutput(None, samples, prompt_lps)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
-        return ModelOutput(logits, samples, prompt_lps)
 
     def _decode_logits(self, fb: ForwardBatch) -> torch.Tensor:
         """What a decode CUDA graph captures: forward + logits of every row."""
         return self.model.compute_logits(self.model(fb, self.backend, self.pool))
 
-    def _prompt_logprobs(
-        self, batch: ScheduledBatch, hidden: torch.Tensor
-    ) -> dict[int, list[float]]:
-        """log p(prompt token p+1 | ...) for each new token at position p with
-        logprob_start_len - 1 <= p <= prompt_len - 2, per row that asked."""
-        rows, index, targets = [], [], []
-        offset = 0
-        for i, (req, n) in enumerate(zip(batch.rows, batch.num_new)):
-            if req.params.prompt_logprobs:
-                lo = max(req.num_computed, req.params.logprob_start_len - 1)
-                hi = min(req.num_computed + n, req.prompt_len - 1)
-                if hi > lo:
-                    rows.append((i, hi - lo))
-                    index.extend(
-                        range(offset + lo - req.num_computed, offset + hi - req.num_computed)
-                    )
-                    targets.extend(req.token_ids[lo + 1 : hi + 1])
-            offset += n
-        if not rows:
-            return {}
-        dev = hidden.device
-        logits = self.model.compute_logits(hidden[torch.tensor(index, device=dev)])
-        target = torch.tensor(targets, device=dev).unsqueeze(1)
-        lps = torch.log_softmax(logits, dim=-1).gather(1, target).squeeze(1).tolist()
-        out, k = {}, 0
-        for i, count in rows:
-            out[i] = lps[k : k + count]
-            k += count
+    def _sample(
+        self, plan: StepPlan, layout: StepLayout, logits: torch.Tensor | None
+    ) -> StepOutputs:
+        """Sample every listed position, verify drafts, keep each row's last accepted
+        sample in its slot on the device."""
+        out = StepOutputs()
+        if logits is None:
+            return out
+        params = layout.sample_params
+        if any(p.has_penalties for p in params):
+            rows = [plan.rows[i] for i in layout.sample_rows.tolist()]
+            apply_penalties(
+                logits,
+                params,
+                [r.history[: r.prompt_len] if r.history else [] for r in rows],
+                [r.history[r.prompt_len :] if r.history else [] for r in rows],
+            )
+        want_logprobs = any(p.logprobs for p in params)
+        top_k = max(p.top_logprobs for p in params)
+        sampled = sample(logits, params, layout.seed_offsets, want_logprobs, top_k)
+        tokens = sampled.token_ids
+        out.tokens, out.logprobs = tokens, sampled.logprobs
+        out.top_ids, out.top_logprobs = sampled.top_ids, sampled.top_logprobs
+        dev = self.device
+        last = layout.row_first_sample + layout.num_samples - 1  # [R]: the row's last sample
+        drafting = [i for i, r in enumerate(plan.rows) if r.num_draft_tokens]
+        if drafting:
+            out.num_accepted = self._verify(plan, layout, tokens, drafting)
+        keep = [
+            i for i, r in enumerate(plan.rows) if layout.num_samples[i] and not r.num_draft_tokens
+        ]
+        if keep:
+            slots = torch.from_numpy(layout.slots[keep]).to(dev, non_blocking=True)
+            src = torch.from_numpy(last[keep]).to(dev, non_blocking=True)
+            self.last_tokens.index_copy_(0, slots, tokens[src])
         return out
+
+    def _verify(
+        self, plan: StepPlan, layout: StepLayout, tokens: torch.Tensor, rows: list[int]
+    ) -> torch.Tensor:
+        """Accepted drafts per drafting row [len(rows)] int64 (device): the longest prefix of
+        its drafts equal to the samples at the positions before them. A sample made with the
+        row's own sampling parameters that equals a deterministic draft accepts it, so the
+        output has exactly the distribution of non-speculative sampling."""
+        k = max(plan.rows[i].num_draft_tokens for i in rows)
+        drafts = np.zeros((len(rows), k), dtype=np.int64)
+        index = np.zeros((len(rows), k), dtype=np.int64)
+        valid = np.zeros((len(rows), k), dtype=bool)
+        for j, i in enumerate(rows):
+            r = plan.rows[i]
+            n = r.num_draft_tokens
+            assert layout.num_samples[i] == n + 1, "a drafting row samples at its k + 1 last tokens"
+            drafts[j, :n] = r.input_ids[len(r.input_ids) - n :]
+            index[j, :n] = layout.row_first_sample[i] + np.arange(n)
+            valid[j, :n] = True
+        dev = self.device
+        match = (tokens[torch.from_numpy(index).to(dev)] == torch.from_numpy(drafts).to(dev)) & (
+            torch.from_numpy(valid).to(dev)
+        )
+        return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+    # ---- for tests and benchmarks ----
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan, *, use_cuda_graph: bool = True) -> torch.Tensor | None:
+        """Forward `plan` and return the logits of its samples [S, vocab] (no sampling, no
+        row state kept). Block-table changes and block ops are applied."""
+        layout = self._begin(plan)
+        return self._forward(plan, layout, use_cuda_graph)[0]

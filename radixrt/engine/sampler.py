@@ -17,6 +17,8 @@ from radixrt.sampling import SamplingParams
 class SampleOutput(NamedTuple):
     token_ids: torch.Tensor  # [S] int64, device
     logprobs: torch.Tensor | None  # [S] float32: log p(token) under the raw model, if asked
+    top_ids: torch.Tensor | None  # [S, k] int64: the k most likely tokens, if top_logprobs
+    top_logprobs: torch.Tensor | None  # [S, k] float32: their log-probs
 
 
 def apply_penalties(
@@ -50,11 +52,14 @@ def sample(
     params: Sequence[SamplingParams],
     seed_offsets: Sequence[int],  # per row: tokens generated so far (seeded rows' RNG step)
     want_logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> SampleOutput:
+    """Sample one token per row. `want_logprobs` / `top_logprobs` (k > 0) add the
+    sampled token's log-prob / the k most likely tokens and theirs (raw model)."""
     num_rows = logits.shape[0]
     device = logits.device
-    logprobs = None
-    if want_logprobs:
+    logprobs = top_ids = top_lps = None
+    if want_logprobs or top_logprobs:
         logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
@@ -71,7 +76,9 @@ def sample(
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     if want_logprobs:
         logprobs = logprobs_all.gather(1, tokens.view(num_rows, 1)).squeeze(1)
-    return SampleOutput(tokens, logprobs)
+    if top_logprobs:
+        top_lps, top_ids = logprobs_all.topk(min(top_logprobs, logits.shape[1]), dim=-1)
+    return SampleOutput(tokens, logprobs, top_ids, top_lps)
 
 
 def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -2,20 +2,25 @@
 
 - fcfs: arrival order.
 - lpm: longest cached prefix first (more reuse, less compute), plus aging.
-- dfs-weight: walk the radix tree depth-first, heavier subtrees (more waiting requests
-  below) first, so requests sharing a prefix run back to back; plus aging.
+- dfs-weight: walk the radix tree depth-first, children before the node itself and heavier
+  subtrees (more waiting requests below) first, so requests sharing a prefix run back to
+  back and a request with a cached prefix goes before one without (SGLang's
+  get_dfs_priority order); plus aging.
 
 Aging: a request's priority is its matched tokens + aging_tokens_per_step * waited steps.
 Bound (tested): a waiting request is never overtaken by one that arrived more than
 max_prompt_len / aging_tokens_per_step steps after it, so lpm delays a request at most by
 the requests arriving in that window, compared with FCFS.
+
+The policies never call the cache: the scheduler matches each waiting request once per
+step and passes the results in (`matched`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from radixrt.cache.base import PrefixCache
+from radixrt.cache.base import MatchResult
 from radixrt.scheduler.request import Request
 
 # Matching every waiting request costs O(prompt length) each; past this queue length
@@ -40,27 +45,28 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def order_waiting(
-    waiting: Sequence[Request], policy: str, cache: PrefixCache, aging_per_step: float
+    waiting: Sequence[Request],
+    policy: str,
+    matched: Callable[[Request], MatchResult],
+    aging_per_step: float,
 ) -> list[Request]:
-    """Return `waiting` in admission order (the input is in FCFS order)."""
+    """Return `waiting` (given in FCFS order) in admission order. `matched(req)` is the
+    request's prefix match of this step."""
     if policy == "fcfs" or len(waiting) <= 1 or len(waiting) > MAX_QUEUE_FOR_MATCHING:
         return list(waiting)
-    matched = {}
-    handles = {}
-    for req in waiting:
-        m = cache.match(req.token_ids[:-1])
-        matched[req] = m.num_cached_tokens
-        handles[req] = m.handle
+    matches = {req: matched(req) for req in waiting}
     age = {req: aging_per_step * req.waited_steps for req in waiting}
-    if policy == "lpm" or not all(hasattr(h, "children") for h in handles.values()):
-        return sorted(waiting, key=lambda r: (-(matched[r] + age[r]), r.arrival))
-    return _dfs_weight(waiting, handles, age)
+    if policy == "lpm" or not all(hasattr(m.handle, "children") for m in matches.values()):
+        return sorted(waiting, key=lambda r: (-(matches[r].num_cached_tokens + age[r]), r.arrival))
+    return _dfs_weight(waiting, {r: m.handle for r, m in matches.items()}, age)
 
 
 def _dfs_weight(waiting: Sequence[Request], handles: dict, age: dict) -> list[Request]:
-    """Order by a DFS of the tree, visiting children with more waiting requests first.
-
-    Requests waiting past the aging threshold (age larger than any match) go first."""
+    """DFS of the tree in which a node's own requests (those whose match ends there) compete
+    with its children: a child weighs the waiting requests below it plus their ages, an own
+    request 1 plus its age; heavier first, and on a tie the child (a longer cached prefix)
+    first. At equal ages this is SGLang's children-first order; a request aged past a
+    branch's weight goes ahead of that branch."""
     by_node: dict[int, list[Request]] = {}
     weight: dict[int, float] = {}
     nodes = {}
@@ -73,11 +79,15 @@ def _dfs_weight(waiting: Sequence[Request], handles: dict, age: dict) -> list[Re
             node = node.parent
     root = next(n for n in nodes.values() if n.parent is None)
     order: list[Request] = []
-    stack = [root]
+    stack: list[object] = [root]  # tree nodes, or requests ready to be emitted
     while stack:
-        node = stack.pop()
-        order.extend(sorted(by_node.get(id(node), []), key=lambda r: r.arrival))
-        kids = [c for c in node.children.values() if id(c) in weight]
-        kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
-        stack.extend(kids)
+        item = stack.pop()
+        if isinstance(item, Request):
+            order.append(item)
+            continue
+        # (weight, child before request, earlier arrival first) ascending = popped last
+        entries = [(weight[id(c)], 1, 0, c) for c in item.children.values() if id(c) in weight]
+        entries += [(1 + age[r], 0, -r.arrival, r) for r in by_node.get(id(item), [])]
+        entries.sort(key=lambda e: e[:3])
+        stack.extend(e[3] for e in entries)
     return order

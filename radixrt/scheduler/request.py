@@ -1,4 +1,4 @@
-"""A request's state inside the scheduler."""
+"""A request's state inside the scheduler (plain Python; the runner never sees it)."""
 
 from __future__ import annotations
 
@@ -18,39 +18,67 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string (the front / Engine aborts)
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"  # the client went away or asked to abort
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
     prompt_len: int
-    token_ids: list[int]  # prompt + generated tokens
+    seq_token_ids: list[int]  # the sequence: prompt, then the output tokens on the host
     params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context (see limits.py)
     status: Status = Status.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival_counter))  # FCFS order
     block_table: list[int] = field(default_factory=list)  # KV blocks, position p -> [p // B]
-    table_row: int | None = None  # row in the scheduler's BlockTableArray while it holds blocks
-    num_computed: int = 0  # tokens of token_ids whose KV is in block_table
+    slot: int | None = None  # runner-side row state while the request holds blocks
+    num_table_sent: int = 0  # block-table entries the runner's slot already has
+    # KV positions written by executed steps or by steps in flight (planned and launched)
+    num_computed: int = 0
+    num_kv_done: int = 0  # of those, written by steps whose result was applied
+    # tokens sampled by a step in flight whose value is not on the host yet (0 or 1); the
+    # next decode step reads it on the device
+    num_inflight_samples: int = 0
+    inflight_steps: int = 0  # launched steps containing this request, result not applied
+    awaiting_host_result: bool = False  # in flight with needs_host_result: not schedulable
+    epoch: int = 0  # bumped by preemption: results of older steps are dropped
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     cache_handle: Any = None  # locked prefix-cache node, None when nothing is locked
     waited_steps: int = 0  # scheduler steps spent waiting (aging)
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
+    # when params.top_logprobs: per output token, the most likely (token, log-prob) pairs
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # when params.prompt_logprobs: log-probs of prompt tokens [logprob_start_len, prompt_len)
     prompt_logprobs: list[float] = field(default_factory=list)
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        """Output tokens on the host."""
+        return len(self.seq_token_ids) - self.prompt_len
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq_token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq_token_ids[self.prompt_len :]
+
+    @property
+    def seq_len(self) -> int:
+        """Sequence length counting samples still in flight."""
+        return len(self.seq_token_ids) + self.num_inflight_samples
 
     @property
     def num_pending(self) -> int:
         """Tokens still to feed through the model before the next sample."""
-        return len(self.token_ids) - self.num_computed
+        return self.seq_len - self.num_computed
 
     @property
     def is_finished(self) -> bool:

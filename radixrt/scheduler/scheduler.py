@@ -1,26 +1,34 @@
 """Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
 
-One step: `batch = scheduler.schedule()`, the runner runs it, `scheduler.update(batch,
-tokens)`. Decode rows are scheduled first (one token each); the rest of the token budget
-goes to prefill chunks, continuing ones first, then waiting requests in policy order.
+One step: `plan = scheduler.schedule()`, a runner executes it, `scheduler.update(plan,
+result)`. The scheduler is plain Python: it holds no tensors and never touches KV memory;
+copy-on-write is a block operation in the plan. Decode rows are scheduled first (one
+token each); the rest of the token budget goes to prefill chunks, continuing ones first,
+then waiting requests in policy order.
+
+Overlap: `schedule()` may run while earlier plans are still executing (their results not
+applied). A row sampled by a step in flight counts as one more token (`num_inflight_samples`)
+whose value the next decode step reads on the device; stop conditions are checked when the
+result arrives, and a request found finished then has the extra step's token dropped. A request
+that is aborted, finished or preempted while in flight frees its KV at once; results of that
+step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
+after the earlier ones (one stream), so no step reads a block after another reused it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from radixrt.cache.base import PrefixCache
+from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.kv.pool import KVPool
-from radixrt.scheduler.batch import BlockTableArray, ScheduledBatch, StepOutput
+from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.request import FinishReason, Request, Status
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
@@ -33,6 +41,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # prompt tokens of those
     num_cached_tokens: int = 0  # of those, served by the prefix cache
     num_generated_tokens: int = 0
+    num_dropped_tokens: int = 0  # sampled by an overlapped step after the request finished
     num_preemptions: int = 0
     num_cow_copies: int = 0  # partial blocks copied on a mid-block match
     num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
@@ -44,13 +53,21 @@ class SchedulerStats:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
+@dataclass
+class _Launched:
+    """Scheduler-side record of a plan in flight: which request (and incarnation) each row
+    belongs to."""
+
+    requests: list[Request]
+    epochs: list[int]
+
+
 class Scheduler:
     def __init__(
         self,
         cfg: SchedulerConfig,
         allocator: BlockAllocator,
         cache: PrefixCache,
-        pool: KVPool,
         *,
         max_model_len: int,
         eos_token_ids: Sequence[int],
@@ -58,32 +75,29 @@ class Scheduler:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
-        self.pool = pool
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.tables = BlockTableArray(
-            cfg.max_running_requests, math.ceil(max_model_len / self.block_size)
-        )
+        # Runner row slots: one per running request (max_running_requests of them).
+        self.num_slots = cfg.max_running_requests
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.stats = SchedulerStats()
         self._admissions = 0
+        self._step_ids = itertools.count()
+        self._launched: dict[int, _Launched] = {}
+        # This step's prefix matches of waiting requests (valid while cache.version holds).
+        self._matches: dict[Request, MatchResult] = {}
+        self._matches_version = -1
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit."""
         if req.rid in self.requests:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        if req.prompt_len < 1:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if req.prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {req.prompt_len} tokens; the context length is "
-                f"{self.max_model_len}, so at most {self.max_model_len - 1} are allowed"
-            )
-        total = min(req.prompt_len + req.params.max_tokens, self.max_model_len)
+        total = min(req.prompt_len + req.max_tokens, self.max_model_len)
         blocks = math.ceil(total / self.block_size)
         if blocks > self.allocator.num_blocks:
             raise ValueError(
@@ -93,10 +107,11 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
 
-    def abort(self, rid: str, reason: str = "abort") -> Request | None:
-        """Stop a request now (client gone, or a stop string seen: reason "stop") and free
-        its KV; computed tokens stay in the prefix cache. Returns the finished request, or
-        None if `rid` is unknown or already finished."""
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Stop a request now (client gone, or a stop string seen: reason STOP) and free
+        its KV; computed tokens stay in the prefix cache. Safe while a step holding the
+        request is in flight (its results for the request are dropped). Returns the
+        finished request, or None if `rid` is unknown or already finished."""
         req = self.requests.get(rid)
         if req is None:
             return None
@@ -109,39 +124,61 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Requests waiting or running (results of steps in flight may still be due)."""
         return bool(self.waiting or self.running)
 
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._launched)
+
     # ---- scheduling ----
-    def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's rows. Mutates request/cache state (blocks, locks)."""
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or None when no row can run now. Mutates request and cache
+        state (blocks, locks, slots); the plan counts as in flight until `update`."""
+        self._matches.clear()
+        ops: list = []
         decode = self._schedule_decode()
         budget = self.cfg.max_num_batched_tokens - len(decode)
         extend: list[tuple[Request, int]] = []
-        for req in [r for r in self.running if r.num_pending > 1]:
+        for req in [r for r in self.running if self._schedulable(r) and r.num_pending > 1]:
             n = self._chunk(req, budget)
             if n == 0 or not self._reserve(req, n):
                 break
             extend.append((req, n))
             budget -= n
         if budget > 0 and self.waiting:
-            budget = self._admit(budget, extend)
+            budget = self._admit(budget, extend, ops)
         for req in self.waiting:
             req.waited_steps += 1
         if not decode and not extend:
+            assert not ops, "block ops planned for no row"
             return None
+        step_id = next(self._step_ids)
+        scheduled = [(r, 1) for r in decode] + extend
+        rows = [self._plan_row(req, n) for req, n in scheduled]
+        self._launched[step_id] = _Launched(
+            [r for r, _ in scheduled], [r.epoch for r, _ in scheduled]
+        )
         self.stats.num_steps += 1
-        rows = decode + [r for r, _ in extend]
-        return ScheduledBatch(
-            rows=rows,
-            num_new=[1] * len(decode) + [n for _, n in extend],
-            num_decode=len(decode),
-            table_rows=np.fromiter((r.table_row for r in rows), dtype=np.int64, count=len(rows)),
+        return StepPlan(step_id, rows, ops)
+
+    def _schedulable(self, req: Request) -> bool:
+        """Running and not waiting for the host result of a step in flight."""
+        return req.status is Status.RUNNING and not req.awaiting_host_result
+
+    def _decode_due(self, req: Request) -> bool:
+        """One token to feed, and the sample it makes may still be kept (a request whose
+        in-flight samples already reach max_tokens or the context waits for them)."""
+        return (
+            req.num_pending == 1
+            and req.num_output + req.num_inflight_samples < req.max_tokens
+            and req.seq_len < self.max_model_len
         )
 
     def _schedule_decode(self) -> list[Request]:
         scheduled: list[Request] = []
         for req in sorted(self.running, key=lambda r: r.admission_seq):
-            if req.status is not Status.RUNNING or req.num_pending != 1:
+            if not (self._schedulable(req) and self._decode_due(req)):
                 continue
             while not self._reserve(req, 1):
                 victim = self._newest_preemptible(exclude=scheduled)
@@ -164,9 +201,29 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return max(n, 0)
 
-    def _admit(self, budget: int, extend: list[tuple[Request, int]]) -> int:
+    def _match(self, req: Request) -> MatchResult:
+        """The request's cached prefix this step: matched once, again only if the cache
+        evicted something since (which may invalidate the earlier result)."""
+        if self._matches_version != self.cache.version:
+            self._matches.clear()
+            self._matches_version = self.cache.version
+        m = self._matches.get(req)
+        if m is None:
+            m = self._matches[req] = self.cache.match(req.seq_token_ids[: self._match_limit(req)])
+        return m
+
+    @staticmethod
+    def _match_limit(req: Request) -> int:
+        # The last token is always recomputed (its logits are sampled); with prompt
+        # log-probs, so is every token from logprob_start_len - 1 on.
+        limit = len(req.seq_token_ids) - 1
+        if req.params.prompt_logprobs:
+            limit = min(limit, req.params.logprob_start_len - 1)
+        return limit
+
+    def _admit(self, budget: int, extend: list[tuple[Request, int]], ops: list) -> int:
         order = order_waiting(
-            self.waiting, self.cfg.policy, self.cache, self.cfg.aging_tokens_per_step
+            self.waiting, self.cfg.policy, self._match, self.cfg.aging_tokens_per_step
         )
         # Cache-aware policies hold back a request whose uncached prefix another request is
         # computing right now: next step it finds that prefix in the cache instead.
@@ -181,10 +238,12 @@ class Scheduler:
                 if skipped >= MAX_DEFERRED_PER_STEP:
                     break
                 continue
-            if not self._start(req):
+            num_ops = len(ops)
+            if not self._start(req, ops):
                 break
             n = self._chunk(req, budget)
             if not self._reserve(req, n):
+                del ops[num_ops:]
                 self._release(req)
                 break
             if req.num_preemptions == 0:
@@ -192,6 +251,7 @@ class Scheduler:
                 self.stats.num_requests += 1
                 self.stats.num_prompt_tokens += req.prompt_len
                 self.stats.num_cached_tokens += req.num_computed
+                self.cache.stats.record_lookup(req.prompt_len, req.num_computed)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self._admissions += 1
@@ -203,26 +263,25 @@ class Scheduler:
         return budget
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
-        cached = self.cache.match(req.token_ids[:-1]).num_cached_tokens
+        cached = self._match(req).num_cached_tokens
         return any(
-            common_prefix_len(req.token_ids, other.token_ids) - cached >= IN_BATCH_PREFIX_THRESHOLD
+            common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
+            >= IN_BATCH_PREFIX_THRESHOLD
             for other in computing
         )
 
-    def _start(self, req: Request) -> bool:
-        """Match the cached prefix, lock it and take its blocks (copying a partial last
-        block). Returns False, holding nothing, when blocks are short."""
+    def _start(self, req: Request, ops: list) -> bool:
+        """Lock the cached prefix and take its blocks (a partial last block is written on in
+        place when nothing else can see past its matched tokens, else copied: a CopyBlock
+        op). Returns False, holding nothing, when blocks are short."""
         bs = self.block_size
-        # The last token is always recomputed (its logits are sampled); with prompt
-        # log-probs, so is every token from logprob_start_len - 1 on.
-        limit = len(req.token_ids) - 1
-        if req.params.prompt_logprobs:
-            limit = min(limit, req.params.logprob_start_len - 1)
-            req.prompt_logprobs = []
-        m = self.cache.match(req.token_ids[:limit])
+        m = self._match(req)
         self.cache.lock(m.handle)
         req.cache_handle = m.handle
-        req.table_row = self.tables.acquire()
+        req.slot = self._free_slots.pop()
+        req.num_table_sent = 0
+        if req.params.prompt_logprobs:
+            req.prompt_logprobs = []
         full, partial = divmod(m.num_cached_tokens, bs)
         shared = m.blocks[:full]
         self.allocator.incref(shared)
@@ -241,11 +300,10 @@ class Scheduler:
                 if copy is None:
                     self._release(req)
                     return False
-                self.pool.copy_prefix(last, copy[0], partial)
+                ops.append(CopyBlock(last, copy[0], partial))
                 self.stats.num_cow_copies += 1
                 req.block_table += copy
-        self.tables.write(req.table_row, 0, req.block_table)
-        req.num_computed = m.num_cached_tokens
+        req.num_computed = req.num_kv_done = m.num_cached_tokens
         return True
 
     def _allocate(self, n: int) -> list[int] | None:
@@ -264,87 +322,158 @@ class Scheduler:
         blocks = self._allocate(need)
         if blocks is None:
             return False
-        self.tables.write(req.table_row, len(req.block_table), blocks)
         req.block_table += blocks
         return True
 
     def _release(self, req: Request) -> None:
-        """Give back the request's blocks, lock and table row."""
+        """Give back the request's blocks, lock and slot; forget in-flight samples."""
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
             req.cache_handle = None
         self.allocator.decref(req.block_table)
         req.block_table = []
-        if req.table_row is not None:
-            self.tables.release(req.table_row)
-            req.table_row = None
-        req.num_computed = 0
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
+        req.num_computed = req.num_kv_done = req.num_table_sent = 0
+        req.num_inflight_samples = 0
+        req.awaiting_host_result = False
 
     def _preempt(self, req: Request) -> None:
         """Free the request's KV and put it at the head of the waiting queue (it will be
         recomputed, reusing whatever the prefix cache still holds)."""
         self.running.remove(req)
         self._release(req)
+        req.epoch += 1
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    # ---- after the forward ----
-    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
-        """Account the step: `out.tokens[i]` is row i's sampled token (ignored for rows
-        that fed a non-final prefill chunk). Returns the rows that got a token."""
+    def _plan_row(self, req: Request, n: int) -> PlanRow:
+        """The row of `req` feeding its next `n` tokens; marks them computed and the
+        sample in flight."""
+        start, seq = req.num_computed, req.seq_token_ids
+        p = req.params
+        reads_last = req.num_inflight_samples > 0
+        assert not reads_last or (n == 1 and start == len(seq)), "one in-flight sample at most"
+        samples = start + n == req.seq_len and req.max_tokens > 0
+        row = PlanRow(
+            rid=req.rid,
+            slot=req.slot,
+            start=start,
+            num_tokens=n,
+            input_ids=[] if reads_last else seq[start : start + n],
+            reads_last_sample=reads_last,
+            table_start=req.num_table_sent,
+            new_blocks=req.block_table[req.num_table_sent :],
+            sample_offsets=[n - 1] if samples else [],
+            params=p,
+            num_output_before=req.num_output + req.num_inflight_samples,
+        )
+        req.num_table_sent = len(req.block_table)
+        if p.has_penalties:
+            row.history, row.prompt_len = list(seq), req.prompt_len
+            row.needs_host_result = True
+        if p.prompt_logprobs:
+            lo = max(start, p.logprob_start_len - 1)
+            hi = min(start + n, req.prompt_len - 1)
+            if hi > lo:
+                row.prompt_logprobs = PromptLogprobs(lo - start, seq[lo + 1 : hi + 1])
+        req.num_computed += n
+        if samples:
+            req.num_inflight_samples += 1
+        req.awaiting_host_result = row.needs_host_result
+        return row
+
+    # ---- after the step ----
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply an executed plan's result (plans are applied in the order they were
+        made). Returns the requests that got tokens or finished."""
+        launched = self._launched.pop(plan.step_id)
+        assert result.step_id == plan.step_id
         changed: list[Request] = []
-        next_tokens, logprobs = out.tokens, out.logprobs
-        for i, prompt_lps in out.prompt_logprobs.items():
-            batch.rows[i].prompt_logprobs += prompt_lps
-        for i, (req, n) in enumerate(zip(batch.rows, batch.num_new)):
-            req.num_computed += n
-            if req.params.max_tokens == 0 and req.num_computed == len(req.token_ids):
-                changed.append(req)  # prefill-only (scoring / cache warming): done
-                self._finish_running(req, "length")
+        for i, (row, req, epoch) in enumerate(zip(plan.rows, launched.requests, launched.epochs)):
+            if req.epoch != epoch or req.status is not Status.RUNNING:
+                self.stats.num_dropped_tokens += len(result.tokens[i])
+                continue  # finished, aborted or preempted since the plan was made
+            if row.needs_host_result:
+                req.awaiting_host_result = False
+            if row.prompt_logprobs is not None:
+                req.prompt_logprobs += result.prompt_logprobs[i]
+            req.num_kv_done = max(req.num_kv_done, row.end)
+            if not row.sample_offsets:
+                if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
+                    changed.append(req)  # prefill-only (scoring / cache warming): done
+                    self._finish_running(req, FinishReason.LENGTH)
+                else:  # a prefill chunk: share its progress with others at once
+                    self._cache_progress(req, row.end)
                 continue
-            if i >= batch.num_decode:  # prefill progress is shared with others at once
-                self._cache_progress(req)
-            if req.num_computed < len(req.token_ids):  # a prefill chunk; more to come
-                continue
+            if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
+                self._cache_progress(req, row.end)
             changed.append(req)
-            token = int(next_tokens[i])
-            req.token_ids.append(token)
-            if logprobs is not None and req.params.logprobs:
-                req.output_logprobs.append(float(logprobs[i]))
+            self._accept(req, row, result, i)
+        return changed
+
+    def _accept(self, req: Request, row: PlanRow, result: StepResult, i: int) -> None:
+        """Append the row's accepted tokens, stopping at the first stop condition."""
+        tokens = result.tokens[i]
+        req.num_inflight_samples -= 1
+        if row.num_draft_tokens:
+            # Drafts past the accepted ones were fed with wrong KV: roll back to the
+            # accepted length (the KV of the last accepted token is computed next step).
+            req.num_computed = req.num_kv_done = row.start + len(tokens)
+            self._truncate(req)
+        p = req.params
+        for j, token in enumerate(tokens):
+            req.seq_token_ids.append(token)
+            if p.logprobs:
+                req.output_logprobs.append(result.logprobs[i][j])
+            if p.top_logprobs:
+                req.output_top_logprobs.append(result.top_logprobs[i][j])
             self.stats.num_generated_tokens += 1
             reason = self._stop_reason(req, token)
             if reason is not None:
+                self.stats.num_dropped_tokens += len(tokens) - j - 1
                 self._finish_running(req, reason)
-        return changed
+                return
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _truncate(self, req: Request) -> None:
+        """Free blocks past the request's computed KV (speculative rollback)."""
+        keep = math.ceil(req.num_computed / self.block_size)
+        if keep < len(req.block_table):
+            self.allocator.decref(req.block_table[keep:])
+            del req.block_table[keep:]
+            req.num_table_sent = min(req.num_table_sent, keep)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if req.num_output >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
-            return "length"
+            return FinishReason.STOP
+        if req.num_output >= req.max_tokens or len(req.seq_token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
         return None
 
-    def _cache_progress(self, req: Request) -> None:
-        """Insert a chunked prefill's computed tokens so others can share them."""
-        result = self.cache.insert(req.token_ids[: req.num_computed], req.block_table)
+    def _cache_progress(self, req: Request, end: int) -> None:
+        """Insert the first `end` computed tokens so others can share them."""
+        result = self.cache.insert(req.seq_token_ids[:end], req.block_table)
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = result.handle
 
-    def _finish_running(self, req: Request, reason: str) -> None:
+    def _finish_running(self, req: Request, reason: FinishReason) -> None:
         self.running.remove(req)
         self._finish(req, reason)
 
-    def _finish(self, req: Request, reason: str) -> None:
-        if req.num_computed:
-            self.cache.insert(req.token_ids[: req.num_computed], req.block_table)
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        # Only KV that executed steps wrote is cached (a step in flight may still write).
+        done = min(req.num_kv_done, len(req.seq_token_ids))
+        if done:
+            self.cache.insert(req.seq_token_ids[:done], req.block_table)
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.stats.finish_reasons[reason] += 1
+        self.stats.finish_reasons[reason.value] += 1
         del self.requests[req.rid]
 
     # ---- integrity ----
@@ -354,8 +483,12 @@ class Scheduler:
         for req in self.running:
             refs.update(req.block_table)
             assert len(req.block_table) >= math.ceil(req.num_computed / self.block_size)
+            assert req.slot is not None and 0 <= req.num_inflight_samples <= 1
         for req in self.waiting:
-            assert not req.block_table and req.cache_handle is None
+            assert not req.block_table and req.cache_handle is None and req.slot is None
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
+        assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
         self.allocator.check_integrity(refs)
         self.cache.check_integrity()
         in_use = {b for r in self.running for b in r.block_table}

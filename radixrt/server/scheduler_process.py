@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from radixrt.engine.core import RequestDelta
+from radixrt.scheduler.request import FinishReason
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.messages import (
     AbortRequest,
@@ -128,7 +130,6 @@ class SchedulerLoop:
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.debug = debug
-        self._sent: dict[str, int] = {}  # rid -> output tokens already shipped
 
     def run(self) -> None:
         core = self.core
@@ -150,7 +151,7 @@ class SchedulerLoop:
             errors, finished = self._handle(msgs)
             changed = core.step() if core.has_work else []
             if msgs or changed:
-                outputs = [self._output(req) for req in (*finished, *changed)]
+                outputs = [_token_out(d) for d in (*finished, *changed)]
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -172,33 +173,11 @@ class SchedulerLoop:
                     self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
                 except ValueError as e:
                     errors.append(RequestError(msg.rid, str(e)))
-                else:
-                    self._sent[msg.rid] = 0
             elif isinstance(msg, AbortRequest):
-                req = self.core.abort(msg.rid, msg.reason)
-                if req is not None:
-                    finished.append(req)
+                delta = self.core.abort(msg.rid, FinishReason(msg.reason))
+                if delta is not None:
+                    finished.append(delta)
         return errors, finished
-
-    def _output(self, req) -> TokenOut:
-        sent = self._sent[req.rid]
-        new_ids = req.output_ids[sent:]
-        if req.is_finished:
-            del self._sent[req.rid]
-        else:
-            self._sent[req.rid] = sent + len(new_ids)
-        params = req.params
-        return TokenOut(
-            rid=req.rid,
-            new_ids=new_ids,
-            finish_reason=req.finish_reason,
-            prompt_tokens=req.prompt_len,
-            num_cached_tokens=req.num_cached_tokens,
-            new_logprobs=req.output_logprobs[sent:] if params.logprobs else [],
-            prompt_logprobs=(
-                list(req.prompt_logprobs) if params.prompt_logprobs and req.is_finished else []
-            ),
-        )
 
     def _snapshot(self) -> SchedulerSnapshot:
         core = self.core
@@ -226,3 +205,15 @@ class SchedulerLoop:
             steps=int(s["steps"]),
             integrity_error=integrity_error,
         )
+
+
+def _token_out(d: RequestDelta) -> TokenOut:
+    return TokenOut(
+        rid=d.rid,
+        new_ids=d.new_token_ids,
+        finish_reason=None if d.finish_reason is None else d.finish_reason.value,
+        prompt_tokens=d.prompt_tokens,
+        num_cached_tokens=d.num_cached_tokens,
+        new_logprobs=d.new_logprobs,
+        prompt_logprobs=d.prompt_logprobs,
+    )

@@ -1,0 +1,100 @@
+"""Host-side layout of one step plan: flat token order, sample and scoring positions.
+
+Built with numpy from the plan alone (no request objects, no device work); the runner turns
+it into a ForwardBatch and sampling inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixrt.plan import StepPlan
+from radixrt.sampling import SamplingParams
+
+
+@dataclass
+class StepLayout:
+    num_decode: int  # leading rows with one new token
+    starts: np.ndarray  # [R] int32: position of each row's first new token
+    num_new: np.ndarray  # [R] int32: new tokens per row
+    qo_indptr: np.ndarray  # [R + 1] int32: row r's new tokens are [qo[r], qo[r + 1])
+    slots: np.ndarray  # [R] int64: runner slot of each row
+    host_ids: np.ndarray  # [T] int64: input ids, 0 where a row reads its last sample
+    last_read_tokens: np.ndarray  # [D] int64: flat token index of each device-read input
+    last_read_slots: np.ndarray  # [D] int64: the slot whose last sample goes there
+    sample_tokens: np.ndarray  # [S] int64: flat token index of each sample, row order
+    sample_rows: np.ndarray  # [S] int64: the row of each sample
+    sample_params: list[SamplingParams]  # [S]
+    seed_offsets: list[int]  # [S]: RNG step of each sample (tokens generated before it)
+    row_first_sample: np.ndarray  # [R] int64: index of the row's first sample (where
+    # num_samples > 0)
+    num_samples: np.ndarray  # [R] int64: samples of each row
+    score_tokens: np.ndarray  # [P] int64: flat token index of each prompt token scored
+    score_targets: np.ndarray  # [P] int64: the prompt token it scores
+    score_rows: list[tuple[int, int, int]]  # (row, first index into score arrays, count)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+
+def layout_plan(plan: StepPlan) -> StepLayout:
+    rows = plan.rows
+    num_rows = len(rows)
+    starts = np.fromiter((r.start for r in rows), dtype=np.int32, count=num_rows)
+    num_new = np.fromiter((r.num_tokens for r in rows), dtype=np.int32, count=num_rows)
+    qo = np.zeros(num_rows + 1, dtype=np.int32)
+    np.cumsum(num_new, out=qo[1:])
+    ids: list[int] = []
+    read_tokens: list[int] = []
+    read_slots: list[int] = []
+    sample_tokens: list[int] = []
+    sample_rows: list[int] = []
+    sample_params: list[SamplingParams] = []
+    seed_offsets: list[int] = []
+    first = np.zeros(num_rows, dtype=np.int64)
+    counts = np.zeros(num_rows, dtype=np.int64)
+    score_tokens: list[int] = []
+    score_targets: list[int] = []
+    score_rows: list[tuple[int, int, int]] = []
+    for i, r in enumerate(rows):
+        base = int(qo[i])
+        if r.reads_last_sample:
+            read_tokens.append(base)
+            read_slots.append(r.slot)
+            ids.append(0)
+        ids += r.input_ids
+        assert len(ids) == qo[i + 1], f"row {r.rid}: input ids do not match num_tokens"
+        first[i] = len(sample_tokens)
+        counts[i] = len(r.sample_offsets)
+        for j, off in enumerate(r.sample_offsets):
+            sample_tokens.append(base + off)
+            sample_rows.append(i)
+            sample_params.append(r.params)
+            seed_offsets.append(r.num_output_before + j)
+        if r.prompt_logprobs is not None and r.prompt_logprobs.targets:
+            pl = r.prompt_logprobs
+            score_rows.append((i, len(score_tokens), len(pl.targets)))
+            score_tokens += range(base + pl.offset, base + pl.offset + len(pl.targets))
+            score_targets += pl.targets
+    return StepLayout(
+        num_decode=plan.num_decode,
+        starts=starts,
+        num_new=num_new,
+        qo_indptr=qo,
+        slots=np.fromiter((r.slot for r in rows), dtype=np.int64, count=num_rows),
+        host_ids=np.asarray(ids, dtype=np.int64),
+        last_read_tokens=np.asarray(read_tokens, dtype=np.int64),
+        last_read_slots=np.asarray(read_slots, dtype=np.int64),
+        sample_tokens=np.asarray(sample_tokens, dtype=np.int64),
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        sample_params=sample_params,
+        seed_offsets=seed_offsets,
+        row_first_sample=first,
+        num_samples=counts,
+        score_tokens=np.asarray(score_tokens, dtype=np.int64),
+        score_targets=np.asarray(score_targets, dtype=np.int64),
+        score_rows=score_rows,
+    )

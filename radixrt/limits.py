@@ -1,0 +1,27 @@
+"""Length limits shared by the in-process Engine and the server (one rule, one place).
+
+The rule (vLLM's): a prompt must leave room for at least one new token; an explicit
+max_tokens must fit beside the prompt; an absent one (None) means all the room left.
+"""
+
+from __future__ import annotations
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """New tokens the request may generate. Raises ValueError naming the lengths."""
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens but the context length is {max_model_len}: "
+            f"at most {max_model_len - 1} prompt tokens leave room for a new token"
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and "
+            f"the context length is {max_model_len}, so at most {room} new tokens fit"
+        )
+    return max_tokens
