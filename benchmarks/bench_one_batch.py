@@ -84,11 +84,12 @@ def run_step(runner: ModelRunner, plan: StepPlan, use_cuda_graph: bool = True) -
 
 
 def engine_core_decode(
-    cfg, model_cfg, batch: int, steps: int, overlap: bool, rng: np.random.Generator
+    core: EngineCore, batch: int, steps: int, overlap: bool, rng: np.random.Generator
 ) -> dict:
-    """B requests of CONTEXT prompt tokens through EngineCore (scheduler + runner): after
-    their prefill, the median host wall time of a pure-decode `core.step()`."""
-    core = EngineCore(dataclasses.replace(cfg, overlap_schedule=overlap), model_cfg, [])
+    """B requests of CONTEXT prompt tokens through an idle EngineCore (scheduler + runner):
+    after their prefill, the median host wall time of a pure-decode `core.step()`."""
+    core.overlap = overlap
+    model_cfg = core.model_config
     vocab = model_cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for _ in range(batch):
@@ -109,8 +110,6 @@ def engine_core_decode(
         core.step()
     core.check_integrity()
     ms = statistics.median(times[5:])
-    del core
-    torch.cuda.empty_cache()
     return dict(
         batch=batch, overlap=overlap, ms_per_step=ms, graph_gpu_ms=gpu_ms, over=ms / gpu_ms - 1
     )
@@ -205,6 +204,33 @@ def main() -> None:
         max_running_requests=max(DECODE_BATCHES),
         max_model_len=MAX_MODEL_LEN,
     )
+    results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
+    if args.engine_core:
+        steps = args.iters * 2
+        per_row = math.ceil((CONTEXT + steps + 70) / BLOCK_SIZE)
+        cfg = dataclasses.replace(
+            cfg,
+            cache=dataclasses.replace(cfg.cache, num_kv_blocks=max(DECODE_BATCHES) * per_row + 1),
+        )
+        core = EngineCore(cfg, model_cfg, [])
+        for bsz in DECODE_BATCHES:
+            for overlap in (False, True):
+                row = engine_core_decode(core, bsz, steps, overlap, rng)
+                results["engine_core"].append(row)
+                print(f"engine_core {row}")
+        print(f"\n## EngineCore decode (H200, dummy {PRESET}, bf16, block size {BLOCK_SIZE})")
+        print("| B | ctx | overlap | ms/step | graph GPU ms | over replay |")
+        print("|---|---|---|---|---|---|")
+        for r in results["engine_core"]:
+            print(
+                f"| {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
+                f"| {r['ms_per_step']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
+
     start = time.perf_counter()
     runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN, cfg.scheduler.max_running_requests)
     torch.cuda.synchronize()
@@ -226,7 +252,6 @@ def main() -> None:
         f"{PRESET}: weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
         f"B/token; runner built in {build_s:.1f} s (dummy weights, KV pool, CUDA graphs)"
     )
-    results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
 
     for bsz in DECODE_BATCHES:
         plan = make_plan(runner, [(CONTEXT, 1)] * bsz, rng)
@@ -289,15 +314,6 @@ def main() -> None:
             results["profile"].append(dict(case=case, ms=cats))
             print(f"profile {case}: {cats}")
 
-    if args.engine_core:
-        del runner
-        torch.cuda.empty_cache()
-        for bsz in DECODE_BATCHES:
-            for overlap in (False, True):
-                row = engine_core_decode(cfg, model_cfg, bsz, args.iters * 2, overlap, rng)
-                results["engine_core"].append(row)
-                print(f"engine_core {row}")
-
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(build_s=build_s, weight_bytes=weight_bytes, **results), f, indent=2)
@@ -311,14 +327,6 @@ def main() -> None:
             f"| {r['ms_per_step']:.2f} | {r['tok_per_s']:.0f} | {gpu} | {r['floor_ms']:.2f} "
             f"| {r['fraction_of_floor']:.0%} |"
         )
-    if results["engine_core"]:
-        print("| EngineCore decode | B | ctx | overlap | ms/step | graph GPU ms | over replay |")
-        print("|---|---|---|---|---|---|---|")
-        for r in results["engine_core"]:
-            print(
-                f"| EngineCore | {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
-                f"| {r['ms_per_step']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
-            )
     print("| prefill | rows x len | | | ms | tok/s | TFLOP/s | floor ms | of floor |")
     for r in results["prefill"]:
         print(

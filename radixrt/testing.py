@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixrt.plan import CopyBlock, PlanRow, StepPlan, StepResult
+from radixrt.plan import CopyBlock, StepPlan, StepResult
 
 
 def default_token(rid: str, position: int) -> int:
@@ -25,9 +25,7 @@ class ScriptedRunner:
     num_slots: int
     block_size: int
     token_fn: Callable[[str, int], int] = default_token
-    # draft rows: accept this many drafts (capped at the row's drafts); None: all
-    accept_fn: Callable[[PlanRow], int] | None = None
-    # ("execute" | "result", step id) in call order: shows whether a loop overlaps
+    # ("execute" | "result" | "plan", step id) in call order: shows whether a loop overlaps
     events: list[tuple[str, int]] = field(default_factory=list)
     tables: dict[int, list[int]] = field(default_factory=dict)  # slot -> block table
     last_sample: dict[int, int] = field(default_factory=dict)  # slot -> token (the "device")
@@ -49,10 +47,15 @@ class ScriptedRunner:
             if row.sample_offsets:
                 n = len(row.sample_offsets)
                 if row.num_draft_tokens:
+                    # the true samples at the k + 1 positions; drafts accepted while equal
                     k = row.num_draft_tokens
-                    accept = k if self.accept_fn is None else min(self.accept_fn(row), k)
                     drafts = row.input_ids[len(row.input_ids) - k :]
-                    out = drafts[:accept] + [self.token_fn(row.rid, row.end - k + accept)]
+                    first = row.start + row.sample_offsets[0] + 1
+                    true = [self.token_fn(row.rid, first + i) for i in range(k + 1)]
+                    accept = 0
+                    while accept < k and drafts[accept] == true[accept]:
+                        accept += 1
+                    out = true[: accept + 1]
                 else:
                     assert n == 1
                     out = [self.token_fn(row.rid, row.start + row.sample_offsets[0] + 1)]
@@ -67,12 +70,29 @@ class ScriptedRunner:
         self.copies += [op for op in plan.block_ops if isinstance(op, CopyBlock)]
         return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
 
+    def watch(self, scheduler) -> None:
+        """Log each `scheduler.schedule()` call as ("plan", step id or -1) in `events`."""
+        schedule = scheduler.schedule
+
+        def logged():
+            plan = schedule()
+            self.events.append(("plan", -1 if plan is None else plan.step_id))
+            return plan
+
+        scheduler.schedule = logged
+
     def overlapped(self) -> bool:
-        """Whether every step's result was taken only after the next step was launched."""
-        launched = [i for kind, i in self.events if kind == "execute"]
-        taken = {i: n for n, (kind, i) in enumerate(self.events) if kind == "result"}
-        launch_at = {i: n for n, (kind, i) in enumerate(self.events) if kind == "execute"}
-        return all(taken[a] > launch_at[b] for a, b in zip(launched, launched[1:]))
+        """Whether every step's result was taken only after the next plan was made (a plan,
+        or a schedule() that found nothing to run): needs `watch`."""
+        executed_at = {}
+        for n, (kind, i) in enumerate(self.events):
+            if kind == "execute":
+                executed_at[i] = n
+            elif kind == "result":
+                between = self.events[executed_at[i] + 1 : n]
+                if not any(k == "plan" for k, _ in between):
+                    return False
+        return True
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -40,8 +41,9 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list
     return outs
 
 
-def test_greedy_matches_hf(make_engine, tiny_model_dir):
-    engine = make_engine(prefix_cache="none")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_matches_hf(make_engine, tiny_model_dir, overlap):
+    engine = make_engine(prefix_cache="none", overlap_schedule=overlap)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     ours = engine.generate(prompt_token_ids=ids, sampling_params=params)

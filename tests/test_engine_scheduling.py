@@ -33,9 +33,10 @@ def reference(tiny_model_dir):
     return run(engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("cache", ["none", "radix", "blockhash"])
-def test_chunked_prefill_same_tokens(make_engine, reference, cache):
-    engine = make_engine(prefix_cache=cache, max_num_batched_tokens=7)
+def test_chunked_prefill_same_tokens(make_engine, reference, cache, overlap):
+    engine = make_engine(prefix_cache=cache, max_num_batched_tokens=7, overlap_schedule=overlap)
     assert run(engine) == reference
     assert engine.scheduler.stats.num_steps > len(PROMPTS)
 
@@ -46,10 +47,13 @@ def test_long_prefill_threshold_same_tokens(make_engine, reference, cache):
     assert run(engine) == reference
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("cache", ["none", "radix", "blockhash"])
-def test_preemption_same_tokens(make_engine, reference, cache):
+def test_preemption_same_tokens(make_engine, reference, cache, overlap):
     # 12 blocks of 4 tokens: far less than 8 prompts x (prompt + 24) tokens need.
-    engine = make_engine(prefix_cache=cache, block_size=4, num_kv_blocks=12)
+    engine = make_engine(
+        prefix_cache=cache, block_size=4, num_kv_blocks=12, overlap_schedule=overlap
+    )
     assert run(engine) == reference
     assert engine.scheduler.stats.num_preemptions > 0
 
@@ -60,8 +64,9 @@ def test_max_running_and_block_sizes(make_engine, reference):
         assert run(engine) == reference
 
 
-def test_stop_conditions(make_engine):
-    engine = make_engine(prefix_cache="none")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_conditions(make_engine, overlap):
+    engine = make_engine(prefix_cache="none", overlap_schedule=overlap)
     free = engine.generate(PROMPTS[:2], GREEDY)
     # stop_token_ids: stop at the 5th generated token of the first prompt
     stop_tok = free[0].token_ids[4]
@@ -103,21 +108,23 @@ def test_eos_stops_unless_ignored(make_engine):
     assert out.token_ids == free and out.finish_reason == "length"
 
 
-def test_abort_frees_kv(make_engine):
-    engine = make_engine(prefix_cache="radix")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_kv(make_engine, overlap):
+    engine = make_engine(prefix_cache="radix", overlap_schedule=overlap)
     rids = [engine.add_request(engine.tokenizer.encode(p), GREEDY) for p in PROMPTS]
     for _ in range(3):
         engine.step()
     for rid in rids[::2]:
         engine.abort(rid)
     engine.check_integrity()
-    while engine.scheduler.has_work:
+    while engine.core.has_work:
         engine.step()
     engine.check_integrity()
 
 
-def test_streaming_matches_generate(make_engine, reference):
-    engine = make_engine(prefix_cache="none")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streaming_matches_generate(make_engine, reference, overlap):
+    engine = make_engine(prefix_cache="none", overlap_schedule=overlap)
     tokens = [[] for _ in PROMPTS]
     finished = set()
     for d in engine.generate_stream(PROMPTS, GREEDY):

@@ -90,7 +90,8 @@ def test_cuda_graph_decode_logits_and_padding(make_engine):
     """Graph decode logits equal eager ones on the same steps, and a graph replay writes KV
     only at the real rows' new slots and in the scratch block."""
     engine = cuda_engine(make_engine, attention_backend="flashinfer", enable_cuda_graph=True)
-    runner, sched = engine.core.runner, engine.scheduler
+    runner = engine.core.runner
+    assert engine.core.overlap
     graphs = runner.cuda_graphs
     assert graphs is not None and runner.num_usable_blocks == runner.pool.num_blocks - 1
     bs = runner.block_size
@@ -102,8 +103,9 @@ def test_cuda_graph_decode_logits_and_padding(make_engine):
             SamplingParams(max_tokens=2 + i % 7, temperature=0, ignore_eos=True),
         )
     sizes = set()
-    while engine.scheduler.has_work:
-        plan = sched.schedule()
+    execute = runner.execute
+
+    def checked_execute(plan, **kwargs):
         if plan.num_decode == len(plan.rows):
             sizes.add(len(plan.rows))
             kv = runner.pool.kv
@@ -122,5 +124,40 @@ def test_cuda_graph_decode_logits_and_padding(make_engine):
             eager_logits = runner.logits(plan, use_cuda_graph=False)
             err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
             assert err < 1e-2, f"{len(plan.rows)} rows: graph vs eager logits rel err {err:.2e}"
-        sched.update(plan, runner.execute(plan).result())
+        return execute(plan, **kwargs)
+
+    runner.execute = checked_execute  # overlap is on: decode rows read inputs on the device
+    while engine.core.has_work:
+        engine.core.step()
     assert len({graphs.bucket(n) for n in sizes}) >= 3, sizes  # several buckets, padded ones
+
+
+@pytest.mark.parametrize("cache", ["radix", "none"])
+def test_overlap_schedule_same_outputs(make_engine, cache):
+    """Overlap on and off (FlashInfer, CUDA graphs) give identical greedy and seeded tokens,
+    under chunked prefill and preemption (a small pool), and leave the pools balanced."""
+    outs = {}
+    for overlap in (False, True):
+        engine = make_engine(
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flashinfer",
+            enable_cuda_graph=True,
+            overlap_schedule=overlap,
+            prefix_cache=cache,
+            num_kv_blocks=24,
+            block_size=4,
+            max_num_batched_tokens=32,
+        )
+        prompts = [f"{p} {i}" for i, p in enumerate(BASE_PROMPTS * 2)]
+        greedy = [
+            SamplingParams(max_tokens=8 + i % 5, temperature=0, ignore_eos=i % 2 == 0)
+            for i in range(len(prompts))
+        ]
+        seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3)
+        a = engine.generate(prompts, greedy)
+        b = engine.generate(prompts[:6], seeded)
+        engine.check_integrity()
+        outs[overlap] = ([o.token_ids for o in a], [o.token_ids for o in b])
+        assert engine.stats()["preemptions"] > 0
+    assert outs[True] == outs[False]

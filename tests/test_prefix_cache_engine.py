@@ -90,9 +90,12 @@ def test_shared_prefix_token_exact(make_engine):
 
 
 @pytest.mark.parametrize("cache", ["radix", "blockhash"])
-def test_memory_pressure_evicts_and_keeps_outputs(make_engine, reference_turns, cache):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_memory_pressure_evicts_and_keeps_outputs(make_engine, reference_turns, cache, overlap):
     # 40 blocks x 4 tokens: far below the workload's history, so the cache must evict.
-    engine = make_engine(prefix_cache=cache, block_size=B, num_kv_blocks=40)
+    engine = make_engine(
+        prefix_cache=cache, block_size=B, num_kv_blocks=40, overlap_schedule=overlap
+    )
     log = multi_turn(engine)
     assert [o.token_ids for _, o in log] == [o.token_ids for _, o in reference_turns]
     assert engine.stats()["evicted_blocks"] > 0

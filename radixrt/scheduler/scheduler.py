@@ -22,6 +22,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
@@ -33,6 +34,12 @@ from radixrt.scheduler.request import FinishReason, Request, Status
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
 MAX_DEFERRED_PER_STEP = 64
+
+
+class Proposer(Protocol):
+    def propose(self, req: Request, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` draft tokens to follow `req.seq_token_ids` (read-only)."""
+        ...
 
 
 @dataclass
@@ -71,8 +78,13 @@ class Scheduler:
         *,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer` (speculative decoding) drafts tokens for decode rows; a row with
+        drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
+        waits for that result on the host before its next step."""
         self.cfg = cfg
+        self.proposer = proposer
         self.allocator = allocator
         self.cache = cache
         self.block_size = cache.block_size
@@ -138,7 +150,7 @@ class Scheduler:
         self._matches.clear()
         ops: list = []
         decode = self._schedule_decode()
-        budget = self.cfg.max_num_batched_tokens - len(decode)
+        budget = self.cfg.max_num_batched_tokens - sum(1 + len(d) for _, d in decode)
         extend: list[tuple[Request, int]] = []
         for req in [r for r in self.running if self._schedulable(r) and r.num_pending > 1]:
             n = self._chunk(req, budget)
@@ -154,11 +166,12 @@ class Scheduler:
             assert not ops, "block ops planned for no row"
             return None
         step_id = next(self._step_ids)
-        scheduled = [(r, 1) for r in decode] + extend
-        rows = [self._plan_row(req, n) for req, n in scheduled]
-        self._launched[step_id] = _Launched(
-            [r for r, _ in scheduled], [r.epoch for r, _ in scheduled]
-        )
+        # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
+        ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
+        rows = [self._plan_row(r, 1 + len(d), d) for r, d in ordered]
+        rows += [self._plan_row(r, n) for r, n in extend]
+        reqs = [r for r, _ in ordered] + [r for r, _ in extend]
+        self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs])
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
 
@@ -175,19 +188,32 @@ class Scheduler:
             and req.seq_len < self.max_model_len
         )
 
-    def _schedule_decode(self) -> list[Request]:
-        scheduled: list[Request] = []
+    def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
+        """Decode rows and their drafts ([] without speculation)."""
+        scheduled: list[tuple[Request, list[int]]] = []
         for req in sorted(self.running, key=lambda r: r.admission_seq):
             if not (self._schedulable(req) and self._decode_due(req)):
                 continue
-            while not self._reserve(req, 1):
-                victim = self._newest_preemptible(exclude=scheduled)
+            drafts = self._drafts(req)
+            while not self._reserve(req, 1 + len(drafts)):
+                victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append(req)
+                scheduled.append((req, drafts))
         return scheduled
+
+    def _drafts(self, req: Request) -> list[int]:
+        """Draft tokens for a decode row: only with a proposer, the row's last token on the
+        host, and room for them (max_tokens and the context)."""
+        if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
+            return []
+        room = min(
+            req.max_tokens - req.num_output - 1, self.max_model_len - len(req.seq_token_ids) - 1
+        )
+        k = min(self.cfg.num_speculative_tokens, room)
+        return self.proposer.propose(req, k)[:k] if k > 0 else []
 
     def _newest_preemptible(self, exclude: list[Request]) -> Request:
         taken = set(map(id, exclude))
@@ -350,31 +376,34 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _plan_row(self, req: Request, n: int) -> PlanRow:
-        """The row of `req` feeding its next `n` tokens; marks them computed and the
-        sample in flight."""
+    def _plan_row(self, req: Request, n: int, drafts: Sequence[int] = ()) -> PlanRow:
+        """The row of `req` feeding its next `n` tokens (the last len(drafts) of them
+        drafts); marks them computed and the sample in flight."""
         start, seq = req.num_computed, req.seq_token_ids
         p = req.params
         reads_last = req.num_inflight_samples > 0
         assert not reads_last or (n == 1 and start == len(seq)), "one in-flight sample at most"
-        samples = start + n == req.seq_len and req.max_tokens > 0
+        k = len(drafts)
+        samples = start + n - k == req.seq_len and req.max_tokens > 0
         row = PlanRow(
             rid=req.rid,
             slot=req.slot,
             start=start,
             num_tokens=n,
-            input_ids=[] if reads_last else seq[start : start + n],
+            input_ids=[] if reads_last else seq[start : start + n - k] + list(drafts),
             reads_last_sample=reads_last,
             table_start=req.num_table_sent,
             new_blocks=req.block_table[req.num_table_sent :],
-            sample_offsets=[n - 1] if samples else [],
+            sample_offsets=list(range(n - 1 - k, n)) if samples else [],
+            num_draft_tokens=k,
             params=p,
             num_output_before=req.num_output + req.num_inflight_samples,
         )
         req.num_table_sent = len(req.block_table)
         if p.has_penalties:
             row.history, row.prompt_len = list(seq), req.prompt_len
-            row.needs_host_result = True
+        # Penalties need the whole output on the host; so does the proposer, to draft.
+        row.needs_host_result = p.has_penalties or self.proposer is not None
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
             hi = min(start + n, req.prompt_len - 1)

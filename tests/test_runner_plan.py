@@ -1,0 +1,94 @@
+"""The real ModelRunner (CPU, tiny checkpoint) executing hand-made plans: forks over shared
+blocks with a copy op, draft verification, rejected ops; and the scheduler's in-place append
+checked at the KV-content level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrt import SamplingParams
+from radixrt.plan import CopyBlock, PlanRow, StepPlan, SwapIn
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine(prefix_cache="none", block_size=4, num_kv_blocks=64)
+
+
+def row(slot, start, ids, blocks, samples, **kw) -> PlanRow:
+    return PlanRow(
+        rid=f"s{slot}",
+        slot=slot,
+        start=start,
+        num_tokens=len(ids),
+        input_ids=list(ids),
+        new_blocks=list(blocks),
+        sample_offsets=list(samples),
+        params=GREEDY,
+        **kw,
+    )
+
+
+def test_fork_over_shared_blocks_with_copy_op(engine):
+    """A row whose block table references another row's full blocks, plus a copy of the
+    partial last block (a CopyBlock op), attends exactly like a row computed from scratch."""
+    runner = engine.core.runner
+    prompt = engine.tokenizer.encode("Tell me a story about a dragon")[:10]
+    assert len(prompt) == 10
+    runner.execute(StepPlan(0, [row(0, 0, prompt, [40, 41, 42], [9])])).result()
+    fork = row(1, 10, [77], [40, 41, 50], [0])
+    forked = runner.logits(StepPlan(1, [fork], [CopyBlock(42, 50, 2)]))
+    scratch = runner.logits(StepPlan(2, [row(2, 0, prompt + [77], [51, 52, 53], [10])]))
+    torch.testing.assert_close(forked, scratch, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="host KV tier"):
+        runner.execute(StepPlan(3, [row(3, 0, prompt, [54, 55, 56], [9])], [SwapIn(0, 54)]))
+
+
+def test_runner_verifies_drafts(engine):
+    """Rows of k + 1 tokens with samples at every position: the runner accepts the longest
+    prefix of drafts equal to its samples and adds the next sample (1..k + 1 tokens)."""
+    runner = engine.core.runner
+    prompt = engine.tokenizer.encode("Once upon a time there was")
+    greedy = engine.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    n = len(prompt)
+    blocks = list(range(20, 20 + (n + 8) // 4 + 1))
+    cases = [(greedy[:4], greedy[:5]), (greedy[:2] + [5, 5], greedy[:3]), ([5] * 4, greedy[:1])]
+    for slot, (drafts, want) in enumerate(cases):
+        r = row(slot, 0, prompt + drafts, blocks, range(n - 1, n + 4), num_draft_tokens=4)
+        got = runner.execute(StepPlan(slot, [r])).result().tokens[0]
+        assert got == want, (drafts, got, want)
+
+
+def test_inplace_append_kv_content(make_engine):
+    """A match that ends inside a block only the cache node holds is written on in place:
+    the KV of every position equals that of a fresh engine computing the same tokens."""
+    opts = dict(prefix_cache="radix", block_size=8, num_kv_blocks=64)
+    first = make_engine(**opts)
+    # 8 prompt tokens (one block, cached when the prefill lands) + 3 generated tokens with
+    # KV (cached at the finish, as a node starting at a block boundary): block 1 then holds
+    # 3 cached tokens that only one node records
+    prompt = first.tokenizer.encode("The weather today is sunny and warm so we")[:8]
+    a = first.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+    )[0]
+    before = first.stats()["inplace_appends"]
+    b_prompt = prompt + a.token_ids + [11, 12, 13, 14, 15]
+    b = first.generate(prompt_token_ids=[b_prompt], sampling_params=GREEDY)[0]
+    assert first.stats()["inplace_appends"] == before + 1  # 11 cached: 8 + 3 in place
+    fresh = make_engine(**opts)
+    b_ref = fresh.generate(prompt_token_ids=[b_prompt], sampling_params=GREEDY)[0]
+    assert b.token_ids == b_ref.token_ids
+    seq = b_prompt + b.token_ids[:-1]  # tokens whose KV was computed
+
+    def kv_of(engine) -> torch.Tensor:
+        m = engine.cache.match(seq)
+        assert m.num_cached_tokens == len(seq)
+        pos = torch.arange(len(seq))
+        blocks = torch.tensor(m.blocks)[pos // 8]
+        return engine.core.runner.pool.kv[:, :, blocks, pos % 8]
+
+    torch.testing.assert_close(kv_of(first), kv_of(fresh), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,329 @@
+"""The scheduler on plain Python with a scripted runner (no model), the plan boundary, overlap.
+
+Tokens come from the ScriptedRunner's deterministic token function, so every configuration
+(cache, chunking, preemption, overlap, speculation) must produce the same outputs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+
+from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.engine.core import EngineCore
+from radixrt.sampling import SamplingParams
+from radixrt.scheduler.request import FinishReason
+from radixrt.testing import ScriptedRunner, default_token
+
+MODEL = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+EOS = 3
+
+
+def make_core(
+    *,
+    overlap: bool,
+    prefix_cache: str = "radix",
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    proposer=None,
+    **sched: object,
+) -> tuple[EngineCore, ScriptedRunner]:
+    sched_cfg = SchedulerConfig(**{"policy": "lpm", **sched})
+    cfg = EngineConfig(model_path="-", overlap_schedule=overlap, scheduler=sched_cfg)
+    cfg = replace(cfg, cache=replace(cfg.cache, prefix_cache=prefix_cache, block_size=block_size))
+    runner = ScriptedRunner(sched_cfg.max_running_requests, block_size)
+    core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=num_kv_blocks)
+    runner.watch(core.scheduler)
+    if proposer is not None:
+        core.scheduler.proposer = proposer
+    return core, runner
+
+
+def prompts(n: int = 10) -> list[list[int]]:
+    shared = list(range(100, 130))
+    return [shared[: 5 + 3 * i] + [500 + i] * (1 + i % 4) for i in range(n)]
+
+
+def run(core: EngineCore, reqs, params) -> dict[str, tuple[list[int], FinishReason]]:
+    rids = [core.add_request(p, sp, rid=f"r{i}") for i, (p, sp) in enumerate(zip(reqs, params))]
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    done = {}
+    while core.has_work:
+        for d in core.step():
+            out[d.rid] += d.new_token_ids
+            if d.finished:
+                done[d.rid] = d.finish_reason
+    core.check_integrity()
+    assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
+    return {rid: (out[rid], done[rid]) for rid in rids}
+
+
+def expected(reqs, max_tokens: list[int]) -> dict[str, tuple[list[int], FinishReason]]:
+    """What any correct loop produces: default_token continued until max_tokens."""
+    out = {}
+    for i, (p, m) in enumerate(zip(reqs, max_tokens)):
+        rid = f"r{i}"
+        toks = [default_token(rid, len(p) + j) for j in range(m)]
+        out[rid] = (toks, FinishReason.LENGTH)
+    return out
+
+
+CONFIGS = [
+    dict(),
+    dict(prefix_cache="none"),
+    dict(prefix_cache="blockhash"),
+    dict(max_num_batched_tokens=8),  # chunked prefill
+    dict(long_prefill_token_threshold=3),
+    dict(num_kv_blocks=14),  # preemption
+    dict(num_kv_blocks=24, max_num_batched_tokens=8, block_size=2),
+    dict(max_running_requests=3),
+    dict(policy="dfs-weight"),
+    dict(policy="fcfs", block_size=1),
+]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_scripted_outputs_match_in_every_configuration(overlap, config):
+    reqs = prompts()
+    max_tokens = [1 + (i * 3) % 9 for i in range(len(reqs))]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    core, runner = make_core(overlap=overlap, **config)
+    assert run(core, reqs, params) == expected(reqs, max_tokens)
+    assert runner.overlapped() == overlap
+    if config.get("num_kv_blocks"):
+        assert core.stats()["preemptions"] > 0
+
+
+def test_overlap_is_real():
+    """With overlap, step N's result is taken only after step N + 1 was planned (and
+    launched, when there was one); the sequential loop takes it before (so the same property
+    fails there)."""
+    for overlap in (True, False):
+        core, runner = make_core(overlap=overlap)
+        run(core, prompts(4), [SamplingParams(max_tokens=6, ignore_eos=True)] * 4)
+        launches = sum(1 for kind, _ in runner.events if kind == "execute")
+        assert launches >= 6
+        assert runner.overlapped() is overlap
+        if overlap:  # steady state: N + 1 is launched before N's result is taken
+            ev = runner.events
+            for n, (kind, i) in enumerate(ev):
+                if kind == "result" and ("execute", i + 1) in ev:
+                    assert ev.index(("execute", i + 1)) < n
+
+
+def test_overlap_drops_the_token_after_a_stop():
+    """EOS found when step N's result arrives: step N + 1 (already launched) sampled one more
+    token for the row; it is dropped and the row's KV freed once."""
+    stop_at = {"r0": 3, "r1": 1}
+
+    def token_fn(rid: str, position: int) -> int:
+        return EOS if position - 6 == stop_at.get(rid, -1) else 50 + position
+
+    results = {}
+    for overlap in (False, True):
+        core, runner = make_core(overlap=overlap)
+        runner.token_fn = token_fn
+        params = [SamplingParams(max_tokens=8)] * 3
+        out = run(core, [[9, 8, 7, 6, 5, 4]] * 3, params)
+        results[overlap] = out
+        if overlap:
+            assert core.stats()["dropped_tokens"] >= 2
+    assert results[True] == results[False]
+    assert results[True]["r0"][1] is FinishReason.STOP and len(results[True]["r0"][0]) == 4
+    assert results[True]["r2"][1] is FinishReason.LENGTH
+
+
+def test_abort_while_in_flight_frees_once():
+    core, runner = make_core(overlap=True)
+    rids = [core.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts(6)]
+    for _ in range(4):
+        core.step()
+    assert core.scheduler.num_inflight_steps == 1
+    for rid in rids[::2]:
+        assert core.abort(rid).finish_reason is FinishReason.ABORT
+        assert core.abort(rid) is None  # a second abort frees nothing
+    core.check_integrity()
+    while core.has_work:
+        for d in core.step():
+            assert d.rid not in rids[::2], "an aborted request got tokens"
+    core.check_integrity()
+
+
+def test_needs_host_result_rows_skip_overlap():
+    """A row flagged needs_host_result (here: penalties) is never planned while its previous
+    step is in flight; the other rows keep overlapping."""
+    core, runner = make_core(overlap=True)
+    plans = []
+    execute = runner.execute
+    runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
+    out = run(core, prompts(2), params)
+    assert out == expected(prompts(2), [6, 6])
+    ev = runner.events
+    for a, b in zip(plans, plans[1:]):
+        flagged = {r.rid for r in a.rows if r.needs_host_result}
+        if flagged & {r.rid for r in b.rows}:  # only once a's result is on the host
+            assert ev.index(("result", a.step_id)) < ev.index(("execute", b.step_id))
+    assert any(r.reads_last_sample for p in plans for r in p.rows if r.rid == "r1")
+    assert not any(r.reads_last_sample for p in plans for r in p.rows if r.rid == "r0")
+    assert all(r.history is not None for p in plans for r in p.rows if r.rid == "r0")
+
+
+class PrefixProposer:
+    """Drafts the true continuation for even positions' rows and garbage after it, so some
+    drafts are accepted and some rejected."""
+
+    def __init__(self, good: int) -> None:
+        self.good = good
+
+    def propose(self, req, max_drafts: int) -> list[int]:
+        n = len(req.seq_token_ids)
+        true = [default_token(req.rid, n + i) for i in range(max_drafts)]
+        return true[: self.good] + [1] * (max_drafts - self.good)
+
+
+@pytest.mark.parametrize("good", [0, 2, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_speculative_rows_accept_and_roll_back(good, overlap):
+    """Rows of k + 1 tokens, results of 1..k + 1 accepted tokens, block-table truncation:
+    the outputs equal plain decoding and the pools balance."""
+    reqs = prompts(6)
+    max_tokens = [3 + 2 * i for i in range(6)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    core, runner = make_core(
+        overlap=overlap, block_size=2, proposer=PrefixProposer(good), num_speculative_tokens=4
+    )
+    plans = []
+    execute = runner.execute
+    runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    assert run(core, reqs, params) == expected(reqs, max_tokens)
+    drafted = [r for p in plans for r in p.rows if r.num_draft_tokens]
+    assert drafted and all(len(r.sample_offsets) == r.num_draft_tokens + 1 for r in drafted)
+    assert all(r.needs_host_result for r in drafted)
+    steps_plain = sum(max_tokens)
+    if good == 4:  # every draft right: far fewer decode rows than tokens
+        assert sum(1 for p in plans for r in p.rows if r.sample_offsets) < steps_plain / 2
+
+
+def test_hit_counters_count_each_prompt_once():
+    core, _ = make_core(overlap=False, max_num_batched_tokens=8, max_running_requests=4)
+    calls = []
+    match = core.cache.match
+    core.cache.match = lambda tokens: (calls.append(len(tokens)), match(tokens))[1]
+    reqs = prompts(16)
+    waiting_per_step = []
+    schedule = core.scheduler.schedule
+
+    def counting_schedule():
+        waiting_per_step.append(len(core.scheduler.waiting))
+        return schedule()
+
+    core.scheduler.schedule = counting_schedule
+    rids = [core.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in reqs]
+    cached = {}
+    while core.has_work:
+        for d in core.step():
+            cached[d.rid] = d.num_cached_tokens
+    stats = core.cache.stats
+    assert stats.num_queried_tokens == sum(map(len, reqs))
+    assert stats.num_hit_tokens == sum(cached[r] for r in rids) > 0
+    assert stats.num_hit_tokens == core.stats()["cached_tokens"]
+    # one match per waiting request per step (no evictions here)
+    assert len(calls) <= sum(waiting_per_step)
+
+
+def test_dfs_weight_puts_cached_prefix_first():
+    """At equal age, a request whose prefix is cached goes before one with no hit (SGLang's
+    children-first DFS order), and heavier subtrees first."""
+    from radixrt.cache.radix import RadixCache
+    from radixrt.kv.allocator import BlockAllocator
+    from radixrt.scheduler.policy import order_waiting
+    from radixrt.scheduler.request import Request
+
+    alloc = BlockAllocator(64)
+    cache = RadixCache(alloc, 4)
+    for prefix in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]):
+        blocks = alloc.allocate(len(prefix) // 4)
+        cache.insert(prefix, blocks)
+        alloc.decref(blocks)
+
+    def req(rid, toks):
+        return Request(rid, len(toks), list(toks), SamplingParams(), 4)
+
+    no_hit = req("none", [50, 51, 52, 53, 54])
+    one_a = req("a1", [9, 9, 9, 9, 1, 1])
+    two_a = req("b1", [1, 2, 3, 4, 5, 6, 7, 8, 1])
+    two_b = req("b2", [1, 2, 3, 4, 5, 6, 7, 8, 2])
+    waiting = [no_hit, one_a, two_a, two_b]  # arrival order
+    order = order_waiting(waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1]), 0)
+    assert [r.rid for r in order] == ["b1", "b2", "a1", "none"]
+    # aged far past every branch, the no-hit request goes first
+    no_hit.waited_steps = 100
+    order = order_waiting(waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1]), 1.0)
+    assert order[0] is no_hit
+
+
+TORCH_BLOCKER = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == p or name.startswith(p + ".") for p in BLOCKED):
+            raise ImportError(f"{name} must not be imported here")
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_blocked(blocked: list[str], code: str) -> None:
+    src = f"BLOCKED = {blocked!r}\n" + TORCH_BLOCKER + textwrap.dedent(code)
+    proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_scheduler_and_caches_import_no_torch():
+    """The scheduler, caches, plan, scripted runner and EngineCore's loop run where torch
+    cannot be imported."""
+    run_blocked(
+        ["torch", "numpy"],
+        """
+        import radixrt.cache.radix, radixrt.cache.blockhash, radixrt.cache.none
+        import radixrt.scheduler.scheduler, radixrt.scheduler.policy, radixrt.plan
+        import radixrt.limits, radixrt.testing
+        sys.path.insert(0, "tests")
+        from test_step_plan import make_core, prompts, run, expected
+        from radixrt.sampling import SamplingParams
+        core, runner = make_core(overlap=True, num_kv_blocks=14)
+        reqs = prompts(6)
+        assert run(core, reqs, [SamplingParams(max_tokens=4, ignore_eos=True)] * 6) == expected(
+            reqs, [4] * 6
+        )
+        """,
+    )
+
+
+def test_runner_and_backends_import_no_scheduler():
+    run_blocked(
+        ["radixrt.scheduler"],
+        """
+        import radixrt.engine.runner, radixrt.engine.cuda_graph, radixrt.engine.result
+        import radixrt.attention.torch_backend, radixrt.attention.flashinfer_backend
+        """,
+    )
