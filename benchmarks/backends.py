@@ -29,6 +29,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False
+    if args.disable_overlap_schedule:
+        opts["overlap_schedule"] = False
     return opts
 
 
@@ -76,8 +78,8 @@ class ServerBackend:
         self.startup_timeout_s = args.server_startup_timeout_s
         self.serve_args = []
         for key, value in opts.items():
-            if key == "enable_cuda_graph":
-                self.serve_args.append("--disable-cuda-graph")
+            if key in ("enable_cuda_graph", "overlap_schedule"):  # only ever set to False
+                self.serve_args.append("--disable-" + key.removeprefix("enable_").replace("_", "-"))
             elif value is not None:
                 self.serve_args += ["--" + key.replace("_", "-"), str(value)]
 

@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--aging-tokens-per-step", type=float, default=None,
                    help="lpm aging (engine default when unset)")  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (also for "
                    "servers); 1 is robust on a shared, oversubscribed CPU")  # fmt: skip
     g.add_argument("--server-startup-timeout-s", type=float, default=600.0)

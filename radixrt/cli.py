@@ -24,6 +24,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--attention-backend", default="auto", help="torch | flashinfer | auto")
     g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="plan each step only after the previous one finished (overlap is on for CUDA)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -45,6 +50,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False
+    if args.disable_overlap_schedule:
+        opts["overlap_schedule"] = False
     return opts
 
 

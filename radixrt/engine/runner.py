@@ -176,10 +176,12 @@ class ModelRunner:
         if num_s + num_p == 0:
             return None, None
         index = np.concatenate([layout.sample_tokens, layout.score_tokens])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(dev)])
+        logits = self.model.compute_logits(
+            hidden[torch.from_numpy(index).to(dev, non_blocking=True)]
+        )
         scores = None
         if num_p:
-            targets = torch.from_numpy(layout.score_targets).to(dev).unsqueeze(1)
+            targets = torch.from_numpy(layout.score_targets).to(dev, non_blocking=True).unsqueeze(1)
             lps = torch.log_softmax(logits[num_s:], dim=-1)
             scores = lps.gather(1, targets).squeeze(1)
         return (logits[:num_s] if num_s else None), scores
@@ -286,9 +288,8 @@ class ModelRunner:
             index[j, :n] = layout.row_first_sample[i] + np.arange(n)
             valid[j, :n] = True
         dev = self.device
-        match = (tokens[torch.from_numpy(index).to(dev)] == torch.from_numpy(drafts).to(dev)) & (
-            torch.from_numpy(valid).to(dev)
-        )
+        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        match = (tokens[to_dev(index)] == to_dev(drafts)) & to_dev(valid)
         return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     # ---- for tests and benchmarks ----

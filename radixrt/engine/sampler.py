@@ -35,13 +35,13 @@ def apply_penalties(
     device, vocab = logits.device, logits.shape[1]
     for i in rows:  # rows with penalties are rare; each costs O(its tokens) on the device
         p = params[i]
-        out = torch.tensor(output_ids[i], dtype=torch.int64, device=device)
+        out = _on(device, output_ids[i], torch.int64)
         counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         counts.scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(prompt_ids[i], dtype=torch.int64, device=device)] = True
+            seen[_on(device, prompt_ids[i], torch.int64)] = True
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
@@ -65,20 +65,23 @@ def sample(
     if all(p.greedy for p in params):
         tokens = greedy_tokens
     else:
-        temps = torch.tensor(
-            [p.temperature if not p.greedy else 1.0 for p in params], device=device
-        )
+        temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
         probs = _filter(probs, params)
         noise = _exponential_noise(probs.shape, params, seed_offsets, device)
         sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max equivalent: p / Exp(1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        is_greedy = _on(device, [p.greedy for p in params])
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     if want_logprobs:
         logprobs = logprobs_all.gather(1, tokens.view(num_rows, 1)).squeeze(1)
     if top_logprobs:
         top_lps, top_ids = logprobs_all.topk(min(top_logprobs, logits.shape[1]), dim=-1)
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def _on(device: torch.device, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync (non-blocking copy)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -89,8 +92,8 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     if need_sort:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[1]
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = _on(device, [p.top_k or vocab for p in params])
+        top_p = _on(device, [p.top_p for p in params])
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = (ranks >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1))
@@ -98,7 +101,7 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _on(device, [p.min_p for p in params])
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
