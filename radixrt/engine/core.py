@@ -27,7 +27,7 @@ from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """What one step produced for one request (only requests that changed get one)."""
 
@@ -137,6 +137,7 @@ class EngineCore:
     def _delta(self, req: Request) -> RequestDelta:
         sent = self._sent[req.rid]
         p = req.params
+        finished = req.finish_reason is not None
         delta = RequestDelta(
             rid=req.rid,
             new_token_ids=req.seq_token_ids[req.prompt_len + sent :],
@@ -146,9 +147,9 @@ class EngineCore:
             num_cached_tokens=req.num_cached_tokens,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
-            prompt_logprobs=list(req.prompt_logprobs) if req.is_finished else [],
+            prompt_logprobs=list(req.prompt_logprobs) if finished else [],
         )
-        if req.is_finished:
+        if finished:
             del self._sent[req.rid]
         else:
             self._sent[req.rid] = req.num_output

@@ -72,6 +72,9 @@ class DecodeCudaGraphs:
         self._host = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
         self._static = torch.zeros(3 * n, dtype=torch.int64, device=device)
         self._host_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        # FlashInfer's graph-mode plan copies host kv_indices with a blocking copy (a host
+        # sync that stalls overlap); staged on the device first, its copy is device-to-device.
+        self._device_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=device)
         backend.init_cuda_graph(n, n * max_blocks_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
@@ -178,8 +181,10 @@ class DecodeCudaGraphs:
             rows = torch.from_numpy(layout.last_read_tokens).to(dev, non_blocking=True)
             slots = torch.from_numpy(layout.last_read_slots).to(dev, non_blocking=True)
             self._static[:bs].index_copy_(0, rows, last_tokens[slots])
-        indices = self._host_indices[: len(meta.kv_indices)]
-        indices.numpy()[:] = meta.kv_indices
+        num = len(meta.kv_indices)
+        self._host_indices.numpy()[:num] = meta.kv_indices
+        indices = self._device_indices[:num]
+        indices.copy_(self._host_indices[:num], non_blocking=True)
         self._plan(
             bs,
             torch.from_numpy(meta.kv_indptr),
