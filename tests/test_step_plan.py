@@ -327,3 +327,53 @@ def test_runner_and_backends_import_no_scheduler():
         import radixrt.attention.torch_backend, radixrt.attention.flashinfer_backend
         """,
     )
+
+
+def test_failed_step_fails_its_requests_only():
+    """An exception in a batched step fails that step's requests (FinishReason.ERROR) and
+    the engine goes on; a bug in one request's bookkeeping fails that request alone."""
+    for overlap in (False, True):
+        core, runner = make_core(overlap=overlap)
+        execute = runner.execute
+
+        def flaky(plan, execute=execute):
+            if any(r.rid == "bad" for r in plan.rows) and plan.step_id == 3:
+                raise RuntimeError("kernel exploded")
+            return execute(plan)
+
+        runner.execute = flaky
+        p = SamplingParams(max_tokens=8, ignore_eos=True)
+        core.add_request(prompts(1)[0], p, rid="bad")
+        core.add_request(prompts(2)[1], p, rid="good")
+        done = {}
+        while core.has_work or "late" not in core.scheduler.requests and "late" not in done:
+            for d in core.step():
+                if d.finished:
+                    done[d.rid] = d
+            if "bad" in done and "late" not in done and not core.request("late"):
+                core.add_request(prompts(3)[2], p, rid="late")  # the engine goes on
+        assert done["bad"].finish_reason is FinishReason.ERROR and done["bad"].error
+        assert done["good"].finish_reason is FinishReason.ERROR  # same step
+        assert done["late"].finish_reason is FinishReason.LENGTH
+        assert core.stats()["failed_steps"] == 1
+        core.check_integrity()
+
+        core, runner = make_core(overlap=overlap)
+        stop_reason = core.scheduler._stop_reason
+
+        def buggy(req, token, stop_reason=stop_reason):
+            if req.rid == "bug":
+                raise KeyError("oops")
+            return stop_reason(req, token)
+
+        core.scheduler._stop_reason = buggy
+        out = {}
+        core.add_request(prompts(1)[0], p, rid="bug")
+        core.add_request(prompts(2)[1], p, rid="fine")
+        while core.has_work:
+            out |= {d.rid: d for d in core.step() if d.finished}
+        assert out["bug"].finish_reason is FinishReason.ERROR
+        assert out["fine"].finish_reason is FinishReason.LENGTH
+        assert len(out["fine"].new_token_ids) or out["fine"].num_output_tokens == 8
+        assert core.stats()["failed_requests"] == 1
+        core.check_integrity()

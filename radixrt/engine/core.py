@@ -13,6 +13,7 @@ device). Outputs are the same either way.
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class RequestDelta:
@@ -37,6 +40,7 @@ class RequestDelta:
     prompt_tokens: int
     num_output_tokens: int  # output tokens so far
     num_cached_tokens: int  # prompt tokens served by the prefix cache
+    error: str | None = None  # with FinishReason.ERROR: what failed
     new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
@@ -105,21 +109,43 @@ class EngineCore:
         return rid
 
     def step(self) -> list[RequestDelta]:
-        """One loop iteration; returns the deltas of the requests that changed."""
+        """One loop iteration; returns the deltas of the requests that changed.
+
+        A step whose execution raises fails its requests (FinishReason.ERROR) and the loop
+        goes on; an error that leaves the device unusable (a CUDA error) raises
+        FatalEngineError."""
         sched = self.scheduler
-        plan = sched.schedule()
-        handle = self.runner.execute(plan) if plan is not None else None
         changed: list[Request] = []
+        plan = sched.schedule()
+        handle = None
+        if plan is not None:
+            try:
+                handle = self.runner.execute(plan)
+            except Exception as e:
+                changed += self._step_failed(plan, e)
         if self._inflight is not None:
             prev_plan, prev_handle = self._inflight
             self._inflight = None
-            changed += sched.update(prev_plan, prev_handle.result())
+            changed += self._finish_step(prev_plan, prev_handle)
         if handle is not None:
             if self.overlap:
                 self._inflight = (plan, handle)
             else:
-                changed += sched.update(plan, handle.result())
+                changed += self._finish_step(plan, handle)
         return [self._delta(req) for req in _unique(changed)]
+
+    def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
+        try:
+            result = handle.result()
+        except Exception as e:
+            return self._step_failed(plan, e)
+        return self.scheduler.update(plan, result)
+
+    def _step_failed(self, plan: StepPlan, error: Exception) -> list[Request]:
+        if _is_fatal(error):
+            raise FatalEngineError(f"the device failed: {error}") from error
+        logger.error("step %d failed (%d rows)", plan.step_id, len(plan.rows), exc_info=error)
+        return self.scheduler.fail_step(plan, f"the engine step failed: {type(error).__name__}")
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
         """Finish a request now; returns its last delta, or None if it is unknown."""
@@ -145,6 +171,7 @@ class EngineCore:
             prompt_tokens=req.prompt_len,
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_tokens,
+            error=req.error,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
@@ -171,6 +198,8 @@ class EngineCore:
             "generated_tokens": s.num_generated_tokens,
             "dropped_tokens": s.num_dropped_tokens,
             "preemptions": s.num_preemptions,
+            "failed_requests": s.num_failed_requests,
+            "failed_steps": s.num_failed_steps,
             "cow_copies": s.num_cow_copies,
             "inplace_appends": s.num_inplace_appends,
             "evicted_blocks": c.num_evicted_blocks,
@@ -181,6 +210,15 @@ class EngineCore:
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached": self.cache.cached_blocks,
         }
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on (the device failed); the process should exit."""
+
+
+def _is_fatal(error: Exception) -> bool:
+    """CUDA errors leave the context unusable; anything else fails one step."""
+    return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
 
 
 def _unique(reqs: list[Request]) -> list[Request]:

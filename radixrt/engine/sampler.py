@@ -92,7 +92,7 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     if need_sort:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[1]
-        top_k = _on(device, [p.top_k or vocab for p in params])
+        top_k = _on(device, [min(p.top_k or vocab, vocab) for p in params])
         top_p = _on(device, [p.top_p for p in params])
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id, or a stop string (the front / Engine aborts)
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # the client went away or asked to abort
+    ERROR = "error"  # the engine failed this request (a bug or a failed step: `Request.error`)
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class Request:
     waited_steps: int = 0  # scheduler steps spent waiting (aging)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with FinishReason.ERROR: what went wrong
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     # when params.top_logprobs: per output token, the most likely (token, log-prob) pairs
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

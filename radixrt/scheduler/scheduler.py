@@ -18,6 +18,7 @@ after the earlier ones (one stream), so no step reads a block after another reus
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import FinishReason, Request, Status
+
+logger = logging.getLogger(__name__)
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
@@ -53,6 +56,8 @@ class SchedulerStats:
     num_cow_copies: int = 0  # partial blocks copied on a mid-block match
     num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
     num_steps: int = 0
+    num_failed_requests: int = 0  # finished with FinishReason.ERROR (each one is a bug)
+    num_failed_steps: int = 0  # plans whose execution raised
     finish_reasons: Counter = field(default_factory=Counter)
 
     @property
@@ -168,9 +173,18 @@ class Scheduler:
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
         ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
-        rows = [self._plan_row(r, 1 + len(d), d) for r, d in ordered]
-        rows += [self._plan_row(r, n) for r, n in extend]
-        reqs = [r for r, _ in ordered] + [r for r, _ in extend]
+        rows, reqs = [], []
+        for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
+            (r, n, ()) for r, n in extend
+        ]:
+            try:
+                rows.append(self._plan_row(req, n, drafts))
+            except Exception as e:  # a bug planning one request fails that request only
+                self._fail(req, e)
+                continue
+            reqs.append(req)
+        if not rows:
+            return None
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs])
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
@@ -426,23 +440,64 @@ class Scheduler:
             if req.epoch != epoch or req.status is not Status.RUNNING:
                 self.stats.num_dropped_tokens += len(result.tokens[i])
                 continue  # finished, aborted or preempted since the plan was made
-            if row.needs_host_result:
-                req.awaiting_host_result = False
-            if row.prompt_logprobs is not None:
-                req.prompt_logprobs += result.prompt_logprobs[i]
-            req.num_kv_done = max(req.num_kv_done, row.end)
-            if not row.sample_offsets:
-                if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
-                    changed.append(req)  # prefill-only (scoring / cache warming): done
-                    self._finish_running(req, FinishReason.LENGTH)
-                else:  # a prefill chunk: share its progress with others at once
-                    self._cache_progress(req, row.end)
-                continue
-            if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
-                self._cache_progress(req, row.end)
-            changed.append(req)
-            self._accept(req, row, result, i)
+            try:
+                self._apply_row(req, row, result, i, changed)
+            except Exception as e:  # a bug in one request's bookkeeping fails it alone
+                self._fail(req, e)
+                changed.append(req)
         return changed
+
+    def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
+        """The plan's execution failed: finish every request still in it (same incarnation)
+        with FinishReason.ERROR. Returns those requests."""
+        launched = self._launched.pop(plan.step_id)
+        self.stats.num_failed_steps += 1
+        failed = []
+        for req, epoch in zip(launched.requests, launched.epochs):
+            if req.epoch == epoch and req.status is Status.RUNNING:
+                self._fail(req, error)
+                failed.append(req)
+        return failed
+
+    def _fail(self, req: Request, error: Exception | str) -> None:
+        """Finish `req` with FinishReason.ERROR, releasing what it holds."""
+        if isinstance(error, Exception):
+            logger.error("request %s failed", req.rid, exc_info=error)
+            error = f"internal error: {type(error).__name__}: {error}"
+        req.error = error
+        self.stats.num_failed_requests += 1
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        try:
+            self._finish(req, FinishReason.ERROR)
+        except Exception:  # its state is broken: drop it without caching anything
+            logger.exception("releasing failed request %s", req.rid)
+            req.num_kv_done = 0
+            self.requests.pop(req.rid, None)
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+
+    def _apply_row(
+        self, req: Request, row: PlanRow, result: StepResult, i: int, changed: list[Request]
+    ) -> None:
+        """Apply row i of a result to its (still running) request."""
+        if row.needs_host_result:
+            req.awaiting_host_result = False
+        if row.prompt_logprobs is not None:
+            req.prompt_logprobs += result.prompt_logprobs[i]
+        req.num_kv_done = max(req.num_kv_done, row.end)
+        if not row.sample_offsets:
+            if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
+                changed.append(req)  # prefill-only (scoring / cache warming): done
+                self._finish_running(req, FinishReason.LENGTH)
+            else:  # a prefill chunk: share its progress with others at once
+                self._cache_progress(req, row.end)
+            return
+        if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
+            self._cache_progress(req, row.end)
+        changed.append(req)
+        self._accept(req, row, result, i)
 
     def _accept(self, req: Request, row: PlanRow, result: StepResult, i: int) -> None:
         """Append the row's accepted tokens, stopping at the first stop condition."""
