@@ -120,7 +120,9 @@ def test_sdpa_matches_reference_small_limits(seed):
     """Tiny chunks and budgets: many groups, rows cut into many query chunks."""
     gen = torch.Generator().manual_seed(seed)
     rows, num_decode = random_rows("mixed", gen)
-    limits = PlanLimits(q_chunk=7, max_group_kv_elements=2000, max_group_score_elements=20000)
+    limits = DEFAULT_LIMITS._replace(
+        q_chunk=7, max_group_kv_elements=2000, max_group_score_elements=20000
+    )
     run_both(rows, num_decode, 4, 8, 2, torch.float32, gen, limits)
 
 
@@ -128,7 +130,9 @@ def test_plan_covers_every_token_once():
     gen = torch.Generator().manual_seed(0)
     rows = [(100, 1), (5, 1), (300, 1), (0, 40), (64, 1), (17, 300)]
     batch, _ = make_batch(rows, 3, 4, gen)
-    limits = PlanLimits(q_chunk=16, max_group_kv_elements=1 << 20, max_group_score_elements=1 << 20)
+    limits = DEFAULT_LIMITS._replace(
+        q_chunk=16, max_group_kv_elements=1 << 20, max_group_score_elements=1 << 20
+    )
     groups = plan_attention(batch, 8, 2 * HEAD_DIM, limits)
     out = torch.cat([g.out_index for g in groups])
     real = out[out < batch.num_tokens]

@@ -39,6 +39,7 @@ class SdpaAttentionBackend:
         self.batch: ForwardBatch | None = None
         self.groups: list[AttentionGroup] = []
         self._buffer: torch.Tensor | None = None  # gathered K then V of one group, reused
+        self._masks: list[torch.Tensor] = []  # groups' masks as additive biases (0 / -inf)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan the step: build every group's gather indices and mask (used by all layers)."""
@@ -46,6 +47,19 @@ class SdpaAttentionBackend:
         self.groups = plan_attention(
             batch, self.num_heads, self.num_kv_heads * self.head_dim, self.limits
         )
+        self._masks = []
+
+    def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA
+        would convert a boolean mask on every call)."""
+        if not self._masks or self._masks[0].dtype != dtype:
+            self._masks = [
+                torch.zeros(g.mask.shape, dtype=dtype, device=g.mask.device).masked_fill_(
+                    ~g.mask, float("-inf")
+                )
+                for g in self.groups
+            ]
+        return self._masks[i]
 
     def _gather_kv(
         self, grp: AttentionGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -74,21 +88,25 @@ class SdpaAttentionBackend:
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [blocks, B, hkv, d]
         hq, hkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group_size
         out = q.new_empty((q.shape[0] + 1, hq, d))  # row T: trash for padded queries
-        for grp in self.groups:
+        for i, grp in enumerate(self.groups):
             n, ql = grp.num_pieces, grp.q_len
             keys, vals = self._gather_kv(grp, k_cache, v_cache)  # [n, hkv, kl, d]
             keys, vals = keys.to(q.dtype), vals.to(q.dtype)
             qg = q.index_select(0, grp.q_index)  # [n * ql, hq, d]
             if ql == 1:  # decode: the heads of a KV head are its queries -> [n, hkv, g, d]
                 res = F.scaled_dot_product_attention(
-                    qg.view(n, hkv, g, d), keys, vals, attn_mask=grp.mask, scale=self.scale
+                    qg.view(n, hkv, g, d),
+                    keys,
+                    vals,
+                    attn_mask=self._bias(i, q.dtype),
+                    scale=self.scale,
                 ).reshape(n, hq, d)
             else:
                 res = F.scaled_dot_product_attention(
                     qg.view(n, ql, hq, d).transpose(1, 2),
                     keys,
                     vals,
-                    attn_mask=grp.mask,
+                    attn_mask=self._bias(i, q.dtype),
                     scale=self.scale,
                     enable_gqa=g > 1,
                 )  # [n, hq, ql, d]

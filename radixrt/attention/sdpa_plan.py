@@ -9,7 +9,7 @@ longest query chunk and KV length:
 
 - decode pieces and extend pieces never share a group (they are attended differently);
 - decode pieces are sorted by KV length, extend pieces by query x key area, and packed greedily
-  while the padded area stays within `MAX_WASTE` x the real one (or under `SMALL_AREA`) and the
+  while the padded area stays within `max_waste` x the real one (or under `SMALL_AREA`) and the
   group's gathered KV and score sizes stay within the budgets. A single piece always fits.
 
 Padding never reads outside a row: padded queries repeat the piece's last query (their results go
@@ -25,18 +25,18 @@ import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
 
-MAX_WASTE = 1.5  # padded query x key area / real area allowed in one group
 SMALL_AREA = 4096  # padded area below which a group takes any piece (call overhead dominates)
 
 
 class PlanLimits(NamedTuple):
     q_chunk: int  # most queries of one extend row in one piece
+    max_waste: float  # padded query x key area / real area allowed in one group (>= 1)
     max_group_kv_elements: int  # gathered K (or V) elements of a group: n * kv_len * hkv * d
     max_group_score_elements: int  # scores of a group: n * num_heads * q_len * kv_len
 
 
 DEFAULT_LIMITS = PlanLimits(
-    q_chunk=256, max_group_kv_elements=1 << 24, max_group_score_elements=1 << 25
+    q_chunk=256, max_waste=1.2, max_group_kv_elements=1 << 24, max_group_score_elements=1 << 25
 )
 
 
@@ -72,7 +72,9 @@ def _cut_rows(
     return _Pieces(row, q0, n, -(-kv_len // bs))
 
 
-def _pack(order: np.ndarray, q_len: np.ndarray, kv_len: np.ndarray, fits) -> list[np.ndarray]:
+def _pack(
+    order: np.ndarray, q_len: np.ndarray, kv_len: np.ndarray, max_waste: float, fits
+) -> list[np.ndarray]:
     """Greedy packing of pieces taken in `order`; `fits(n, q, k)` checks a group's budgets."""
     groups: list[np.ndarray] = []
     start, max_q, max_k, real = 0, 0, 0, 0
@@ -81,7 +83,7 @@ def _pack(order: np.ndarray, q_len: np.ndarray, kv_len: np.ndarray, fits) -> lis
         nq, nk, nreal, n = max(max_q, q), max(max_k, k), real + q * k, i - start + 1
         padded = n * nq * nk
         if n > 1 and not (
-            (padded <= MAX_WASTE * nreal or padded <= SMALL_AREA) and fits(n, nq, nk)
+            (padded <= max_waste * nreal or padded <= SMALL_AREA) and fits(n, nq, nk)
         ):
             groups.append(order[start:i])
             start, nq, nk, nreal = i, q, k, q * k
@@ -122,7 +124,7 @@ def plan_attention(
                 and n * q * k * num_heads <= limits.max_group_score_elements
             )
 
-        for ids in _pack(order, pieces.q_len, kv_len, fits):
+        for ids in _pack(order, pieces.q_len, kv_len, limits.max_waste, fits):
             groups.append(_build_group(batch, pieces, ids, qo, prefix, kvp, num_tokens))
     return groups
 
