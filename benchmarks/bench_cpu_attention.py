@@ -1,16 +1,18 @@
 """CPU attention: the exact reference ("torch-reference") vs the SDPA backend ("torch").
 
-Times `backend.forward` of one layer (store K/V + attend) and one step (`prepare` + the forward
-of `--layers` layers) on representative batches over a random KV pool, float32, at each thread
-count of `--threads`; prints min and median of `--repeats` runs (after one warm-up) as a
-markdown table, and checks that both backends agree.
+Times one step (`prepare` + `forward` of `--layers` layers: store K/V + attend) and the layers
+alone (per layer: their time / layers) on representative batches over a random KV pool, float32,
+at each thread count of `--threads`. Prints median (min) of `--repeats` runs (`--ref-repeats`
+for the slow reference) after one warm-up as a markdown table; checks both backends agree.
 
-    python -m benchmarks.bench_cpu_attention --threads 1,2 --repeats 7
+    python -m benchmarks.bench_cpu_attention --threads 1,2 --repeats 7 --ref-repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -93,7 +95,9 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def bench_case(rows, num_decode, shape, layers: int, repeats: int, gen) -> dict[str, tuple]:
+def bench_case(
+    rows, num_decode, shape, layers: int, repeats: int, ref_repeats: int, gen
+) -> dict[str, tuple]:
     hq, hkv, d = shape
     batch, num_blocks = make_batch(rows, num_decode, gen)
     pool = KVPool(layers, num_blocks, BLOCK_SIZE, hkv, d, torch.float32, "cpu")
@@ -109,29 +113,43 @@ def bench_case(rows, num_decode, shape, layers: int, repeats: int, gen) -> dict[
         ("sdpa", SdpaAttentionBackend(hq, hkv, d)),
     ):
 
-        def step(backend=backend) -> list[torch.Tensor]:
-            backend.prepare(batch)
+        def layers_fwd(backend=backend) -> list[torch.Tensor]:
             return [backend.forward(i, *qkv[i], pool) for i in range(layers)]
 
+        def step(backend=backend) -> list[torch.Tensor]:
+            backend.prepare(batch)
+            return layers_fwd(backend)
+
         outs[name] = step()
-        backend.prepare(batch)
-        result[name] = (
-            timed(lambda backend=backend: backend.forward(0, *qkv[0], pool), repeats),
-            timed(step, repeats),
-        )
+        runs = repeats if name == "sdpa" else ref_repeats
+        per_layer = tuple(ms / layers for ms in timed(layers_fwd, runs))
+        result[name] = (per_layer, timed(step, runs))
     for a, b in zip(outs["reference"], outs["sdpa"]):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     return result
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--ref-repeats", type=int, default=3, help="repeats of the (slow) reference")
     p.add_argument("--layers", type=int, default=4, help="layers in one step (tiny model: 4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    print(f"torch {torch.__version__}, float32, block size {BLOCK_SIZE}, {args.layers} layers/step")
+    print(
+        f"{cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, float32, "
+        f"block size {BLOCK_SIZE}, {args.layers} layers/step; ms: median (min)"
+    )
     cols = "ref ms/layer | sdpa ms/layer | x | ref ms/step | sdpa ms/step | x"
     print(f"| shape | batch | threads | {cols} |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -141,7 +159,7 @@ def main() -> None:
         for shape_name, shape in SHAPES.items():
             gen = torch.Generator().manual_seed(args.seed)
             for case_name, (rows, nd) in cases(gen).items():
-                r = bench_case(rows, nd, shape, args.layers, args.repeats, gen)
+                r = bench_case(rows, nd, shape, args.layers, args.repeats, args.ref_repeats, gen)
                 (ref_l, ref_s), (fast_l, fast_s) = r["reference"], r["sdpa"]
                 print(
                     f"| {shape_name} | {case_name} | {torch.get_num_threads()} "
