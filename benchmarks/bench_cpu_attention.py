@@ -6,6 +6,8 @@ at each thread count of `--threads`. Prints median (min) of `--repeats` runs (`-
 for the slow reference) after one warm-up as a markdown table; checks both backends agree.
 
     python -m benchmarks.bench_cpu_attention --threads 1,2 --repeats 7 --ref-repeats 3
+
+`--engine N,IN,OUT` instead times the whole tiny-model Engine (output tok/s) with each backend.
 """
 
 from __future__ import annotations
@@ -129,6 +131,26 @@ def bench_case(
     return result
 
 
+def bench_engine(backend: str, num_prompts: int, input_len: int, output_len: int) -> float:
+    """Output tokens/s of the tiny model (float32, CPU, no prefix cache) with `backend`:
+    `num_prompts` random prompts of `input_len` tokens, `output_len` greedy tokens each."""
+    from radixrt import Engine, SamplingParams
+    from radixrt.model.tiny import ensure_tiny_model
+
+    engine = Engine(
+        ensure_tiny_model(), device="cpu", attention_backend=backend, prefix_cache="none"
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        10, engine.model_config.vocab_size, (num_prompts, input_len), generator=gen
+    ).tolist()
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    engine.generate(prompt_token_ids=ids[:2], sampling_params=params)  # warm-up
+    start = time.perf_counter()
+    engine.generate(prompt_token_ids=ids, sampling_params=params)
+    return num_prompts * output_len / (time.perf_counter() - start)
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -145,7 +167,24 @@ def main() -> None:
     p.add_argument("--ref-repeats", type=int, default=3, help="repeats of the (slow) reference")
     p.add_argument("--layers", type=int, default=4, help="layers in one step (tiny model: 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shapes", default="tiny,large", help="comma-separated: tiny, large")
+    p.add_argument(
+        "--engine",
+        default=None,
+        metavar="N,IN,OUT",
+        help="instead: tiny-model Engine tok/s, N prompts of IN tokens, OUT tokens each",
+    )
     args = p.parse_args()
+    if args.engine:
+        n, inp, out = (int(x) for x in args.engine.split(","))
+        for threads in (int(x) for x in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for backend in ("torch-reference", "torch"):
+                tok_s = bench_engine(backend, n, inp, out)
+                print(
+                    f"engine {backend}: {threads} threads, {n} x {inp} -> {out}: {tok_s:.1f} tok/s"
+                )
+        return
     print(
         f"{cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, float32, "
         f"block size {BLOCK_SIZE}, {args.layers} layers/step; ms: median (min)"
@@ -157,6 +196,8 @@ def main() -> None:
     for threads in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(threads)
         for shape_name, shape in SHAPES.items():
+            if shape_name.split()[0] not in args.shapes.split(","):
+                continue
             gen = torch.Generator().manual_seed(args.seed)
             for case_name, (rows, nd) in cases(gen).items():
                 r = bench_case(rows, nd, shape, args.layers, args.repeats, args.ref_repeats, gen)
