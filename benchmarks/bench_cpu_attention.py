@@ -23,6 +23,7 @@ import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.attention.sdpa_backend import SdpaAttentionBackend
+from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, PlanLimits
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
@@ -36,9 +37,10 @@ SHAPES = {  # name -> (num_heads, num_kv_heads, head_dim)
 
 def cases(gen: torch.Generator) -> dict[str, tuple[list[tuple[int, int]], int]]:
     """name -> (rows [(num_cached, num_new)], num_decode)."""
-    ctx = lambda n: torch.randint(256, 1025, (n,), generator=gen).tolist()  # noqa: E731
+    randint = lambda lo, hi, n: torch.randint(lo, hi + 1, (n,), generator=gen).tolist()  # noqa: E731
+    ctx = lambda n: randint(256, 1024, n)  # noqa: E731
     decode = [(c, 1) for c in ctx(32)]
-    short = torch.randint(16, 257, (8,), generator=gen).tolist()
+    short = randint(16, 256, 8)
     return {
         "32 decode (ctx 256-1024)": (decode, 32),
         "32 decode + 1 x 512 extend": (decode + [(0, 512)], 32),
@@ -46,6 +48,10 @@ def cases(gen: torch.Generator) -> dict[str, tuple[list[tuple[int, int]], int]]:
         "16 decode + 8 short extends on prefixes": (
             decode[:16] + [(c, n) for c, n in zip(ctx(8), short)],
             16,
+        ),
+        "64 extends, 1-64 new on 0-1024 cached": (
+            [(c, n) for c, n in zip(randint(0, 1024, 64), randint(1, 64, 64))],
+            0,
         ),
     }
 
@@ -98,7 +104,7 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
 
 
 def bench_case(
-    rows, num_decode, shape, layers: int, repeats: int, ref_repeats: int, gen
+    rows, num_decode, shape, layers: int, repeats: int, ref_repeats: int, limits: PlanLimits, gen
 ) -> dict[str, tuple]:
     hq, hkv, d = shape
     batch, num_blocks = make_batch(rows, num_decode, gen)
@@ -112,7 +118,7 @@ def bench_case(
     result, outs = {}, {}
     for name, backend in (
         ("reference", TorchAttentionBackend(hq, hkv, d)),
-        ("sdpa", SdpaAttentionBackend(hq, hkv, d)),
+        ("sdpa", SdpaAttentionBackend(hq, hkv, d, limits)),
     ):
 
         def layers_fwd(backend=backend) -> list[torch.Tensor]:
@@ -167,6 +173,7 @@ def main() -> None:
     p.add_argument("--ref-repeats", type=int, default=3, help="repeats of the (slow) reference")
     p.add_argument("--layers", type=int, default=4, help="layers in one step (tiny model: 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-waste", type=float, default=DEFAULT_LIMITS.max_waste)
     p.add_argument("--shapes", default="tiny,large", help="comma-separated: tiny, large")
     p.add_argument(
         "--engine",
@@ -187,11 +194,13 @@ def main() -> None:
         return
     print(
         f"{cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, float32, "
-        f"block size {BLOCK_SIZE}, {args.layers} layers/step; ms: median (min)"
+        f"block size {BLOCK_SIZE}, {args.layers} layers/step, max_waste {args.max_waste}; "
+        "ms: median (min)"
     )
     cols = "ref ms/layer | sdpa ms/layer | x | ref ms/step | sdpa ms/step | x"
     print(f"| shape | batch | threads | {cols} |")
     print("|---|---|---|---|---|---|---|---|---|")
+    limits = DEFAULT_LIMITS._replace(max_waste=args.max_waste)
     fmt = lambda mm: f"{mm[1]:.2f} ({mm[0]:.2f})"  # noqa: E731
     for threads in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(threads)
@@ -200,7 +209,9 @@ def main() -> None:
                 continue
             gen = torch.Generator().manual_seed(args.seed)
             for case_name, (rows, nd) in cases(gen).items():
-                r = bench_case(rows, nd, shape, args.layers, args.repeats, args.ref_repeats, gen)
+                r = bench_case(
+                    rows, nd, shape, args.layers, args.repeats, args.ref_repeats, limits, gen
+                )
                 (ref_l, ref_s), (fast_l, fast_s) = r["reference"], r["sdpa"]
                 print(
                     f"| {shape_name} | {case_name} | {torch.get_num_threads()} "

@@ -110,7 +110,8 @@ def run_both(
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_matches_reference(kind, block_size, heads, dtype):
-    gen = torch.Generator().manual_seed(hash((kind, block_size, heads)) % 1000)
+    seed = ["decode", "extend", "mixed"].index(kind) * 100 + block_size * 10 + heads[1]
+    gen = torch.Generator().manual_seed(seed)
     rows, num_decode = random_rows(kind, gen)
     run_both(rows, num_decode, block_size, *heads, dtype, gen)
 
@@ -144,7 +145,7 @@ def test_plan_covers_every_token_once():
 
 def test_plan_memory_is_bounded():
     """One 4k-token prefill plus 200 decode rows at 4k context (Llama-8B heads): each group's
-    gathered KV and scores stay within the limits, the masks stay small."""
+    gathered KV and scores stay within the limits, the masks stay under 64 MiB."""
     rows = [(4096, 1)] * 200 + [(0, 4096)]
     gen = torch.Generator().manual_seed(0)
     batch, _ = make_batch(rows, 200, 16, gen)
@@ -155,8 +156,8 @@ def test_plan_memory_is_bounded():
         if n > 1:
             assert n * g.kv_len * kv_elements <= DEFAULT_LIMITS.max_group_kv_elements
             assert n * num_heads * g.q_len * g.kv_len <= DEFAULT_LIMITS.max_group_score_elements
-    mask_bytes = sum(g.mask.numel() for g in groups)
-    assert mask_bytes < 64 << 20
+    # bool masks (the plan) + float32 biases (made by forward): 5 bytes a mask element
+    assert 5 * sum(g.mask.numel() for g in groups) < 64 << 20
     # 3 decode rows of 4112 padded keys per 2^24-element group; query chunks of <= 256
     assert sum(g.q_len == 1 for g in groups) == -(-200 // 3)
     assert all(g.q_len <= DEFAULT_LIMITS.q_chunk for g in groups) and len(groups) < 90

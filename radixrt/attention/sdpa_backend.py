@@ -4,8 +4,9 @@ What `attention_backend="torch"` builds (the default without FlashInfer); the ex
 `TorchAttentionBackend` ("torch-reference"). `prepare` plans the step once (`sdpa_plan`: rows cut
 into pieces, pieces packed into a few padded groups) and every layer runs, per group: one
 `index_select` of the group's query tokens, one of its K blocks and one of its V blocks (into a
-reused buffer, so no fresh pages per layer), one SDPA call with a boolean mask (prefix + causal
-over the new tokens, padding masked) and one `index_copy_` of the results.
+reused buffer, so no fresh pages per layer), one SDPA call with an additive mask (prefix + causal
+over the new tokens, padding masked; made at the step's first layer) and one `index_copy_` of
+the results.
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.
