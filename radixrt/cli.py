@@ -22,7 +22,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--attention-backend", default="auto", help="torch | flashinfer | auto")
+    g.add_argument(
+        "--attention-backend", default="auto", help="torch | torch-reference | flashinfer | auto"
+    )
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
         "--disable-overlap-schedule",

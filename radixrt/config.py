@@ -184,9 +184,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.attention_backend not in ("torch", "flashinfer"):
+        if self.attention_backend not in ("torch", "torch-reference", "flashinfer"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'flashinfer', got {self.attention_backend!r}"
+                "attention_backend must be 'torch', 'torch-reference' or 'flashinfer', "
+                f"got {self.attention_backend!r}"
             )
 
 

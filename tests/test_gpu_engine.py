@@ -67,7 +67,7 @@ def assert_same_greedy(ref_engine, engine, prompts: list[str]) -> list[tuple[int
 
 
 def test_flashinfer_greedy_matches_torch(make_engine):
-    ref = cuda_engine(make_engine, attention_backend="torch")
+    ref = cuda_engine(make_engine, attention_backend="torch-reference")
     fi = cuda_engine(make_engine, attention_backend="flashinfer", enable_cuda_graph=True)
     assert ref.core.runner.cuda_graphs is None  # the torch backend has no graph support
     assert fi.core.runner.cuda_graphs is not None

@@ -1,6 +1,7 @@
-"""Reference paged attention in plain torch (CPU and CUDA).
+"""Reference paged attention in plain torch (CPU and CUDA): `attention_backend="torch-reference"`.
 
-Exact and simple rather than fast. Decode rows (one query each) are padded to the
+Exact and simple rather than fast: the test oracle of the other backends (the fast torch path
+is `sdpa_backend`). Decode rows (one query each) are padded to the
 longest KV length among them and attended in one batched masked softmax; extend rows
 (prefill chunks over a cached prefix) are attended one row at a time. Gather indices
 and masks are built once per step in `prepare`.
