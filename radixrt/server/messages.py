@@ -53,6 +53,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     # when params.prompt_logprobs, on the finishing TokenOut only: prompt tokens
     # [logprob_start_len, prompt_tokens)
     prompt_logprobs: list[float]
+    # when params.logprobs and params.top_logprobs > 0: per id of new_ids, the
+    # params.top_logprobs most likely (token id, log-prob) pairs, most likely first
+    new_top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class RequestError(msgspec.Struct, frozen=True):
