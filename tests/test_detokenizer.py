@@ -82,5 +82,5 @@ def test_cost_per_step_does_not_grow_with_the_output():
         times.append(time.perf_counter() - t0)
         assert len(detok.pending) < 256 + 4
     first, last = sorted(times[:500])[250], sorted(times[-500:])[250]  # medians
-    assert last < 5 * first + 1e-4, (first, last)
+    assert last < 20 * first + 1e-3, (first, last)  # loose: shared CI machines
     assert len(detok.ids) <= 8  # only the decode window is kept

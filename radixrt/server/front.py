@@ -220,13 +220,18 @@ class Front:
         self._finish(st, "abort")
         self._send(AbortRequest(st.rid))
 
-    def abort_client_rid(self, client_rid: str) -> int:
-        """/abort: end the requests with this client rid (they finish with "abort" when
-        the scheduler confirms). Returns how many were in flight."""
-        states = self.by_client_rid.get(client_rid, [])
-        for st in states:
+    def abort_client_rid(self, rid: str) -> int:
+        """/abort: end the unfinished requests with this client rid, or the one request
+        without a client rid whose own id (the `id` /generate returned) this is; they
+        finish with "abort" when the scheduler confirms. Returns how many."""
+        states = self.by_client_rid.get(rid)
+        if states is None:
+            st = self.states.get(rid)
+            states = [st] if st is not None and st.client_rid is None else []
+        pending = [st for st in states if not st.finished]
+        for st in pending:
             self._send(AbortRequest(st.rid))
-        return len(states)
+        return len(pending)
 
     # ---- outputs in ----
     async def _read_loop(self) -> None:

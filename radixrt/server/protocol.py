@@ -196,12 +196,13 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         stop = [f.stop] if isinstance(f.stop, str) else f.stop
         if len(stop) > MAX_STOP_STRINGS:
             raise ApiError(
-                f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", p("stop")
+                f"{p('stop')} has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                p("stop"),
             )
         for s in stop:
             if not 1 <= len(s) <= MAX_STOP_CHARS:
                 raise ApiError(
-                    f"invalid stop string of {len(s)} characters: each must have 1 to "
+                    f"invalid {p('stop')} string of {len(s)} characters: each must have 1 to "
                     f"{MAX_STOP_CHARS}",
                     p("stop"),
                 )
@@ -209,7 +210,7 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
     if f.stop_token_ids is not None:
         if len(f.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ApiError(
-                f"stop_token_ids has {len(f.stop_token_ids)} ids; at most "
+                f"{p('stop_token_ids')} has {len(f.stop_token_ids)} ids; at most "
                 f"{MAX_STOP_TOKEN_IDS} are allowed",
                 p("stop_token_ids"),
             )
