@@ -11,16 +11,8 @@ import pytest
 
 from radixrt.sampling import SamplingParams
 from radixrt.server.messages import TokenizedRequest, ToScheduler
-from radixrt.server.protocol import (
-    MAX_N,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    ApiError,
-    ModelInfo,
-    parse_chat,
-    parse_completion,
-    parse_generate,
-)
+from radixrt.server.protocol import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, ApiError, ModelInfo
+from radixrt.server.validate import parse_chat, parse_completion, parse_generate
 
 MODEL = ModelInfo("/models/tiny-llama", vocab_size=2048, max_model_len=2048)
 BIG = 2**64 - 1

@@ -24,7 +24,7 @@ class BlockTorch(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, BlockTorch())
 import radixrt.server.front, radixrt.server.launch, radixrt.server.http_api
-import radixrt.server.protocol, radixrt.server.openai_routes
+import radixrt.server.protocol, radixrt.server.validate, radixrt.server.openai_routes
 from radixrt.server.tokenizer import check_model_dir, load_tokenizer
 
 model_dir, samples, messages = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])

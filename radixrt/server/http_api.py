@@ -25,9 +25,10 @@ from radixrt.server.http_util import (
 )
 from radixrt.server.metrics import CONTENT_TYPE
 from radixrt.server.openai_routes import chat_completions, completions, models
-from radixrt.server.protocol import ApiError, check_rid, decode, parse_generate
+from radixrt.server.protocol import ApiError, decode
 from radixrt.server.request_state import Delta, RequestState
 from radixrt.server.schemas import AbortBody
+from radixrt.server.validate import check_rid, parse_generate
 
 logger = logging.getLogger(__name__)
 

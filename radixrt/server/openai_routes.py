@@ -11,8 +11,9 @@ from aiohttp import web
 
 from radixrt.server.front import Front
 from radixrt.server.http_util import FRONT, MODEL_NAME, json_response, read_body, sse_response
-from radixrt.server.protocol import GenerationSpec, parse_chat, parse_completion
+from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
+from radixrt.server.validate import parse_chat, parse_completion
 
 
 async def models(request: web.Request) -> web.Response:
