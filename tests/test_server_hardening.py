@@ -226,6 +226,12 @@ def test_echo_and_logprob_shapes(server):
     prompt = "The quick brown fox"
     status, out = server.post(COMP, {"prompt": prompt, "max_tokens": 3, "echo": True})
     assert status == 200 and out["choices"][0]["text"].startswith(prompt)
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "stream": True, "temperature": 0}
+    events = list(sse_events(server.url + COMP, body))
+    assert events[0]["choices"][0]["text"] == prompt  # the prompt first, then the output
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    status, whole = server.post(COMP, {**body, "stream": False})
+    assert streamed == whole["choices"][0]["text"]
     body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
     status, out = server.post(COMP, body)
     assert status == 200

@@ -254,7 +254,8 @@ class Front:
             for err in msg.errors:
                 st = self.states.get(err.rid)
                 if st is not None:
-                    self._fail(st, ApiError(err.message, param=None))
+                    kind = "server_error" if err.status >= 500 else "invalid_request_error"
+                    self._fail(st, ApiError(err.message, status=err.status, type=kind))
             self.snapshot = msg.snapshot
             self.metrics.update(msg.snapshot)
         elif isinstance(msg, Ready):

@@ -62,6 +62,14 @@ class ServerMetrics:
             "KV blocks held by requests or locked cache paths (not free, not evictable)",
         )
         self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
+        self.failed_requests = g(
+            "radixrt_scheduler_failed_requests",
+            "Requests the scheduler failed on a host-side exception of their own, since start",
+        )
+        self.failed_steps = g(
+            "radixrt_scheduler_failed_steps",
+            "Steps whose batched forward raised (their requests failed), since start",
+        )
         self.in_flight = g("radixrt_front_in_flight", "Requests the front holds state for")
         self.rejected = Counter(
             "radixrt_rejected_requests",
@@ -75,6 +83,7 @@ class ServerMetrics:
         self._scheduler_gauges = (
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
+            self.failed_requests, self.failed_steps,
         )  # fmt: skip
 
     def update(self, snap: SchedulerSnapshot) -> None:
@@ -85,6 +94,8 @@ class ServerMetrics:
         self.kv_blocks_free.set(snap.kv_blocks_free)
         self.kv_blocks_cached.set(snap.kv_blocks_cached)
         self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
+        self.failed_requests.set(snap.failed_requests)
+        self.failed_steps.set(snap.failed_steps)
 
     def scheduler_gone(self) -> None:
         self.ready.set(0)
