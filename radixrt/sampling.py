@@ -1,10 +1,21 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""SamplingParams: how one request picks its tokens and when it stops.
+
+Every integer is range-checked so that it fits the int64 of the msgpack messages between
+the server's processes and of the sampler's tensors (`MAX_INT`); vocabulary-dependent
+bounds (token ids, top_k <= vocab) are checked by whoever knows the vocabulary (the
+server's request validation, `EngineCore.add_request`).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-MAX_TOP_LOGPROBS = 20
+MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
+SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
+MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
+LOGIT_BIAS_RANGE = 100.0  # a logit bias is in [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -14,7 +25,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int | None = None  # keep the k most likely tokens; None: all
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, in [0, 1]
-    seed: int | None = None  # per-request RNG seed: the same seed reproduces a sample
+    seed: int | None = None  # per-request RNG seed in [0, 2^63): the same seed reproduces
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
     presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
@@ -26,7 +37,11 @@ class SamplingParams:
     logprob_start_len: int = 1  # ... for prompt indices i >= this (>= 1); the prefix cache
     # is used only below that point, so those tokens are computed
     logprobs: bool = False  # return the log-prob of each sampled token
-    top_logprobs: int = 0  # also this many most likely tokens' log-probs (0..20)
+    # with logprobs: also this many most likely (token id, log-prob) per sampled token
+    top_logprobs: int = 0
+    # (token id, bias) pairs added to the logits before sampling; each id once. A Mapping
+    # {id: bias} is accepted and turned into pairs (sorted by id).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,32 +49,40 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = sorted(bias.items()) if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(_pair(p) for p in pairs))
         _check(
-            self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 0),
+            self.max_tokens is None or _int_in(self.max_tokens, 0, MAX_INT),
             "max_tokens",
             self.max_tokens,
-            "an integer >= 0, or None for as many as fit in the context",
+            _ints(0) + ", or None for as many as fit in the context",
         )
         _check(
             _num(self.temperature) and self.temperature >= 0,
             "temperature",
             self.temperature,
-            "a number >= 0 (0 means greedy)",
+            "a finite number >= 0 (0 means greedy)",
         )
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
-            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+            self.top_k is None or _int_in(self.top_k, 1, MAX_INT),
             "top_k",
             self.top_k,
-            "an integer >= 1, or None for no limit",
+            f"an integer in [1, {MAX_INT}], or None for no limit",
         )
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+        _check(
+            self.seed is None or _int_in(self.seed, 0, SEED_RANGE - 1),
+            "seed",
+            self.seed,
+            "an integer in [0, 2^63), or None",
+        )
         _check(
             _num(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
             self.repetition_penalty,
-            "a number > 0 (1 = off)",
+            "a finite number > 0 (1 = off)",
         )
         _check(
             _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
@@ -74,25 +97,39 @@ class SamplingParams:
             "in [-2, 2]",
         )
         _check(
-            isinstance(self.logprob_start_len, int) and self.logprob_start_len >= 1,
+            _int_in(self.logprob_start_len, 1, MAX_INT),
             "logprob_start_len",
             self.logprob_start_len,
-            "an integer >= 1",
+            _ints(1),
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
         _check(
-            _int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            all(_int_in(t, 0, MAX_INT) for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            f"integers in [0, {MAX_INT}]",
+        )
+        _check(
+            _int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS),
             "top_logprobs",
             self.top_logprobs,
             f"an integer in [0, {MAX_TOP_LOGPROBS}]",
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            self.stop_token_ids,
-            "non-negative integers",
+            all(
+                len(p) == 2
+                and _int_in(p[0], 0, MAX_INT)
+                and _num(p[1])
+                and -LOGIT_BIAS_RANGE <= p[1] <= LOGIT_BIAS_RANGE
+                for p in self.logit_bias
+            )
+            and len({p[0] for p in self.logit_bias}) == len(self.logit_bias),
+            "logit_bias",
+            self.logit_bias,
+            f"(token id >= 0, bias in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]) pairs, "
+            "each token id once",
         )
 
     @property
@@ -108,14 +145,29 @@ class SamplingParams:
         )
 
 
-def _int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+    """A finite int or float (not a bool, not NaN or infinite; an int fits an int64)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return abs(x) < SEED_RANGE if isinstance(x, int) else math.isfinite(x)
+
+
+def _pair(p: object) -> tuple:
+    return tuple(p) if isinstance(p, (tuple, list)) else (p,)  # (p,) fails the check
+
+
+def _int_in(x: object, lo: int, hi: int) -> bool:
+    """An int (not a bool) in [lo, hi]."""
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _ints(lo: int) -> str:
+    return f"an integer in [{lo}, {MAX_INT}]"
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"invalid {name}={value!r}: must be {allowed}")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise ValueError(f"invalid {name}={shown}: must be {allowed}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,9 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        # a private TMPDIR: the test can see what the server leaves in it (ipc dirs)
+        self.tmpdir = tempfile.mkdtemp(prefix="radixrt-test-tmp-")
+        env["TMPDIR"] = self.tmpdir
         # closed by kill_group(), which every test teardown reaches through stop()
         self.log = tempfile.NamedTemporaryFile(prefix="radixrt-serve-", suffix=".log")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -66,8 +70,14 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.output()}")
 
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
+    def ipc_dirs(self) -> list[str]:
+        """The server's radixrt-ipc-* dirs still in its TMPDIR."""
+        return sorted(p.name for p in Path(self.tmpdir).glob("radixrt-ipc-*"))
+
+    def output(self, tail: int | None = 5000) -> str:
+        """The server's log (its last `tail` characters; None: all of it)."""
+        text = Path(self.log.name).read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -115,6 +125,7 @@ class ServerProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         self.log.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def http_call(

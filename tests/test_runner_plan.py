@@ -92,3 +92,29 @@ def test_inplace_append_kv_content(make_engine):
         return engine.core.runner.pool.kv[:, :, blocks, pos % 8]
 
     torch.testing.assert_close(kv_of(first), kv_of(fresh), rtol=1e-5, atol=1e-5)
+
+
+def test_logit_bias_and_top_logprobs(make_engine):
+    """logit_bias moves the logits before sampling (greedy included); top_logprobs returns
+    the k most likely tokens per output token, the sampled greedy token first."""
+    engine = make_engine(prefix_cache="radix", overlap_schedule=True)
+    ids = engine.tokenizer.encode("Once upon a time there was")
+    plain = engine.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
+    forced = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={42: 100.0})
+    assert engine.generate(prompt_token_ids=[ids], sampling_params=forced)[0].token_ids == [42] * 6
+    banned = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logit_bias={plain[0]: -100.0}
+    )
+    assert (
+        engine.generate(prompt_token_ids=[ids], sampling_params=banned)[0].token_ids[0] != plain[0]
+    )
+    top = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    out = engine.generate(prompt_token_ids=[ids], sampling_params=top)[0]
+    assert out.token_ids == plain and len(out.top_logprobs) == 6
+    for token, lp, alts in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(alts) == 3 and alts[0][0] == token and abs(alts[0][1] - lp) < 1e-5
+        assert alts[0][1] >= alts[1][1] >= alts[2][1]
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        engine.add_request(ids, SamplingParams(logit_bias={10**6: 1.0}))

@@ -102,7 +102,7 @@ BAD = {
         GEN,
         {"text": "a", "logprob_start_len": -1},
         "logprob_start_len",
-        [">= 0"],
+        ["[0, "],
     ),
     "generate_empty_text": (GEN, {"text": ""}, "text", ["empty"]),
     # passes the front's checks; the scheduler refuses it (KV pool of 16 blocks)

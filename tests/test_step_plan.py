@@ -325,6 +325,7 @@ def test_runner_and_backends_import_no_scheduler():
         """
         import radixrt.engine.runner, radixrt.engine.cuda_graph, radixrt.engine.result
         import radixrt.attention.torch_backend, radixrt.attention.flashinfer_backend
+        import radixrt.attention.sdpa_backend, radixrt.attention.sdpa_plan
         """,
     )
 

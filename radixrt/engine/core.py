@@ -98,6 +98,9 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if rid is None:
             rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"

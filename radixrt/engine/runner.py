@@ -23,7 +23,7 @@ from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
-from radixrt.engine.sampler import apply_penalties, sample
+from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan
@@ -249,6 +249,8 @@ class ModelRunner:
                 [r.history[: r.prompt_len] if r.history else [] for r in rows],
                 [r.history[r.prompt_len :] if r.history else [] for r in rows],
             )
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
         want_logprobs = any(p.logprobs for p in params)
         top_k = max(p.top_logprobs for p in params)
         sampled = sample(logits, params, layout.seed_offsets, want_logprobs, top_k)

@@ -47,6 +47,23 @@ def apply_penalties(
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's (token id, bias) pairs to its logits, in place ([S, V] float32)."""
+    rows, ids, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(i)
+            ids.append(token)
+            biases.append(bias)
+    if rows:
+        dev = logits.device
+        logits.index_put_(
+            (_on(dev, rows, torch.int64), _on(dev, ids, torch.int64)),
+            _on(dev, biases, torch.float32),
+            accumulate=True,
+        )
+
+
 def sample(
     logits: torch.Tensor,  # [S, V] float32
     params: Sequence[SamplingParams],

@@ -63,9 +63,15 @@ class Channel(Generic[T]):
 
     def send(self, msg: T) -> None:
         """Queue `msg` for the peer. Raises ConnectionError when no peer is connected."""
+        self.send_encoded(self.codec.encode(msg))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Queue a message already encoded with `codec.encode` (so that an encoding
+        error happens before the caller commits to anything). Raises ConnectionError
+        when no peer is connected."""
         assert self.push, "send on a PULL channel"
         try:
-            self.sock.send(self.codec.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self.sock.send(data, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as e:
             raise ConnectionError(f"no receiver connected to {self.addr}") from e
 

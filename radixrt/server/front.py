@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
@@ -32,7 +33,7 @@ from radixrt.server.messages import (
     ToScheduler,
 )
 from radixrt.server.metrics import ServerMetrics
-from radixrt.server.protocol import ApiError, GenerationSpec
+from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
 from radixrt.server.request_state import Delta, Generation, RequestState
 
 logger = logging.getLogger(__name__)
@@ -53,18 +54,25 @@ class Front:
         to_scheduler: Channel[ToScheduler],
         from_scheduler: Channel[FromScheduler],
         metrics: ServerMetrics,
+        model_name: str = "default",
     ) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
         self.to_scheduler = to_scheduler
         self.from_scheduler = from_scheduler
         self.metrics = metrics
+        self.model_name = model_name  # the id /v1/models lists
         self.ready: Ready | None = None  # set when the scheduler's Ready arrives
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
+        self.ready_event = asyncio.Event()  # set when serving starts
         self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
-        self.states: dict[str, RequestState] = {}  # in-flight requests by rid
+        self.states: dict[str, RequestState] = {}  # in-flight requests by (internal) rid
+        self.by_client_rid: dict[str, list[RequestState]] = {}  # in flight, by client rid
+        # internal rids: a counter plus this process's random tag (never a client's id)
         self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task | None = None
+        metrics.in_flight.set_function(lambda: len(self.states))
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -82,10 +90,14 @@ class Front:
             return
         self.dead = reason
         logger.warning("not serving any more: %s", reason)
-        self.metrics.ready.set(0)
+        self.metrics.scheduler_gone()
         self.dead_event.set()
         for st in list(self.states.values()):
             self._fail(st, self.unavailable_error())
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._check_ready()
 
     def unavailable_error(self) -> ApiError:
         if self.dead is not None:
@@ -97,7 +109,14 @@ class Front:
 
     @property
     def serving(self) -> bool:
-        return self.ready is not None and self.dead is None
+        return self.ready is not None and self.tokenizer is not None and self.dead is None
+
+    def model_info(self) -> ModelInfo:
+        """The served model's limits; raises the 503 ApiError while not serving."""
+        if not self.serving:
+            raise self.unavailable_error()
+        assert self.ready is not None
+        return ModelInfo(self.model_name, self.ready.vocab_size, self.ready.max_model_len)
 
     # ---- requests in ----
     def render_chat(self, messages: list[dict[str, str]]) -> str:
@@ -108,55 +127,57 @@ class Front:
         except (TemplateError, ValueError) as e:  # ValueError: the model has no template
             raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
 
-    def generate(self, spec: GenerationSpec, group: str | None = None) -> Generation:
-        """Validate, tokenize and send every request of `spec` (n per prompt). Raises
-        ApiError (nothing is sent then): 503 while not serving, 400 for bad input."""
+    def generate(self, spec: GenerationSpec, client_rid: str | None = None) -> Generation:
+        """Tokenize and send every request of `spec` (n per prompt). Raises ApiError
+        (nothing is sent and no state is kept then): 503 while not serving, 400 for a
+        prompt that does not fit or a client rid already in flight."""
         if not self.serving:
             raise self.unavailable_error()
-        if group is not None and any(st.group == group for st in self.states.values()):
-            raise ApiError(f"request id {group!r} is already in use", param="rid")
+        if client_rid is not None and client_rid in self.by_client_rid:
+            raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events: asyncio.Queue = asyncio.Queue()
         states = []
         for i, (ids, max_tokens) in enumerate(prepared):
             for j in range(spec.n):
-                if group is None:
-                    rid = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
-                elif len(prepared) * spec.n == 1:
-                    rid = group
-                else:
-                    rid = f"{group}-{i * spec.n + j}"
                 params = spec.params(max_tokens, choice=j)
                 detok = IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.skip_special_tokens, ids
                 )
-                states.append(RequestState(rid, i * spec.n + j, ids, params, detok, events, group))
+                rid = f"{next(self._ids)}-{self._tag}"
+                index = i * spec.n + j
+                states.append(RequestState(rid, index, ids, params, detok, events, client_rid))
+        try:  # encode all first: a failure leaves nothing behind
+            encoded = [
+                self.to_scheduler.codec.encode(TokenizedRequest(st.rid, st.prompt_ids, st.params))
+                for st in states
+            ]
+        except (msgspec.EncodeError, OverflowError, TypeError) as e:
+            logger.exception("could not encode a validated request")
+            raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
         for st in states:
             self.states[st.rid] = st
-        for st in states:  # a failed send fails every registered request (503)
-            if not self._send(TokenizedRequest(st.rid, st.prompt_ids, st.params)):
+        if client_rid is not None:
+            self.by_client_rid[client_rid] = list(states)
+        for data in encoded:  # a failed send fails every registered request (503)
+            if not self._send_encoded(data):
                 break
         return Generation(states, events, self.abort)
 
     def _prepare(
         self, spec: GenerationSpec, prompt: str | list[int], index: int
     ) -> tuple[list[int], int]:
-        """Token ids and max_tokens of one prompt, checked against the model's limits."""
+        """Token ids and max_tokens of one prompt, checked against the context length
+        (vLLM's rule): the prompt must leave room for one token; an explicit max_tokens
+        must fit after it; an absent one is the room left (at most the default)."""
         assert self.ready is not None
         where = spec.prompt_param if len(spec.prompts) == 1 else f"{spec.prompt_param}[{index}]"
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=spec.add_special_tokens)
         else:
-            ids = list(prompt)
+            ids = list(prompt)  # token ids: checked against the vocabulary by protocol
         if not ids:
             raise ApiError(f"{where} is empty: at least one token is needed", spec.prompt_param)
-        vocab = self.ready.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(
-                f"token id {bad[0]} in {where} is outside the vocabulary [0, {vocab})",
-                spec.prompt_param,
-            )
         limit, n = self.ready.max_model_len, len(ids)
         if n >= limit:
             raise ApiError(
@@ -181,9 +202,12 @@ class Front:
         return ids, max_tokens
 
     def _send(self, msg: ToScheduler) -> bool:
+        return self._send_encoded(self.to_scheduler.codec.encode(msg))
+
+    def _send_encoded(self, data: bytes) -> bool:
         """Send to the scheduler; False (and stop serving) when it is unreachable."""
         try:
-            self.to_scheduler.send(msg)
+            self.to_scheduler.send_encoded(data)
         except ConnectionError as e:
             self.stop_serving(f"the scheduler process is gone ({e})")
             return False
@@ -196,12 +220,18 @@ class Front:
         self._finish(st, "abort")
         self._send(AbortRequest(st.rid))
 
-    def abort_group(self, group: str) -> int:
-        """/abort: end the requests with this client rid (they finish with "abort")."""
-        rids = [st.rid for st in self.states.values() if st.group == group or st.rid == group]
-        for rid in rids:
-            self._send(AbortRequest(rid))
-        return len(rids)
+    def abort_client_rid(self, rid: str) -> int:
+        """/abort: end the unfinished requests with this client rid, or the one request
+        without a client rid whose own id (the `id` /generate returned) this is; they
+        finish with "abort" when the scheduler confirms. Returns how many."""
+        states = self.by_client_rid.get(rid)
+        if states is None:
+            st = self.states.get(rid)
+            states = [st] if st is not None and st.client_rid is None else []
+        pending = [st for st in states if not st.finished]
+        for st in pending:
+            self._send(AbortRequest(st.rid))
+        return len(pending)
 
     # ---- outputs in ----
     async def _read_loop(self) -> None:
@@ -224,20 +254,29 @@ class Front:
             for err in msg.errors:
                 st = self.states.get(err.rid)
                 if st is not None:
-                    self._fail(st, ApiError(err.message, param=None))
+                    kind = "server_error" if err.status >= 500 else "invalid_request_error"
+                    self._fail(st, ApiError(err.message, status=err.status, type=kind))
             self.snapshot = msg.snapshot
             self.metrics.update(msg.snapshot)
         elif isinstance(msg, Ready):
             self.ready = msg
-            self.metrics.ready.set(1)
-            self.metrics.kv_blocks_total.set(msg.kv_blocks_total)
+            # Nothing has run yet: every block is free. This is the state until the first
+            # TokenBatchOut replaces it.
+            self.snapshot = initial_snapshot(msg)
+            self.metrics.update(self.snapshot)
             logger.info(
                 "scheduler ready (pid %d): max_model_len=%d, vocab=%d, %d KV blocks",
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
             )  # fmt: skip
+            self._check_ready()
         elif isinstance(msg, SchedulerFailed):
             last = msg.message.strip().splitlines()[-1]
             self.stop_serving(f"the scheduler process failed ({last})")
+
+    def _check_ready(self) -> None:
+        if self.serving:
+            self.metrics.ready.set(1)
+            self.ready_event.set()
 
     def _on_output(self, st: RequestState, out: TokenOut) -> None:
         st.num_cached_tokens = out.num_cached_tokens
@@ -256,6 +295,8 @@ class Front:
         st.output_ids.extend(new_ids)
         new_lps = list(out.new_logprobs) if not st.stop_seen else []
         st.logprobs.extend(new_lps)
+        new_top = [list(map(tuple, top)) for top in out.new_top_logprobs] if new_lps else []
+        st.top_logprobs.extend(new_top)
         text = st.detok.add(new_ids, final=final)
         st.text += text
         if st.detok.stopped and not st.stop_seen:
@@ -268,19 +309,46 @@ class Front:
         if reason is not None and st.stop_seen:
             reason = "stop"
         if text or new_ids or final:
-            st.events.put_nowait((st, Delta(text, list(new_ids), new_lps, reason)))
+            st.events.put_nowait((st, Delta(text, list(new_ids), new_lps, reason, new_top)))
         if final:
             self._finish(st, reason)
 
     def _finish(self, st: RequestState, reason: str) -> None:
         st.finish_reason = reason
-        self.states.pop(st.rid, None)
+        self._forget(st)
         self.metrics.finished(
             reason, st.prompt_tokens, st.num_cached_tokens, time.perf_counter() - st.created
         )
 
     def _fail(self, st: RequestState, error: ApiError) -> None:
         st.error = error
-        self.states.pop(st.rid, None)
+        self._forget(st)
         self.metrics.requests.labels(finish_reason="error").inc()
         st.events.put_nowait((st, error))
+
+    def _forget(self, st: RequestState) -> None:
+        """Drop the front's state of a finished or failed request (every path ends here)."""
+        self.states.pop(st.rid, None)
+        if st.client_rid is not None:
+            group = self.by_client_rid.get(st.client_rid)
+            if group is not None and all(s.finished for s in group):
+                del self.by_client_rid[st.client_rid]
+
+
+def initial_snapshot(ready: Ready) -> SchedulerSnapshot:
+    """The scheduler's state right after Ready: nothing running, every KV block free."""
+    total = ready.kv_blocks_total
+    return SchedulerSnapshot(
+        running=0,
+        waiting=0,
+        kv_blocks_total=total,
+        kv_blocks_free=total,
+        kv_blocks_cached=0,
+        kv_blocks_in_use=0,
+        cache_hit_rate=0.0,
+        prompt_tokens=0,
+        cached_tokens=0,
+        generated_tokens=0,
+        preemptions=0,
+        steps=0,
+    )

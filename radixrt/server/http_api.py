@@ -15,21 +15,32 @@ import msgspec
 from aiohttp import web
 
 from radixrt.server.front import Front
-from radixrt.server.http_util import FRONT, MODEL_NAME, json_response, sse_response
+from radixrt.server.http_util import (
+    FRONT,
+    MAX_BODY_BYTES,
+    MODEL_NAME,
+    json_response,
+    read_body,
+    sse_response,
+)
 from radixrt.server.metrics import CONTENT_TYPE
 from radixrt.server.openai_routes import chat_completions, completions, models
-from radixrt.server.protocol import AbortBody, ApiError, decode, parse_generate
+from radixrt.server.protocol import ApiError, decode
 from radixrt.server.request_state import Delta, RequestState
+from radixrt.server.schemas import AbortBody
+from radixrt.server.validate import check_rid, parse_generate
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")  # answer without an API key
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 def create_app(
     front: Front, model_name: str, api_key: str | None = None, debug: bool = False
 ) -> web.Application:
+    """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
+    its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
+    decodes bodies itself)."""
     app = web.Application(
         middlewares=[_error_middleware, _auth_middleware(api_key)], client_max_size=MAX_BODY_BYTES
     )
@@ -49,15 +60,27 @@ def create_app(
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Every error is an OpenAI-shaped JSON body; a rejected request logs one line, a
+    server bug (anything else raised) logs its traceback and answers 500."""
     try:
         return await handler(request)
     except ApiError as e:
-        return json_response(e.body(), status=e.status)
+        err = e
     except web.HTTPException as e:
         if e.status < 400:
             raise
         err = ApiError(f"{e.reason}: {request.method} {request.path}", status=e.status)
-        return json_response(err.body(), status=e.status)
+    except Exception as e:
+        logger.exception("internal error on %s %s", request.method, request.path)
+        request.app[FRONT].metrics.internal_errors.inc()
+        err = ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error")
+        return json_response(err.body(), status=500)
+    request.app[FRONT].metrics.rejected.labels(status=str(err.status)).inc()
+    logger.info(
+        "rejected %s %s: %d %s (param %s)",
+        request.method, request.path, err.status, err.message[:200], err.param,
+    )  # fmt: skip
+    return json_response(err.body(), status=err.status)
 
 
 def _auth_middleware(api_key: str | None) -> Callable:
@@ -92,6 +115,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def debug_state(request: web.Request) -> web.Response:
+    """The front's and the scheduler's state. `scheduler` is the latest snapshot (from
+    Ready on); once the scheduler is gone it is the last one seen and `dead` says why."""
     front = request.app[FRONT]
     snap = front.snapshot
     return json_response(
@@ -100,28 +125,31 @@ async def debug_state(request: web.Request) -> web.Response:
             "dead": front.dead,
             "scheduler_pid": front.ready.pid if front.ready else None,
             "in_flight": len(front.states),
+            "in_flight_client_rids": len(front.by_client_rid),
             "scheduler": msgspec.structs.asdict(snap) if snap else None,
         }
     )
 
 
 async def abort(request: web.Request) -> web.Response:
-    body: AbortBody = decode(await request.read(), AbortBody)
-    n = request.app[FRONT].abort_group(body.rid)
+    body: AbortBody = decode(await read_body(request), AbortBody)
+    check_rid(body.rid)
+    n = request.app[FRONT].abort_client_rid(body.rid)
     return json_response({"rid": body.rid, "aborted": n})
 
 
 # ---- native /generate ----
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    g = parse_generate(await request.read())
+    model = front.model_info()  # 503 while not serving
+    g = parse_generate(await read_body(request), model)
     spec = g.gen
     params = spec.sampling
 
     def meta(st: RequestState, d: Delta | None) -> dict[str, Any]:
         reason = st.finish_reason if d is None else d.finish_reason
         m: dict[str, Any] = {
-            "id": st.rid,
+            "id": st.rid if st.client_rid is None else st.client_rid,
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": st.completion_tokens,
             "cached_tokens": st.num_cached_tokens,
@@ -130,12 +158,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         }
         if params["logprobs"]:
             m["output_token_logprobs"] = st.logprobs if d is None else d.logprobs
+            if params["top_logprobs"]:
+                top = st.top_logprobs if d is None else d.top_logprobs
+                m["output_top_logprobs"] = [[list(p) for p in t] for t in top]
         if params["prompt_logprobs"] and reason is not None:
             lead = [None] if g.logprob_start_len == 0 else []
             m["input_token_logprobs"] = lead + st.prompt_logprobs
         return m
 
-    async with front.generate(spec, group=g.rid) as gen:
+    async with front.generate(spec, client_rid=g.rid) as gen:
         if spec.stream:
 
             def chunks(st: RequestState, d: Delta) -> list[dict]:

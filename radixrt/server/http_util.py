@@ -1,8 +1,10 @@
-"""Pieces shared by the route modules: app keys, JSON responses, SSE streaming."""
+"""Pieces shared by the route modules: app keys, request bodies, JSON responses, SSE
+streaming."""
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +21,44 @@ FRONT = web.AppKey("front", Front)
 MODEL_NAME = web.AppKey("model_name", str)
 
 _json = msgspec.json.Encoder()
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a request body at most (after decompression too)
+# Content-Encoding -> zlib wbits (the server decodes bodies itself: aiohttp's decoder
+# turns a bad body into an unhandled exception)
+_ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's JSON body bytes: the Content-Type must be JSON (or absent), a
+    Content-Encoding gzip or deflate is decoded. ApiError (400) otherwise."""
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None:
+        mime, _, params = ctype.partition(";")
+        mime = mime.strip().lower()
+        charset = params.strip().lower().removeprefix("charset=").strip('"') if params else ""
+        if not (mime == "application/json" or mime.endswith("+json")) or charset not in (
+            "",
+            "utf-8",
+        ):
+            raise ApiError(
+                f"unsupported Content-Type {ctype[:80]!r}: send 'application/json' (UTF-8)"
+            )
+    raw = await request.read()
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in _ENCODINGS:
+        raise ApiError(f"unsupported Content-Encoding {encoding[:40]!r}: use gzip, deflate or none")
+    inflater = zlib.decompressobj(_ENCODINGS[encoding])
+    try:
+        body = inflater.decompress(raw, MAX_BODY_BYTES + 1)
+    except zlib.error as e:
+        raise ApiError(f"the body is not valid {encoding} data ({e})") from None
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(f"the decoded body is over {MAX_BODY_BYTES} bytes", status=413)
+    if not inflater.eof:
+        raise ApiError(f"the body is truncated {encoding} data")
+    return body
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:

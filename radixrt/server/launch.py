@@ -1,10 +1,13 @@
 """`radixrt serve`: start the scheduler process and the HTTP front, stop both cleanly.
 
-Process model: this (front) process binds two ipc:// sockets in a private temp dir,
-spawns the scheduler process ("spawn" context, daemon child), and serves HTTP at once;
-/health is 503 until the scheduler's Ready arrives. SIGINT/SIGTERM: stop accepting, fail
-in-flight requests with 503, close HTTP, send Shutdown, join the child (terminate/kill if
-it lingers), remove the temp dir. The child exits by itself if this process dies.
+Process model: this (front) process listens on the HTTP port first (a taken port is a
+one-line error and exit code 1 at once) and answers /health with 503 "loading" from then
+on; it binds two ipc:// sockets in a private temp dir, loads the tokenizer (without
+torch: the front never imports it), and spawns the scheduler process ("spawn" context,
+daemon child). Once the scheduler's Ready arrives it serves, and removes the temp dir
+(both ends are connected). SIGINT/SIGTERM: stop accepting, fail in-flight requests with
+503, close HTTP, send Shutdown, join the child (terminate/kill if it lingers). The child
+exits by itself if this process dies.
 """
 
 from __future__ import annotations
@@ -16,20 +19,24 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 from aiohttp import web
 
+from radixrt.config import ModelConfig, resolve_config
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
+from radixrt.server.tokenizer import check_model_dir, load_tokenizer
 
 logger = logging.getLogger("radixrt.server")
 
@@ -104,17 +111,24 @@ def add_serve_command(
 
 
 def serve(cfg: ServeConfig) -> int:
-    """Run the server until SIGINT/SIGTERM; returns the exit code (1: the scheduler
-    process failed before it was ready)."""
-    from radixrt.config import ModelConfig, resolve_config
-    from radixrt.model.loader import check_model_dir, load_tokenizer
-
-    # Fail fast on a bad model dir or engine option, before any process starts.
-    check_model_dir(cfg.model, require_weights=cfg.options.get("load_format") != "dummy")
-    resolve_config(cfg.model, cfg.device, cfg.dtype, detect_devices=False, **cfg.options)
-    tokenizer = load_tokenizer(cfg.model)
-    eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
-
+    """Run the server until SIGINT/SIGTERM; returns the exit code (1: it could not start:
+    the port is taken, the model dir or an option is bad, or the scheduler process failed
+    before it was ready). Order: listen first (a taken port fails at once, and /health
+    answers 503 "loading" from then on), check the model dir, load the tokenizer, start
+    the scheduler process; serve once it is Ready."""
+    try:
+        sock = _listen(cfg.host, cfg.port)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        logger.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, reason)
+        return 1
+    try:
+        check_model_dir(cfg.model, require_weights=cfg.options.get("load_format") != "dummy")
+        resolve_config(cfg.model, cfg.device, cfg.dtype, detect_devices=False, **cfg.options)
+    except (OSError, ValueError) as e:
+        sock.close()
+        logger.error("cannot serve %s: %s", cfg.model, e)
+        return 1
     ipc_dir = tempfile.mkdtemp(prefix="radixrt-ipc-")
     ctx = zmq.Context()
     to_scheduler: Channel[ToScheduler] = Channel(
@@ -123,6 +137,28 @@ def serve(cfg: ServeConfig) -> int:
     from_scheduler: Channel[FromScheduler] = Channel(
         ctx, f"ipc://{ipc_dir}/from_scheduler", MsgpackCodec(FromScheduler), push=False, bind=True
     )
+    try:
+        return asyncio.run(_serve_http(cfg, sock, ipc_dir, to_scheduler, from_scheduler))
+    finally:
+        to_scheduler.close()
+        from_scheduler.close()
+        ctx.term()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        logger.info("server stopped")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (raises OSError: taken, or no such address)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def _start_scheduler(
+    cfg: ServeConfig,
+    eos: list[int],
+    to_scheduler: Channel[ToScheduler],
+    from_scheduler: Channel[FromScheduler],
+) -> multiprocessing.process.BaseProcess:
     args = SchedulerProcessArgs(
         model_path=cfg.model,
         device=cfg.device,
@@ -141,71 +177,100 @@ def serve(cfg: ServeConfig) -> int:
     )
     proc.start()
     logger.info("scheduler process started (pid %d)", proc.pid)
-    try:
-        return asyncio.run(_serve_http(cfg, tokenizer, to_scheduler, from_scheduler, proc))
-    finally:
-        _stop_scheduler(to_scheduler, proc)
-        to_scheduler.close()
-        from_scheduler.close()
-        ctx.term()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        logger.info("server stopped")
+    return proc
 
 
 async def _serve_http(
     cfg: ServeConfig,
-    tokenizer: object,
+    sock: socket.socket,
+    ipc_dir: str,
     to_scheduler: Channel[ToScheduler],
     from_scheduler: Channel[FromScheduler],
-    proc: multiprocessing.process.BaseProcess,
 ) -> int:
     loop = asyncio.get_running_loop()
-    front = Front(tokenizer, to_scheduler, from_scheduler, ServerMetrics())
-    front.start()
-
-    def on_child_exit() -> None:
-        loop.remove_reader(proc.sentinel)
-        proc.join(0)
-        front.stop_serving(f"the scheduler process exited with code {proc.exitcode}")
-
-    loop.add_reader(proc.sentinel, on_child_exit)
-    app = create_app(
-        front,
-        model_name=cfg.served_model_name or cfg.model,
-        api_key=cfg.api_key,
-        debug=cfg.debug_endpoints,
-    )
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
-    )
-    await runner.setup()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    model_name = cfg.served_model_name or cfg.model
+    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name)
+    front.start()
+    app = create_app(front, model_name=model_name, api_key=cfg.api_key, debug=cfg.debug_endpoints)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        auto_decompress=False,
+    )
+    await runner.setup()
+    proc: multiprocessing.process.BaseProcess | None = None
     code = 0
     try:
-        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        await web.SockSite(runner, sock).start()
         logger.info("listening on http://%s:%d (model %s)", cfg.host, cfg.port, cfg.model)
-        waits = [asyncio.ensure_future(e.wait()) for e in (stop, front.dead_event)]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        loading = loop.run_in_executor(None, _load_tokenizer, cfg.model)
+        if not await _first(stop, loading):
+            return 0
+        tokenizer = loading.result()
+        if tokenizer is None:
+            return 1
+        eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
+        proc = _start_scheduler(cfg, eos, to_scheduler, from_scheduler)
+
+        def on_child_exit() -> None:
+            loop.remove_reader(proc.sentinel)
+            proc.join(0)
+            front.stop_serving(f"the scheduler process exited with code {proc.exitcode}")
+
+        loop.add_reader(proc.sentinel, on_child_exit)
+        front.set_tokenizer(tokenizer)
+        if await _first(stop, front.dead_event, front.ready_event) and front.ready is not None:
+            # Both ends are connected: the socket files are not needed any more (and a
+            # front killed later leaves nothing behind in /tmp).
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        await _first(stop, front.dead_event)
         if not stop.is_set() and front.ready is None:
             logger.error("the scheduler process failed to start: %s", front.dead)
             code = 1
         else:  # the scheduler may have died after Ready: keep answering 503 until told
             await stop.wait()
-        for w in waits:
-            w.cancel()
         logger.info("shutting down")
     finally:
         front.stop_serving("the server is shutting down")
         await runner.cleanup()
         await front.stop()
-        if proc.is_alive():
-            loop.remove_reader(proc.sentinel)
+        if proc is not None:
+            if proc.is_alive():
+                loop.remove_reader(proc.sentinel)
+            _stop_scheduler(to_scheduler, proc)
     return code
 
 
-def _stop_scheduler(to_scheduler: Channel[ToScheduler], proc: multiprocessing.Process) -> None:
+def _load_tokenizer(model_path: str) -> Any:
+    """The tokenizer, or None after logging why it cannot be loaded (one line)."""
+    try:
+        return load_tokenizer(model_path)
+    except (OSError, ValueError) as e:
+        logger.error("cannot load the tokenizer of %s: %s", model_path, e)
+        return None
+
+
+async def _first(*waitables: asyncio.Event | asyncio.Future) -> bool:
+    """Wait until one event is set or future done; True unless it was the first one
+    (the stop event) that ended the wait."""
+    tasks = [
+        asyncio.ensure_future(w.wait() if isinstance(w, asyncio.Event) else w) for w in waitables
+    ]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t, w in zip(tasks, waitables):
+        if t in pending and isinstance(w, asyncio.Event):
+            t.cancel()
+    return tasks[0] not in done
+
+
+def _stop_scheduler(
+    to_scheduler: Channel[ToScheduler], proc: multiprocessing.process.BaseProcess
+) -> None:
     if proc.is_alive():
         try:
             to_scheduler.send(Shutdown())

@@ -53,13 +53,18 @@ class TokenOut(msgspec.Struct, frozen=True):
     # when params.prompt_logprobs, on the finishing TokenOut only: prompt tokens
     # [logprob_start_len, prompt_tokens)
     prompt_logprobs: list[float]
+    # when params.logprobs and params.top_logprobs > 0: per id of new_ids, the
+    # params.top_logprobs most likely (token id, log-prob) pairs, most likely first
+    new_top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class RequestError(msgspec.Struct, frozen=True):
-    """A request the scheduler refused (EngineCore.add_request raised ValueError)."""
+    """A request the scheduler refused (EngineCore.add_request raised ValueError: 400) or
+    failed on its side (an exception while planning, stopping or running it: 500)."""
 
     rid: str
     message: str
+    status: int = 400  # the HTTP status the client gets: 400 its input, 500 a server fault
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True):
@@ -78,6 +83,10 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     preemptions: int
     steps: int
     integrity_error: str | None = None  # debug mode: check_integrity() failure when idle
+    # server faults survived (each a bug): requests failed by a host-side exception of
+    # their own, and steps whose batched forward raised (their requests failed with 500)
+    failed_requests: int = 0
+    failed_steps: int = 0
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (one registry per server, served at /metrics).
 
 Counters and latency histograms are observed by the front as requests progress; the
-gauges mirror the scheduler's latest `SchedulerSnapshot`.
+scheduler gauges mirror its latest `SchedulerSnapshot` (from Ready on, before the first
+request) and read NaN once the scheduler is gone (no value is better than a stale one).
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ class ServerMetrics:
             "KV blocks held by requests or locked cache paths (not free, not evictable)",
         )
         self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
+        self.failed_requests = g(
+            "radixrt_scheduler_failed_requests",
+            "Requests the scheduler failed on a host-side exception of their own, since start",
+        )
+        self.failed_steps = g(
+            "radixrt_scheduler_failed_steps",
+            "Steps whose batched forward raised (their requests failed), since start",
+        )
+        self.in_flight = g("radixrt_front_in_flight", "Requests the front holds state for")
+        self.rejected = Counter(
+            "radixrt_rejected_requests",
+            "HTTP requests answered with an error before generating, by status",
+            ["status"],
+            registry=r,
+        )
+        self.internal_errors = Counter(
+            "radixrt_internal_errors", "HTTP requests that failed on a server bug (500)", registry=r
+        )
+        self._scheduler_gauges = (
+            self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
+            self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
+            self.failed_requests, self.failed_steps,
+        )  # fmt: skip
 
     def update(self, snap: SchedulerSnapshot) -> None:
         self.running.set(snap.running)
@@ -70,6 +94,13 @@ class ServerMetrics:
         self.kv_blocks_free.set(snap.kv_blocks_free)
         self.kv_blocks_cached.set(snap.kv_blocks_cached)
         self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
+        self.failed_requests.set(snap.failed_requests)
+        self.failed_steps.set(snap.failed_steps)
+
+    def scheduler_gone(self) -> None:
+        self.ready.set(0)
+        for gauge in self._scheduler_gauges:
+            gauge.set(float("nan"))
 
     def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, e2e_s: float) -> None:
         self.requests.labels(finish_reason=reason).inc()

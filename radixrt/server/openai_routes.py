@@ -10,12 +10,14 @@ from typing import Any
 from aiohttp import web
 
 from radixrt.server.front import Front
-from radixrt.server.http_util import FRONT, MODEL_NAME, json_response, sse_response
-from radixrt.server.protocol import GenerationSpec, parse_chat, parse_completion
+from radixrt.server.http_util import FRONT, MODEL_NAME, json_response, read_body, sse_response
+from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
+from radixrt.server.validate import parse_chat, parse_completion
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model (requests may also name it by its last path part or "default")."""
     front = request.app[FRONT]
     card = {
         "id": request.app[MODEL_NAME],
@@ -47,21 +49,76 @@ def _token_texts(front: Front, ids: list[int]) -> list[str]:
     return [front.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def _completion_logprobs(front: Front, ids: list[int], lps: list[float], offset: int) -> dict:
+Tops = list[list[tuple[int, float]]]  # per token: [(token id, log-prob)], most likely first
+
+
+def _completion_logprobs(
+    front: Front,
+    ids: list[int],
+    lps: list[float | None],
+    tops: list[dict[str, float] | None] | None,
+    offset: int,
+) -> dict:
+    """OpenAI's completion `logprobs`: tokens, token_logprobs, top_logprobs (None when
+    `logprobs` was 0), text_offset (characters into the choice's text)."""
     tokens = _token_texts(front, ids)
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(front: Front, ids: list[int], lps: list[float]) -> dict:
+def _padded(tops: Tops, n: int) -> Tops:
+    """One list per token: what the scheduler sent, [] for tokens it sent none for."""
+    return [*tops[:n], *([] for _ in range(n - len(tops)))]
+
+
+def _top_dicts(front: Front, tops: Tops, n: int, want: int) -> list[dict[str, float]] | None:
+    """Per token {token text: log-prob} of the alternatives the scheduler sent ({} until
+    the engine computes them); None when no alternatives were asked."""
+    if not want:
+        return None
+    decode = lambda t: front.tokenizer.decode([t], skip_special_tokens=False)
+    return [{decode(t): lp for t, lp in top} for top in _padded(tops, n)]
+
+
+def _choice_logprobs(front: Front, st: RequestState, ids, lps, tops, offset: int) -> dict:
+    want = st.params.top_logprobs
+    return _completion_logprobs(front, ids, lps, _top_dicts(front, tops, len(ids), want), offset)
+
+
+def _echo_logprobs(front: Front, st: RequestState) -> dict:
+    """Prompt then output: the first prompt token has no log-prob (None, as OpenAI)."""
+    want = st.params.top_logprobs
+    prompt_lps: list[float | None] = [None, *st.prompt_logprobs]
+    ids = st.prompt_ids + st.output_ids
+    tops = None
+    if want:
+        out_tops = _top_dicts(front, st.top_logprobs, len(st.output_ids), want) or []
+        tops = [None, *({} for _ in st.prompt_logprobs), *out_tops]
+    return _completion_logprobs(front, ids, prompt_lps + st.logprobs, tops, 0)
+
+
+def _chat_logprobs(front: Front, ids: list[int], lps: list[float], tops: Tops) -> dict:
+    def entry(token_id: int, lp: float) -> dict:
+        tok = front.tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+    tops = _padded(tops, len(ids))
     content = [
-        {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-        for tok, lp in zip(_token_texts(front, ids), lps)
+        {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+        for t, lp, top in zip(ids, lps, tops)
     ]
     return {"content": content}
+
+
+def _prompt_text(front: Front, spec: GenerationSpec, st: RequestState) -> str:
+    """The prompt of a choice as text (echo): the request's string, or its ids decoded."""
+    prompt = spec.prompts[st.index // spec.n]
+    if isinstance(prompt, str):
+        return prompt
+    return front.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 class _Ids:
@@ -78,17 +135,31 @@ class _Ids:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    spec = parse_completion(await request.read())
+    spec = parse_completion(await read_body(request), front.model_info())
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:
         if spec.stream:
             offsets = [0] * len(gen.states)
 
+            def opening() -> list[dict]:  # echo: the prompt first (stream: no log-probs)
+                if not spec.echo:
+                    return []
+                out = []
+                for st in gen.states:
+                    text = _prompt_text(front, spec, st)
+                    offsets[st.index] = len(text)
+                    choice = {"index": st.index, "text": text, "logprobs": None}
+                    out.append(_chunk(head, [{**choice, "finish_reason": None}], spec))
+                return out
+
             def chunks(st: RequestState, d: Delta) -> list[dict]:
                 lp = None
                 if want_lp:
-                    lp = _completion_logprobs(front, d.token_ids, d.logprobs, offsets[st.index])
+                    lps = d.logprobs
+                    lp = _choice_logprobs(
+                        front, st, d.token_ids, lps, d.top_logprobs, offsets[st.index]
+                    )
                 offsets[st.index] += len(d.text)
                 choice = {
                     "index": st.index,
@@ -98,25 +169,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 }
                 return [_chunk(head, [choice], spec)]
 
-            return await sse_response(request, gen, chunks, closing=_usage_chunk(head, gen, spec))
+            closing = _usage_chunk(head, gen, spec)
+            return await sse_response(request, gen, chunks, opening, closing)
         states = await gen.wait()
-    choices = [
-        {
-            "index": st.index,
-            "text": st.text,
-            "logprobs": (
-                _completion_logprobs(front, st.output_ids, st.logprobs, 0) if want_lp else None
-            ),
-            "finish_reason": st.finish_reason,
-        }
-        for st in states
-    ]
+    choices = []
+    for st in states:
+        text, lp = st.text, None
+        if spec.echo:
+            prompt_text = _prompt_text(front, spec, st)
+            text = prompt_text + st.text
+            if want_lp:
+                lp = _echo_logprobs(front, st)
+        elif want_lp:
+            lp = _choice_logprobs(front, st, st.output_ids, st.logprobs, st.top_logprobs, 0)
+        choice = {"index": st.index, "text": text, "logprobs": lp}
+        choices.append({**choice, "finish_reason": st.finish_reason})
     return json_response({**head, "choices": choices, "usage": _usage(states, spec.n)})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    spec = parse_chat(await request.read(), front.render_chat)
+    spec = parse_chat(await read_body(request), front.model_info(), front.render_chat)
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:
@@ -144,7 +217,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choice = {
                     "index": st.index,
                     "delta": {"content": d.text} if d.text else {},
-                    "logprobs": _chat_logprobs(front, d.token_ids, d.logprobs) if want_lp else None,
+                    "logprobs": (
+                        _chat_logprobs(front, d.token_ids, d.logprobs, d.top_logprobs)
+                        if want_lp
+                        else None
+                    ),
                     "finish_reason": d.finish_reason,
                 }
                 return [_chunk(chead, [choice], spec)]
@@ -155,7 +232,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         {
             "index": st.index,
             "message": {"role": "assistant", "content": st.text},
-            "logprobs": _chat_logprobs(front, st.output_ids, st.logprobs) if want_lp else None,
+            "logprobs": (
+                _chat_logprobs(front, st.output_ids, st.logprobs, st.top_logprobs)
+                if want_lp
+                else None
+            ),
             "finish_reason": st.finish_reason,
         }
         for st in states

@@ -20,22 +20,25 @@ class Delta:
     token_ids: list[int]  # new token ids
     logprobs: list[float]  # their log-probs (when asked)
     finish_reason: str | None  # set on the request's last delta
+    # per new token (when top log-probs were asked): [(token id, log-prob)], most likely first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class RequestState:
-    rid: str
+    rid: str  # the front's own id, what the scheduler knows (never a client's id)
     index: int  # position in its HTTP request: input i, choice j -> i * n + j
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
     events: asyncio.Queue  # shared by the HTTP request: (state, Delta | ApiError)
-    group: str | None  # client-given rid: /abort with it reaches this request
+    client_rid: str | None  # the client's rid (opaque): echoed back, /abort takes it
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
     stop_seen: bool = False  # a stop string ended the text; the scheduler's abort is pending

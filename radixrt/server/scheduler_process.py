@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -85,12 +86,20 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
         inbox.close()
         outbox.close()
         ctx.term()
+        if os.getppid() != args.parent_pid:  # the front died without cleaning up
+            _remove_ipc_dir(args.in_addr)
     # Sockets are closed and the engine holds no outside resource: leave without the
     # interpreter's slow finalization of torch (the front joins this process).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _remove_ipc_dir(addr: str) -> None:
+    """Remove the directory of an ipc:// socket address (and what is in it)."""
+    if addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -151,7 +160,12 @@ class SchedulerLoop:
             errors, finished = self._handle(msgs)
             changed = core.step() if core.has_work else []
             if msgs or changed:
-                outputs = [_token_out(d) for d in (*finished, *changed)]
+                outputs = []
+                for d in (*finished, *changed):
+                    if d.finish_reason is FinishReason.ERROR:  # failed on our side: a 500
+                        errors.append(RequestError(d.rid, d.error or "internal error", 500))
+                    else:
+                        outputs.append(_token_out(d))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -172,7 +186,10 @@ class SchedulerLoop:
                 try:
                     self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
                 except ValueError as e:
-                    errors.append(RequestError(msg.rid, str(e)))
+                    errors.append(RequestError(msg.rid, str(e), 400))
+                except Exception as e:  # a bug: this request fails, the loop goes on
+                    logger.exception("adding request %s failed", msg.rid)
+                    errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
             elif isinstance(msg, AbortRequest):
                 delta = self.core.abort(msg.rid, FinishReason(msg.reason))
                 if delta is not None:
@@ -204,6 +221,8 @@ class SchedulerLoop:
             preemptions=int(s["preemptions"]),
             steps=int(s["steps"]),
             integrity_error=integrity_error,
+            failed_requests=int(s["failed_requests"]),
+            failed_steps=int(s["failed_steps"]),
         )
 
 
@@ -216,4 +235,5 @@ def _token_out(d: RequestDelta) -> TokenOut:
         num_cached_tokens=d.num_cached_tokens,
         new_logprobs=d.new_logprobs,
         prompt_logprobs=d.prompt_logprobs,
+        new_top_logprobs=d.new_top_logprobs,
     )
