@@ -16,11 +16,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
-from radixrt.engine.core import RequestDelta
-from radixrt.scheduler.request import FinishReason
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.messages import (
     AbortRequest,
@@ -35,6 +34,9 @@ from radixrt.server.messages import (
     TokenOut,
     ToScheduler,
 )
+
+if TYPE_CHECKING:  # the front imports this module for SchedulerProcessArgs: no engine there
+    from radixrt.engine.core import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ class SchedulerLoop:
             if msgs or changed:
                 outputs = []
                 for d in (*finished, *changed):
-                    if d.finish_reason is FinishReason.ERROR:  # failed on our side: a 500
+                    if d.finish_reason == "error":  # failed on our side: a 500
                         errors.append(RequestError(d.rid, d.error or "internal error", 500))
                     else:
                         outputs.append(_token_out(d))
@@ -191,6 +193,8 @@ class SchedulerLoop:
                     logger.exception("adding request %s failed", msg.rid)
                     errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
             elif isinstance(msg, AbortRequest):
+                from radixrt.scheduler.request import FinishReason
+
                 delta = self.core.abort(msg.rid, FinishReason(msg.reason))
                 if delta is not None:
                     finished.append(delta)
