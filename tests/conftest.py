@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
     """The trained tiny model: `ensure_tiny_model()`, built once into the shared cache dir
-    (`$RADIXRT_TINY_MODEL_DIR` or ~/.cache/radixrt/tiny-llama; 1-2 minutes the first time,
+    (`$RADIXRT_TINY_MODEL_DIR`, else under ~/.cache/radixrt; 1-2 minutes the first time,
     then reused by every later run)."""
     from radixrt.model.tiny import ensure_tiny_model
 

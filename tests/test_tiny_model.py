@@ -182,7 +182,12 @@ def test_default_dir_from_env(monkeypatch, tmp_path) -> None:
     assert default_tiny_model_dir() == str(tmp_path / "here")
     assert default_tiny_model_dir(random=True) == str(tmp_path / "here-random")
     monkeypatch.delenv("RADIXRT_TINY_MODEL_DIR")
-    assert default_tiny_model_dir() == os.path.expanduser("~/.cache/radixrt/tiny-llama")
+    trained, random = default_tiny_model_dir(), default_tiny_model_dir(random=True)
+    cache = os.path.expanduser("~/.cache/radixrt")
+    assert trained.startswith(f"{cache}/tiny-llama-trained-")
+    assert random.startswith(f"{cache}/tiny-llama-random-")
+    monkeypatch.setattr(tiny, "TINY_MODEL_FORMAT", tiny.TINY_MODEL_FORMAT + 1)
+    assert default_tiny_model_dir() != trained  # another generator, another dir
 
 
 def test_ensure_builds_once(monkeypatch, tmp_path) -> None:

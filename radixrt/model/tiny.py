@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -85,11 +86,16 @@ CHECKPOINT_SHAPE = {  # make_hf_checkpoint defaults; head_dim None: hidden_size 
 
 
 def default_tiny_model_dir(random: bool = False) -> str:
-    """`$RADIXRT_TINY_MODEL_DIR` if set, else `~/.cache/radixrt/tiny-llama`; with `random`,
-    the same path plus `-random`."""
-    path = os.environ.get("RADIXRT_TINY_MODEL_DIR") or "~/.cache/radixrt/tiny-llama"
-    path = os.path.abspath(os.path.expanduser(path))
-    return path + "-random" if random else path
+    """`$RADIXRT_TINY_MODEL_DIR` if set (plus `-random` with `random`), else
+    `~/.cache/radixrt/tiny-llama-{trained|random}-KEY`, KEY a short hash of the cache key:
+    checkouts with other generator versions (other branches) never replace each other's
+    model in the shared cache."""
+    variant = "random" if random else "trained"
+    env = os.environ.get("RADIXRT_TINY_MODEL_DIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env)) + ("-random" if random else "")
+    key = hashlib.sha256(json.dumps(_marker(random), sort_keys=True).encode()).hexdigest()
+    return os.path.expanduser(f"~/.cache/radixrt/tiny-llama-{variant}-{key[:12]}")
 
 
 def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
