@@ -21,7 +21,7 @@ from radixrt.testing import ScriptedRunner
 
 
 def simulate(workload, cache: str, policy: str, num_kv_blocks: int, block_size: int) -> dict:
-    model_dir = ensure_tiny_model()  # only its shape is used: the model never runs
+    model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
     cfg = resolve_config(
         model_dir,
         device="cpu",

@@ -60,11 +60,33 @@ def engine_options(args: argparse.Namespace) -> dict:
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     from radixrt.model.tiny import make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed))
+    print(make_tiny_model(args.dir, seed=args.seed, random=args.random))
+
+
+DEMO_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and kindly. " * 4
+DEMO_QUESTIONS = ("Hello! Who are you?", "What is the weather like?", "Tell me a story.")
+DEMO_SHOTS = (
+    ("What color is the sky?", "Blue"),
+    ("What do bees make?", "Honey"),
+    ("What is the opposite of hot?", "Cold"),
+    ("What do you call a baby dog?", "A puppy"),
+    ("Where do fish live?", "In the water"),
+    ("What falls from clouds?", "Rain"),
+)
+DEMO_FEW_SHOT_QUESTIONS = (
+    "What color is grass?",
+    "What do hens lay?",
+    "What is the opposite of day?",
+    "What do you wear on your feet?",
+    "What season comes after winter?",
+    "What animal barks?",
+    "What do you read?",
+    "What do you drink when you are thirsty?",
+)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """Multi-turn chat + shared-prefix batch on the tiny model, showing cache reuse."""
+    """Multi-turn chat + shared-prefix few-shot batch on the tiny model, showing cache reuse."""
     from radixrt import Engine, SamplingParams
     from radixrt.model.tiny import ensure_tiny_model
 
@@ -73,12 +95,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     engine = Engine(model, **engine_options(args))
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    system = "You are a helpful assistant. Answer briefly and kindly. " * 4
-    messages = [{"role": "system", "content": system}]
+    messages = [{"role": "system", "content": DEMO_SYSTEM_PROMPT}]
     print(f"\n== multi-turn chat ({engine.config.cache.prefix_cache} cache) ==")
-    for turn, question in enumerate(
-        ["Hello! Who are you?", "What is the weather like?", "Tell me a story."], 1
-    ):
+    for turn, question in enumerate(DEMO_QUESTIONS, 1):
         messages.append({"role": "user", "content": question})
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         t0 = time.perf_counter()
@@ -89,18 +108,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"        assistant: {out.text!r}")
         print(
             f"        prompt {out.prompt_tokens} tok, cached {out.num_cached_tokens}, "
-            f"{out.completion_tokens} new, {dt * 1000:.0f} ms"
+            f"{out.completion_tokens} new, {dt * 1000:.0f} ms, "
+            f"{out.completion_tokens / dt:.0f} tok/s"
         )
-    print("\n== 8 questions sharing a few-shot prefix ==")
-    shots = "Q: What is 2 + 2?\nA: 4\nQ: What color is the sky?\nA: Blue\n" * 3
-    qs = [f"{shots}Q: Question number {i}?\nA:" for i in range(8)]
+    n = len(DEMO_FEW_SHOT_QUESTIONS)
+    print(f"\n== {n} questions sharing a few-shot prefix ==")
+    shots = "".join(f"Q: {q}\nA: {a}\n" for q, a in DEMO_SHOTS)
+    prompts = [f"{shots}Q: {q}\nA:" for q in DEMO_FEW_SHOT_QUESTIONS]
+    few_shot = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop=["\n"])
     t0 = time.perf_counter()
-    outs = engine.generate(qs, params)
+    outs = engine.generate(prompts, few_shot)
     dt = time.perf_counter() - t0
-    for o in outs[:3]:
-        print(f"  {o.prompt_tokens} tok prompt, {o.num_cached_tokens} cached -> {o.text!r}")
+    for question, o in zip(DEMO_FEW_SHOT_QUESTIONS, outs):
+        cached = f"{o.prompt_tokens} tok prompt, {o.num_cached_tokens} cached"
+        print(f"  {cached}: {question} -> {o.text!r}")
+    new_tokens = sum(o.completion_tokens for o in outs)
+    print(f"  ... {n} requests in {dt * 1000:.0f} ms, {new_tokens / dt:.0f} tok/s")
     stats = engine.stats()
-    print(f"  ... 8 requests in {dt * 1000:.0f} ms")
     print(
         f"\ncache hit rate {stats['cache_hit_rate']:.1%} "
         f"({stats['cached_tokens']}/{stats['prompt_tokens']} prompt tokens), "
@@ -128,13 +152,16 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="run a short demo on the tiny model (CPU is fine)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
     _engine_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("make-tiny-model", help="write the tiny test checkpoint to DIR")
+    p = sub.add_parser(
+        "make-tiny-model", help="write the tiny checkpoint to DIR (trained on CPU, ~1 min)"
+    )
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random", action="store_true", help="random weights (no training)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="generate from one prompt, streaming")

@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny checkpoint (built once per session) and engines over it
-whose KV accounting is checked when each test ends."""
+"""Shared fixtures: the tiny checkpoints (trained and random, built once into the shared cache)
+and engines over them whose KV accounting is checked when each test ends."""
 
 from __future__ import annotations
 
@@ -24,27 +24,35 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
+def tiny_model_dir() -> str:
+    """The trained tiny model: `ensure_tiny_model()`, built once into the shared cache dir
+    (`$RADIXRT_TINY_MODEL_DIR`, else under ~/.cache/radixrt; 1-2 minutes the first time,
+    then reused by every later run)."""
     from radixrt.model.tiny import ensure_tiny_model
 
-    path = os.environ.get("RADIXRT_TINY_MODEL_DIR") or str(
-        tmp_path_factory.getbasetemp() / "tiny-llama"
-    )
-    return ensure_tiny_model(path)
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_random_model_dir() -> str:
+    """The same tiny Llama with random weights (`ensure_tiny_model(random=True)`)."""
+    from radixrt.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(random=True)
 
 
 @pytest.fixture
 def make_engine(tiny_model_dir):
-    """Factory for CPU float32 engines on the tiny model; every engine it made is checked
-    at teardown: integrity holds and no request holds KV."""
+    """Factory for CPU float32 engines on the tiny model (or on `model`, a model dir); every
+    engine it made is checked at teardown: integrity holds and no request holds KV."""
     from radixrt import Engine
 
     engines = []
 
-    def make(**options):
+    def make(model: str | None = None, **options):
         options.setdefault("device", "cpu")
         options.setdefault("dtype", "float32")
-        engine = Engine(tiny_model_dir, **options)
+        engine = Engine(model or tiny_model_dir, **options)
         engines.append(engine)
         return engine
 

@@ -1,4 +1,5 @@
-"""Greedy tokens equal HF transformers' on the same checkpoint (float32, CPU)."""
+"""Greedy tokens and log-probs equal HF transformers' on the same checkpoint (float32, CPU),
+for both tiny checkpoints: trained and random weights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ PROMPTS = [
     "In the beginning the universe was created. This has made a lot of people very "
     "angry and been widely regarded as a bad move. Then",
 ]
+
+
+@pytest.fixture(params=["trained", "random"])
+def model_dir(request) -> str:
+    name = "tiny_model_dir" if request.param == "trained" else "tiny_random_model_dir"
+    return request.getfixturevalue(name)
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
@@ -42,12 +49,12 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_greedy_matches_hf(make_engine, tiny_model_dir, overlap):
-    engine = make_engine(prefix_cache="none", overlap_schedule=overlap)
+def test_greedy_matches_hf(make_engine, model_dir, overlap):
+    engine = make_engine(model_dir, prefix_cache="none", overlap_schedule=overlap)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     ours = engine.generate(prompt_token_ids=ids, sampling_params=params)
-    ref = hf_greedy(tiny_model_dir, ids, 32)
+    ref = hf_greedy(model_dir, ids, 32)
     for o, r in zip(ours, ref):
         assert o.token_ids == r
         assert o.completion_tokens == 32 and o.finish_reason == "length"
@@ -63,11 +70,11 @@ def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
     return lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
 
 
-def test_prompt_logprobs_match_hf_with_cached_prefix(make_engine, tiny_model_dir):
-    engine = make_engine(prefix_cache="radix", block_size=4, max_num_batched_tokens=8)
+def test_prompt_logprobs_match_hf_with_cached_prefix(make_engine, model_dir):
+    engine = make_engine(model_dir, prefix_cache="radix", block_size=4, max_num_batched_tokens=8)
     prefix = engine.tokenizer.encode(PROMPTS[7])
     full = prefix + engine.tokenizer.encode(" and then everyone laughed")
-    ref = hf_logprobs(tiny_model_dir, full)
+    ref = hf_logprobs(model_dir, full)
     # Warm the cache with the prefix, then ask for log-probs of the suffix only.
     engine.generate(prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1))
     start = len(prefix)

@@ -1,4 +1,5 @@
-"""The locally generated tiny Llama: files, config, tokenizer, chat template, HF loading."""
+"""The locally generated tiny Llama: files, config, tokenizer, chat template, HF loading,
+the random variant and the shared cache. Training and what it learned: test_tiny_trained.py."""
 
 from __future__ import annotations
 
@@ -56,9 +57,15 @@ def test_files_present(tiny_model_dir: str) -> None:
 def test_config_parses(tiny_model_dir: str, tokenizer) -> None:
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     assert cfg.architecture == "LlamaForCausalLM"
-    assert cfg.vocab_size == len(tokenizer) == 2048
-    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (4, 256, 688)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 2, 32)
+    shape = tiny.TINY_SHAPE
+    assert cfg.vocab_size == len(tokenizer) == tiny.TINY_VOCAB_SIZE == 2048
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (
+        shape["num_layers"],
+        shape["hidden_size"],
+        shape["intermediate_size"],
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads) == (shape["num_heads"], shape["num_kv_heads"])
+    assert cfg.head_dim == 32  # the GPU tests' FlashInfer path pads 32 to 64
     assert cfg.max_position_embeddings == 2048
     assert cfg.rope_theta == 10000.0 and cfg.rope_scaling is None
     assert cfg.rms_norm_eps == 1e-5
@@ -120,14 +127,18 @@ def test_chat_template_rejects_unknown_role(tokenizer) -> None:
         tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
-def test_transformers_loads_checkpoint(tiny_model_dir: str, tokenizer) -> None:
+@pytest.mark.parametrize("variant", ["trained", "random"])
+def test_transformers_loads_checkpoint(request, variant: str, tokenizer) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model_dir = request.getfixturevalue(
+        "tiny_model_dir" if variant == "trained" else "tiny_random_model_dir"
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.dtype == torch.float32
     state = model.state_dict()
-    weights = dict(iterate_hf_weights(tiny_model_dir))
+    weights = dict(iterate_hf_weights(model_dir))
     assert weights.keys() == state.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
@@ -138,14 +149,16 @@ def test_transformers_loads_checkpoint(tiny_model_dir: str, tokenizer) -> None:
     assert logits.shape == (1, ids.shape[1], len(tokenizer))
     assert torch.isfinite(logits).all()
     assert 0.3 < logits[0, -1].std().item() < 3.0  # neither flat nor saturated
-    out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+    )  # the trained model may end its answer (<|end|>) early: generate past it
     assert len(set(out[0, ids.shape[1] :].tolist())) > 8  # greedy does not loop on one token
 
 
-def test_deterministic_for_seed(tmp_path) -> None:
-    a = make_tiny_model(str(tmp_path / "a"), seed=3, **SMALL)
-    b = make_tiny_model(str(tmp_path / "b"), seed=3, **SMALL)
-    c = make_tiny_model(str(tmp_path / "c"), seed=4, **SMALL)
+def test_random_deterministic_for_seed(tmp_path) -> None:
+    a = make_tiny_model(str(tmp_path / "a"), random=True, seed=3, **SMALL)
+    b = make_tiny_model(str(tmp_path / "b"), random=True, seed=3, **SMALL)
+    c = make_tiny_model(str(tmp_path / "c"), random=True, seed=4, **SMALL)
     for name in FILES:
         with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
             assert fa.read() == fb.read(), name
@@ -167,24 +180,33 @@ def test_make_tiny_model_rejects_non_empty_dir(tmp_path) -> None:
 def test_default_dir_from_env(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("RADIXRT_TINY_MODEL_DIR", str(tmp_path / "here"))
     assert default_tiny_model_dir() == str(tmp_path / "here")
+    assert default_tiny_model_dir(random=True) == str(tmp_path / "here-random")
     monkeypatch.delenv("RADIXRT_TINY_MODEL_DIR")
-    assert default_tiny_model_dir() == os.path.expanduser("~/.cache/radixrt/tiny-llama")
+    trained, random = default_tiny_model_dir(), default_tiny_model_dir(random=True)
+    cache = os.path.expanduser("~/.cache/radixrt")
+    assert trained.startswith(f"{cache}/tiny-llama-trained-")
+    assert random.startswith(f"{cache}/tiny-llama-random-")
+    monkeypatch.setattr(tiny, "TINY_MODEL_FORMAT", tiny.TINY_MODEL_FORMAT + 1)
+    assert default_tiny_model_dir() != trained  # another generator, another dir
 
 
 def test_ensure_builds_once(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("RADIXRT_TINY_MODEL_DIR", str(tmp_path / "cache" / "tiny"))
-    path = ensure_tiny_model()
-    assert path == str(tmp_path / "cache" / "tiny")
+    path = ensure_tiny_model(random=True)  # the random variant: no minute of training
+    assert path == str(tmp_path / "cache" / "tiny-random")
     for name in FILES:
         assert os.path.isfile(os.path.join(path, name)), name
     ModelConfig.from_pretrained(path)
+    assert tiny.read_training_file(path) is None
 
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt an up-to-date model")
 
     monkeypatch.setattr(tiny, "make_tiny_model", fail)
-    assert ensure_tiny_model() == path
-    assert sorted(os.listdir(tmp_path / "cache")) == ["tiny"]  # no temp dirs left behind
+    assert ensure_tiny_model(random=True) == path
+    assert sorted(os.listdir(tmp_path / "cache")) == ["tiny-random"]  # no temp dirs left
+    with pytest.raises(AssertionError, match="rebuilt"):  # the trained one has another key
+        ensure_tiny_model(str(path))
 
 
 def _fake_make(out_dir: str, **kwargs) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 # preset name -> HF config.json (architecture and shape as published)
@@ -35,21 +34,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
 
 def write_dummy_model_dir(out_dir: str, preset: str = "llama-3-8b") -> str:
     """Write config.json of `preset` and the tiny tokenizer into `out_dir` (created if
     missing; existing files are overwritten). Returns `out_dir`. Raises ValueError for an
-    unknown preset. Builds the tiny model once (cached) to copy its tokenizer."""
-    from radixrt.model.tiny import BOS_ID, EOS_IDS, ensure_tiny_model
+    unknown preset. Writes the tiny tokenizer (no model is built or trained)."""
+    from radixrt.model.tiny import BOS_ID, EOS_IDS
+    from radixrt.model.tiny_tokenizer import write_tiny_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
-    tiny = ensure_tiny_model()
     os.makedirs(out_dir, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(os.path.join(tiny, name), os.path.join(out_dir, name))
+    write_tiny_tokenizer(out_dir)
     config = dict(PRESETS[preset], bos_token_id=BOS_ID, eos_token_id=list(EOS_IDS))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

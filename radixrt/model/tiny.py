@@ -1,22 +1,26 @@
-"""Tiny random HF-format checkpoints, made locally, for tests and CPU demos.
+"""Tiny HF-format checkpoints, made locally, for tests and CPU demos.
 
-Nothing here downloads anything: the tokenizer is a byte-level BPE trained on the
-corpus shipped in `radixrt/model/data/corpus.txt`, and the weights are random.
+Nothing here downloads anything: the tokenizer is a byte-level BPE trained on the text
+shipped in `radixrt/model/data` (see tiny_data.py), and the weights are either trained on
+that text for 1-2 minutes on one CPU thread (tiny_train.py, the default) or random.
 
-- `make_tiny_model`: the default tiny Llama (tokenizer, chat template, config, weights).
+- `make_tiny_model`: the default tiny Llama (tokenizer, chat template, config, weights);
+  trained, or random with `random=True`.
 - `ensure_tiny_model`: the same, built once into a shared cache dir, atomically.
-- `make_hf_checkpoint`: tiny llama/qwen2/qwen3/mistral dirs (sharded, tied, rope scaling).
+- `make_hf_checkpoint`: tiny random llama/qwen2/qwen3/mistral dirs (sharded, tied, rope
+  scaling).
 
 `config.json` is written in the layout of checkpoints on the Hub (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`), which is what `radixrt.config.ModelConfig` parses; newer
 transformers save `rope_parameters`/`dtype` instead, so it is rewritten after saving.
-Everything is deterministic for a given seed (same bytes with the same transformers).
+Everything is deterministic for a given seed: random weights are the same bytes with the
+same transformers; trained weights are the same bytes on the same torch build and CPU kind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,31 +32,30 @@ from typing import Any
 import torch
 
 from radixrt.config import ModelConfig
+from radixrt.model import tiny_data
+from radixrt.model.tiny_tokenizer import (  # noqa: F401  (re-exported: the tiny model's ids)
+    BOS,
+    BOS_ID,
+    CHAT_TEMPLATE,
+    END_OF_TURN,
+    END_OF_TURN_ID,
+    EOS,
+    EOS_ID,
+    EOS_IDS,
+    PAD,
+    PAD_ID,
+    ROLE_TOKENS,
+    SPECIAL_TOKENS,
+    trained_tokenizer_json,
+    write_tiny_tokenizer,
+)
+from radixrt.model.tiny_train import TrainResult, TrainSettings
 
-CORPUS_PATH = os.path.join(os.path.dirname(__file__), "data", "corpus.txt")
-TINY_MODEL_FORMAT = 1  # bump when the generator changes in a way the corpus hash misses
+TINY_MODEL_FORMAT = 2  # bump when the generator changes in a way the cache key misses
 MARKER_FILE = "radixrt_tiny.json"  # written last by ensure_tiny_model: the dir is complete
+TRAINING_FILE = "radixrt_training.json"  # settings and final loss of a trained model
 INIT_STD = 0.02  # std of random biases (Qwen2 q/k/v)
 NORM_NOISE = 0.1  # RMSNorm weights are 1 + NORM_NOISE * N(0, 1), so a loader must load them
-
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
-END_OF_TURN = "<|end|>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS, END_OF_TURN)  # ids 0..6 in this order
-PAD_ID, BOS_ID, EOS_ID, END_OF_TURN_ID = 0, 1, 2, 6
-EOS_IDS = [EOS_ID, END_OF_TURN_ID]  # generation stops at either
-
-# "<|role|>\ncontent<|end|>\n" per message; add_generation_prompt appends "<|assistant|>\n".
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{ raise_exception('unsupported role ' + message['role']"
-    " + '; allowed: system, user, assistant') }}"
-    "{%- endif -%}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
-)
 
 # arch -> (transformers config class, model class)
 HF_CLASSES = {
@@ -61,6 +64,16 @@ HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
+TINY_SHAPE = {  # make_tiny_model defaults: 2.4M parameters, head_dim 32
+    "num_layers": 4,
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_heads": 6,
+    "num_kv_heads": 2,
+    "max_position_embeddings": 2048,
+}
+TINY_VOCAB_SIZE = 2048
+TRAIN_SETTINGS = TrainSettings()  # what ensure_tiny_model trains with
 CHECKPOINT_SHAPE = {  # make_hf_checkpoint defaults; head_dim None: hidden_size // num_heads
     "num_layers": 2,
     "hidden_size": 64,
@@ -72,22 +85,31 @@ CHECKPOINT_SHAPE = {  # make_hf_checkpoint defaults; head_dim None: hidden_size 
 }
 
 
-def default_tiny_model_dir() -> str:
-    """`$RADIXRT_TINY_MODEL_DIR` if set, else `~/.cache/radixrt/tiny-llama`."""
-    path = os.environ.get("RADIXRT_TINY_MODEL_DIR") or "~/.cache/radixrt/tiny-llama"
-    return os.path.abspath(os.path.expanduser(path))
+def default_tiny_model_dir(random: bool = False) -> str:
+    """`$RADIXRT_TINY_MODEL_DIR` if set (plus `-random` with `random`), else
+    `~/.cache/radixrt/tiny-llama-{trained|random}-KEY`, KEY a short hash of the cache key:
+    checkouts with other generator versions (other branches) never replace each other's
+    model in the shared cache."""
+    variant = "random" if random else "trained"
+    env = os.environ.get("RADIXRT_TINY_MODEL_DIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env)) + ("-random" if random else "")
+    key = hashlib.sha256(json.dumps(_marker(random), sort_keys=True).encode()).hexdigest()
+    return os.path.expanduser(f"~/.cache/radixrt/tiny-llama-{variant}-{key[:12]}")
 
 
-def ensure_tiny_model(path: str | None = None) -> str:
-    """Return `path` (default: `default_tiny_model_dir()`) holding the seed-0 tiny model.
+def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
+    """Return `path` (default: `default_tiny_model_dir(random)`) holding the seed-0 tiny
+    model: trained with `TRAIN_SETTINGS` (1-2 minutes on one CPU core), or random weights.
 
-    Builds it if missing or made by an older generator. The model is built in a temp dir
+    Builds it if missing or made by other settings (the marker file holds the cache key:
+    generator format, data hash, shape, training settings). The model is built in a temp dir
     beside `path` and renamed into place, so concurrent callers (pytest workers) never see
-    a half-written dir; when two race, both end up with identical files at `path`.
+    a half-written dir; when two race, both end up with equivalent files at `path`.
     Raises ValueError if `path` is a non-empty dir that is not a tiny model.
     """
-    path = os.path.abspath(os.path.expanduser(path or default_tiny_model_dir()))
-    marker = _marker()
+    path = os.path.abspath(os.path.expanduser(path or default_tiny_model_dir(random)))
+    marker = _marker(random)
     if _read_marker(path) == marker:
         return path
     if os.path.isdir(path) and os.listdir(path) and _read_marker(path) is None:
@@ -100,7 +122,7 @@ def ensure_tiny_model(path: str | None = None) -> str:
     tmp = tempfile.mkdtemp(prefix=".tiny-model-new-", dir=parent)
     trash = tempfile.mkdtemp(prefix=".tiny-model-old-", dir=parent)
     try:
-        make_tiny_model(tmp)
+        make_tiny_model(tmp, random=random)
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2, sort_keys=True)
         if os.path.isdir(path) and _read_marker(path) != marker:
@@ -110,7 +132,7 @@ def ensure_tiny_model(path: str | None = None) -> str:
         try:
             os.rename(tmp, path)
         except OSError:
-            if _read_marker(path) != marker:  # not a racing worker's identical model
+            if _read_marker(path) != marker:  # not a racing worker's equivalent model
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,33 +143,52 @@ def ensure_tiny_model(path: str | None = None) -> str:
 def make_tiny_model(
     out_dir: str,
     *,
+    random: bool = False,
     seed: int = 0,
-    num_layers: int = 4,
-    hidden_size: int = 256,
-    intermediate_size: int = 688,
-    num_heads: int = 8,
-    num_kv_heads: int = 2,
-    vocab_size: int = 2048,
-    max_position_embeddings: int = 2048,
+    train_settings: TrainSettings = TRAIN_SETTINGS,
+    progress: bool = True,
+    vocab_size: int = TINY_VOCAB_SIZE,
+    **shape: int,
 ) -> str:
-    """Write a random float32 LlamaForCausalLM HF dir into `out_dir` (created; must be empty).
+    """Write a float32 LlamaForCausalLM HF dir into `out_dir` (created; must be empty).
 
-    Files: config.json, generation_config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json (with the chat template). `vocab_size` is the BPE training target;
-    config.json gets the trained tokenizer's exact size. Returns `out_dir`.
+    Trained on the shipped text with `train_settings` (deterministic for `seed`; a tqdm bar
+    when `progress`), or random weights from `seed` when `random`. `shape` overrides
+    `TINY_SHAPE` keys. Files: config.json, generation_config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json (with the chat template), and for a trained model
+    `TRAINING_FILE` (settings, final train loss, time). `vocab_size` is the BPE training
+    target; config.json gets the trained tokenizer's exact size. Returns `out_dir`.
     """
-    return make_hf_checkpoint(
-        out_dir,
-        "llama",
-        seed=seed,
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-    )
+    dims = {**TINY_SHAPE, **shape}
+    if random:
+        return make_hf_checkpoint(out_dir, "llama", seed=seed, vocab_size=vocab_size, **dims)
+    from tokenizers import Tokenizer
+
+    from radixrt.model import tiny_train
+
+    model = _new_model(out_dir, "llama", vocab_size=vocab_size, **dims)
+    tokenizer = Tokenizer.from_str(trained_tokenizer_json(vocab_size)[0])
+    stream = tiny_train.training_stream(lambda text: tokenizer.encode(text).ids, EOS_ID, seed)
+    result = tiny_train.train(model, stream, train_settings, seed=seed, progress=progress)
+    if progress:
+        print(
+            f"tiny model: {train_settings.steps} steps on {result.num_tokens} tokens in "
+            f"{result.seconds:.0f} s ({result.cpu_seconds:.0f} s CPU), "
+            f"final train loss {result.final_loss:.3f}",
+            flush=True,
+        )
+    _save(model, out_dir)
+    _write_training_file(out_dir, seed, train_settings, result)
+    return out_dir
+
+
+def read_training_file(model_dir: str) -> dict[str, Any] | None:
+    """The `TRAINING_FILE` of a trained tiny model dir, or None for other dirs."""
+    path = os.path.join(model_dir, TRAINING_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def make_hf_checkpoint(
@@ -172,6 +213,27 @@ def make_hf_checkpoint(
     "linear", "factor": 2.0} or a llama3 dict. `out_dir` is created and must be empty.
     Returns `out_dir`.
     """
+    model = _new_model(
+        out_dir, arch, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=rope_scaling, rope_theta=rope_theta, **shape,
+    )  # fmt: skip
+    _randomize(model, seed, tied=tie_word_embeddings)
+    _save(model, out_dir, max_shard_size)
+    return out_dir
+
+
+def _new_model(
+    out_dir: str,
+    arch: str,
+    *,
+    vocab_size: int,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    **shape: int | None,
+) -> torch.nn.Module:
+    """Validate the arguments, write the tokenizer into `out_dir` (created; must be empty)
+    and return the HF model (float32, cpu, HF's own init) of `arch` and `shape`."""
     if arch not in HF_CLASSES:
         raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(HF_CLASSES)}")
     unknown = sorted(set(shape) - set(CHECKPOINT_SHAPE))
@@ -210,77 +272,18 @@ def make_hf_checkpoint(
         **extra,
     )
     model = model_cls(config).to(torch.float32)
-    _randomize(model, seed, tied=tie_word_embeddings)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_IDS, pad_token_id=PAD_ID
     )
+    return model
+
+
+def _save(model: torch.nn.Module, out_dir: str, max_shard_size: str | int | None = None) -> None:
+    """save_pretrained into `out_dir`, config.json in the Hub layout, and check it parses."""
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
     _rewrite_config_hub_layout(os.path.join(out_dir, "config.json"))
     ModelConfig.from_pretrained(out_dir)  # fail here, not in a caller, if unparsable
-    return out_dir
-
-
-def write_tiny_tokenizer(
-    out_dir: str, *, vocab_size: int = 2048, model_max_length: int = 2048
-) -> int:
-    """Write tokenizer.json and tokenizer_config.json into `out_dir`; return the vocab size.
-
-    Byte-level BPE (any UTF-8 text round-trips through encode/decode), no normalizer, no
-    BOS added by `encode`; special tokens `SPECIAL_TOKENS` take ids 0..6.
-    """
-    tokenizer_json, actual_vocab_size = _trained_tokenizer(vocab_size)
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        f.write(tokenizer_json)
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "additional_special_tokens": [*ROLE_TOKENS, END_OF_TURN],
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    return actual_vocab_size
-
-
-@functools.cache
-def _trained_tokenizer(vocab_size: int) -> tuple[str, int]:
-    """Train the byte-level BPE on the shipped corpus (deterministic, ~0.1 s).
-
-    Returns (tokenizer.json text, vocab size including special tokens).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(
-            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special "
-            f"tokens), got {vocab_size}"
-        )
-    with open(CORPUS_PATH, encoding="utf-8") as f:
-        corpus = f.read()
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([corpus], trainer)
-    for token_id, token in enumerate(SPECIAL_TOKENS):
-        assert tokenizer.token_to_id(token) == token_id, (token, tokenizer.token_to_id(token))
-    return tokenizer.to_str(pretty=True), tokenizer.get_vocab_size()
 
 
 def _randomize(model: torch.nn.Module, seed: int, *, tied: bool) -> None:
@@ -320,10 +323,34 @@ def _rewrite_config_hub_layout(path: str) -> None:
         f.write("\n")
 
 
-def _marker() -> dict[str, Any]:
-    with open(CORPUS_PATH, "rb") as f:
-        corpus_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {"format": TINY_MODEL_FORMAT, "corpus_sha256": corpus_sha256, "seed": 0}
+def _write_training_file(
+    out_dir: str, seed: int, settings: TrainSettings, result: TrainResult
+) -> None:
+    info = {
+        "seed": seed,
+        "settings": dataclasses.asdict(settings),
+        "final_train_loss": round(result.final_loss, 4),
+        "num_train_tokens": result.num_tokens,
+        "train_seconds": round(result.seconds, 1),
+        "train_cpu_seconds": round(result.cpu_seconds, 1),
+        "torch": torch.__version__,
+    }
+    with open(os.path.join(out_dir, TRAINING_FILE), "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _marker(random: bool) -> dict[str, Any]:
+    """The cache key of ensure_tiny_model's model."""
+    return {
+        "format": TINY_MODEL_FORMAT,
+        "data_sha256": tiny_data.data_sha256(),
+        "seed": 0,
+        "shape": TINY_SHAPE,
+        "vocab_size": TINY_VOCAB_SIZE,
+        "weights": "random" if random else "trained",
+        "training": None if random else dataclasses.asdict(TRAIN_SETTINGS),
+    }
 
 
 def _read_marker(path: str) -> dict[str, Any] | None:

@@ -1,0 +1,90 @@
+"""The tiny models' tokenizer: byte-level BPE trained on the shipped text, special tokens
+with fixed ids, and a chat template. Deterministic: the same text gives the same file."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+from radixrt.model import tiny_data
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS, END_OF_TURN)  # ids 0..6 in this order
+PAD_ID, BOS_ID, EOS_ID, END_OF_TURN_ID = 0, 1, 2, 6
+EOS_IDS = [EOS_ID, END_OF_TURN_ID]  # generation stops at either
+
+# "<|role|>\ncontent<|end|>\n" per message; add_generation_prompt appends "<|assistant|>\n".
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unsupported role ' + message['role']"
+    " + '; allowed: system, user, assistant') }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+
+
+def write_tiny_tokenizer(
+    out_dir: str, *, vocab_size: int = 2048, model_max_length: int = 2048
+) -> int:
+    """Write tokenizer.json and tokenizer_config.json into `out_dir`; return the vocab size.
+
+    Byte-level BPE (any UTF-8 text round-trips through encode/decode), no normalizer, no
+    BOS added by `encode`; special tokens `SPECIAL_TOKENS` take ids 0..6.
+    """
+    tokenizer_json, actual_vocab_size = trained_tokenizer_json(vocab_size)
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_json)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [*ROLE_TOKENS, END_OF_TURN],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return actual_vocab_size
+
+
+@functools.cache
+def trained_tokenizer_json(vocab_size: int) -> tuple[str, int]:
+    """Train the byte-level BPE on the shipped text (deterministic, ~0.2 s).
+
+    Returns (tokenizer.json text, vocab size including special tokens).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special "
+            f"tokens), got {vocab_size}"
+        )
+    corpus = tiny_data.tokenizer_text()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([corpus], trainer)
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.token_to_id(token) == token_id, (token, tokenizer.token_to_id(token))
+    return tokenizer.to_str(pretty=True), tokenizer.get_vocab_size()
