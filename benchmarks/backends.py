@@ -31,6 +31,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         opts["enable_cuda_graph"] = False
     if args.disable_overlap_schedule:
         opts["overlap_schedule"] = False
+    if args.threads and args.device in ("cpu", "auto"):
+        opts["cpu_threads"] = args.threads
     return opts
 
 

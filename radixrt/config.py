@@ -174,6 +174,10 @@ class EngineConfig:
     attention_backend: str = "torch"  # torch | flashinfer
     enable_cuda_graph: bool = False
     overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
+    # torch threads on a CPU device (set by the runner; None: leave torch's setting). Resolved
+    # default: half the cores, at least 1 (OpenMP threads that share a core with other work
+    # spin: on 2 busy cores 2 threads made a tiny-model decode step 8x slower than 1)
+    cpu_threads: int | None = None
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -184,6 +188,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.attention_backend not in ("torch", "torch-reference", "flashinfer"):
             raise ValueError(
                 "attention_backend must be 'torch', 'torch-reference' or 'flashinfer', "
@@ -226,6 +232,8 @@ def resolve_config(
         top["attention_backend"] = "flashinfer" if usable else "torch"
     top.setdefault("enable_cuda_graph", device.startswith("cuda"))
     top.setdefault("overlap_schedule", device.startswith("cuda"))
+    if device == "cpu":
+        top.setdefault("cpu_threads", max(1, (os.cpu_count() or 1) // 2))
     cache = CacheConfig(**sub["cache"])
     if sub["scheduler"].get("policy", "auto") == "auto":
         sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"

@@ -45,6 +45,9 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size
         self.num_slots = num_slots
+        if self.device.type == "cpu" and cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
+            logger.info("CPU: %d torch threads", cfg.cpu_threads)
         start = time.perf_counter()
         self.model = build_model(
             model_cfg,

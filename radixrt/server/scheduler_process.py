@@ -115,14 +115,10 @@ def build_core(args: SchedulerProcessArgs):
     from radixrt.model.loader import check_model_dir
 
     check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
-    cfg = resolve_config(args.model_path, args.device, args.dtype, **args.options)
-    if cfg.device == "cpu":
-        # The front needs a core too; oversubscribed OpenMP threads spin and stall a step.
-        import torch
-
-        threads = args.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
-        torch.set_num_threads(threads)
-        logger.info("CPU: %d torch threads", threads)
+    # The front needs a core too; oversubscribed OpenMP threads spin and stall a step.
+    threads = args.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    options = {"cpu_threads": threads, **args.options}
+    cfg = resolve_config(args.model_path, args.device, args.dtype, **options)
     model_config = ModelConfig.from_pretrained(args.model_path)
     return EngineCore(cfg, model_config, args.eos_token_ids)
 
