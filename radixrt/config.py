@@ -176,6 +176,7 @@ class EngineConfig:
     overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    tensor_parallel_size: int = 1  # ranks sharing each layer (rank r on cuda:r); 1: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -188,6 +189,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'torch' or 'flashinfer', got {self.attention_backend!r}"
             )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
 
 
 def resolve_config(
