@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 PLAN_CAPACITY = 1 << 14  # bytes of the first broadcast of a plan (longer plans need two)
 STARTUP_TIMEOUT_S = 600.0  # workers must reach the process group by then
-STEP_TIMEOUT_S = 300.0  # a step's result must be on the host by then (CUDA)
+# A step's result must be on the host by then (CUDA); shorter than the collective timeout,
+# whose NCCL watchdog would otherwise end the process first.
+STEP_TIMEOUT_S = 90.0
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -56,6 +58,11 @@ class TensorParallelRunner:
         self, cfg: EngineConfig, model_config: ModelConfig, max_model_len: int, num_slots: int
     ) -> None:
         check_tensor_parallel(cfg, model_config)
+        if torch.distributed.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process: one "
+                "tensor-parallel engine per process (shut the previous one down first)"
+            )
         size = cfg.tensor_parallel_size
         set_nccl_env()
         store = create_store(size)
@@ -163,7 +170,7 @@ class TensorParallelRunner:
         self.check_health()
         try:
             yield
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt mid-step too: the ranks diverged
             failure = self.workers.wait_failure(1.0)
             self.broken = failure or f"{what} failed on rank 0: {e!r}"
             if failure is not None:

@@ -71,7 +71,8 @@ class WorkerSet:
         self._cond = threading.Condition()
         self.failure: str | None = None
         self.on_failure: Callable[[], None] | None = None
-        self._closing = False
+        self._closing = False  # close() asked the workers to exit
+        self._closed = False
         self._stop_r, self._stop_w = os.pipe()
         env = worker_env()
         try:
@@ -122,8 +123,10 @@ class WorkerSet:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait up to `timeout_s` for the workers to exit (they were told to), then
-        terminate what is left; stops the watchdog."""
-        self._closing = True
+        terminate what is left; stops the watchdog. Idempotent."""
+        if self._closed:
+            return
+        self._closed = self._closing = True
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
