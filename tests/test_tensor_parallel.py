@@ -1,7 +1,8 @@
 """Tensor parallelism on a CPU with gloo (2 ranks, float32): the same greedy tokens and
-log-probs as one rank with overlap on and off, chunked prefill and the prefix cache; ranks
-sample alike; the loader reads each rank's slice; bad sizes are rejected before any process
-starts; a dead worker (or a dead rank 0) leaves no process behind.
+log-probs as one rank with overlap on and off, chunked prefill, preemption and the prefix
+cache; ranks sample alike; the loader reads each rank's slice; bad sizes are rejected before
+any process starts; a dead rank 0 leaves no worker behind (a dead worker: see
+test_tensor_parallel_gqa.py).
 
 Worker processes are started once per engine fixture (module scope): variants of the
 scheduler configuration run as EngineCores over the same TensorParallelRunner."""
@@ -50,9 +51,10 @@ def engine_workers(engine) -> list[subprocess.Popen]:
     return engine.core.runner.workers.procs if engine.core.runner else []
 
 
-def core_over(engine, **scheduler) -> EngineCore:
+def core_over(engine, num_kv_blocks: int | None = None, **scheduler) -> EngineCore:
     """A fresh EngineCore (scheduler, cache) over `engine`'s runner, with `scheduler` /
-    cache / overlap options replaced."""
+    cache / overlap options replaced; `num_kv_blocks` < the pool's makes the allocator
+    hand out only that many blocks (memory pressure)."""
     cfg = engine.config
     top = {k: scheduler.pop(k) for k in ("overlap_schedule",) if k in scheduler}
     cache = {k: scheduler.pop(k) for k in ("prefix_cache",) if k in scheduler}
@@ -63,9 +65,8 @@ def core_over(engine, **scheduler) -> EngineCore:
         **top,
     )
     runner = engine.core.runner
-    return EngineCore(
-        cfg, engine.model_config, EOS_IDS, runner=runner, num_kv_blocks=runner.num_usable_blocks
-    )
+    blocks = num_kv_blocks or runner.num_usable_blocks
+    return EngineCore(cfg, engine.model_config, EOS_IDS, runner=runner, num_kv_blocks=blocks)
 
 
 def run_core(core: EngineCore, prompts, params) -> list[tuple[list[int], list[float]]]:
@@ -101,6 +102,15 @@ def test_greedy_same_as_one_rank(tp_engine, make_engine, options):
     want = run_core(core_over(one, **options), PROMPTS, GREEDY)
     got = run_core(core_over(tp_engine, **options), PROMPTS, GREEDY)
     assert_same(got, want)
+
+
+def test_preemption_same_as_one_rank(tp_engine, make_engine):
+    """Too few KV blocks for all requests at once: requests are preempted and recomputed
+    the same way on one rank and on two."""
+    cores = [core_over(e, num_kv_blocks=24) for e in (make_engine(block_size=B), tp_engine)]
+    want, got = (run_core(core, PROMPTS, GREEDY) for core in cores)
+    assert_same(got, want)
+    assert cores[1].stats()["preemptions"] == cores[0].stats()["preemptions"] > 0
 
 
 def test_prefix_cache_multi_turn(tp_engine, make_engine):
