@@ -27,6 +27,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks (GPUs; rank r on cuda:r) that share each layer; 1: off",
+    )
+    g.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="plan each step only after the previous one finished (overlap is on for CUDA)",
@@ -49,6 +56,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "load_format": args.load_format,
         "attention_backend": args.attention_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

@@ -180,6 +180,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    tensor_parallel_size: int = 1  # ranks sharing each layer (rank r on cuda:r); 1: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -195,6 +196,9 @@ class EngineConfig:
                 "attention_backend must be 'torch', 'torch-reference' or 'flashinfer', "
                 f"got {self.attention_backend!r}"
             )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
 
 
 def resolve_config(

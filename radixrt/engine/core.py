@@ -65,7 +65,12 @@ class EngineCore:
         self.model_config = model_config
         self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
         num_slots = cfg.scheduler.max_running_requests
-        if runner is None:
+        if runner is None and cfg.tensor_parallel_size > 1:
+            from radixrt.distributed.runner import TensorParallelRunner
+
+            runner = TensorParallelRunner(cfg, model_config, self.max_model_len, num_slots)
+            num_kv_blocks = runner.num_usable_blocks
+        elif runner is None:
             from radixrt.engine.runner import ModelRunner
 
             runner = ModelRunner(cfg, model_config, self.max_model_len, num_slots)
@@ -154,6 +159,20 @@ class EngineCore:
         """Finish a request now; returns its last delta, or None if it is unknown."""
         req = self.scheduler.abort(rid, reason)
         return None if req is None else self._delta(req)
+
+    def check_health(self) -> None:
+        """Raise (TensorParallelError) if the runner can no longer run steps: a
+        tensor-parallel rank died or failed. Cheap (no collective); the server calls it
+        while idle so that it can answer 503 before the next request."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Release the runner: stops tensor-parallel worker processes (idempotent)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def has_work(self) -> bool:

@@ -200,6 +200,7 @@ class Engine:
             self.abort(rid)
         while self.core.has_work:  # a step still in flight
             self.core.step()
+        self.core.shutdown()
         self.core.runner = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

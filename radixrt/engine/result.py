@@ -63,6 +63,10 @@ class PendingResult:
             self._event.record()
         self._result: StepResult | None = None
 
+    def ready(self) -> bool:
+        """Whether `result()` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
     def result(self) -> StepResult:
         if self._result is None:
             if self._event is not None:

@@ -10,9 +10,11 @@ imports the scheduler: a plan is plain data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,16 +30,30 @@ from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan
 
+if TYPE_CHECKING:
+    from radixrt.distributed.group import TPGroup
+
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """See the module docstring. On CUDA with a backend that supports it (flashinfer) and
     `enable_cuda_graph`, decode-only steps replay CUDA graphs; the pool's last block is then
-    the graphs' scratch block, so the allocator must manage only `num_usable_blocks`."""
+    the graphs' scratch block, so the allocator must manage only `num_usable_blocks`.
+
+    With `tp` (tensor parallelism) it is one rank's runner: the model and the KV pool hold
+    this rank's shard (its heads), the pool has as many blocks on every rank (the smallest
+    count any rank can hold), and sampling draws from a generator seeded alike on every
+    rank, so all ranks sample the same tokens from the same (all-gathered) logits. Every
+    rank executes every plan; only rank 0 copies results to the host."""
 
     def __init__(
-        self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, num_slots: int
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        max_model_len: int,
+        num_slots: int,
+        tp: TPGroup | None = None,
     ) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
@@ -48,7 +64,17 @@ class ModelRunner:
         if self.device.type == "cpu" and cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)
             logger.info("CPU: %d torch threads", cfg.cpu_threads)
+        self.tp = tp
         start = time.perf_counter()
+        shard = attn_cfg = None
+        if tp is not None:
+            from radixrt.distributed.shard import TPShard
+
+            shard = TPShard.of(model_cfg, tp.rank, tp.size)
+            # Attention on a rank is attention over its heads.
+            attn_cfg = dataclasses.replace(
+                model_cfg, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads
+            )
         self.model = build_model(
             model_cfg,
             cfg.model_path,
@@ -57,17 +83,23 @@ class ModelRunner:
             load_format=cfg.load_format,
             max_positions=max_model_len,
             seed=cfg.seed,
+            shard=shard,
+            group=tp,
         )
+        self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.backend = create_attention_backend(
-            cfg.attention_backend, model_cfg, self.device, self.dtype
+            cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
+        num_blocks = self._num_kv_blocks()
+        if tp is not None:
+            num_blocks = tp.min_int(num_blocks)
         self.pool = KVPool(
             model_cfg.num_layers,
-            self._num_kv_blocks(),
+            num_blocks,
             self.block_size,
-            model_cfg.num_kv_heads,
+            self.num_kv_heads,
             self.kv_head_dim,
             self.dtype,
             self.device,
@@ -78,6 +110,12 @@ class ModelRunner:
         self.block_tables = np.zeros((num_slots, self.max_blocks_per_seq), dtype=np.int32)
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self._is_cuda = self.device.type == "cuda"
+        self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
+        # Tensor parallelism: the sampling noise of every rank from one seed (tp=1 keeps
+        # torch's default generator).
+        self._generator: torch.Generator | None = None
+        if tp is not None:
+            self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # Recorded once a step's inputs are on the device: pinned staging buffers (ours and
         # FlashInfer's plan buffers) are rewritten only after it (overlap safety).
         self._inputs_on_device: torch.cuda.Event | None = None
@@ -108,7 +146,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return c.cpu_kv_blocks
         per_block = KVPool.bytes_per_block(
-            m.num_layers, c.block_size, m.num_kv_heads, self.kv_head_dim, self.dtype
+            m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.dtype
         )
         free, total = torch.cuda.mem_get_info(self.device)
         # Leave (1 - mem_fraction) of the whole device for activations, graphs, workspace.
@@ -133,7 +171,7 @@ class ModelRunner:
         logits, scores = self._forward(plan, layout, use_cuda_graph)
         outputs = self._sample(plan, layout, logits)
         outputs.prompt_logprobs = scores
-        return PendingResult(plan, layout, outputs, copy_to_host=self._is_cuda)
+        return PendingResult(plan, layout, outputs, copy_to_host=self._copy_to_host)
 
     def _begin(self, plan: StepPlan) -> StepLayout:
         """Wait until the previous step's inputs left the staging buffers, apply block-table
@@ -256,7 +294,9 @@ class ModelRunner:
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
         want_logprobs = any(p.logprobs for p in params)
         top_k = max(p.top_logprobs for p in params)
-        sampled = sample(logits, params, layout.seed_offsets, want_logprobs, top_k)
+        sampled = sample(
+            logits, params, layout.seed_offsets, want_logprobs, top_k, generator=self._generator
+        )
         tokens = sampled.token_ids
         out.tokens, out.logprobs = tokens, sampled.logprobs
         out.top_ids, out.top_logprobs = sampled.top_ids, sampled.top_logprobs

@@ -70,9 +70,11 @@ def sample(
     seed_offsets: Sequence[int],  # per row: tokens generated so far (seeded rows' RNG step)
     want_logprobs: bool = False,
     top_logprobs: int = 0,
+    generator: torch.Generator | None = None,
 ) -> SampleOutput:
     """Sample one token per row. `want_logprobs` / `top_logprobs` (k > 0) add the
-    sampled token's log-prob / the k most likely tokens and theirs (raw model)."""
+    sampled token's log-prob / the k most likely tokens and theirs (raw model).
+    `generator` draws the noise of unseeded rows (None: torch's default generator)."""
     num_rows = logits.shape[0]
     device = logits.device
     logprobs = top_ids = top_lps = None
@@ -85,7 +87,7 @@ def sample(
         temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
         probs = _filter(probs, params)
-        noise = _exponential_noise(probs.shape, params, seed_offsets, device)
+        noise = _exponential_noise(probs.shape, params, seed_offsets, device, generator)
         sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max equivalent: p / Exp(1)
         is_greedy = _on(device, [p.greedy for p in params])
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
@@ -129,8 +131,9 @@ def _exponential_noise(
     params: Sequence[SamplingParams],
     seed_offsets: Sequence[int],
     device: torch.device,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_()
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
     for i, p in enumerate(params):
         if p.seed is not None and not p.greedy:
             gen = torch.Generator(device=device)

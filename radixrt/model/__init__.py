@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from radixrt.config import ModelConfig
 from radixrt.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from radixrt.distributed.group import TPGroup
+    from radixrt.distributed.shard import TPShard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,22 +25,29 @@ def build_model(
     load_format: str,
     max_positions: int,
     seed: int = 0,
+    shard: TPShard | None = None,
+    group: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Create the model directly on `device` in `dtype` and fill its weights."""
+    """Create the model directly on `device` in `dtype` and fill its weights. With `group`
+    (tensor parallelism): this rank's `shard`, reading only its slices of the checkpoint."""
     torch_dtype = DTYPES[dtype]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = LlamaForCausalLM(cfg, max_positions, shard, group)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
-    else:
+    elif group is None:
         from radixrt.model.loader import iterate_hf_weights
 
         model.load_weights(iterate_hf_weights(model_path))
+    else:
+        from radixrt.model.loader import iterate_hf_weight_slices
+
+        model.load_weights(iterate_hf_weight_slices(model_path))
     return model.eval()
 
 

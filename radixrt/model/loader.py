@@ -10,7 +10,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -57,9 +57,17 @@ def iterate_hf_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     return _iterate_shards(_shard_plan(model_path))
 
 
+def iterate_hf_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
+    """Like `iterate_hf_weights`, but yields safetensors slices (`safe_open(...).get_slice`)
+    instead of tensors: indexing one (`s[a:b]`, `s[:, a:b]`) reads only that part of the
+    file (tensor-parallel ranks read their shard). A slice is valid until the next item."""
+    _require_dir(model_path)
+    return _iterate_shards(_shard_plan(model_path), lazy=True)
+
+
 def _iterate_shards(
-    plan: list[tuple[str, list[str] | None]],
-) -> Iterator[tuple[str, torch.Tensor]]:
+    plan: list[tuple[str, list[str] | None]], *, lazy: bool = False
+) -> Iterator[tuple[str, Any]]:
     for shard_path, names in plan:
         with safe_open(shard_path, framework="pt", device="cpu") as f:
             if names is None:
@@ -72,7 +80,7 @@ def _iterate_shards(
                         f"lacks, e.g. {missing[:3]}"
                     )
             for name in names:
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerFast:

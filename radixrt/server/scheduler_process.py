@@ -74,6 +74,7 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
         ctx, args.out_addr, MsgpackCodec(FromScheduler), push=True, bind=False
     )
     code = 0
+    core = None
     try:
         core = build_core(args)
         SchedulerLoop(core, inbox, outbox, args.parent_pid, args.debug).run()
@@ -85,6 +86,8 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
         outbox.send(SchedulerFailed(message))
         code = 1
     finally:
+        if core is not None:
+            core.shutdown()  # tensor-parallel workers
         inbox.close()
         outbox.close()
         ctx.term()
@@ -174,7 +177,10 @@ class SchedulerLoop:
         if self.core.has_work:
             return self.inbox.drain()
         first = self.inbox.recv(timeout_s=PARENT_POLL_S)
-        return [] if first is None else [first, *self.inbox.drain()]
+        if first is None:
+            self.core.check_health()  # idle: a dead tensor-parallel rank fails us now
+            return []
+        return [first, *self.inbox.drain()]
 
     def _handle(self, msgs: Sequence[ToScheduler]) -> tuple[list[RequestError], list]:
         errors: list[RequestError] = []

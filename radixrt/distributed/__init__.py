@@ -1,0 +1,12 @@
+"""Tensor parallelism on torch.distributed: rank 0 (the engine's process) runs the scheduler
+and its shard; ranks 1..tp-1 are worker processes the engine starts, which receive every step
+plan and run the same forward on their shards.
+
+- `shard`: which part of each weight a rank holds (no torch)
+- `group`: process groups (NCCL or gloo for the model, gloo for control) and collectives
+- `layers`: row-parallel linear, vocabulary-parallel embedding and lm_head
+- `plan_codec`: step plans as bytes
+- `workers`: starting, watching and stopping the worker processes (rank 0)
+- `worker`: a worker process's main loop
+- `runner`: `TensorParallelRunner`, the Runner rank 0's EngineCore drives
+"""

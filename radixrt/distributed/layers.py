@@ -1,0 +1,56 @@
+"""Tensor-parallel layers: the same parameters (and names) as nn.Linear / nn.Embedding with
+the local shapes of a `TPShard`, plus the collective that makes their outputs whole.
+
+Used only when tensor_parallel_size > 1; with one rank the model keeps plain nn.Linear and
+nn.Embedding (no extra op). Column-parallel linears (qkv, gate_up) are plain nn.Linear of the
+local output size: their outputs stay split (heads / features) until a row-parallel layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixrt.distributed.group import TPGroup
+from radixrt.distributed.shard import TPShard
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local^T): input features split across ranks, no bias."""
+
+    def __init__(self, in_local: int, out_features: int, group: TPGroup) -> None:
+        super().__init__(in_local, out_features, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [shard.vocab_start, + vocab_per_rank) of the embedding; ids outside give zeros
+    here, and the all-reduce adds the rank that holds them."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, group: TPGroup) -> None:
+        super().__init__(shard.vocab_per_rank, hidden_size)
+        self.start = shard.vocab_start
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class VocabParallelLMHead(nn.Linear):
+    """Logits of this rank's vocabulary rows; `forward` all-gathers them into the full
+    [S, vocab] on every rank (padding columns dropped)."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, group: TPGroup) -> None:
+        super().__init__(hidden_size, shard.vocab_per_rank, bias=False)
+        self.vocab_size = shard.vocab_size
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.group.all_gather_last(super().forward(x))
+        return logits[:, : self.vocab_size]
