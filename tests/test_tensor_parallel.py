@@ -214,7 +214,7 @@ def test_shard_arithmetic():
 
 @pytest.mark.parametrize(
     "size, message",
-    [(3, "does not divide the model's 8 attention heads"), (0, "must be an integer >= 1")],
+    [(4, "does not divide the model's 6 attention heads"), (0, "must be an integer >= 1")],
 )
 def test_bad_sizes_rejected_before_any_process(tiny_model_dir, size, message):
     with pytest.raises(ValueError, match=message):

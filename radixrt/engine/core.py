@@ -150,6 +150,7 @@ class EngineCore:
         return self.scheduler.update(plan, result)
 
     def _step_failed(self, plan: StepPlan, error: Exception) -> list[Request]:
+        self.check_health()  # a runner that cannot go on (a dead tensor-parallel rank) raises
         if _is_fatal(error):
             raise FatalEngineError(f"the device failed: {error}") from error
         logger.error("step %d failed (%d rows)", plan.step_id, len(plan.rows), exc_info=error)
