@@ -22,7 +22,6 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
@@ -30,16 +29,11 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.spec.base import Proposer, SpecStats
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
 MAX_DEFERRED_PER_STEP = 64
-
-
-class Proposer(Protocol):
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
-        """Up to `max_drafts` draft tokens to follow `req.seq_token_ids` (read-only)."""
-        ...
 
 
 @dataclass
@@ -54,6 +48,7 @@ class SchedulerStats:
     num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
     num_steps: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
     @property
     def cache_hit_rate(self) -> float:
@@ -213,7 +208,12 @@ class Scheduler:
             req.max_tokens - req.num_output - 1, self.max_model_len - len(req.seq_token_ids) - 1
         )
         k = min(self.cfg.num_speculative_tokens, room)
-        return self.proposer.propose(req, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        drafts = self.proposer.propose(req, k)[:k]
+        self.stats.spec.num_proposals += 1
+        self.stats.spec.num_proposals_with_drafts += bool(drafts)
+        return drafts
 
     def _newest_preemptible(self, exclude: list[Request]) -> Request:
         taken = set(map(id, exclude))
@@ -453,6 +453,9 @@ class Scheduler:
             # accepted length (the KV of the last accepted token is computed next step).
             req.num_computed = req.num_kv_done = row.start + len(tokens)
             self._truncate(req)
+            self.stats.spec.record_verify(row.num_draft_tokens, len(tokens) - 1)
+            req.num_draft_tokens += row.num_draft_tokens
+            req.num_accepted_tokens += len(tokens) - 1
         p = req.params
         for j, token in enumerate(tokens):
             req.seq_token_ids.append(token)
