@@ -259,3 +259,18 @@ def test_scripted_stop_inside_an_accepted_run():
         outs[spec] = run(core, [[9, 8, 7, 6]], [SamplingParams(max_tokens=20)])
     assert outs[True] == outs[False]
     assert outs[True]["r0"][1] is FinishReason.STOP and outs[True]["r0"][0][-1] == EOS
+
+
+def test_drafts_stay_within_the_token_budget():
+    """Drafts only use what the step's token budget leaves after the decode rows."""
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(5)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 5
+    core, runner = make_core(overlap=False, max_num_batched_tokens=8, num_speculative_tokens=4)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = NgramProposer(1, 4)
+    plans = []
+    execute = runner.execute
+    runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    assert run(core, reqs, params) == expected_cyclic(reqs, [20] * 5)
+    assert all(p.num_tokens <= 8 for p in plans)
+    assert any(r.num_draft_tokens for p in plans for r in p.rows)

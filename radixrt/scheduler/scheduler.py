@@ -186,10 +186,18 @@ class Scheduler:
     def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
         """Decode rows and their drafts ([] without speculation)."""
         scheduled: list[tuple[Request, list[int]]] = []
-        for req in sorted(self.running, key=lambda r: r.admission_seq):
-            if not (self._schedulable(req) and self._decode_due(req)):
-                continue
-            drafts = self._drafts(req)
+        due = [
+            r
+            for r in sorted(self.running, key=lambda r: r.admission_seq)
+            if self._schedulable(r) and self._decode_due(r)
+        ]
+        # drafts take what the token budget leaves after one token for every decode row
+        spare = self.cfg.max_num_batched_tokens - len(due)
+        for req in due:
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an earlier row's blocks
+            drafts = self._drafts(req, spare)
+            spare -= len(drafts)
             while not self._reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
@@ -199,13 +207,16 @@ class Scheduler:
                 scheduled.append((req, drafts))
         return scheduled
 
-    def _drafts(self, req: Request) -> list[int]:
+    def _drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with a proposer, the row's last token on the
-        host, and room for them (max_tokens and the context)."""
+        host, no penalties (they would count the drafts), and room for them (max_tokens, the
+        context and `spare` tokens of the step's budget)."""
         if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
             return []
         room = min(
-            req.max_tokens - req.num_output - 1, self.max_model_len - len(req.seq_token_ids) - 1
+            req.max_tokens - req.num_output - 1,
+            self.max_model_len - len(req.seq_token_ids) - 1,
+            spare,
         )
         k = min(self.cfg.num_speculative_tokens, room)
         if k <= 0:
