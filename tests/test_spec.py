@@ -274,3 +274,16 @@ def test_drafts_stay_within_the_token_budget():
     assert run(core, reqs, params) == expected_cyclic(reqs, [20] * 5)
     assert all(p.num_tokens <= 8 for p in plans)
     assert any(r.num_draft_tokens for p in plans for r in p.rows)
+
+
+def test_spec_stats_count_what_they_say():
+    from radixrt.spec import SpecStats
+
+    s = SpecStats()
+    assert s.acceptance_rate == s.mean_acceptance_length == s.fire_rate == 0.0
+    for drafts, accepted in [(4, 4), (4, 1), (2, 0), (3, 2)]:
+        s.record_verify(drafts, accepted)
+    assert (s.num_verify_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 13, 7)
+    assert s.accepted_per_position == [3, 2, 1, 1]  # rows whose draft i was accepted
+    assert s.acceptance_rate == 7 / 13
+    assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
