@@ -287,3 +287,54 @@ def test_spec_stats_count_what_they_say():
     assert s.accepted_per_position == [3, 2, 1, 1]  # rows whose draft i was accepted
     assert s.acceptance_rate == 7 / 13
     assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
+
+
+class HalfRight:
+    """The true next two tokens (cyclic_token), then garbage: every row rolls back."""
+
+    def propose(self, req, max_drafts):
+        n = len(req.seq_token_ids)
+        true = [cyclic_token(req.rid, n + i) for i in range(max_drafts)]
+        return true[:2] + [1] * (max_drafts - 2)
+
+
+def test_rollback_keeps_exact_block_counts_under_preemption():
+    """After every step each running request holds exactly the blocks of its computed KV
+    (rejected drafts' blocks are freed in the same step), with preemption mid-draft."""
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(6)]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 6
+    core, runner = make_core(overlap=False, block_size=2, num_kv_blocks=30)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = HalfRight()
+    for i, (p, sp) in enumerate(zip(reqs, params)):
+        core.add_request(p, sp, rid=f"r{i}")
+    out: dict[str, list[int]] = {}
+    while core.has_work:
+        for d in core.step():
+            out.setdefault(d.rid, []).extend(d.new_token_ids)
+        for req in core.scheduler.running:
+            assert len(req.block_table) == -(-req.num_computed // 2), req.rid
+        core.check_integrity()
+    assert out == {r: toks for r, (toks, _) in expected_cyclic(reqs, [14] * 6).items()}
+    s = core.stats()
+    assert s["preemptions"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+
+
+def test_abort_while_a_verify_step_is_in_flight():
+    core, runner = make_core(overlap=True, block_size=2)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = HalfRight()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    rids = [core.add_request([9, 8, 7, 6, 5, 4, 3 + i], params, rid=f"r{i}") for i in range(4)]
+    for _ in range(6):
+        core.step()
+    assert core.scheduler.num_inflight_steps == 1
+    assert core.stats()["spec_verify_rows"] > 0
+    for rid in rids[::2]:
+        core.abort(rid)
+    core.check_integrity()
+    while core.has_work:
+        for d in core.step():
+            assert d.rid not in rids[::2]
+    core.check_integrity()
+    assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks

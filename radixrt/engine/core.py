@@ -118,6 +118,11 @@ class EngineCore:
             prev_plan, prev_handle = self._inflight
             self._inflight = None
             changed += sched.update(prev_plan, prev_handle.result())
+            if handle is None and self.overlap:
+                # Nothing could be planned while every row waited for that result on the
+                # host (speculative drafts, penalties): plan again now that it is there.
+                plan = sched.schedule()
+                handle = self.runner.execute(plan) if plan is not None else None
         if handle is not None:
             if self.overlap:
                 self._inflight = (plan, handle)
