@@ -338,3 +338,20 @@ def test_abort_while_a_verify_step_is_in_flight():
             assert d.rid not in rids[::2]
     core.check_integrity()
     assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
+
+
+def test_cli_flags_reach_the_config():
+    import argparse
+
+    from radixrt.cli import _engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    args = p.parse_args(
+        ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--ngram-max-n", "5"]
+    )
+    cfg = resolve_config("-", **{**engine_options(args), "device": "cpu"})
+    assert cfg.speculative == SpeculativeConfig("ngram", 2, 5)
+    assert cfg.scheduler.num_speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-method", "draft"])

@@ -13,6 +13,12 @@ result arrives, and a request found finished then has the extra step's token dro
 that is aborted, finished or preempted while in flight frees its KV at once; results of that
 step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
 after the earlier ones (one stream), so no step reads a block after another reused it.
+
+Speculation (`proposer`, see `radixrt.spec`): a decode row with k drafts reserves blocks for
+k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping at a stop
+condition inside them), rolls num_computed back to the accepted length and frees blocks past
+it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
+their result on the host (the proposer reads the sequence), so they do not overlap.
 """
 
 from __future__ import annotations
