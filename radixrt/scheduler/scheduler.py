@@ -455,7 +455,8 @@ class Scheduler:
                 else:  # a prefill chunk: share its progress with others at once
                     self._cache_progress(req, row.end)
                 continue
-            if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
+            # a last prefill chunk (a verify row feeds k + 1 tokens but is a decode row)
+            if row.num_tokens - row.num_draft_tokens > 1 or row.start < req.prompt_len:
                 self._cache_progress(req, row.end)
             changed.append(req)
             self._accept(req, row, result, i)
