@@ -38,6 +38,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan each step only after the previous one finished (overlap is on for CUDA)",
     )
+    g.add_argument(
+        "--speculative-method",
+        default="none",
+        choices=["none", "ngram", "radix"],
+        help="draft tokens by prompt lookup (ngram) or from the radix cache (radix)",
+    )
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per decode row")
+    g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
+    g.add_argument("--ngram-max-n", type=int, default=4, help="ngram: longest suffix matched")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -57,6 +66,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         "load_format": args.load_format,
         "attention_backend": args.attention_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "speculative_method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_min_n": args.ngram_min_n,
+        "ngram_max_n": args.ngram_max_n,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 PREFIX_CACHES = ("radix", "blockhash", "none")
 POLICIES = ("fcfs", "lpm", "dfs-weight")
+SPECULATIVE_METHODS = ("none", "ngram", "radix")
+MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who drafts (the scheduler's `num_speculative_tokens` caps how
+    many tokens per decode row). `ngram`: prompt lookup over the row's own tokens; `radix`:
+    the continuation the radix prefix cache holds after the row's context."""
+
+    speculative_method: str = "none"  # none | ngram | radix
+    ngram_min_n: int = 2  # ngram: shortest suffix that may match
+    ngram_max_n: int = 4  # ngram: longest suffix tried (the longest match wins)
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n <= MAX_NGRAM:
+            raise ValueError(
+                f"need 1 <= ngram_min_n <= ngram_max_n <= {MAX_NGRAM}, got "
+                f"ngram_min_n={self.ngram_min_n}, ngram_max_n={self.ngram_max_n}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine needs, resolved (no "auto" left)."""
 
@@ -183,6 +212,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharing each layer (rank r on cuda:r); 1: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -199,6 +229,12 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.speculative.speculative_method == "radix" and self.cache.prefix_cache != "radix":
+            raise ValueError(
+                "speculative_method 'radix' drafts from the radix prefix cache, but "
+                f"prefix_cache is {self.cache.prefix_cache!r}; use prefix_cache='radix' or "
+                "speculative_method 'ngram'"
+            )
 
 
 def resolve_config(
@@ -218,7 +254,11 @@ def resolve_config(
         device = "cuda" if detect_devices and _cuda_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    groups = {
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "speculative": SpeculativeConfig,
+    }
     sub: dict[str, dict[str, object]] = {k: {} for k in groups}
     top: dict[str, object] = {}
     top_names = {f.name for f in fields(EngineConfig)} - set(groups)
@@ -247,6 +287,7 @@ def resolve_config(
         dtype=dtype,
         cache=cache,
         scheduler=SchedulerConfig(**sub["scheduler"]),
+        speculative=SpeculativeConfig(**sub["speculative"]),
         **top,
     )
 

@@ -8,6 +8,10 @@ same blocks (so eviction may only forget, never invent or move, anything).
 
 `NaiveBlockHashCache` mirrors `BlockHashCache` with exact token-prefix keys instead of
 hashes: {tokens[: (i + 1) * B] -> block}.
+
+`peek_continuation` models the radix tree's read-only lookup: the cached tokens after a fully
+cached query, following at each branch the continuation that the latest match or insert went
+through (`history` logs every match and insert, in order).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class NaivePrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.entries: list[tuple[tuple[int, ...], list[int]]] = []
+        self.history: list[tuple[int, ...]] = []  # tokens of every match / insert, in order
 
     def _longest(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
         """(length, per-token blocks) of the longest cached prefix of `tokens`."""
@@ -46,6 +51,7 @@ class NaivePrefixCache:
 
     def match(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
         """(num_cached_tokens, block table) of the longest cached prefix."""
+        self.history.append(tuple(tokens))
         n, per_token = self._longest(tokens)
         return n, block_table(per_token, n, self.block_size)
 
@@ -54,12 +60,35 @@ class NaivePrefixCache:
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Cache `tokens` (cached positions keep their blocks); returns new tokens."""
+        self.history.append(tuple(tokens))
         n, per_token = self._longest(tokens)
         if n == len(tokens):
             return 0
         per_token = per_token + [blocks[p // self.block_size] for p in range(n, len(tokens))]
         self.entries.append((tuple(tokens), per_token))
         return len(tokens) - n
+
+    def peek_continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` cached tokens after `tokens` when all of it is cached; at a
+        branch, the next token of the latest logged match / insert through the context."""
+        ctx = tuple(tokens)
+        if not ctx or self._longest(ctx)[0] < len(ctx):
+            return []
+        out: list[int] = []
+        while len(out) < max_tokens:
+            n = len(ctx)
+            nexts = {k[n] for k, _ in self.entries if len(k) > n and k[:n] == ctx}
+            if not nexts:
+                break
+
+            recency = {
+                t: max((i for i, h in enumerate(self.history) if h[: n + 1] == ctx + (t,)))
+                for t in nexts
+            }
+            t = max(nexts, key=recency.__getitem__)
+            out.append(t)
+            ctx += (t,)
+        return out
 
     def num_tokens(self) -> int:
         """Distinct cached non-empty prefixes (= tokens in an equivalent radix tree)."""

@@ -231,3 +231,24 @@ def test_http_driver_against_fake_server():
     assert result.kv.preemptions is None  # no /debug/state
     rec = result.records[0]
     assert rec.cached_tokens == rec.prompt_tokens // 2 and rec.output_tokens == len(out)
+
+
+def test_bench_spec_rerun_is_drafted_from_the_tree(make_engine, one_thread):
+    """bench_spec's pass: counters over the pass; a re-run agent is drafted from the radix
+    tree on every decode row and gives the same outputs as no speculation."""
+    from benchmarks.bench_spec import run_pass, table
+
+    w = make_workload("agent", "smoke", 0.1, vocab_size=2000, num_steps=3, system_len=16,
+                      task_len=8, action_len=6, observation_len=(4, 8))  # fmt: skip
+    rows, outs = [], {}
+    for method in ("none", "radix"):
+        engine = make_engine(speculative_method=method, num_speculative_tokens=4)
+        for run in (1, 2):
+            row, outs[method, run] = run_pass(engine, w)
+            rows.append({**row, "workload": "agent", "method": method, "run": run,
+                         "same_outputs": outs[method, run] == outs["none", run]})  # fmt: skip
+    assert all(r["output_tokens"] == w.output_tokens and r["same_outputs"] for r in rows)
+    radix1, radix2 = rows[2], rows[3]
+    assert radix1["spec_proposals"] > 0 and radix2["fire_rate"] == 1.0
+    assert radix2["acceptance_rate"] == 1.0 and radix2["steps"] < rows[1]["steps"]
+    assert "| agent | 2 | radix |" in table(rows)

@@ -98,6 +98,30 @@ class RadixCache:
         node = path[-1] if path else self.root
         return MatchResult(table, pos, node)
 
+    def peek_continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow `tokens`, when all of `tokens` is
+        cached ([] otherwise, and for empty `tokens`): the rest of the edge the walk ends in,
+        then down the most recently used child at each node. Read-only: splits no node,
+        refreshes no access time, takes no reference and counts nothing (speculative
+        drafts read it every decode step)."""
+        if not tokens or max_tokens <= 0:
+            return []
+        tokens = list(tokens)
+        node, pos, offset = self.root, 0, 0  # offset: tokens of node.key consumed
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return []
+            k = _common_prefix_len(child.key, tokens, pos)
+            if k < len(child.key) and pos + k < len(tokens):
+                return []  # diverges inside the edge
+            node, pos, offset = child, pos + k, k
+        out = node.key[offset : offset + max_tokens]
+        while len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: (c.last_access, c.id))
+            out += node.key[: max_tokens - len(out)]
+        return out
+
     @property
     def evictable_blocks(self) -> int:
         """Distinct cached blocks recorded by no locked node (see the class docstring)."""

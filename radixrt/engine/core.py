@@ -26,6 +26,7 @@ from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
+from radixrt.spec import create_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class RequestDelta:
     new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
+    num_draft_tokens: int = 0  # speculative drafts verified for the request so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def finished(self) -> bool:
@@ -88,6 +91,7 @@ class EngineCore:
             self.cache,
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
+            proposer=create_proposer(cfg.speculative, self.cache),
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
@@ -135,6 +139,15 @@ class EngineCore:
             prev_plan, prev_handle = self._inflight
             self._inflight = None
             changed += self._finish_step(prev_plan, prev_handle)
+            if handle is None and self.overlap:
+                # Nothing could be planned while every row waited for that result on the
+                # host (speculative drafts, penalties): plan again now that it is there.
+                plan = sched.schedule()
+                if plan is not None:
+                    try:
+                        handle = self.runner.execute(plan)
+                    except Exception as e:
+                        changed += self._step_failed(plan, e)
         if handle is not None:
             if self.overlap:
                 self._inflight = (plan, handle)
@@ -198,6 +211,8 @@ class EngineCore:
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
         if finished:
             del self._sent[req.rid]
@@ -212,7 +227,12 @@ class EngineCore:
         assert self.scheduler.num_inflight_steps == inflight, "a launched plan was lost"
 
     def stats(self) -> dict[str, float]:
-        s, c = self.scheduler.stats, self.cache.stats
+        """Counters since start. `spec_*`: speculative decoding (zero without a proposer):
+        proposals (decode rows asked for drafts) and those that drafted anything (fired),
+        verify rows, drafted and accepted tokens, acceptance rate, mean tokens per verify
+        row (accepted + 1), and `spec_accepted_pos_<i>` (rows whose draft i was accepted)."""
+        s, c, sp = self.scheduler.stats, self.cache.stats, self.scheduler.stats.spec
+        spec = {f"spec_accepted_pos_{i}": n for i, n in enumerate(sp.accepted_per_position)}
         return {
             "num_requests": s.num_requests,
             "prompt_tokens": s.num_prompt_tokens,
@@ -232,6 +252,15 @@ class EngineCore:
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached": self.cache.cached_blocks,
+            "spec_proposals": sp.num_proposals,
+            "spec_proposals_with_drafts": sp.num_proposals_with_drafts,
+            "spec_fire_rate": sp.fire_rate,
+            "spec_verify_rows": sp.num_verify_rows,
+            "spec_draft_tokens": sp.num_draft_tokens,
+            "spec_accepted_tokens": sp.num_accepted_tokens,
+            "spec_acceptance_rate": sp.acceptance_rate,
+            "spec_mean_acceptance_length": sp.mean_acceptance_length,
+            **spec,
         }
 
 

@@ -58,6 +58,8 @@ class Request:
     # when params.prompt_logprobs: log-probs of prompt tokens [logprob_start_len, prompt_len)
     prompt_logprobs: list[float] = field(default_factory=list)
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
+    num_draft_tokens: int = 0  # speculative drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def num_output(self) -> int:

@@ -13,6 +13,12 @@ result arrives, and a request found finished then has the extra step's token dro
 that is aborted, finished or preempted while in flight frees its KV at once; results of that
 step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
 after the earlier ones (one stream), so no step reads a block after another reused it.
+
+Speculation (`proposer`, see `radixrt.spec`): a decode row with k drafts reserves blocks for
+k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping at a stop
+condition inside them), rolls num_computed back to the accepted length and frees blocks past
+it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
+their result on the host (the proposer reads the sequence), so they do not overlap.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
@@ -31,18 +36,13 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.spec.base import Proposer, SpecStats
 
 logger = logging.getLogger(__name__)
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
 MAX_DEFERRED_PER_STEP = 64
-
-
-class Proposer(Protocol):
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
-        """Up to `max_drafts` draft tokens to follow `req.seq_token_ids` (read-only)."""
-        ...
 
 
 @dataclass
@@ -59,6 +59,7 @@ class SchedulerStats:
     num_failed_requests: int = 0  # finished with FinishReason.ERROR (each one is a bug)
     num_failed_steps: int = 0  # plans whose execution raised
     finish_reasons: Counter = field(default_factory=Counter)
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
     @property
     def cache_hit_rate(self) -> float:
@@ -205,10 +206,18 @@ class Scheduler:
     def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
         """Decode rows and their drafts ([] without speculation)."""
         scheduled: list[tuple[Request, list[int]]] = []
-        for req in sorted(self.running, key=lambda r: r.admission_seq):
-            if not (self._schedulable(req) and self._decode_due(req)):
-                continue
-            drafts = self._drafts(req)
+        due = [
+            r
+            for r in sorted(self.running, key=lambda r: r.admission_seq)
+            if self._schedulable(r) and self._decode_due(r)
+        ]
+        # drafts take what the token budget leaves after one token for every decode row
+        spare = self.cfg.max_num_batched_tokens - len(due)
+        for req in due:
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an earlier row's blocks
+            drafts = self._drafts(req, spare)
+            spare -= len(drafts)
             while not self._reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
@@ -218,16 +227,24 @@ class Scheduler:
                 scheduled.append((req, drafts))
         return scheduled
 
-    def _drafts(self, req: Request) -> list[int]:
+    def _drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with a proposer, the row's last token on the
-        host, and room for them (max_tokens and the context)."""
+        host, no penalties (they would count the drafts), and room for them (max_tokens, the
+        context and `spare` tokens of the step's budget)."""
         if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
             return []
         room = min(
-            req.max_tokens - req.num_output - 1, self.max_model_len - len(req.seq_token_ids) - 1
+            req.max_tokens - req.num_output - 1,
+            self.max_model_len - len(req.seq_token_ids) - 1,
+            spare,
         )
         k = min(self.cfg.num_speculative_tokens, room)
-        return self.proposer.propose(req, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        drafts = self.proposer.propose(req, k)[:k]
+        self.stats.spec.num_proposals += 1
+        self.stats.spec.num_proposals_with_drafts += bool(drafts)
+        return drafts
 
     def _newest_preemptible(self, exclude: list[Request]) -> Request:
         taken = set(map(id, exclude))
@@ -494,7 +511,8 @@ class Scheduler:
             else:  # a prefill chunk: share its progress with others at once
                 self._cache_progress(req, row.end)
             return
-        if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
+        # a last prefill chunk (a verify row feeds k + 1 tokens but is a decode row)
+        if row.num_tokens - row.num_draft_tokens > 1 or row.start < req.prompt_len:
             self._cache_progress(req, row.end)
         changed.append(req)
         self._accept(req, row, result, i)
@@ -508,6 +526,9 @@ class Scheduler:
             # accepted length (the KV of the last accepted token is computed next step).
             req.num_computed = req.num_kv_done = row.start + len(tokens)
             self._truncate(req)
+            self.stats.spec.record_verify(row.num_draft_tokens, len(tokens) - 1)
+            req.num_draft_tokens += row.num_draft_tokens
+            req.num_accepted_tokens += len(tokens) - 1
         p = req.params
         for j, token in enumerate(tokens):
             req.seq_token_ids.append(token)

@@ -1,0 +1,34 @@
+"""Speculative decoding proposers: ngram (prompt lookup), radix (the prefix cache's own
+continuation). `create_proposer` imports lazily (the ngram proposer needs numpy)."""
+
+from __future__ import annotations
+
+from radixrt.cache.base import PrefixCache
+from radixrt.config import SpeculativeConfig
+from radixrt.spec.base import Proposer, SpecStats
+
+
+def create_proposer(cfg: SpeculativeConfig, cache: PrefixCache) -> Proposer | None:
+    """The proposer `cfg` names over `cache`, or None for speculative_method 'none'.
+    Raises ValueError for 'radix' over a cache that is not a RadixCache."""
+    method = cfg.speculative_method
+    if method == "none":
+        return None
+    if method == "ngram":
+        from radixrt.spec.ngram import NgramProposer
+
+        return NgramProposer(cfg.ngram_min_n, cfg.ngram_max_n)
+    if method == "radix":
+        from radixrt.cache.radix import RadixCache
+        from radixrt.spec.radix import RadixProposer
+
+        if not isinstance(cache, RadixCache):
+            raise ValueError(
+                f"speculative_method 'radix' needs the radix prefix cache, got "
+                f"{type(cache).__name__}; use prefix_cache='radix' or speculative_method 'ngram'"
+            )
+        return RadixProposer(cache)
+    raise ValueError(f"unknown speculative_method {method!r}; allowed: none, ngram, radix")
+
+
+__all__ = ["Proposer", "SpecStats", "create_proposer"]

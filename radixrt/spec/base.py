@@ -1,0 +1,62 @@
+"""The proposer interface of speculative decoding and its statistics (plain Python).
+
+A proposer drafts tokens for a decode row on the host; the scheduler feeds the row's last
+token plus the drafts, the runner samples at every position and accepts the longest prefix
+of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are deterministic given
+the row's tokens, so the output distribution is exactly that of plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from radixrt.scheduler.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, req: Request, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` (>= 1) draft tokens to follow `req.seq_token_ids`. Reads the
+        request only; returns [] when it has nothing to propose."""
+        ...
+
+
+@dataclass
+class SpecStats:
+    """Counters of speculative decoding, kept by the scheduler (any proposer)."""
+
+    num_proposals: int = 0  # decode rows the proposer was asked to draft for
+    num_proposals_with_drafts: int = 0  # of those, rows it drafted >= 1 token for (fired)
+    num_verify_rows: int = 0  # rows with drafts whose result was applied
+    num_draft_tokens: int = 0  # drafts in those rows
+    num_accepted_tokens: int = 0  # of those, accepted by verification
+    # [i]: verify rows whose draft at position i was accepted (acceptance per position)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        """One verify row's result: `num_accepted` of its `num_drafts` drafts accepted."""
+        assert 0 <= num_accepted <= num_drafts
+        self.num_verify_rows += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify row produced on average: accepted drafts + the bonus sample."""
+        if not self.num_verify_rows:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verify_rows
+
+    @property
+    def fire_rate(self) -> float:
+        """Share of proposals that drafted anything."""
+        return self.num_proposals_with_drafts / self.num_proposals if self.num_proposals else 0.0

@@ -1,0 +1,17 @@
+"""Radix-cache drafts: the continuation the prefix tree already holds after the row's
+context (a re-run program, a retried agent step, a regenerated answer)."""
+
+from __future__ import annotations
+
+from radixrt.cache.radix import RadixCache
+from radixrt.scheduler.request import Request
+
+
+class RadixProposer:
+    """Reads `RadixCache.peek_continuation` (no split, no LRU refresh, no hit counted)."""
+
+    def __init__(self, cache: RadixCache) -> None:
+        self.cache = cache
+
+    def propose(self, req: Request, max_drafts: int) -> list[int]:
+        return self.cache.peek_continuation(req.seq_token_ids, max_drafts)

@@ -1,0 +1,357 @@
+"""Speculative decoding without a model: the ngram and radix proposers against naive models,
+the radix cache's read-only continuation lookup, configuration errors, and the scheduler with
+real proposers over a scripted runner (outputs equal plain decoding, counters count what they
+say, the pools balance)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from naive_prefix_cache import NaivePrefixCache
+from test_step_plan import make_core, run
+
+from radixrt.cache.radix import RadixCache
+from radixrt.config import SpeculativeConfig, resolve_config
+from radixrt.kv.allocator import BlockAllocator
+from radixrt.sampling import SamplingParams
+from radixrt.scheduler.request import FinishReason, Request
+from radixrt.spec import create_proposer
+from radixrt.spec.ngram import NgramProposer, ngram_lookup
+from radixrt.spec.radix import RadixProposer
+
+
+def naive_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Longest n first, then the most recent earlier occurrence (plain loops)."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = tokens[size - n :]
+        for end in range(size - 2, n - 2, -1):  # occurrence tokens[end - n + 1 : end + 1]
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+def test_ngram_lookup_examples():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 1, 3, 4) == [9, 1, 2, 3]
+    # the longest match wins over a more recent shorter one
+    assert ngram_lookup([5, 2, 3, 7, 8, 3, 6, 2, 3], 1, 3, 2) == [7, 8]
+    # equally long: the most recent occurrence
+    assert ngram_lookup([2, 3, 7, 2, 3, 8, 2, 3], 2, 2, 1) == [8]
+    assert ngram_lookup([1, 2, 3, 4], 1, 4, 3) == []  # nothing repeats
+    assert ngram_lookup([4, 4], 2, 4, 3) == []  # shorter than min_n + 1
+    assert ngram_lookup([4, 4, 4], 1, 4, 3) == [4]  # the continuation ends at the sequence
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.integers(1, 6),
+)
+def test_ngram_lookup_matches_naive(tokens, min_n, extra, k):
+    max_n = min_n + extra
+    assert ngram_lookup(tokens, min_n, max_n, k) == naive_ngram(tokens, min_n, max_n, k)
+
+
+def fill(cache: RadixCache, tokens: list[int]) -> None:
+    blocks = cache.allocator.allocate(-(-len(tokens) // cache.block_size))
+    cache.insert(tokens, blocks)
+    cache.allocator.decref(blocks)
+
+
+def test_peek_continuation_follows_the_most_recent_branch():
+    cache = RadixCache(BlockAllocator(64), 4)
+    fill(cache, [1, 2, 3, 4, 5, 6])
+    fill(cache, [1, 2, 3, 7, 8])
+    assert cache.peek_continuation([1, 2], 10) == [3, 7, 8]  # inserted last
+    cache.match([1, 2, 3, 4])  # refreshes the first branch
+    assert cache.peek_continuation([1, 2], 10) == [3, 4, 5, 6]
+    assert cache.peek_continuation([1, 2, 3, 4], 1) == [5]
+    assert cache.peek_continuation([1, 2, 3, 7, 8], 3) == []  # nothing cached after it
+    assert cache.peek_continuation([1, 2, 9], 3) == []  # not all of the query is cached
+    assert cache.peek_continuation([1, 2, 3, 4, 5, 6, 7], 3) == []
+    assert cache.peek_continuation([], 3) == []
+    assert cache.peek_continuation([1], 0) == []
+
+
+def test_peek_continuation_is_read_only():
+    """No split, no access-time refresh, no reference, no counter, no version change."""
+    cache = RadixCache(BlockAllocator(64), 4)
+    fill(cache, [1, 2, 3, 4, 5, 6])
+    fill(cache, [1, 2, 3, 7, 8])
+    before = (
+        cache.format_tree(),
+        cache._clock,
+        cache.version,
+        vars(cache.stats).copy(),
+        cache.held_refs(),
+        list(cache.allocator.ref_counts),
+        [n.id for n in cache._evictable],
+    )
+    for query in ([1], [1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 7], [9]):
+        cache.peek_continuation(query, 8)
+    after = (
+        cache.format_tree(),
+        cache._clock,
+        cache.version,
+        vars(cache.stats).copy(),
+        cache.held_refs(),
+        list(cache.allocator.ref_counts),
+        [n.id for n in cache._evictable],
+    )
+    assert after == before
+    cache.check_integrity()
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "match", "peek"]), st.lists(st.integers(0, 2), max_size=9)
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.sampled_from([1, 2, 4]), st.integers(1, 8))
+def test_peek_continuation_matches_naive(operations, block_size, max_tokens):
+    cache = RadixCache(BlockAllocator(512), block_size)
+    naive = NaivePrefixCache(block_size)
+    for kind, tokens in operations:
+        if kind == "insert" and tokens:
+            blocks = cache.allocator.allocate(-(-len(tokens) // block_size))
+            cache.insert(tokens, blocks)
+            naive.insert(tokens, blocks)
+            cache.allocator.decref(blocks)
+        elif kind == "match":
+            cache.match(tokens)
+            naive.match(tokens)
+        else:
+            want = naive.peek_continuation(tokens, max_tokens)
+            assert cache.peek_continuation(tokens, max_tokens) == want, cache.format_tree()
+    cache.check_integrity()
+
+
+def request(tokens: list[int]) -> Request:
+    return Request("r", len(tokens), list(tokens), SamplingParams(), 16)
+
+
+def test_create_proposer_and_bad_configuration():
+    cache = RadixCache(BlockAllocator(8), 4)
+    assert create_proposer(SpeculativeConfig(), cache) is None
+    ngram = create_proposer(SpeculativeConfig("ngram", 1, 3), cache)
+    assert isinstance(ngram, NgramProposer)
+    assert ngram.propose(request([1, 2, 1]), 2) == [2, 1]
+    assert isinstance(create_proposer(SpeculativeConfig("radix"), cache), RadixProposer)
+    from radixrt.cache.none import NoCache
+
+    with pytest.raises(ValueError, match="needs the radix prefix cache"):
+        create_proposer(SpeculativeConfig("radix"), NoCache(4))
+    with pytest.raises(ValueError, match="prefix_cache is 'blockhash'"):
+        resolve_config("-", "cpu", speculative_method="radix", prefix_cache="blockhash")
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        resolve_config("-", "cpu", speculative_method="draft")
+    with pytest.raises(ValueError, match="ngram_min_n"):
+        resolve_config("-", "cpu", speculative_method="ngram", ngram_min_n=3, ngram_max_n=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        resolve_config("-", "cpu", speculative_method="ngram", num_speculative_tokens=0)
+
+
+# ---- the scheduler with real proposers over a scripted runner ----
+
+
+def cyclic_token(rid: str, position: int) -> int:
+    """A sequence that repeats with period 5 (n-gram drafts are right once it cycled)."""
+    return 200 + (position + int(rid[1:])) % 5
+
+
+def expected_cyclic(reqs, max_tokens):
+    return {
+        f"r{i}": ([cyclic_token(f"r{i}", len(p) + j) for j in range(m)], FinishReason.LENGTH)
+        for i, (p, m) in enumerate(zip(reqs, max_tokens))
+    }
+
+
+SCRIPTED = [
+    dict(),
+    dict(max_num_batched_tokens=8),  # chunked prefill
+    dict(num_kv_blocks=20, block_size=2),  # preemption
+    dict(prefix_cache="none"),
+]
+
+
+@pytest.mark.parametrize("config", SCRIPTED, ids=[str(c) for c in SCRIPTED])
+def test_scripted_ngram_equals_plain_decoding(config):
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(5)]
+    max_tokens = [6 + 5 * i for i in range(5)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs, stats = {}, {}
+    for k in (0, 4):
+        core, runner = make_core(overlap=False, num_speculative_tokens=max(k, 1), **config)
+        runner.token_fn = cyclic_token
+        if k:
+            core.scheduler.proposer = NgramProposer(2, 4)
+        outs[k] = run(core, reqs, params)
+        stats[k] = core.stats()
+    assert outs[4] == outs[0] == expected_cyclic(reqs, max_tokens)
+    s = stats[4]
+    assert s["spec_proposals"] > s["spec_proposals_with_drafts"] > 0
+    assert 0 < s["spec_accepted_tokens"] <= s["spec_draft_tokens"]
+    assert s["spec_acceptance_rate"] > 0.8  # a cycle: drafts right once it repeated
+    assert s["steps"] < stats[0]["steps"]
+    assert s["spec_accepted_pos_0"] >= s.get("spec_accepted_pos_3", 0)
+    assert stats[0]["spec_proposals"] == 0
+
+
+def test_scripted_radix_drafts_a_rerun_program():
+    """The second run of the same prompts finds every answer in the tree: the radix proposer
+    fires on every decode row and every draft is accepted; the first run never drafts."""
+    reqs = [[50 + i, 60, 61, 62, 63, 64] for i in range(4)]
+    params = [SamplingParams(max_tokens=9, ignore_eos=True)] * 4
+    core, _ = make_core(overlap=False, num_speculative_tokens=4)
+    core.scheduler.proposer = RadixProposer(core.cache)
+    first = run(core, reqs, params)
+    s1 = core.stats()
+    assert s1["spec_proposals"] > 0 and s1["spec_proposals_with_drafts"] == 0
+    second = run(core, reqs, params)
+    assert second == first
+    s2 = core.stats()
+    fired = s2["spec_proposals_with_drafts"]
+    assert fired == s2["spec_proposals"] - s1["spec_proposals"] > 0
+    assert s2["spec_acceptance_rate"] == 1.0
+    # 9 tokens: the first from the prefill, then drafts of up to 4 (the last cached output
+    # token has no KV, so the tree holds 8 of the 9)
+    assert s2["steps"] - s1["steps"] < s1["steps"] / 2
+
+
+def test_scripted_always_wrong_drafts_roll_back():
+    """Drafts that are always rejected: outputs unchanged, every row rolls back its blocks."""
+
+    class Wrong:
+        def propose(self, req, max_drafts):
+            return [1] * max_drafts
+
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(4)]
+    params = [SamplingParams(max_tokens=7, ignore_eos=True)] * 4
+    core, _ = make_core(overlap=False, block_size=2, num_kv_blocks=24)
+    core.scheduler.proposer = Wrong()
+    plain, _ = make_core(overlap=False, block_size=2, num_kv_blocks=24)
+    assert run(core, reqs, params) == run(plain, reqs, params)
+    s = core.stats()
+    assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] == 0
+    assert s["spec_mean_acceptance_length"] == 1.0
+
+
+def test_scripted_stop_inside_an_accepted_run():
+    """EOS inside the accepted drafts: the request stops at it; the rest is dropped."""
+    from test_step_plan import EOS
+
+    def token_fn(rid, position):
+        return EOS if position == 14 else 200 + position % 3
+
+    outs = {}
+    for spec in (False, True):
+        core, runner = make_core(overlap=False)
+        runner.token_fn = token_fn
+        if spec:
+            core.scheduler.proposer = NgramProposer(1, 3)
+        outs[spec] = run(core, [[9, 8, 7, 6]], [SamplingParams(max_tokens=20)])
+    assert outs[True] == outs[False]
+    assert outs[True]["r0"][1] is FinishReason.STOP and outs[True]["r0"][0][-1] == EOS
+
+
+def test_drafts_stay_within_the_token_budget():
+    """Drafts only use what the step's token budget leaves after the decode rows."""
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(5)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 5
+    core, runner = make_core(overlap=False, max_num_batched_tokens=8, num_speculative_tokens=4)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = NgramProposer(1, 4)
+    plans = []
+    execute = runner.execute
+    runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    assert run(core, reqs, params) == expected_cyclic(reqs, [20] * 5)
+    assert all(p.num_tokens <= 8 for p in plans)
+    assert any(r.num_draft_tokens for p in plans for r in p.rows)
+
+
+def test_spec_stats_count_what_they_say():
+    from radixrt.spec import SpecStats
+
+    s = SpecStats()
+    assert s.acceptance_rate == s.mean_acceptance_length == s.fire_rate == 0.0
+    for drafts, accepted in [(4, 4), (4, 1), (2, 0), (3, 2)]:
+        s.record_verify(drafts, accepted)
+    assert (s.num_verify_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 13, 7)
+    assert s.accepted_per_position == [3, 2, 1, 1]  # rows whose draft i was accepted
+    assert s.acceptance_rate == 7 / 13
+    assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
+
+
+class HalfRight:
+    """The true next two tokens (cyclic_token), then garbage: every row rolls back."""
+
+    def propose(self, req, max_drafts):
+        n = len(req.seq_token_ids)
+        true = [cyclic_token(req.rid, n + i) for i in range(max_drafts)]
+        return true[:2] + [1] * (max_drafts - 2)
+
+
+def test_rollback_keeps_exact_block_counts_under_preemption():
+    """After every step each running request holds exactly the blocks of its computed KV
+    (rejected drafts' blocks are freed in the same step), with preemption mid-draft."""
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(6)]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 6
+    core, runner = make_core(overlap=False, block_size=2, num_kv_blocks=30)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = HalfRight()
+    for i, (p, sp) in enumerate(zip(reqs, params)):
+        core.add_request(p, sp, rid=f"r{i}")
+    out: dict[str, list[int]] = {}
+    while core.has_work:
+        for d in core.step():
+            out.setdefault(d.rid, []).extend(d.new_token_ids)
+        for req in core.scheduler.running:
+            assert len(req.block_table) == -(-req.num_computed // 2), req.rid
+        core.check_integrity()
+    assert out == {r: toks for r, (toks, _) in expected_cyclic(reqs, [14] * 6).items()}
+    s = core.stats()
+    assert s["preemptions"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+
+
+def test_abort_while_a_verify_step_is_in_flight():
+    core, runner = make_core(overlap=True, block_size=2)
+    runner.token_fn = cyclic_token
+    core.scheduler.proposer = HalfRight()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    rids = [core.add_request([9, 8, 7, 6, 5, 4, 3 + i], params, rid=f"r{i}") for i in range(4)]
+    for _ in range(6):
+        core.step()
+    assert core.scheduler.num_inflight_steps == 1
+    assert core.stats()["spec_verify_rows"] > 0
+    for rid in rids[::2]:
+        core.abort(rid)
+    core.check_integrity()
+    while core.has_work:
+        for d in core.step():
+            assert d.rid not in rids[::2]
+    core.check_integrity()
+    assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
+
+
+def test_cli_flags_reach_the_config():
+    import argparse
+
+    from radixrt.cli import _engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    args = p.parse_args(
+        ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--ngram-max-n", "5"]
+    )
+    cfg = resolve_config("-", **{**engine_options(args), "device": "cpu"})
+    assert cfg.speculative == SpeculativeConfig("ngram", 2, 5)
+    assert cfg.scheduler.num_speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-method", "draft"])
