@@ -21,15 +21,17 @@ import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
+from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.scheduler.beam import BeamState
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status, fork_rid
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
@@ -53,6 +55,12 @@ class SchedulerStats:
     num_cow_copies: int = 0  # partial blocks copied on a mid-block match
     num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
     num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt positions fed to the model (recomputes too)
+    num_forks: int = 0  # n > 1 / beam-search groups forked (again after a preemption)
+    num_fork_shared_blocks: int = 0  # full blocks children took a reference on at a fork
+    num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
+    num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
+    num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
     finish_reasons: Counter = field(default_factory=Counter)
 
     @property
@@ -103,21 +111,95 @@ class Scheduler:
         # This step's prefix matches of waiting requests (valid while cache.version holds).
         self._matches: dict[Request, MatchResult] = {}
         self._matches_version = -1
+        # Block ops made while applying a result (beam re-parenting) for the next plan.
+        self._pending_ops: list = []
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit."""
+        self._check_fits(req, 1, "")
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:
+        """ValueError unless `num_seqs` sequences of `req` sharing its prompt's full blocks
+        (all but the last prompt token) fit in the pool together."""
         if req.rid in self.requests:
             raise ValueError(f"request id {req.rid!r} is already in use")
         total = min(req.prompt_len + req.max_tokens, self.max_model_len)
-        blocks = math.ceil(total / self.block_size)
+        shared = max(req.prompt_len - 1, 0) // self.block_size if num_seqs > 1 else 0
+        blocks = shared + num_seqs * (math.ceil(total / self.block_size) - shared)
         if blocks > self.allocator.num_blocks:
+            what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
             raise ValueError(
-                f"prompt + max_tokens need {blocks} KV blocks but the pool has only "
+                f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
                 f"{self.allocator.num_blocks}; shorten the prompt or lower max_tokens"
+                + (f" or {field_name}" if num_seqs > 1 else "")
             )
-        self.requests[req.rid] = req
-        self.waiting.append(req)
+
+    def add_fork(self, req: Request) -> list[Request]:
+        """Queue an n > 1 request (`req.params.n` children, ids `fork_rid(rid, i)`, child i
+        seeded with (seed + i) mod 2**63). Returns the children; the parent `req.rid` gets
+        no outputs of its own. Raises ValueError when the n sequences can never fit."""
+        n = req.params.n
+        assert n > 1
+        self._check_fits(req, n, "n")
+        seed = req.params.seed
+        children = [
+            Request(
+                rid=fork_rid(req.rid, i),
+                prompt_len=req.prompt_len,
+                seq_token_ids=list(req.seq_token_ids),
+                params=replace(req.params, n=1, seed=None if seed is None else (seed + i) % 2**63),
+                max_tokens=req.max_tokens,
+                index=i,
+            )
+            for i in range(n)
+        ]
+        self._add_group(req, children, None)
+        return children
+
+    def add_beam_search(
+        self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
+    ) -> Request:
+        """Queue a beam search (`max_tokens` resolved against the context). The returned
+        request gets one output when the search ends: `group.beam.finished`, best first.
+        Raises ValueError on bad input (nothing is queued)."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        params.check_candidates(len(self.eos_token_ids))
+        k = params.num_candidates(len(self.eos_token_ids))
+        beam_params = SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True, top_logprobs=k
+        )
+        ids = list(prompt_ids)
+        req = Request(rid, len(ids), ids, beam_params, max_tokens)
+        self._check_fits(req, params.beam_width, "beam_width")
+        beam = Request(
+            fork_rid(rid, 0), len(ids), list(ids), beam_params, max_tokens, reports=False
+        )
+        state = BeamState(params.beam_width, k, max_tokens, params.length_penalty, eos)
+        self._add_group(req, [beam], state)
+        return req
+
+    def _add_group(self, req: Request, children: list[Request], beam: BeamState | None) -> None:
+        """The parent computes the prompt but its last token and samples nothing."""
+        assert req.prompt_len >= 1
+        parent = Request(
+            rid=req.rid,
+            prompt_len=req.prompt_len - 1,
+            seq_token_ids=req.seq_token_ids[:-1],
+            params=req.params,
+            max_tokens=0,
+            reports=beam is not None,
+        )
+        group = ForkGroup(parent, children, beam=beam)
+        parent.group = group
+        self.requests[parent.rid] = parent
+        for child in children:
+            child.group = group
+            if child.reports:
+                self.requests[child.rid] = child
+        self.waiting.append(parent)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Stop a request now (client gone, or a stop string seen: reason STOP) and free
@@ -127,12 +209,24 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None:
             return None
+        g = req.group
+        if g is not None and req is g.parent:
+            # the whole group: every child (an n > 1 parent finishes with its last child)
+            for child in list(g.children):
+                self._stop(child, reason)
+            if req.status is not Status.FINISHED:
+                self._stop(req, reason)
+            return req
+        self._stop(req, reason)
+        return req
+
+    def _stop(self, req: Request, reason: FinishReason) -> None:
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        else:
+            if _queued(req):
+                self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
             self.running.remove(req)
         self._finish(req, reason)
-        return req
 
     @property
     def has_work(self) -> bool:
@@ -148,11 +242,15 @@ class Scheduler:
         """Plan the next step, or None when no row can run now. Mutates request and cache
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
         self._matches.clear()
-        ops: list = []
+        ops: list = self._pending_ops
+        self._pending_ops = []
+        for parent in [r for r in self.running if r.group is not None and r.group.ready]:
+            assert parent is parent.group.parent
+            self._fork(parent.group, ops)
         decode = self._schedule_decode()
         budget = self.cfg.max_num_batched_tokens - sum(1 + len(d) for _, d in decode)
         extend: list[tuple[Request, int]] = []
-        for req in [r for r in self.running if self._schedulable(r) and r.num_pending > 1]:
+        for req in [r for r in self.running if self._schedulable(r) and self._extend_due(r)]:
             n = self._chunk(req, budget)
             if n == 0 or not self._reserve(req, n):
                 break
@@ -163,7 +261,11 @@ class Scheduler:
         for req in self.waiting:
             req.waited_steps += 1
         if not decode and not extend:
-            assert not ops, "block ops planned for no row"
+            # No row: copies into blocks a running request holds (a fork parent's whole
+            # prefix cached) wait for the next plan; the others were for forks or beams
+            # preempted since (their blocks are free now, nothing to copy).
+            held = {b for r in self.running for b in r.block_table}
+            self._pending_ops = [op for op in ops if op.dst in held]
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
@@ -178,6 +280,11 @@ class Scheduler:
     def _schedulable(self, req: Request) -> bool:
         """Running and not waiting for the host result of a step in flight."""
         return req.status is Status.RUNNING and not req.awaiting_host_result
+
+    @staticmethod
+    def _extend_due(req: Request) -> bool:
+        """More than one token to feed (a prefill chunk), or a prompt-only request's last."""
+        return req.num_pending > 1 or (req.max_tokens == 0 and req.num_pending == 1)
 
     def _decode_due(self, req: Request) -> bool:
         """One token to feed, and the sample it makes may still be kept (a request whose
@@ -194,11 +301,15 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.admission_seq):
             if not (self._schedulable(req) and self._decode_due(req)):
                 continue
+            if req.status is not Status.RUNNING:
+                continue  # preempted with its group this step
             drafts = self._drafts(req)
             while not self._reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
-                if victim is req:
+                # a group goes as a whole, rows already picked for it too
+                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
+                if req.status is not Status.RUNNING:
                     break
             else:
                 scheduled.append((req, drafts))
@@ -240,9 +351,10 @@ class Scheduler:
 
     @staticmethod
     def _match_limit(req: Request) -> int:
-        # The last token is always recomputed (its logits are sampled); with prompt
-        # log-probs, so is every token from logprob_start_len - 1 on.
-        limit = len(req.seq_token_ids) - 1
+        # The last token is always recomputed (its logits are sampled), but by a fork
+        # parent (it samples nothing); with prompt log-probs, so is every token from
+        # logprob_start_len - 1 on.
+        limit = len(req.seq_token_ids) - (0 if req.group is not None else 1)
         if req.params.prompt_logprobs:
             limit = min(limit, req.params.logprob_start_len - 1)
         return limit
@@ -259,6 +371,9 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
+            group_slots = req.group.num_slots if req.group is not None else 1
+            if group_slots > len(self._free_slots):
+                break
             if dedup and computing and self._shares_uncached_prefix(req, computing):
                 skipped += 1
                 if skipped >= MAX_DEFERRED_PER_STEP:
@@ -272,6 +387,8 @@ class Scheduler:
                 del ops[num_ops:]
                 self._release(req)
                 break
+            if req.group is not None:
+                req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
                 self.stats.num_requests += 1
@@ -283,6 +400,9 @@ class Scheduler:
             self._admissions += 1
             req.admission_seq = self._admissions
             self.running.append(req)
+            if n == 0:  # a fork parent with its whole prefix cached
+                req.group.ready = True
+                continue
             extend.append((req, n))
             computing.append(req)
             budget -= n
@@ -361,14 +481,33 @@ class Scheduler:
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
+        g = req.group
+        if g is not None and req is g.parent:
+            self._free_slots += g.reserved_slots
+            g.reserved_slots = []
         req.num_computed = req.num_kv_done = req.num_table_sent = 0
         req.num_inflight_samples = 0
         req.awaiting_host_result = False
 
     def _preempt(self, req: Request) -> None:
         """Free the request's KV and put it at the head of the waiting queue (it will be
-        recomputed, reusing whatever the prefix cache still holds)."""
-        self.running.remove(req)
+        recomputed, reusing whatever the prefix cache still holds). A group member takes its
+        whole group: the children leave (holding nothing), the parent is requeued and forks
+        them again once it recomputed the shared prefix."""
+        g = req.group
+        if g is not None:
+            for child in g.children:
+                if child.status is Status.RUNNING:
+                    self.running.remove(child)
+                    self._release(child)
+                    child.epoch += 1
+                    child.status = Status.WAITING
+                    child.num_preemptions += 1
+                    child.beam_top_logprobs = None
+            g.ready = False
+            req = g.parent
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
         self._release(req)
         req.epoch += 1
         req.status = Status.WAITING
@@ -402,8 +541,11 @@ class Scheduler:
         req.num_table_sent = len(req.block_table)
         if p.has_penalties:
             row.history, row.prompt_len = list(seq), req.prompt_len
-        # Penalties need the whole output on the host; so does the proposer, to draft.
-        row.needs_host_result = p.has_penalties or self.proposer is not None
+        # Penalties need the whole output on the host; so does the proposer, to draft, and
+        # beam search, to pick the next beams.
+        is_beam = req.group is not None and req.group.beam is not None and req.reports is False
+        row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
+        self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
             hi = min(start + n, req.prompt_len - 1)
@@ -422,6 +564,7 @@ class Scheduler:
         launched = self._launched.pop(plan.step_id)
         assert result.step_id == plan.step_id
         changed: list[Request] = []
+        beam_groups: dict[int, ForkGroup] = {}
         for i, (row, req, epoch) in enumerate(zip(plan.rows, launched.requests, launched.epochs)):
             if req.epoch != epoch or req.status is not Status.RUNNING:
                 self.stats.num_dropped_tokens += len(result.tokens[i])
@@ -433,6 +576,10 @@ class Scheduler:
             req.num_kv_done = max(req.num_kv_done, row.end)
             if not row.sample_offsets:
                 if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
+                    if req.group is not None:  # a fork parent: fork at the next schedule()
+                        self._cache_progress(req, row.end)
+                        req.group.ready = True
+                        continue
                     changed.append(req)  # prefill-only (scoring / cache warming): done
                     self._finish_running(req, FinishReason.LENGTH)
                 else:  # a prefill chunk: share its progress with others at once
@@ -440,8 +587,18 @@ class Scheduler:
                 continue
             if row.num_tokens > 1 or row.start < req.prompt_len:  # a last prefill chunk
                 self._cache_progress(req, row.end)
+            if not req.reports:  # a beam: its group picks the next beams below
+                req.num_inflight_samples -= 1
+                req.beam_top_logprobs = result.top_logprobs[i][0]
+                beam_groups[id(req.group)] = req.group
+                continue
             changed.append(req)
             self._accept(req, row, result, i)
+        for g in beam_groups.values():
+            if g.parent.status is Status.FORKED and all(
+                b.beam_top_logprobs is not None for b in g.children
+            ):
+                self._beam_step(g, changed)
         return changed
 
     def _accept(self, req: Request, row: PlanRow, result: StepResult, i: int) -> None:
@@ -502,8 +659,146 @@ class Scheduler:
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.stats.finish_reasons[reason.value] += 1
+        g = req.group
+        if g is not None and req is not g.parent:
+            g.children.remove(req)
+            if not req.reports:
+                return  # a beam
+        if req.reports:
+            self.stats.finish_reasons[reason.value] += 1
         del self.requests[req.rid]
+        if g is not None and g.beam is None and not g.children and req is not g.parent:
+            self._stop(g.parent, reason)  # the last child of an n > 1 request
+
+    # ---- forks and beams ----
+    def _fork(self, g: ForkGroup, ops: list) -> None:
+        """Fork a ready parent into its children (see ForkGroup); waits a step when the
+        partial-block copies find no free block."""
+        parent = g.parent
+        full, partial = divmod(parent.num_computed, self.block_size)
+        children = g.children
+        copies = self._allocate(len(children) - 1) if partial else []
+        if copies is None:
+            return
+        shared = parent.block_table[:full]
+        for i, child in enumerate(children):
+            if i == 0:  # takes over the parent's blocks, slot and lock
+                child.block_table, child.slot = parent.block_table, parent.slot
+                child.num_table_sent, child.cache_handle = (
+                    parent.num_table_sent,
+                    parent.cache_handle,
+                )
+            else:
+                self._share_prefix(parent, child, copies[i - 1] if partial else None, ops)
+                child.slot = g.reserved_slots.pop()
+            child.num_computed = child.num_kv_done = parent.num_computed
+            child.status = Status.RUNNING
+            self._admissions += 1
+            child.admission_seq = self._admissions
+            self.running.append(child)
+        self.stats.num_forks += 1
+        self.stats.num_fork_shared_blocks += len(shared) * (len(children) - 1)
+        self.stats.num_fork_copied_blocks += len(copies)
+        self.running.remove(parent)
+        parent.block_table, parent.slot, parent.cache_handle = [], None, None
+        parent.num_computed = parent.num_kv_done = parent.num_table_sent = 0
+        parent.status = Status.FORKED
+        g.ready = False
+        if g.beam is None:
+            self._free_slots += g.reserved_slots
+            g.reserved_slots = []
+
+    def _share_prefix(self, src: Request, dst: Request, copy: int | None, ops: list) -> None:
+        """Give `dst` references to `src`'s full blocks and, when `src`'s computed KV ends
+        inside a block, block `copy` with those tokens copied in (a CopyBlock op)."""
+        full, partial = divmod(src.num_computed, self.block_size)
+        shared = src.block_table[:full]
+        self.allocator.incref(shared)
+        dst.block_table = list(shared)
+        if partial:
+            assert copy is not None
+            ops.append(CopyBlock(src.block_table[full], copy, partial))
+            dst.block_table.append(copy)
+        dst.num_table_sent = 0
+        dst.num_computed = dst.num_kv_done = src.num_computed
+        if src.cache_handle is not None:
+            self.cache.lock(src.cache_handle)
+        dst.cache_handle = src.cache_handle
+
+    def _beam_step(self, g: ForkGroup, changed: list[Request]) -> None:
+        """Every live beam's top log-probs are in: pick the next beams (BeamState.step),
+        re-parent them by block references, free dropped beams; or finish the search."""
+        beams = g.children
+        state = g.beam
+        picks = state.step(
+            [b.output_token_ids for b in beams], [b.beam_top_logprobs for b in beams]
+        )
+        for b in beams:
+            b.beam_top_logprobs = None
+        if not picks:
+            for b in list(beams):
+                self.running.remove(b)
+                self._finish(b, FinishReason.LENGTH)
+            best = state.finished[0] if state.finished else None
+            eos = (
+                best is not None
+                and best.output_token_ids[-1:]
+                and (best.output_token_ids[-1] in state.eos_token_ids)
+            )
+            self._stop(g.parent, FinishReason.STOP if eos else FinishReason.LENGTH)
+            changed.append(g.parent)
+            return
+        # Each picked source continues in place once; dropped beams give back their blocks
+        # (and slots to the group) before the other picks copy from their sources.
+        first_pick: dict[int, int] = {}
+        for j, c in enumerate(picks):
+            first_pick.setdefault(c.beam, j)
+        full, partial = divmod(beams[0].num_computed, self.block_size)
+        assert all(b.num_computed == beams[0].num_computed for b in beams)
+        spare = [b for i, b in enumerate(beams) if i not in first_pick]
+        for b in spare:
+            self.running.remove(b)
+            slot = b.slot
+            b.slot = None
+            self._release(b)
+            g.reserved_slots.append(slot)
+        need = sum(1 for j, c in enumerate(picks) if first_pick[c.beam] != j) if partial else 0
+        copies = self._allocate(need) if need else []
+        new: list[Request] = []
+        for j, c in enumerate(picks):
+            src = beams[c.beam]
+            if first_pick[c.beam] == j:
+                beam = src
+            else:
+                beam = Request(
+                    fork_rid(g.parent.rid, len(new)),
+                    src.prompt_len,
+                    list(src.seq_token_ids),
+                    src.params,
+                    src.max_tokens,
+                    group=g,
+                    reports=False,
+                )
+                if copies is None:  # no block for the copy: recompute this beam later
+                    beam.status = Status.WAITING
+                else:
+                    self._share_prefix(
+                        src, beam, copies.pop() if partial else None, self._pending_ops
+                    )
+                    beam.slot = g.reserved_slots.pop()
+                    beam.status = Status.RUNNING
+                    self._admissions += 1
+                    beam.admission_seq = self._admissions
+                    self.running.append(beam)
+                    self.stats.num_beam_shared_blocks += full
+                    self.stats.num_beam_copied_blocks += 1 if partial else 0
+            new.append(beam)
+        for j, (beam, c) in enumerate(zip(new, picks)):
+            beam.seq_token_ids.append(c.token)
+            beam.index = j
+        g.children = new
+        if copies is None:
+            self._preempt(g.parent)
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -513,9 +808,23 @@ class Scheduler:
             refs.update(req.block_table)
             assert len(req.block_table) >= math.ceil(req.num_computed / self.block_size)
             assert req.slot is not None and 0 <= req.num_inflight_samples <= 1
-        for req in self.waiting:
+        groups = {id(r.group): r.group for r in self.requests.values() if r.group is not None}
+        idle = list(self.waiting)
+        for g in groups.values():
+            assert g.parent.status is not Status.FINISHED
+            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.beam is None or len(g.children) <= g.beam.width
+            idle += [c for c in g.children if c.status is Status.WAITING]
+            if g.parent.status is Status.FORKED:
+                idle.append(g.parent)
+                assert not g.ready and g.children
+            elif g.parent.status is Status.WAITING:
+                assert not g.reserved_slots and not g.ready
+                assert all(c.status is Status.WAITING for c in g.children)
+        for req in idle:
             assert not req.block_table and req.cache_handle is None and req.slot is None
         slots = [r.slot for r in self.running]
+        slots += [s for g in groups.values() for s in g.reserved_slots]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
         self.allocator.check_integrity(refs)
@@ -528,3 +837,9 @@ class Scheduler:
             f"free {free} + cached {num_cached} + in use {num_in_use} "
             f"!= total {self.allocator.num_blocks}"
         )
+
+
+def _queued(req: Request) -> bool:
+    """Whether a WAITING request sits in the waiting queue (a group's children wait inside
+    their group instead)."""
+    return req.group is None or req is req.group.parent
