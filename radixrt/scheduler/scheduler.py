@@ -126,6 +126,11 @@ class Scheduler:
         (all but the last prompt token) fit in the pool together."""
         if req.rid in self.requests:
             raise ValueError(f"request id {req.rid!r} is already in use")
+        if num_seqs > self.num_slots:
+            raise ValueError(
+                f"invalid {field_name}={num_seqs}: the engine runs at most "
+                f"{self.num_slots} sequences at once (max_running_requests)"
+            )
         total = min(req.prompt_len + req.max_tokens, self.max_model_len)
         shared = max(req.prompt_len - 1, 0) // self.block_size if num_seqs > 1 else 0
         blocks = shared + num_seqs * (math.ceil(total / self.block_size) - shared)
