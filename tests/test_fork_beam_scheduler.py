@@ -259,6 +259,32 @@ def test_beam_search_plumbing(overlap, config):
         assert stats["preemptions"] > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("num_kv_blocks", [14, 16])
+def test_beams_in_a_tight_pool(overlap, num_kv_blocks):
+    """Two beam searches and plain requests in a pool too small for all: groups preempt each
+    other (also when a re-parenting step finds no block for a copy) and still produce the
+    reference results."""
+    core, runner = content_core(
+        overlap=overlap, prefix_cache="none", num_kv_blocks=num_kv_blocks, block_size=4
+    )
+    runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)
+    cases = [(list(range(100 + 20 * i, 107 + 20 * i)), BeamSearchParams(4, 7)) for i in range(2)]
+    for i, (p, bp) in enumerate(cases):
+        core.add_beam_search(p, bp, rid=f"b{i}")
+    for j in range(3):
+        p = list(range(60 + j, 66 + j))
+        core.add_request(p, SamplingParams(max_tokens=9, ignore_eos=True), rid=f"x{j}")
+    done = drive(core)
+    for i, (p, bp) in enumerate(cases):
+        ref = reference_beams(p, bp)
+        got = done[f"b{i}"][2].beams
+        assert [h.output_token_ids for h in got] == [h.output_token_ids for h in ref]
+    for j in range(3):
+        assert done[f"x{j}"][0] == expect(f"x{j}", list(range(60 + j, 66 + j)), 9)
+    assert core.stats()["preemptions"] > 0
+
+
 @pytest.mark.parametrize("when", [0, 2, 5])
 def test_abort_mid_beam(when):
     core, runner = content_core(overlap=True)
