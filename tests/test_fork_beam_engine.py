@@ -74,6 +74,14 @@ def test_abort_mid_fan_out_and_stream(make_engine):
                 finished[d.rid] = d.finish_reason
     assert len(finished) == 3 and set(finished.values()) == {FinishReason.ABORT}
     engine.check_integrity()
+    # the group's id, then a child's (already finished with it): nothing left, nothing fails
+    rid = engine.add_request(ids, SamplingParams(max_tokens=50, n=2))
+    engine.step()
+    engine.abort(rid)
+    engine.abort(rid + "#0")
+    while engine.core.has_work:
+        engine.step()
+    engine.check_integrity()
     # a consumer that stops early aborts every child
     stream = engine.generate_stream(
         prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=50, n=3)

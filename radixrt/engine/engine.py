@@ -118,7 +118,10 @@ class Engine:
             if delta.beams is not None:  # beam search: texts are made by beam_search()
                 out.append((delta, ""))
                 continue
-            detok = self._detok[delta.rid]
+            detok = self._detok.get(delta.rid)
+            if detok is None:  # a child the caller aborted itself after its group
+                out.append((delta, ""))
+                continue
             text = detok.add(delta.new_token_ids, final=delta.finished)
             if detok.stopped and not delta.finished:
                 last = self.core.abort(delta.rid, FinishReason.STOP)

@@ -313,10 +313,12 @@ class Scheduler(GroupScheduling):
                 req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
+                # a group's parent holds the prompt but its last token
+                prompt_len = req.prompt_len + (1 if req.group is not None else 0)
                 self.stats.num_requests += 1
-                self.stats.num_prompt_tokens += req.prompt_len
+                self.stats.num_prompt_tokens += prompt_len
                 self.stats.num_cached_tokens += req.num_computed
-                self.cache.stats.record_lookup(req.prompt_len, req.num_computed)
+                self.cache.stats.record_lookup(prompt_len, req.num_computed)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self._admissions += 1
