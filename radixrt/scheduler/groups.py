@@ -177,11 +177,9 @@ class GroupScheduling:
             for b in list(beams):
                 self.running.remove(b)
                 self._finish(b, FinishReason.LENGTH)
-            best = state.finished[0] if state.finished else None
-            eos = (
-                best is not None
-                and best.output_token_ids[-1:]
-                and (best.output_token_ids[-1] in state.eos_token_ids)
+            # the best sequence's reason: it ended with EOS, or reached max_tokens
+            eos = bool(state.finished) and state.finished[0].output_token_ids[-1] in (
+                state.eos_token_ids
             )
             self._stop(g.parent, FinishReason.STOP if eos else FinishReason.LENGTH)
             changed.append(g.parent)
