@@ -8,17 +8,24 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isdir(_os.path.join(_root, "kernels")):
     __path__.append(_root)
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "Engine",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+]
 
 
 def __getattr__(name: str):
     # Lazy: processes that never build an engine (the HTTP front) skip importing torch.
-    if name in ("Engine", "RequestOutput", "StreamDelta"):
+    if name in ("BeamSearchOutput", "Engine", "RequestOutput", "StreamDelta"):
         from radixrt import engine
 
         return getattr(engine, name)
-    if name == "SamplingParams":
-        from radixrt.sampling import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from radixrt import sampling
 
-        return SamplingParams
+        return getattr(sampling, name)
     raise AttributeError(f"module 'radixrt' has no attribute {name!r}")

@@ -16,6 +16,8 @@ MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
 MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
 LOGIT_BIAS_RANGE = 100.0  # a logit bias is in [-100, 100]
+MAX_N = 64  # SamplingParams.n at most
+MAX_BEAM_WIDTH = 10  # BeamSearchParams.beam_width at most (see BeamSearchParams)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling; each id once. A Mapping
     # {id: bias} is accepted and turned into pairs (sorted by id).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1  # independent samples of the prompt (1..MAX_N): the prompt is prefilled
+    # once and forked; child i samples with seed (seed + i) mod 2**63 when seeded
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +121,13 @@ class SamplingParams:
             self.top_logprobs,
             f"an integer in [0, {MAX_TOP_LOGPROBS}]",
         )
+        _check(_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
+        _check(
+            self.n == 1 or not self.prompt_logprobs,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "False when n > 1 (score the prompt with an n = 1 request)",
+        )
         _check(
             all(
                 len(p) == 2
@@ -143,6 +154,58 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (deterministic; HF transformers' `generate(num_beams=beam_width,
+    do_sample=False, early_stopping=False)` semantics, see radixrt/scheduler/beam.py).
+
+    Each step ranks max(2, 1 + number of EOS ids) * beam_width candidates; the runner returns
+    that many top log-probs per beam, which must stay <= MAX_TOP_LOGPROBS (so with 2 EOS ids
+    beam_width <= 6, without EOS in play (ignore_eos) <= 10)."""
+
+    beam_width: int = 4  # beams kept per step, 1..MAX_BEAM_WIDTH; also sequences returned
+    max_tokens: int = 16  # new tokens per sequence at most (>= 1)
+    length_penalty: float = 1.0  # finished score = cumulative_logprob / length ** this
+    ignore_eos: bool = False  # EOS ids are plain tokens (every beam runs max_tokens)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+
+    def __post_init__(self) -> None:
+        _check(
+            _int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+            "beam_width",
+            self.beam_width,
+            f"an integer in [1, {MAX_BEAM_WIDTH}]",
+        )
+        _check(
+            _int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1",
+        )
+        _check(_num(self.length_penalty), "length_penalty", self.length_penalty, "a number")
+
+    def num_candidates(self, num_eos_ids: int) -> int:
+        """Candidates ranked per step (HF's beams_to_keep)."""
+        eos = 0 if self.ignore_eos else num_eos_ids
+        return max(2, 1 + eos) * self.beam_width
+
+    def check_candidates(self, num_eos_ids: int) -> None:
+        """Raises ValueError when the model's EOS ids make the candidate count exceed what the
+        runner returns per row."""
+        k = self.num_candidates(num_eos_ids)
+        _check(
+            k <= MAX_TOP_LOGPROBS,
+            "beam_width",
+            self.beam_width,
+            f"at most {MAX_TOP_LOGPROBS // max(2, 1 + num_eos_ids)} for a model with "
+            f"{num_eos_ids} EOS ids (max(2, 1 + EOS ids) * beam_width <= {MAX_TOP_LOGPROBS})",
+        )
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _num(x: object) -> bool:

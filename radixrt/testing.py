@@ -5,11 +5,18 @@ checks every plan against it, so a plan that would make a real runner read the w
 block fails here too. Tokens come from `token_fn(rid, position) -> token` (the token sampled
 after the sequence's first `position` tokens; deterministic by default, so runs with and
 without overlap or caching must agree). Plain Python: no torch.
+
+With `context_fn`, the runner also models KV content: each block holds the token ids written
+at its positions (rows write their input tokens, copy ops copy), and a sample is
+`context_fn(rid, context)` of the context read back through the row's block table, so a
+missing or wrong copy-on-write changes the outputs (and reading an unwritten position fails).
+`context_fn` may return a list of (token, log-prob) pairs, best first: the first is the
+sample, the list is the row's top log-probs (beam search rows).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixrt.plan import CopyBlock, StepPlan, StepResult
@@ -31,9 +38,14 @@ class ScriptedRunner:
     last_sample: dict[int, int] = field(default_factory=dict)  # slot -> token (the "device")
     num_computed_tokens: int = 0  # tokens fed, over all steps
     copies: list[CopyBlock] = field(default_factory=list)
+    # (rid, context token ids) -> a token, or [(token, log-prob), ...] best first
+    context_fn: Callable[[str, Sequence[int]], int | list[tuple[int, float]]] | None = None
+    kv: dict[int, list[int | None]] = field(default_factory=dict)  # block -> token per offset
 
     def execute(self, plan: StepPlan) -> _Handle:
         self.events.append(("execute", plan.step_id))
+        if self.context_fn is not None:
+            return self._execute_with_content(plan)
         tokens, lps, tops, scores = [], [], [], []
         for row in plan.rows:
             table = self.tables.setdefault(row.slot, [])
@@ -68,6 +80,47 @@ class ScriptedRunner:
             pl = row.prompt_logprobs
             scores.append([-1.0] * len(pl.targets) if pl is not None else [])
         self.copies += [op for op in plan.block_ops if isinstance(op, CopyBlock)]
+        return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
+
+    def _execute_with_content(self, plan: StepPlan) -> _Handle:
+        bs = self.block_size
+        for op in plan.block_ops:
+            assert isinstance(op, CopyBlock)
+            src = self.kv.setdefault(op.src, [None] * bs)
+            self.kv.setdefault(op.dst, [None] * bs)[: op.num_tokens] = src[: op.num_tokens]
+            self.copies.append(op)
+        tokens, lps, tops, scores = [], [], [], []
+        for row in plan.rows:
+            assert not row.num_draft_tokens, "content mode does not model drafts"
+            table = self.tables.setdefault(row.slot, [])
+            del table[row.table_start :]
+            table += row.new_blocks
+            assert len(table) * bs >= row.end, f"{row.rid}: no block for its KV"
+            ids = list(row.input_ids)
+            if row.reads_last_sample:
+                ids = [self.last_sample[row.slot]] + ids
+            assert len(ids) == row.num_tokens
+            for p, t in zip(range(row.start, row.end), ids):
+                self.kv.setdefault(table[p // bs], [None] * bs)[p % bs] = t
+            self.num_computed_tokens += row.num_tokens
+            out, top = [], []
+            for o in row.sample_offsets:
+                context = [self.kv[table[p // bs]][p % bs] for p in range(row.start + o + 1)]
+                assert None not in context, f"{row.rid}: reads KV nobody wrote"
+                value = self.context_fn(row.rid, context)
+                if isinstance(value, list):
+                    out.append(value[0][0])
+                    top.append(value[: row.params.top_logprobs])
+                else:
+                    out.append(value)
+                    top.append([(value, -0.5)] * row.params.top_logprobs)
+            if out:
+                self.last_sample[row.slot] = out[-1]
+            tokens.append(out)
+            lps.append([-0.5] * len(out) if row.params.logprobs else [])
+            tops.append(top if row.params.top_logprobs else [])
+            pl = row.prompt_logprobs
+            scores.append([-1.0] * len(pl.targets) if pl is not None else [])
         return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
 
     def watch(self, scheduler) -> None:

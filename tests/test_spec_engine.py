@@ -119,3 +119,21 @@ def test_always_wrong_drafts_change_nothing(make_engine, reference):
 def test_radix_method_needs_the_radix_cache(make_engine):
     with pytest.raises(ValueError, match="radix prefix cache"):
         make_engine(prefix_cache="blockhash", speculative_method="radix")
+
+
+def test_beam_search_and_n_with_speculation(make_engine):
+    """Beams never draft and n > 1 children may: results equal speculation off."""
+    from radixrt.sampling import BeamSearchParams
+
+    prompt = "Once upon a time"
+    outs = {}
+    for method in ("none", "ngram"):
+        engine = make_engine(prefix_cache="radix", speculative_method=method)
+        beams = engine.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6))
+        many = engine.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0))
+        outs[method] = (
+            [s.token_ids for b in beams for s in b.sequences],
+            [o.token_ids for o in many],
+        )
+        engine.check_integrity()
+    assert outs["ngram"] == outs["none"]

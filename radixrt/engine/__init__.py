@@ -1,6 +1,6 @@
 """The engine: ModelRunner, EngineCore and the in-process Engine."""
 
-__all__ = ["Engine", "RequestOutput", "StreamDelta"]
+__all__ = ["BeamSearchOutput", "BeamSequence", "Engine", "RequestOutput", "StreamDelta"]
 
 
 def __getattr__(name: str):

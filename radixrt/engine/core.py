@@ -23,7 +23,8 @@ from radixrt.config import EngineConfig, ModelConfig
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.spec import create_proposer
@@ -47,6 +48,9 @@ class RequestDelta:
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
     num_draft_tokens: int = 0  # speculative drafts verified for the request so far
     num_accepted_tokens: int = 0  # of those, accepted
+    parent_rid: str | None = None  # n > 1: the id the request was added with
+    index: int = 0  # n > 1: the child's index (choice), 0..n-1
+    beams: list[BeamHypothesis] | None = None  # beam search: on the last delta, best first
 
     @property
     def finished(self) -> bool:
@@ -96,29 +100,59 @@ class EngineCore:
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
         self._sent: dict[str, int] = {}  # rid -> output tokens already in deltas
+        self._aborted: list[Request] = []  # children of an aborted n > 1 request: next step
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> str:
         """Queue one request; returns its id (generated when `rid` is None). Raises
         ValueError on bad input (nothing is queued then)."""
-        ids = [int(t) for t in prompt_ids]
+        ids = self._check_ids(prompt_ids)
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if rid is None:
-            rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            rid = self._new_rid()
         req = Request(
             rid=rid, prompt_len=len(ids), seq_token_ids=ids, params=params, max_tokens=max_tokens
         )
+        if params.n > 1:
+            # deltas come per child: rid fork_rid(rid, i), parent_rid rid, index i
+            for child in self.scheduler.add_fork(req):
+                self._sent[child.rid] = 0
+            return rid
         self.scheduler.add_request(req)
         self._sent[rid] = 0
         return rid
+
+    def add_beam_search(
+        self, prompt_ids: Sequence[int], params: BeamSearchParams, rid: str | None = None
+    ) -> str:
+        """Queue a beam search; its one delta (when it ends) carries `beams`, best first.
+        Raises ValueError on bad input (nothing is queued then)."""
+        ids = self._check_ids(prompt_ids)
+        max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+        if max_tokens < 1:
+            raise ValueError("beam search needs room for at least one token in the context")
+        rid = rid if rid is not None else self._new_rid()
+        self.scheduler.add_beam_search(rid, ids, params, max_tokens)
+        self._sent[rid] = 0
+        return rid
+
+    def _check_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in prompt_ids]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def _new_rid(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
     def step(self) -> list[RequestDelta]:
         """One loop iteration; returns the deltas of the requests that changed.
@@ -127,7 +161,8 @@ class EngineCore:
         goes on; an error that leaves the device unusable (a CUDA error) raises
         FatalEngineError."""
         sched = self.scheduler
-        changed: list[Request] = []
+        changed: list[Request] = self._aborted
+        self._aborted = []
         plan = sched.schedule()
         handle = None
         if plan is not None:
@@ -170,7 +205,15 @@ class EngineCore:
         return self.scheduler.fail_step(plan, f"the engine step failed: {type(error).__name__}")
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
-        """Finish a request now; returns its last delta, or None if it is unknown."""
+        """Finish a request now; returns its last delta, or None if it is unknown. The id an
+        n > 1 request was added with aborts every child: their last deltas come with the next
+        `step()` (and this returns None)."""
+        req = self.scheduler.requests.get(rid)
+        if req is not None and not req.reports:  # an n > 1 parent
+            children = list(req.group.children)
+            self.scheduler.abort(rid, reason)
+            self._aborted += children
+            return None
         req = self.scheduler.abort(rid, reason)
         return None if req is None else self._delta(req)
 
@@ -190,7 +233,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or bool(self._aborted)
 
     def request(self, rid: str) -> Request | None:
         """The live request (read-only use: tests, introspection)."""
@@ -200,17 +243,34 @@ class EngineCore:
         sent = self._sent[req.rid]
         p = req.params
         finished = req.finish_reason is not None
+        g = req.group
+        if g is not None and req is g.parent:  # beam search: one delta at the end
+            assert finished and g.beam is not None
+            del self._sent[req.rid]
+            return RequestDelta(
+                rid=req.rid,
+                new_token_ids=[],
+                finish_reason=req.finish_reason,
+                prompt_tokens=req.prompt_len + 1,
+                num_output_tokens=0,
+                num_cached_tokens=req.num_cached_tokens,
+                beams=list(g.beam.finished) if req.finish_reason is not FinishReason.ABORT else [],
+            )
         delta = RequestDelta(
             rid=req.rid,
             new_token_ids=req.seq_token_ids[req.prompt_len + sent :],
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             num_output_tokens=req.num_output,
-            num_cached_tokens=req.num_cached_tokens,
+            num_cached_tokens=g.parent.num_cached_tokens
+            if g is not None
+            else req.num_cached_tokens,
             error=req.error,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
+            parent_rid=g.parent.rid if g is not None else None,
+            index=req.index,
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
         )
@@ -222,7 +282,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        assert set(self._sent) == set(self.scheduler.requests), "delta bookkeeping leaked"
+        reporting = {rid for rid, r in self.scheduler.requests.items() if r.reports}
+        pending = {r.rid for r in self._aborted}
+        assert set(self._sent) - pending == reporting, "delta bookkeeping leaked"
         inflight = 0 if self._inflight is None else 1
         assert self.scheduler.num_inflight_steps == inflight, "a launched plan was lost"
 
@@ -245,6 +307,12 @@ class EngineCore:
             "failed_steps": s.num_failed_steps,
             "cow_copies": s.num_cow_copies,
             "inplace_appends": s.num_inplace_appends,
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "forks": s.num_forks,
+            "fork_shared_blocks": s.num_fork_shared_blocks,
+            "fork_copied_blocks": s.num_fork_copied_blocks,
+            "beam_shared_blocks": s.num_beam_shared_blocks,
+            "beam_copied_blocks": s.num_beam_copied_blocks,
             "evicted_blocks": c.num_evicted_blocks,
             "steps": s.num_steps,
             "running": len(self.scheduler.running),

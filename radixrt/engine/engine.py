@@ -12,8 +12,8 @@ import torch
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
-from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import FinishReason
+from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.scheduler.request import FinishReason, fork_rid
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,28 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # when SamplingParams.prompt_logprobs: prompt tokens [logprob_start_len, prompt_tokens)
     prompt_logprobs: list[float] = field(default_factory=list)
+    index: int = 0  # which of the prompt's SamplingParams.n samples (choice index)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class BeamSequence:
+    token_ids: list[int]  # generated token ids (a final EOS included)
+    text: str
+    cumulative_logprob: float  # sum of the generated tokens' log-probs
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty (ranks the beams)
+
+
+@dataclass
+class BeamSearchOutput:
+    rid: str
+    prompt: str | None  # the prompt text, when given as text
+    prompt_tokens: int
+    sequences: list[BeamSequence]  # beam_width of them, best score first ([] when aborted)
+    finish_reason: FinishReason  # the best sequence's: stop (EOS) or length; abort
 
 
 @dataclass
@@ -46,6 +64,7 @@ class StreamDelta:
     text: str  # new text since the last delta
     token_ids: list[int]  # new token ids since the last delta
     finish_reason: FinishReason | None  # set on the request's last delta
+    choice: int = 0  # which of the prompt's n samples (SamplingParams.n)
 
 
 class Engine:
@@ -81,11 +100,14 @@ class Engine:
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> str:
-        """Queue one request; returns its id. Raises ValueError on bad input."""
+        """Queue one request; returns its id. Raises ValueError on bad input. With n > 1
+        its outputs come as n requests `fork_rid(rid, i)` (deltas name `parent_rid`, `index`);
+        aborting `rid` aborts them all."""
         rid = self.core.add_request(prompt_ids, params, rid)
-        self._detok[rid] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens, list(prompt_ids)
-        )
+        for r in [rid] if params.n == 1 else [fork_rid(rid, i) for i in range(params.n)]:
+            self._detok[r] = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.skip_special_tokens, list(prompt_ids)
+            )
         return rid
 
     def step(self) -> list[tuple[RequestDelta, str]]:
@@ -93,7 +115,13 @@ class Engine:
         a request's last delta has `finish_reason` set (a stop string ends it with STOP)."""
         out = []
         for delta in self.core.step():
-            detok = self._detok[delta.rid]
+            if delta.beams is not None:  # beam search: texts are made by beam_search()
+                out.append((delta, ""))
+                continue
+            detok = self._detok.get(delta.rid)
+            if detok is None:  # a child the caller aborted itself after its group
+                out.append((delta, ""))
+                continue
             text = detok.add(delta.new_token_ids, final=delta.finished)
             if detok.stopped and not delta.finished:
                 last = self.core.abort(delta.rid, FinishReason.STOP)
@@ -105,6 +133,8 @@ class Engine:
         return out
 
     def abort(self, rid: str) -> None:
+        """Abort a request (the id of an n > 1 request aborts every child; their last deltas
+        come with the next step)."""
         self.core.abort(rid)
         self._detok.pop(rid, None)
 
@@ -146,27 +176,32 @@ class Engine:
         self, prompts=None, sampling_params=None, prompt_token_ids=None
     ) -> list[RequestOutput]:
         """Generate for a batch of prompts (text or token ids); one SamplingParams for all
-        or one per prompt. Returns outputs in prompt order."""
+        or one per prompt. Returns outputs in prompt order; a prompt with SamplingParams.n
+        > 1 contributes n consecutive outputs (`index` 0..n-1; rid `fork_rid(rid, index)`)."""
         texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
-        outs: dict[int, RequestOutput] = {}
+        outs: dict[tuple[int, int], RequestOutput] = {}
         for delta in self._run(ids, params, outs):
-            out = outs[delta.index]
+            out = outs[delta.index, delta.choice]
             out.text += delta.text
             out.token_ids += delta.token_ids
-        for i, out in outs.items():
+        for (i, _), out in outs.items():
             out.prompt = texts[i]
-        return [outs[i] for i in sorted(outs)]
+        return [outs[k] for k in sorted(outs)]
 
-    def _run(self, ids, params, outs: dict[int, RequestOutput]) -> Iterator[StreamDelta]:
+    def _run(
+        self, ids, params, outs: dict[tuple[int, int], RequestOutput]
+    ) -> Iterator[StreamDelta]:
         """Add the requests, step until all finish, yield their deltas (and keep each
-        request's RequestOutput in `outs` up to date, but for text and token ids). A
-        consumer that stops early aborts what is left (no KV leaks)."""
-        index: dict[str, int] = {}
+        output's RequestOutput in `outs`, keyed (prompt, choice), up to date but for text
+        and token ids). A consumer that stops early aborts what is left (no KV leaks)."""
+        index: dict[str, tuple[int, int]] = {}
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 rid = self.add_request(p, sp)
-                index[rid] = i
-                outs[i] = RequestOutput(rid, None, "", [], None, len(p), 0, 0)
+                for c in range(sp.n):
+                    r = rid if sp.n == 1 else fork_rid(rid, c)
+                    index[r] = (i, c)
+                    outs[i, c] = RequestOutput(r, None, "", [], None, len(p), 0, 0, index=c)
             pending = set(index)
             while pending:
                 for d, text in self.step():
@@ -181,11 +216,52 @@ class Engine:
                     if d.finished:
                         out.prompt_logprobs = d.prompt_logprobs
                         pending.discard(d.rid)
-                    yield StreamDelta(d.rid, index[d.rid], text, d.new_token_ids, d.finish_reason)
+                    i, c = index[d.rid]
+                    yield StreamDelta(d.rid, i, text, d.new_token_ids, d.finish_reason, c)
         finally:
             for rid in index:
                 if self.core.request(rid) is not None:
                     self.abort(rid)
+
+    # ---- beam search ----
+    def beam_search(
+        self, prompts=None, params: BeamSearchParams | None = None, prompt_token_ids=None
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (text or token ids), all in the same batches:
+        per prompt, `params.beam_width` sequences, best first (HF transformers'
+        `generate(num_beams=W, do_sample=False)` semantics, early_stopping=False; see
+        radixrt.scheduler.beam). Raises ValueError on bad input (nothing is queued)."""
+        params = params if params is not None else BeamSearchParams()
+        texts, ids, _ = self._requests(prompts, None, prompt_token_ids)
+        rids: dict[str, int] = {}
+        outs: dict[int, BeamSearchOutput] = {}
+        try:
+            for i, p in enumerate(ids):
+                rids[self.core.add_beam_search(p, params)] = i
+            while len(outs) < len(rids):
+                for d, _ in self.step():
+                    if d.rid not in rids or d.beams is None:
+                        continue
+                    seqs = [
+                        BeamSequence(
+                            h.output_token_ids,
+                            self.tokenizer.decode(
+                                h.output_token_ids, skip_special_tokens=params.skip_special_tokens
+                            ),
+                            h.cumulative_logprob,
+                            h.score,
+                        )
+                        for h in d.beams
+                    ]
+                    i = rids[d.rid]
+                    outs[i] = BeamSearchOutput(
+                        d.rid, texts[i], d.prompt_tokens, seqs, d.finish_reason
+                    )
+        finally:
+            for rid in rids:
+                if self.core.request(rid) is not None:
+                    self.core.abort(rid)
+        return [outs[i] for i in range(len(ids))]
 
     # ---- introspection ----
     def check_integrity(self) -> None:

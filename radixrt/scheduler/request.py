@@ -15,6 +15,7 @@ _arrival_counter = itertools.count()
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    FORKED = "forked"  # a fork parent whose children run (it holds nothing)
     FINISHED = "finished"
 
 
@@ -60,6 +61,11 @@ class Request:
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
     num_draft_tokens: int = 0  # speculative drafts verified for this request
     num_accepted_tokens: int = 0  # of those, accepted
+    group: ForkGroup | None = None  # n > 1 or beam search: parent, children / beams
+    index: int = 0  # a fork child's index (choice) in its group
+    reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
+    # a beam's top log-probs from its latest step, until its group picks the next beams
+    beam_top_logprobs: list[tuple[int, float]] | None = None
 
     @property
     def num_output(self) -> int:
@@ -87,3 +93,31 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def fork_rid(rid: str, index: int) -> str:
+    """Request id of child `index` of an n > 1 request `rid`."""
+    return f"{rid}#{index}"
+
+
+@dataclass(eq=False)
+class ForkGroup:
+    """Requests that share a prompt's KV by block references.
+
+    The parent prefills the prompt but its last token once (it samples nothing), then forks:
+    each child takes references to the parent's full blocks and its own copy of the partial
+    last block (child 0 takes over the parent's blocks and slot) and feeds the prompt's last
+    token itself. The group is scheduled, preempted (all of it: the parent requeued, the
+    shared prefix recomputed once, then each child recomputes its own suffix) and aborted as
+    one. `beam` is the host-side beam-search state (beams are the children then)."""
+
+    parent: Request
+    children: list[Request]  # unfinished children (n > 1) / live beams, in index order
+    reserved_slots: list[int] = field(default_factory=list)  # held for children to come
+    ready: bool = False  # the parent's prefill is done: fork at the next schedule()
+    beam: Any = None  # radixrt.scheduler.beam.BeamState for beam search
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the group needs while it runs."""
+        return len(self.children) if self.beam is None else self.beam.width

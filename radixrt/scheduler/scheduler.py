@@ -19,6 +19,8 @@ k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping
 condition inside them), rolls num_computed back to the accepted length and frees blocks past
 it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
 their result on the host (the proposer reads the sequence), so they do not overlap.
+Groups (n > 1 children, beam search) share a prompt's blocks by reference and are admitted
+(with all their slots), preempted and aborted as a whole; see `radixrt.scheduler.groups`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
+from radixrt.scheduler.groups import GroupScheduling
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status
 from radixrt.spec.base import Proposer, SpecStats
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,12 @@ class SchedulerStats:
     num_steps: int = 0
     num_failed_requests: int = 0  # finished with FinishReason.ERROR (each one is a bug)
     num_failed_steps: int = 0  # plans whose execution raised
+    num_prompt_tokens_computed: int = 0  # prompt positions fed to the model (recomputes too)
+    num_forks: int = 0  # n > 1 / beam-search groups forked (again after a preemption)
+    num_fork_shared_blocks: int = 0  # full blocks children took a reference on at a fork
+    num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
+    num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
+    num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
@@ -75,7 +84,7 @@ class _Launched:
     epochs: list[int]
 
 
-class Scheduler:
+class Scheduler(GroupScheduling):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -109,19 +118,13 @@ class Scheduler:
         # This step's prefix matches of waiting requests (valid while cache.version holds).
         self._matches: dict[Request, MatchResult] = {}
         self._matches_version = -1
+        # Block ops made while applying a result (beam re-parenting) for the next plan.
+        self._pending_ops: list = []
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit."""
-        if req.rid in self.requests:
-            raise ValueError(f"request id {req.rid!r} is already in use")
-        total = min(req.prompt_len + req.max_tokens, self.max_model_len)
-        blocks = math.ceil(total / self.block_size)
-        if blocks > self.allocator.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens need {blocks} KV blocks but the pool has only "
-                f"{self.allocator.num_blocks}; shorten the prompt or lower max_tokens"
-            )
+        self._check_fits(req, 1, "")
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -133,12 +136,24 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None:
             return None
+        g = req.group
+        if g is not None and req is g.parent:
+            # the whole group: every child (an n > 1 parent finishes with its last child)
+            for child in list(g.children):
+                self._stop(child, reason)
+            if req.status is not Status.FINISHED:
+                self._stop(req, reason)
+            return req
+        self._stop(req, reason)
+        return req
+
+    def _stop(self, req: Request, reason: FinishReason) -> None:
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        else:
+            if _queued(req):
+                self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
             self.running.remove(req)
         self._finish(req, reason)
-        return req
 
     @property
     def has_work(self) -> bool:
@@ -154,11 +169,15 @@ class Scheduler:
         """Plan the next step, or None when no row can run now. Mutates request and cache
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
         self._matches.clear()
-        ops: list = []
+        ops: list = self._pending_ops
+        self._pending_ops = []
+        for parent in [r for r in self.running if r.group is not None and r.group.ready]:
+            assert parent is parent.group.parent
+            self._fork(parent.group, ops)
         decode = self._schedule_decode()
         budget = self.cfg.max_num_batched_tokens - sum(1 + len(d) for _, d in decode)
         extend: list[tuple[Request, int]] = []
-        for req in [r for r in self.running if self._schedulable(r) and r.num_pending > 1]:
+        for req in [r for r in self.running if self._schedulable(r) and self._extend_due(r)]:
             n = self._chunk(req, budget)
             if n == 0 or not self._reserve(req, n):
                 break
@@ -169,7 +188,11 @@ class Scheduler:
         for req in self.waiting:
             req.waited_steps += 1
         if not decode and not extend:
-            assert not ops, "block ops planned for no row"
+            # No row: copies into blocks a running request holds (a fork parent's whole
+            # prefix cached) wait for the next plan; the others were for forks or beams
+            # preempted since (their blocks are free now, nothing to copy).
+            held = {b for r in self.running for b in r.block_table}
+            self._pending_ops = [op for op in ops if op.dst in held]
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
@@ -193,6 +216,11 @@ class Scheduler:
     def _schedulable(self, req: Request) -> bool:
         """Running and not waiting for the host result of a step in flight."""
         return req.status is Status.RUNNING and not req.awaiting_host_result
+
+    @staticmethod
+    def _extend_due(req: Request) -> bool:
+        """More than one token to feed (a prefill chunk), or a prompt-only request's last."""
+        return req.num_pending > 1 or (req.max_tokens == 0 and req.num_pending == 1)
 
     def _decode_due(self, req: Request) -> bool:
         """One token to feed, and the sample it makes may still be kept (a request whose
@@ -221,7 +249,9 @@ class Scheduler:
             while not self._reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
-                if victim is req:
+                # a group goes as a whole, rows already picked for it too
+                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
+                if req.status is not Status.RUNNING:
                     break
             else:
                 scheduled.append((req, drafts))
@@ -230,8 +260,11 @@ class Scheduler:
     def _drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with a proposer, the row's last token on the
         host, no penalties (they would count the drafts), and room for them (max_tokens, the
-        context and `spare` tokens of the step's budget)."""
+        context and `spare` tokens of the step's budget). Beams never draft (their group
+        picks one token per beam from top log-probs)."""
         if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
+            return []
+        if not req.reports:
             return []
         room = min(
             req.max_tokens - req.num_output - 1,
@@ -271,9 +304,10 @@ class Scheduler:
 
     @staticmethod
     def _match_limit(req: Request) -> int:
-        # The last token is always recomputed (its logits are sampled); with prompt
-        # log-probs, so is every token from logprob_start_len - 1 on.
-        limit = len(req.seq_token_ids) - 1
+        # The last token is always recomputed (its logits are sampled), but by a fork
+        # parent (it samples nothing); with prompt log-probs, so is every token from
+        # logprob_start_len - 1 on.
+        limit = len(req.seq_token_ids) - (0 if req.group is not None else 1)
         if req.params.prompt_logprobs:
             limit = min(limit, req.params.logprob_start_len - 1)
         return limit
@@ -290,6 +324,9 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
+            group_slots = req.group.num_slots if req.group is not None else 1
+            if group_slots > len(self._free_slots):
+                break
             if dedup and computing and self._shares_uncached_prefix(req, computing):
                 skipped += 1
                 if skipped >= MAX_DEFERRED_PER_STEP:
@@ -303,17 +340,24 @@ class Scheduler:
                 del ops[num_ops:]
                 self._release(req)
                 break
+            if req.group is not None:
+                req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
+                # a group's parent holds the prompt but its last token
+                prompt_len = req.prompt_len + (1 if req.group is not None else 0)
                 self.stats.num_requests += 1
-                self.stats.num_prompt_tokens += req.prompt_len
+                self.stats.num_prompt_tokens += prompt_len
                 self.stats.num_cached_tokens += req.num_computed
-                self.cache.stats.record_lookup(req.prompt_len, req.num_computed)
+                self.cache.stats.record_lookup(prompt_len, req.num_computed)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self._admissions += 1
             req.admission_seq = self._admissions
             self.running.append(req)
+            if n == 0:  # a fork parent with its whole prefix cached
+                req.group.ready = True
+                continue
             extend.append((req, n))
             computing.append(req)
             budget -= n
@@ -392,14 +436,33 @@ class Scheduler:
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
+        g = req.group
+        if g is not None and req is g.parent:
+            self._free_slots += g.reserved_slots
+            g.reserved_slots = []
         req.num_computed = req.num_kv_done = req.num_table_sent = 0
         req.num_inflight_samples = 0
         req.awaiting_host_result = False
 
     def _preempt(self, req: Request) -> None:
         """Free the request's KV and put it at the head of the waiting queue (it will be
-        recomputed, reusing whatever the prefix cache still holds)."""
-        self.running.remove(req)
+        recomputed, reusing whatever the prefix cache still holds). A group member takes its
+        whole group: the children leave (holding nothing), the parent is requeued and forks
+        them again once it recomputed the shared prefix."""
+        g = req.group
+        if g is not None:
+            for child in g.children:
+                if child.status is Status.RUNNING:
+                    self.running.remove(child)
+                    self._release(child)
+                    child.epoch += 1
+                    child.status = Status.WAITING
+                    child.num_preemptions += 1
+                    child.beam_top_logprobs = None
+            g.ready = False
+            req = g.parent
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
         self._release(req)
         req.epoch += 1
         req.status = Status.WAITING
@@ -433,8 +496,11 @@ class Scheduler:
         req.num_table_sent = len(req.block_table)
         if p.has_penalties:
             row.history, row.prompt_len = list(seq), req.prompt_len
-        # Penalties need the whole output on the host; so does the proposer, to draft.
-        row.needs_host_result = p.has_penalties or self.proposer is not None
+        # Penalties need the whole output on the host; so does the proposer, to draft, and
+        # beam search, to pick the next beams.
+        is_beam = req.group is not None and req.group.beam is not None and req.reports is False
+        row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
+        self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
             hi = min(start + n, req.prompt_len - 1)
@@ -453,15 +519,21 @@ class Scheduler:
         launched = self._launched.pop(plan.step_id)
         assert result.step_id == plan.step_id
         changed: list[Request] = []
+        beam_groups: dict[int, ForkGroup] = {}
         for i, (row, req, epoch) in enumerate(zip(plan.rows, launched.requests, launched.epochs)):
             if req.epoch != epoch or req.status is not Status.RUNNING:
                 self.stats.num_dropped_tokens += len(result.tokens[i])
                 continue  # finished, aborted or preempted since the plan was made
             try:
-                self._apply_row(req, row, result, i, changed)
+                self._apply_row(req, row, result, i, changed, beam_groups)
             except Exception as e:  # a bug in one request's bookkeeping fails it alone
                 self._fail(req, e)
                 changed.append(req)
+        for g in beam_groups.values():
+            if g.parent.status is Status.FORKED and all(
+                b.beam_top_logprobs is not None for b in g.children
+            ):
+                self._beam_step(g, changed)
         return changed
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
@@ -496,9 +568,16 @@ class Scheduler:
             req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
 
     def _apply_row(
-        self, req: Request, row: PlanRow, result: StepResult, i: int, changed: list[Request]
+        self,
+        req: Request,
+        row: PlanRow,
+        result: StepResult,
+        i: int,
+        changed: list[Request],
+        beam_groups: dict[int, ForkGroup],
     ) -> None:
-        """Apply row i of a result to its (still running) request."""
+        """Apply row i of a result to its (still running) request (a beam's row is collected
+        in `beam_groups`: its group picks the next beams once all its rows are in)."""
         if row.needs_host_result:
             req.awaiting_host_result = False
         if row.prompt_logprobs is not None:
@@ -506,6 +585,10 @@ class Scheduler:
         req.num_kv_done = max(req.num_kv_done, row.end)
         if not row.sample_offsets:
             if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
+                if req.group is not None:  # a fork parent: fork at the next schedule()
+                    self._cache_progress(req, row.end)
+                    req.group.ready = True
+                    return
                 changed.append(req)  # prefill-only (scoring / cache warming): done
                 self._finish_running(req, FinishReason.LENGTH)
             else:  # a prefill chunk: share its progress with others at once
@@ -514,6 +597,11 @@ class Scheduler:
         # a last prefill chunk (a verify row feeds k + 1 tokens but is a decode row)
         if row.num_tokens - row.num_draft_tokens > 1 or row.start < req.prompt_len:
             self._cache_progress(req, row.end)
+        if not req.reports:  # a beam: its group picks the next beams (see update)
+            req.num_inflight_samples -= 1
+            req.beam_top_logprobs = result.top_logprobs[i][0]
+            beam_groups[id(req.group)] = req.group
+            return
         changed.append(req)
         self._accept(req, row, result, i)
 
@@ -578,8 +666,16 @@ class Scheduler:
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.stats.finish_reasons[reason.value] += 1
+        g = req.group
+        if g is not None and req is not g.parent:
+            g.children.remove(req)
+            if not req.reports:
+                return  # a beam
+        if req.reports:
+            self.stats.finish_reasons[reason.value] += 1
         del self.requests[req.rid]
+        if g is not None and g.beam is None and not g.children and req is not g.parent:
+            self._stop(g.parent, reason)  # the last child of an n > 1 request
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -589,9 +685,23 @@ class Scheduler:
             refs.update(req.block_table)
             assert len(req.block_table) >= math.ceil(req.num_computed / self.block_size)
             assert req.slot is not None and 0 <= req.num_inflight_samples <= 1
-        for req in self.waiting:
+        groups = {id(r.group): r.group for r in self.requests.values() if r.group is not None}
+        idle = list(self.waiting)
+        for g in groups.values():
+            assert g.parent.status is not Status.FINISHED
+            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.beam is None or len(g.children) <= g.beam.width
+            idle += [c for c in g.children if c.status is Status.WAITING]
+            if g.parent.status is Status.FORKED:
+                idle.append(g.parent)
+                assert not g.ready and g.children
+            elif g.parent.status is Status.WAITING:
+                assert not g.reserved_slots and not g.ready
+                assert all(c.status is Status.WAITING for c in g.children)
+        for req in idle:
             assert not req.block_table and req.cache_handle is None and req.slot is None
         slots = [r.slot for r in self.running]
+        slots += [s for g in groups.values() for s in g.reserved_slots]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
         self.allocator.check_integrity(refs)
@@ -604,3 +714,9 @@ class Scheduler:
             f"free {free} + cached {num_cached} + in use {num_in_use} "
             f"!= total {self.allocator.num_blocks}"
         )
+
+
+def _queued(req: Request) -> bool:
+    """Whether a WAITING request sits in the waiting queue (a group's children wait inside
+    their group instead)."""
+    return req.group is None or req is req.group.parent
