@@ -196,3 +196,29 @@ def test_metrics(server):
     for hist in ("radixrt_time_to_first_token_seconds", "radixrt_inter_token_latency_seconds"):
         count = [s for s in families[hist].samples if s.name.endswith("_count")][0]
         assert count.value > 0
+
+
+def test_speculative_counters_in_metrics(tiny_model_dir):
+    """A server drafting from the radix tree exports its verify counters in /metrics (the
+    second identical request is drafted from the first one's cached continuation), and the
+    greedy output equals the server without speculation."""
+    body = {"prompt": "one two three one two three one two three one two", "max_tokens": 12}
+    body |= {"temperature": 0}
+    texts = []
+    for args in ((), ("--speculative-method", "radix", "--num-speculative-tokens", "3")):
+        srv = ServerProcess(tiny_model_dir, *args)
+        try:
+            srv.wait_ready()
+            for _ in range(2):
+                status, out = srv.post("/v1/completions", body)
+                assert status == 200, out
+                texts.append(out["choices"][0]["text"])
+            status, text = srv.get("/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            drafted = families["radixrt_spec_draft_tokens"].samples[0].value
+            accepted = families["radixrt_spec_accepted_tokens"].samples[0].value
+            assert (drafted > 0) == bool(args) and 0 <= accepted <= drafted
+            srv.wait_idle()
+        finally:
+            srv.stop()
+    assert len(set(texts)) == 1

@@ -87,6 +87,10 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     # their own, and steps whose batched forward raised (their requests failed with 500)
     failed_requests: int = 0
     failed_steps: int = 0
+    # speculative decoding since start (zero without a proposer)
+    spec_draft_tokens: int = 0  # drafts verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verify_rows: int = 0  # rows that verified drafts
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -70,6 +70,15 @@ class ServerMetrics:
             "radixrt_scheduler_failed_steps",
             "Steps whose batched forward raised (their requests failed), since start",
         )
+        self.spec_draft_tokens = g(
+            "radixrt_spec_draft_tokens", "Speculative draft tokens verified, since start"
+        )
+        self.spec_accepted_tokens = g(
+            "radixrt_spec_accepted_tokens", "Speculative draft tokens accepted, since start"
+        )
+        self.spec_verify_rows = g(
+            "radixrt_spec_verify_rows", "Rows that verified speculative drafts, since start"
+        )
         self.in_flight = g("radixrt_front_in_flight", "Requests the front holds state for")
         self.rejected = Counter(
             "radixrt_rejected_requests",
@@ -83,7 +92,8 @@ class ServerMetrics:
         self._scheduler_gauges = (
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
-            self.failed_requests, self.failed_steps,
+            self.failed_requests, self.failed_steps, self.spec_draft_tokens,
+            self.spec_accepted_tokens, self.spec_verify_rows,
         )  # fmt: skip
 
     def update(self, snap: SchedulerSnapshot) -> None:
@@ -96,6 +106,9 @@ class ServerMetrics:
         self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
         self.failed_requests.set(snap.failed_requests)
         self.failed_steps.set(snap.failed_steps)
+        self.spec_draft_tokens.set(snap.spec_draft_tokens)
+        self.spec_accepted_tokens.set(snap.spec_accepted_tokens)
+        self.spec_verify_rows.set(snap.spec_verify_rows)
 
     def scheduler_gone(self) -> None:
         self.ready.set(0)

@@ -229,6 +229,9 @@ class SchedulerLoop:
             integrity_error=integrity_error,
             failed_requests=int(s["failed_requests"]),
             failed_steps=int(s["failed_steps"]),
+            spec_draft_tokens=int(s["spec_draft_tokens"]),
+            spec_accepted_tokens=int(s["spec_accepted_tokens"]),
+            spec_verify_rows=int(s["spec_verify_rows"]),
         )
 
 
