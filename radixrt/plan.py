@@ -138,13 +138,3 @@ class Runner(Protocol):
     def execute(self, plan: StepPlan) -> StepHandle:
         """Start the step (on a GPU: enqueue it and return at once)."""
         ...
-
-
-@dataclass(slots=True)
-class DoneHandle:
-    """A handle whose result is already there (synchronous runners)."""
-
-    value: StepResult
-
-    def result(self) -> StepResult:
-        return self.value

@@ -44,7 +44,6 @@ class Request:
     # tokens sampled by a step in flight whose value is not on the host yet (0 or 1); the
     # next decode step reads it on the device
     num_inflight_samples: int = 0
-    inflight_steps: int = 0  # launched steps containing this request, result not applied
     awaiting_host_result: bool = False  # in flight with needs_host_result: not schedulable
     epoch: int = 0  # bumped by preemption: results of older steps are dropped
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
