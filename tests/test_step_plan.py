@@ -378,3 +378,25 @@ def test_failed_step_fails_its_requests_only():
         assert len(out["fine"].new_token_ids) or out["fine"].num_output_tokens == 8
         assert core.stats()["failed_requests"] == 1
         core.check_integrity()
+
+
+def test_freeze_gc_freezes_startup_objects_until_shutdown():
+    import gc
+
+    from radixrt.config import resolve_config
+
+    assert resolve_config("-", "cpu", detect_devices=False).freeze_gc is False
+    assert resolve_config("-", "cuda", detect_devices=False).freeze_gc is True
+    cfg = EngineConfig(model_path="-", freeze_gc=True)
+    runner = ScriptedRunner(cfg.scheduler.max_running_requests, cfg.cache.block_size)
+    before = gc.get_freeze_count()
+    core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=16)
+    try:
+        assert gc.get_freeze_count() > before
+        core.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+        while core.has_work:
+            core.step()
+        core.check_integrity()
+    finally:
+        core.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -12,6 +12,7 @@ device). Outputs are the same either way.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import uuid
@@ -101,6 +102,13 @@ class EngineCore:
         self._inflight: tuple[StepPlan, StepHandle] | None = None
         self._sent: dict[str, int] = {}  # rid -> output tokens already in deltas
         self._aborted: list[Request] = []  # children of an aborted n > 1 request: next step
+        self._froze_gc = False
+        if cfg.freeze_gc:
+            # What exists now (weights, graphs, modules) lives as long as the engine: keep
+            # full collections from rescanning it; `shutdown` unfreezes.
+            gc.collect()
+            gc.freeze()
+            self._froze_gc = True
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
@@ -230,6 +238,9 @@ class EngineCore:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self._froze_gc:
+            gc.unfreeze()  # the engine's objects can be collected again
+            self._froze_gc = False
 
     @property
     def has_work(self) -> bool:

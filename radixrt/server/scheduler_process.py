@@ -120,7 +120,8 @@ def build_core(args: SchedulerProcessArgs):
     check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
     # The front needs a core too; oversubscribed OpenMP threads spin and stall a step.
     threads = args.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
-    options = {"cpu_threads": threads, **args.options}
+    # a process of its own: freezing the startup objects stalls nothing else
+    options = {"cpu_threads": threads, "freeze_gc": True, **args.options}
     cfg = resolve_config(args.model_path, args.device, args.dtype, **options)
     model_config = ModelConfig.from_pretrained(args.model_path)
     return EngineCore(cfg, model_config, args.eos_token_ids)
