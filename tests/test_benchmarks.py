@@ -252,3 +252,16 @@ def test_bench_spec_rerun_is_drafted_from_the_tree(make_engine, one_thread):
     assert radix1["spec_proposals"] > 0 and radix2["fire_rate"] == 1.0
     assert radix2["acceptance_rate"] == 1.0 and radix2["steps"] < rows[1]["steps"]
     assert "| agent | 2 | radix |" in table(rows)
+
+
+def test_bench_timeline_counts_every_step(tiny_model_dir, one_thread, capsys):
+    from benchmarks import bench_timeline
+
+    bench_timeline.main(["--model", tiny_model_dir, "--device", "cpu", "--size", "smoke",
+                         "--scale", "0.25"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| decode |" in out and "GPU busy" in out
+    steps = int(out.split(" steps")[0].rsplit(", ", 1)[1])
+    table = [line.split("|") for line in out.splitlines() if line.startswith("| ") and
+             line.split("|")[1].strip() in ("decode", "mixed", "prefill")]  # fmt: skip
+    assert sum(int(r[2]) for r in table) == steps
