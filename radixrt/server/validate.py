@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
+from radixrt.sampling import (
+    LOGIT_BIAS_RANGE,
+    MAX_BEAM_WIDTH,
+    MAX_INT,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    BeamSearchParams,
+)
 from radixrt.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     GENERATE_DEFAULT_MAX_TOKENS,
@@ -38,6 +45,7 @@ from radixrt.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    GenerateSamplingParams,
     OpenAIFields,
     SamplingFields,
 )
@@ -200,13 +208,13 @@ def _check_text_length(chars: int, param: str, model: ModelInfo) -> None:
         )
 
 
-def _check_n(n: int, num_prompts: int) -> None:
-    _int_in(n, "n", 1, MAX_N)
+def _check_n(n: int, num_prompts: int, param: str = "n") -> None:
+    _int_in(n, param, 1, MAX_N)
     if n * num_prompts > MAX_REQUESTS:
         raise ApiError(
-            f"{num_prompts} prompts x n={n} is {n * num_prompts} generations; at most "
+            f"{num_prompts} prompts x {param}={n} is {n * num_prompts} generations; at most "
             f"{MAX_REQUESTS} per request",
-            param="n",
+            param=param,
         )
 
 
@@ -354,7 +362,16 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
     _check_max_tokens(max_tokens, "sampling_params.max_new_tokens")
     _int_in(req.logprob_start_len, "logprob_start_len", 0, MAX_INT, f"an integer in [0, {MAX_INT}]")
     _int_in(req.top_logprobs_num, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
-    _check_n(1, len(prompts))
+    length_penalty = 1.0
+    if sp.beam_width is not None:
+        length_penalty = _check_beam(req, sp, len(prompts))
+    elif sp.length_penalty is not None:
+        raise ApiError(
+            "sampling_params.length_penalty applies to beam search only: set "
+            "sampling_params.beam_width too",
+            param="sampling_params.length_penalty",
+        )
+    _check_n(sp.n, len(prompts), "sampling_params.n")
     sampling = _sampling(sp, model, prefix="sampling_params.")
     sampling["logprobs"] = req.return_logprob
     sampling["top_logprobs"] = req.top_logprobs_num if req.return_logprob else 0
@@ -365,9 +382,69 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         sampling=sampling,
         max_tokens=max_tokens,
         default_max_tokens=GENERATE_DEFAULT_MAX_TOKENS,
+        n=sp.n,
+        beam_width=sp.beam_width,
+        length_penalty=length_penalty,
         stream=req.stream,
         batched=batched,
         prompt_param="text" if req.text is not None else "input_ids",
         max_tokens_param="sampling_params.max_new_tokens",
+        n_param="sampling_params.n",
     )
     return GenerateSpec(gen=gen, rid=req.rid, logprob_start_len=req.logprob_start_len)
+
+
+# what beam search defines besides beam_width and length_penalty: max_new_tokens,
+# ignore_eos, skip_special_tokens. Every other field set to a non-default value is a 400.
+# (field, the values allowed besides null)
+_BEAM_REFUSED: tuple[tuple[str, tuple[object, ...]], ...] = (
+    ("n", (1,)),
+    ("temperature", (0,)),
+    ("top_p", (1,)),
+    ("top_k", (0, -1)),
+    ("min_p", (0,)),
+    ("seed", ()),
+    ("stop", ([],)),
+    ("stop_token_ids", ([],)),
+    ("presence_penalty", (0,)),
+    ("frequency_penalty", (0,)),
+    ("repetition_penalty", (1,)),
+    ("logit_bias", ({},)),
+)
+
+
+def _check_beam(req: GenerateRequest, sp: GenerateSamplingParams, num_prompts: int) -> float:
+    """Beam search's fields (ApiError naming the first bad one); returns length_penalty."""
+    _int_in(sp.beam_width, "sampling_params.beam_width", 1, MAX_BEAM_WIDTH)
+    if sp.beam_width * num_prompts > MAX_REQUESTS:
+        raise ApiError(
+            f"{num_prompts} prompts x sampling_params.beam_width={sp.beam_width} is "
+            f"{sp.beam_width * num_prompts} sequences; at most {MAX_REQUESTS} per request",
+            param="sampling_params.beam_width",
+        )
+    for name, allowed in _BEAM_REFUSED:
+        value = getattr(sp, name)
+        if value is not None and value not in allowed:
+            raise ApiError(
+                f"sampling_params.{name}={_short(value)} is not defined for beam search "
+                "(beam_width): beam search is deterministic and stops on EOS or max_new_tokens",
+                param=f"sampling_params.{name}",
+            )
+    for name, bad in (
+        ("stream", req.stream),
+        ("return_logprob", req.return_logprob),
+        ("return_prompt_logprob", req.return_prompt_logprob),
+        ("top_logprobs_num", req.top_logprobs_num != 0),
+    ):
+        if bad:
+            raise ApiError(
+                f"{name} is not supported with beam search (beam_width): it returns each "
+                "sequence at the end, with its cumulative_logprob and score",
+                param=name,
+            )
+    penalty = 1.0 if sp.length_penalty is None else sp.length_penalty
+    try:
+        BeamSearchParams(beam_width=sp.beam_width, max_tokens=1, length_penalty=penalty)
+    except ValueError as e:
+        raise ApiError(str(e), param="sampling_params.length_penalty") from e
+    return float(penalty)
