@@ -52,7 +52,7 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     vocab_size: int
     kv_blocks_total: int
     block_size: int
-    max_running_requests: int = 1  # sequences that run at once (n, beam_width at most)
+    max_running_requests: int = 256  # sequences that run at once (n, beam_width at most)
     num_eos_ids: int = 1  # the EOS ids beam search ranks candidates for
 
 
