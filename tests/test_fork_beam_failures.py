@@ -113,3 +113,17 @@ def test_beam_counters_count_steps_and_blocks():
     assert reparented and s["forks"] == 1 and s["fork_shared_blocks"] == 0  # 1 first beam
     assert s["beam_copied_blocks"] == sum(partial for _, partial in reparented)
     assert s["beam_shared_blocks"] == sum(full for full, _ in reparented)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_only_children_finish(overlap):
+    """n > 1 with max_tokens = 0 (prompt scoring, cache warming): each child feeds the last
+    prompt token and finishes with nothing (it is not mistaken for a fork parent)."""
+    core, _ = content_core(overlap=overlap)
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=0, n=2), rid="p")
+    core.add_request([5], SamplingParams(max_tokens=0, n=3), rid="q")
+    done = drive(core)
+    rids = [fork_rid("p", c) for c in range(2)] + [fork_rid("q", c) for c in range(3)]
+    assert {rid: (v[0], v[1]) for rid, v in done.items()} == {
+        rid: ([], FinishReason.LENGTH) for rid in rids
+    }

@@ -201,3 +201,19 @@ def test_beam_allows_its_own_fields_and_neutral_values():
     sp = {**BEAM, "temperature": 0, "top_k": -1, "ignore_eos": True, "length_penalty": 0.0}
     g = parse_generate(body(sampling_params=sp), MODEL)
     assert (g.gen.beam_width, g.gen.length_penalty) == (2, 0.0)
+
+
+def test_echo_with_logprobs_and_n_goes_as_independent_requests():
+    """Prompt log-probs need each choice to compute the prompt (a fork computes it once,
+    without them): those n choices are n requests (n = 1, seed + i)."""
+    from radixrt.server.validate import parse_completion
+
+    front = make_front()
+    raw = b'{"prompt": "ab", "n": 2, "echo": true, "logprobs": 1, "max_tokens": 2, "seed": 4}'
+    g = front.generate(parse_completion(raw, MODEL))
+    sent = front.to_scheduler.sent
+    assert [(m.params.n, m.params.seed, m.params.prompt_logprobs) for m in sent] == [
+        (1, 4, True),
+        (1, 5, True),
+    ]
+    assert [st.index for st in g.states] == [0, 1] and len(front.states) == 2

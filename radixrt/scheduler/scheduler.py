@@ -600,7 +600,7 @@ class Scheduler(GroupScheduling):
         req.num_kv_done = max(req.num_kv_done, row.end)
         if not row.sample_offsets:
             if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
-                if req.group is not None:  # a fork parent: fork at the next schedule()
+                if req.group is not None and req is req.group.parent:  # fork next schedule()
                     self._cache_progress(req, row.end)
                     req.group.ready = True
                     return

@@ -145,24 +145,32 @@ class Front:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events: asyncio.Queue = asyncio.Queue()
-        states: list[RequestState] = []
         groups: dict[str, list[RequestState]] = {}
         messages: list[ToScheduler] = []
         for i, (ids, max_tokens) in enumerate(prepared):
-            rid = f"{next(self._ids)}-{self._tag}"
+            first = i * spec.n  # the prompt's first output index
+
+            def state(rid: str, j: int, n: int, ids=ids, max_tokens=max_tokens, first=first):
+                index, choice = first + j, j if n > 1 else 0
+                return self._state(spec, rid, index, choice, n, ids, max_tokens, events, client_rid)
+
+            rid = self._new_rid()
             if spec.beam_width is not None:
                 beam = self._beam_params(spec, ids, max_tokens)
                 messages.append(BeamSearchRequest(rid, ids, beam))
-                choices = [self._state(spec, rid, i, 0, ids, max_tokens, events, client_rid)]
+                groups[rid] = [state(rid, 0, 1)]
+            elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
+                # echo + logprobs: every choice scores the prompt itself (a fork computes it
+                # once, without log-probs), so these n go as n independent requests
+                for j in range(spec.n):
+                    rid = rid if j == 0 else self._new_rid()
+                    groups[rid] = [state(rid, j, 1)]
+                    messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j)))
             else:
                 self._check_group_fits(spec.n, spec.n_param, ids, max_tokens)
                 messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens)))
-                choices = [
-                    self._state(spec, rid, i, j, ids, max_tokens, events, client_rid)
-                    for j in range(spec.n)
-                ]
-            groups[rid] = choices
-            states += choices
+                groups[rid] = [state(rid, j, spec.n) for j in range(spec.n)]
+        states = [st for group in groups.values() for st in group]
         try:  # encode all first: a failure leaves nothing behind
             encoded = [self.to_scheduler.codec.encode(m) for m in messages]
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
@@ -176,26 +184,28 @@ class Front:
                 break
         return Generation(states, events, self.abort_states)
 
+    def _new_rid(self) -> str:
+        return f"{next(self._ids)}-{self._tag}"
+
     def _state(
         self,
         spec: GenerationSpec,
         rid: str,
-        prompt_index: int,
+        index: int,
         choice: int,
+        num_choices: int,
         ids: list[int],
         max_tokens: int,
         events: asyncio.Queue,
         client_rid: str | None,
     ) -> RequestState:
-        """The front's state of choice `choice` of prompt `prompt_index` (its own
-        detokenizer and stop strings)."""
-        params = spec.params(max_tokens, choice=choice)
+        """The front's state of output `index` of the HTTP request: choice `choice` of the
+        scheduler request `rid` (its own detokenizer and stop strings)."""
+        params = spec.params(max_tokens, choice=index % spec.n)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, ids)
         beam = spec.beam_width is not None
-        n = 1 if beam else spec.n
-        index = prompt_index * n + choice
         return RequestState(
-            rid, index, ids, params, detok, events, client_rid, choice, n, beam=beam
+            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
         )
 
     def _beam_params(
