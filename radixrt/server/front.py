@@ -20,9 +20,8 @@ import msgspec
 from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.limits import group_blocks_needed
-from radixrt.sampling import BeamSearchParams
 from radixrt.server.channel import Channel
+from radixrt.server.groups import beam_params, check_group_fits
 from radixrt.server.messages import (
     AbortRequest,
     BeamSearchRequest,
@@ -156,7 +155,7 @@ class Front:
 
             rid = self._new_rid()
             if spec.beam_width is not None:
-                beam = self._beam_params(spec, ids, max_tokens)
+                beam = beam_params(self.ready, spec, len(ids), max_tokens)
                 messages.append(BeamSearchRequest(rid, ids, beam))
                 groups[rid] = [state(rid, 0, 1)]
             elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
@@ -167,7 +166,7 @@ class Front:
                     groups[rid] = [state(rid, j, 1)]
                     messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j)))
             else:
-                self._check_group_fits(spec.n, spec.n_param, ids, max_tokens)
+                check_group_fits(self.ready, spec.n, spec.n_param, len(ids), max_tokens)
                 messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens)))
                 groups[rid] = [state(rid, j, spec.n) for j in range(spec.n)]
         states = [st for group in groups.values() for st in group]
@@ -207,51 +206,6 @@ class Front:
         return RequestState(
             rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
         )
-
-    def _beam_params(
-        self, spec: GenerationSpec, ids: list[int], max_tokens: int
-    ) -> BeamSearchParams:
-        """The beam search of one prompt; ApiError naming the field when it cannot run."""
-        assert self.ready is not None and spec.beam_width is not None
-        param = spec.beam_width_param
-        if max_tokens < 1:
-            raise ApiError(f"beam search needs {spec.max_tokens_param} >= 1", spec.max_tokens_param)
-        beam = BeamSearchParams(
-            beam_width=spec.beam_width,
-            max_tokens=max_tokens,
-            length_penalty=spec.length_penalty,
-            ignore_eos=bool(spec.sampling.get("ignore_eos", False)),
-            skip_special_tokens=bool(spec.sampling.get("skip_special_tokens", True)),
-        )
-        try:
-            beam.check_candidates(self.ready.num_eos_ids)
-        except ValueError as e:
-            raise ApiError(str(e).replace("beam_width", param, 1), param) from e
-        self._check_group_fits(spec.beam_width, param, ids, max_tokens)
-        return beam
-
-    def _check_group_fits(self, num_seqs: int, param: str, ids: list[int], max_tokens: int) -> None:
-        """ApiError naming `param` unless `num_seqs` sequences of the prompt (sharing its
-        full blocks) fit in the running slots and the KV pool together (the scheduler's
-        rule, checked here so that nothing is queued)."""
-        assert self.ready is not None
-        r = self.ready
-        if num_seqs <= 1:
-            return
-        if num_seqs > r.max_running_requests:
-            raise ApiError(
-                f"invalid {param}={num_seqs}: this server runs at most "
-                f"{r.max_running_requests} sequences at once (--max-running-requests)",
-                param,
-            )
-        blocks = group_blocks_needed(len(ids), max_tokens, num_seqs, r.block_size, r.max_model_len)
-        if blocks > r.kv_blocks_total:
-            raise ApiError(
-                f"invalid {param}={num_seqs}: {num_seqs} sequences of a {len(ids)}-token "
-                f"prompt with {max_tokens} new tokens each need {blocks} KV blocks but the "
-                f"pool has {r.kv_blocks_total}; lower {param} or max_tokens",
-                param,
-            )
 
     def _prepare(
         self, spec: GenerationSpec, prompt: str | list[int], index: int

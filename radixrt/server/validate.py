@@ -15,14 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.sampling import (
-    LOGIT_BIAS_RANGE,
-    MAX_BEAM_WIDTH,
-    MAX_INT,
-    MAX_TOP_LOGPROBS,
-    SEED_RANGE,
-    BeamSearchParams,
-)
+from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
+from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     GENERATE_DEFAULT_MAX_TOKENS,
@@ -45,7 +39,6 @@ from radixrt.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    GenerateSamplingParams,
     OpenAIFields,
     SamplingFields,
 )
@@ -364,7 +357,7 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
     _int_in(req.top_logprobs_num, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
     length_penalty = 1.0
     if sp.beam_width is not None:
-        length_penalty = _check_beam(req, sp, len(prompts))
+        length_penalty = check_beam_fields(req, sp, len(prompts))
     elif sp.length_penalty is not None:
         raise ApiError(
             "sampling_params.length_penalty applies to beam search only: set "
@@ -392,59 +385,3 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         n_param="sampling_params.n",
     )
     return GenerateSpec(gen=gen, rid=req.rid, logprob_start_len=req.logprob_start_len)
-
-
-# what beam search defines besides beam_width and length_penalty: max_new_tokens,
-# ignore_eos, skip_special_tokens. Every other field set to a non-default value is a 400.
-# (field, the values allowed besides null)
-_BEAM_REFUSED: tuple[tuple[str, tuple[object, ...]], ...] = (
-    ("n", (1,)),
-    ("temperature", (0,)),
-    ("top_p", (1,)),
-    ("top_k", (0, -1)),
-    ("min_p", (0,)),
-    ("seed", ()),
-    ("stop", ([],)),
-    ("stop_token_ids", ([],)),
-    ("presence_penalty", (0,)),
-    ("frequency_penalty", (0,)),
-    ("repetition_penalty", (1,)),
-    ("logit_bias", ({},)),
-)
-
-
-def _check_beam(req: GenerateRequest, sp: GenerateSamplingParams, num_prompts: int) -> float:
-    """Beam search's fields (ApiError naming the first bad one); returns length_penalty."""
-    _int_in(sp.beam_width, "sampling_params.beam_width", 1, MAX_BEAM_WIDTH)
-    if sp.beam_width * num_prompts > MAX_REQUESTS:
-        raise ApiError(
-            f"{num_prompts} prompts x sampling_params.beam_width={sp.beam_width} is "
-            f"{sp.beam_width * num_prompts} sequences; at most {MAX_REQUESTS} per request",
-            param="sampling_params.beam_width",
-        )
-    for name, allowed in _BEAM_REFUSED:
-        value = getattr(sp, name)
-        if value is not None and value not in allowed:
-            raise ApiError(
-                f"sampling_params.{name}={_short(value)} is not defined for beam search "
-                "(beam_width): beam search is deterministic and stops on EOS or max_new_tokens",
-                param=f"sampling_params.{name}",
-            )
-    for name, bad in (
-        ("stream", req.stream),
-        ("return_logprob", req.return_logprob),
-        ("return_prompt_logprob", req.return_prompt_logprob),
-        ("top_logprobs_num", req.top_logprobs_num != 0),
-    ):
-        if bad:
-            raise ApiError(
-                f"{name} is not supported with beam search (beam_width): it returns each "
-                "sequence at the end, with its cumulative_logprob and score",
-                param=name,
-            )
-    penalty = 1.0 if sp.length_penalty is None else sp.length_penalty
-    try:
-        BeamSearchParams(beam_width=sp.beam_width, max_tokens=1, length_penalty=penalty)
-    except ValueError as e:
-        raise ApiError(str(e), param="sampling_params.length_penalty") from e
-    return float(penalty)
