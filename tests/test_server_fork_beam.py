@@ -252,3 +252,23 @@ def test_abort_mid_fan_out_by_rid(server):
                e["meta_info"]["finish_reason"]}  # fmt: skip
     assert reasons == {i: {"type": "abort"} for i in range(3)}
     server.wait_idle(timeout=10)
+
+
+def test_metrics_carry_the_fork_and_beam_counters(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    post(server, "/generate", {"text": PROMPT, "sampling_params": {**sp, "n": 2}})
+    post(
+        server,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"beam_width": 2, "max_new_tokens": 3}},
+    )
+    snap = snapshot(server)
+    status, text = server.get("/metrics")
+    assert status == 200
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in ("forks", "fork_shared_blocks", "fork_copied_blocks", "beam_steps",
+                 "beam_shared_blocks", "beam_copied_blocks"):  # fmt: skip
+        assert values[f"radixrt_{name}"] == snap[name], name
+    assert snap["forks"] >= 2 and snap["beam_steps"] >= 1
