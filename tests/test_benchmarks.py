@@ -272,3 +272,13 @@ def test_bench_fork_tiny_peak_equals_prediction(one_thread, overlap):
     # the beam rule on sequences made up here: shared up to the first difference // B
     assert blocks_of_beams([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], 2) == 1 + 1 + 2  # d = 4
     assert blocks_of_beams([[1, 2, 3, 4], [9, 2, 3, 4]], 2) == 4
+
+
+@pytest.mark.gpu
+def test_bench_fork_gpu_tiny_peak_equals_prediction():
+    """The same on CUDA (overlap on, FlashInfer or the GPU backend, copy ops on the device)."""
+    from benchmarks.bench_fork import main
+
+    rows = main(["--model", "tiny", "--device", "cuda", "--prompt-len", "100",
+                 "--output-len", "29", "--width", "4"])  # fmt: skip
+    assert {r["case"] for r in rows} == {"n", "beam", "independent"}
