@@ -181,6 +181,9 @@ def test_beam_search_equals_engine(server, make_engine, width, penalty):
          "sampling_params.beam_width"),
         ("/generate", {"text": "hi", "sampling_params": {"beam_width": 11}},
          "sampling_params.beam_width"),
+        # the tiny model has 2 EOS ids: 3 x 7 candidates > the 20 top log-probs of a row
+        ("/generate", {"text": "hi", "sampling_params": {"beam_width": 7}},
+         "sampling_params.beam_width"),
         ("/generate", {"text": "hi", "sampling_params": {"beam_width": 2, "temperature": 0.5}},
          "sampling_params.temperature"),
         ("/generate", {"text": "hi", "sampling_params": {"beam_width": 2}, "stream": True},
@@ -272,3 +275,14 @@ def test_metrics_carry_the_fork_and_beam_counters(server):
                  "beam_shared_blocks", "beam_copied_blocks"):  # fmt: skip
         assert values[f"radixrt_{name}"] == snap[name], name
     assert snap["forks"] >= 2 and snap["beam_steps"] >= 1
+
+
+def test_beam_width_cap_counts_eos_ids(server):
+    """Without EOS in play (ignore_eos) a beam ranks 2 x W candidates: W = 7 runs."""
+    sp = {"beam_width": 7, "max_new_tokens": 3, "ignore_eos": True}
+    outs = post(server, "/generate", {"text": "hi", "sampling_params": sp})
+    assert len(outs) == 7 and all(len(o["output_ids"]) == 3 for o in outs)
+    status, out = server.post(
+        "/generate", {"text": "hi", "sampling_params": {**sp, "ignore_eos": False}}
+    )
+    assert status == 400 and "EOS" in out["error"]["message"], out
