@@ -58,6 +58,8 @@ def build_core(args):
         options["load_format"] = "dummy"
     else:
         path = args.model
+    if args.load_format == "dummy":
+        options["load_format"] = "dummy"
     if args.num_kv_blocks:
         options["num_kv_blocks"] = args.num_kv_blocks
     if args.device == "cpu":
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3-8b", help="tiny | a preset (dummy) | a dir")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="presets: dummy"
+    )
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--width", type=int, default=4, help="n, beam width, independent requests")
