@@ -25,3 +25,14 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
             f"the context length is {max_model_len}, so at most {room} new tokens fit"
         )
     return max_tokens
+
+
+def group_blocks_needed(
+    prompt_len: int, max_tokens: int, num_seqs: int, block_size: int, max_model_len: int
+) -> int:
+    """KV blocks `num_seqs` sequences of one prompt need at most when they share the
+    prompt's full blocks (all but the last prompt token: the fork point of n > 1 and beam
+    search) and each grows to prompt_len + max_tokens (capped by the context length)."""
+    total = min(prompt_len + max_tokens, max_model_len)
+    shared = max(prompt_len - 1, 0) // block_size if num_seqs > 1 else 0
+    return shared + num_seqs * (-(-total // block_size) - shared)

@@ -265,3 +265,31 @@ def test_bench_timeline_counts_every_step(tiny_model_dir, one_thread, capsys):
     table = [line.split("|") for line in out.splitlines() if line.startswith("| ") and
              line.split("|")[1].strip() in ("decode", "mixed", "prefill")]  # fmt: skip
     assert sum(int(r[2]) for r in table) == steps
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_bench_fork_tiny_peak_equals_prediction(one_thread, overlap):
+    """benchmarks/bench_fork.py on the tiny model (CPU): n = W, beam W and W independent
+    requests; the measured peak of KV blocks equals the design's count (main() asserts it);
+    forks share the prompt's full blocks, beams share and copy."""
+    from benchmarks.bench_fork import blocks_of_beams, main
+
+    # 47 + 18 - 1 = 64 positions: a sequence ends exactly at a block boundary
+    rows = main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--overlap", overlap,
+                 "--prompt-len", "47", "--output-len", "18", "--width", "3"])  # fmt: skip
+    by = {r["case"]: r for r in rows}
+    assert by["independent"]["peak_blocks"] == 3 * 4
+    assert by["n"]["peak_blocks"] == 2 + 3 * 2  # (47 - 1) // 16 shared, 2 own per child
+    assert by["n"]["fork_shared_blocks"] == 2 * 2 and by["n"]["fork_copied_blocks"] == 2
+    assert by["beam"]["beam_steps"] == 18 and by["beam"]["peak_blocks"] < 12
+    # the beam rule on sequences made up here: shared up to the first difference // B
+    assert blocks_of_beams([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], 2) == 1 + 1 + 2  # d = 4
+    assert blocks_of_beams([[1, 2, 3, 4], [9, 2, 3, 4]], 2) == 4
+
+
+@pytest.mark.gpu
+def test_bench_fork_gpu_tiny_peak_equals_prediction():
+    """The same on CUDA (overlap on, FlashInfer or the GPU backend, copy ops on the device)."""
+    from benchmarks.bench_fork import main
+
+    rows = main(["--model", "tiny", "--device", "cuda", "--prompt-len", "100",
+                 "--output-len", "29", "--width", "4"])  # fmt: skip
+    assert {r["case"] for r in rows} == {"n", "beam", "independent"}

@@ -196,6 +196,8 @@ class EngineCore:
                 self._inflight = (plan, handle)
             else:
                 changed += self._finish_step(plan, handle)
+        changed += sched.planning_failures
+        sched.planning_failures = []
         return [self._delta(req) for req in _unique(changed)]
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
@@ -265,7 +267,8 @@ class EngineCore:
                 prompt_tokens=req.prompt_len + 1,
                 num_output_tokens=0,
                 num_cached_tokens=req.num_cached_tokens,
-                beams=list(g.beam.finished) if req.finish_reason is not FinishReason.ABORT else [],
+                beams=list(g.beam.finished) if req.finish_reason in _BEAMS_DONE else [],
+                error=req.error,
             )
         delta = RequestDelta(
             rid=req.rid,
@@ -322,6 +325,7 @@ class EngineCore:
             "forks": s.num_forks,
             "fork_shared_blocks": s.num_fork_shared_blocks,
             "fork_copied_blocks": s.num_fork_copied_blocks,
+            "beam_steps": s.num_beam_steps,
             "beam_shared_blocks": s.num_beam_shared_blocks,
             "beam_copied_blocks": s.num_beam_copied_blocks,
             "evicted_blocks": c.num_evicted_blocks,
@@ -341,6 +345,9 @@ class EngineCore:
             "spec_mean_acceptance_length": sp.mean_acceptance_length,
             **spec,
         }
+
+
+_BEAMS_DONE = (FinishReason.STOP, FinishReason.LENGTH)  # a beam search that has results
 
 
 class FatalEngineError(RuntimeError):

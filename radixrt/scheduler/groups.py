@@ -11,10 +11,10 @@ plan). Plain Python, no torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from radixrt.limits import group_blocks_needed
 from radixrt.plan import CopyBlock
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamState
@@ -34,9 +34,9 @@ class GroupScheduling:
                 f"invalid {field_name}={num_seqs}: the engine runs at most "
                 f"{self.num_slots} sequences at once (max_running_requests)"
             )
-        total = min(req.prompt_len + req.max_tokens, self.max_model_len)
-        shared = max(req.prompt_len - 1, 0) // self.block_size if num_seqs > 1 else 0
-        blocks = shared + num_seqs * (math.ceil(total / self.block_size) - shared)
+        blocks = group_blocks_needed(
+            req.prompt_len, req.max_tokens, num_seqs, self.block_size, self.max_model_len
+        )
         if blocks > self.allocator.num_blocks:
             what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
             raise ValueError(
@@ -146,6 +146,21 @@ class GroupScheduling:
             self._free_slots += g.reserved_slots
             g.reserved_slots = []
 
+    def _fail_group(self, req: Request, error: Exception | str) -> list[Request]:
+        """A member of a group failed (planning or applying its result): fail every
+        unfinished member with FinishReason.ERROR, releasing all their blocks, locks and
+        slots; other requests go on. Returns the failed members that report (an n > 1
+        request's children; a beam search's parent)."""
+        g = req.group
+        assert g is not None
+        failed = []
+        for member in [*g.children, g.parent]:  # the last n > 1 child finishes the parent
+            if member.status is not Status.FINISHED:
+                self._fail_one(member, error)
+                if member.reports:
+                    failed.append(member)
+        return failed
+
     def _share_prefix(self, src: Request, dst: Request, copy: int | None, ops: list) -> None:
         """Give `dst` references to `src`'s full blocks and, when `src`'s computed KV ends
         inside a block, block `copy` with those tokens copied in (a CopyBlock op)."""
@@ -173,6 +188,7 @@ class GroupScheduling:
         )
         for b in beams:
             b.beam_top_logprobs = None
+        self.stats.num_beam_steps += 1
         if not picks:
             for b in list(beams):
                 self.running.remove(b)

@@ -67,6 +67,7 @@ class SchedulerStats:
     num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
     num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
     num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
+    num_beam_steps: int = 0  # beam selections (one per group and generated token)
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
@@ -120,6 +121,8 @@ class Scheduler(GroupScheduling):
         self._matches_version = -1
         # Block ops made while applying a result (beam re-parenting) for the next plan.
         self._pending_ops: list = []
+        # requests failed while planning (they get their last delta with this step's)
+        self.planning_failures: list[Request] = []
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
@@ -204,9 +207,12 @@ class Scheduler(GroupScheduling):
             try:
                 rows.append(self._plan_row(req, n, drafts))
             except Exception as e:  # a bug planning one request fails that request only
-                self._fail(req, e)
+                self.planning_failures += self._fail(req, e)
                 continue
             reqs.append(req)
+        if self.planning_failures:  # rows of a failed group's other members go too
+            kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
+            rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
             return None
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs])
@@ -526,9 +532,8 @@ class Scheduler(GroupScheduling):
                 continue  # finished, aborted or preempted since the plan was made
             try:
                 self._apply_row(req, row, result, i, changed, beam_groups)
-            except Exception as e:  # a bug in one request's bookkeeping fails it alone
-                self._fail(req, e)
-                changed.append(req)
+            except Exception as e:  # a bug in one request's bookkeeping fails it (its group)
+                changed += self._fail(req, e)
         for g in beam_groups.values():
             if g.parent.status is Status.FORKED and all(
                 b.beam_top_logprobs is not None for b in g.children
@@ -544,11 +549,19 @@ class Scheduler(GroupScheduling):
         failed = []
         for req, epoch in zip(launched.requests, launched.epochs):
             if req.epoch == epoch and req.status is Status.RUNNING:
-                self._fail(req, error)
-                failed.append(req)
+                failed += self._fail(req, error)
         return failed
 
-    def _fail(self, req: Request, error: Exception | str) -> None:
+    def _fail(self, req: Request, error: Exception | str) -> list[Request]:
+        """Finish `req` with FinishReason.ERROR, releasing what it holds; a member of a
+        group (n > 1, beam search) fails its whole group (`_fail_group`). Returns the
+        finished requests that report (get a delta)."""
+        if req.group is not None:
+            return self._fail_group(req, error)
+        self._fail_one(req, error)
+        return [req]
+
+    def _fail_one(self, req: Request, error: Exception | str) -> None:
         """Finish `req` with FinishReason.ERROR, releasing what it holds."""
         if isinstance(error, Exception):
             logger.error("request %s failed", req.rid, exc_info=error)
@@ -565,6 +578,8 @@ class Scheduler(GroupScheduling):
             logger.exception("releasing failed request %s", req.rid)
             req.num_kv_done = 0
             self.requests.pop(req.rid, None)
+            if req.group is not None and req in req.group.children:
+                req.group.children.remove(req)
             req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
 
     def _apply_row(
@@ -585,7 +600,7 @@ class Scheduler(GroupScheduling):
         req.num_kv_done = max(req.num_kv_done, row.end)
         if not row.sample_offsets:
             if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
-                if req.group is not None:  # a fork parent: fork at the next schedule()
+                if req.group is not None and req is req.group.parent:  # fork next schedule()
                     self._cache_progress(req, row.end)
                     req.group.ready = True
                     return

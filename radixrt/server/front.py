@@ -21,8 +21,10 @@ from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.server.channel import Channel
+from radixrt.server.groups import beam_params, check_group_fits
 from radixrt.server.messages import (
     AbortRequest,
+    BeamSearchRequest,
     FromScheduler,
     Ready,
     SchedulerFailed,
@@ -34,7 +36,7 @@ from radixrt.server.messages import (
 )
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
-from radixrt.server.request_state import Delta, Generation, RequestState
+from radixrt.server.request_state import BeamResult, Delta, Generation, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,8 @@ class Front:
         self.dead_event = asyncio.Event()
         self.ready_event = asyncio.Event()  # set when serving starts
         self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
-        self.states: dict[str, RequestState] = {}  # in-flight requests by (internal) rid
+        # in-flight scheduler requests by (internal) rid: their outputs, by choice index
+        self.states: dict[str, list[RequestState]] = {}
         self.by_client_rid: dict[str, list[RequestState]] = {}  # in flight, by client rid
         # internal rids: a counter plus this process's random tag (never a client's id)
         self._ids = itertools.count()
@@ -92,8 +95,10 @@ class Front:
         logger.warning("not serving any more: %s", reason)
         self.metrics.scheduler_gone()
         self.dead_event.set()
-        for st in list(self.states.values()):
-            self._fail(st, self.unavailable_error())
+        for group in list(self.states.values()):
+            for st in group:
+                if not st.finished:
+                    self._fail(st, self.unavailable_error())
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -128,41 +133,79 @@ class Front:
             raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
 
     def generate(self, spec: GenerationSpec, client_rid: str | None = None) -> Generation:
-        """Tokenize and send every request of `spec` (n per prompt). Raises ApiError
-        (nothing is sent and no state is kept then): 503 while not serving, 400 for a
-        prompt that does not fit or a client rid already in flight."""
+        """Tokenize and send one scheduler request per prompt of `spec` (n > 1: the
+        scheduler forks n children; beam_width: a beam search). Raises ApiError (nothing
+        is sent and no state is kept then): 503 while not serving, 400 for a prompt that
+        does not fit, n / beam_width sequences that can never fit the KV pool or the
+        running slots, or a client rid already in flight."""
         if not self.serving:
             raise self.unavailable_error()
         if client_rid is not None and client_rid in self.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events: asyncio.Queue = asyncio.Queue()
-        states = []
+        groups: dict[str, list[RequestState]] = {}
+        messages: list[ToScheduler] = []
         for i, (ids, max_tokens) in enumerate(prepared):
-            for j in range(spec.n):
-                params = spec.params(max_tokens, choice=j)
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.skip_special_tokens, ids
-                )
-                rid = f"{next(self._ids)}-{self._tag}"
-                index = i * spec.n + j
-                states.append(RequestState(rid, index, ids, params, detok, events, client_rid))
+            first = i * spec.n  # the prompt's first output index
+
+            def state(rid: str, j: int, n: int, ids=ids, max_tokens=max_tokens, first=first):
+                index, choice = first + j, j if n > 1 else 0
+                return self._state(spec, rid, index, choice, n, ids, max_tokens, events, client_rid)
+
+            rid = self._new_rid()
+            if spec.beam_width is not None:
+                beam = beam_params(self.ready, spec, len(ids), max_tokens)
+                messages.append(BeamSearchRequest(rid, ids, beam))
+                groups[rid] = [state(rid, 0, 1)]
+            elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
+                # echo + logprobs: every choice scores the prompt itself (a fork computes it
+                # once, without log-probs), so these n go as n independent requests
+                for j in range(spec.n):
+                    rid = rid if j == 0 else self._new_rid()
+                    groups[rid] = [state(rid, j, 1)]
+                    messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j)))
+            else:
+                check_group_fits(self.ready, spec.n, spec.n_param, len(ids), max_tokens)
+                messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens)))
+                groups[rid] = [state(rid, j, spec.n) for j in range(spec.n)]
+        states = [st for group in groups.values() for st in group]
         try:  # encode all first: a failure leaves nothing behind
-            encoded = [
-                self.to_scheduler.codec.encode(TokenizedRequest(st.rid, st.prompt_ids, st.params))
-                for st in states
-            ]
+            encoded = [self.to_scheduler.codec.encode(m) for m in messages]
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             logger.exception("could not encode a validated request")
             raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
-        for st in states:
-            self.states[st.rid] = st
+        self.states.update(groups)
         if client_rid is not None:
             self.by_client_rid[client_rid] = list(states)
         for data in encoded:  # a failed send fails every registered request (503)
             if not self._send_encoded(data):
                 break
-        return Generation(states, events, self.abort)
+        return Generation(states, events, self.abort_states)
+
+    def _new_rid(self) -> str:
+        return f"{next(self._ids)}-{self._tag}"
+
+    def _state(
+        self,
+        spec: GenerationSpec,
+        rid: str,
+        index: int,
+        choice: int,
+        num_choices: int,
+        ids: list[int],
+        max_tokens: int,
+        events: asyncio.Queue,
+        client_rid: str | None,
+    ) -> RequestState:
+        """The front's state of output `index` of the HTTP request: choice `choice` of the
+        scheduler request `rid` (its own detokenizer and stop strings)."""
+        params = spec.params(max_tokens, choice=index % spec.n)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, ids)
+        beam = spec.beam_width is not None
+        return RequestState(
+            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
+        )
 
     def _prepare(
         self, spec: GenerationSpec, prompt: str | list[int], index: int
@@ -213,24 +256,27 @@ class Front:
             return False
         return True
 
-    def abort(self, st: RequestState) -> None:
-        """Client gone: stop the request now; the scheduler frees its KV."""
-        if st.finished:
-            return
-        self._finish(st, "abort")
-        self._send(AbortRequest(st.rid))
+    def abort_states(self, states: list[RequestState]) -> None:
+        """Client gone: end these outputs now; the scheduler frees their KV (one abort per
+        scheduler request: an n > 1 request's every child)."""
+        rids = [st.rid for st in states if not st.finished]
+        for st in states:
+            if not st.finished:
+                self._finish(st, "abort")
+        for rid in dict.fromkeys(rids):
+            self._send(AbortRequest(rid))
 
     def abort_client_rid(self, rid: str) -> int:
         """/abort: end the unfinished requests with this client rid, or the one request
         without a client rid whose own id (the `id` /generate returned) this is; they
-        finish with "abort" when the scheduler confirms. Returns how many."""
+        finish with "abort" when the scheduler confirms. Returns how many outputs."""
         states = self.by_client_rid.get(rid)
         if states is None:
-            st = self.states.get(rid)
-            states = [st] if st is not None and st.client_rid is None else []
+            group = self.states.get(rid)
+            states = group if group is not None and group[0].client_rid is None else []
         pending = [st for st in states if not st.finished]
-        for st in pending:
-            self._send(AbortRequest(st.rid))
+        for r in dict.fromkeys(st.rid for st in pending):
+            self._send(AbortRequest(r))
         return len(pending)
 
     # ---- outputs in ----
@@ -248,14 +294,19 @@ class Front:
     def _dispatch(self, msg: FromScheduler) -> None:
         if isinstance(msg, TokenBatchOut):
             for out in msg.outputs:
-                st = self.states.get(out.rid)
-                if st is not None:
-                    self._on_output(st, out)
+                group = self.states.get(out.parent_rid or out.rid)
+                if group is not None and not group[out.index].finished:
+                    self._on_output(group[out.index], out)
             for err in msg.errors:
-                st = self.states.get(err.rid)
-                if st is not None:
-                    kind = "server_error" if err.status >= 500 else "invalid_request_error"
-                    self._fail(st, ApiError(err.message, status=err.status, type=kind))
+                group = self.states.get(err.parent_rid or err.rid)
+                if group is None:
+                    continue
+                kind = "server_error" if err.status >= 500 else "invalid_request_error"
+                # a child's error fails that choice; the request's (a 400) every choice
+                for st in [group[err.index]] if err.parent_rid is not None else group:
+                    if not st.finished:
+                        error = ApiError(err.message, err.param, status=err.status, type=kind)
+                        self._fail(st, error)
             self.snapshot = msg.snapshot
             self.metrics.update(msg.snapshot)
         elif isinstance(msg, Ready):
@@ -281,6 +332,9 @@ class Front:
     def _on_output(self, st: RequestState, out: TokenOut) -> None:
         st.num_cached_tokens = out.num_cached_tokens
         final = out.finish_reason is not None
+        if st.beam:
+            self._on_beams(st, out)
+            return
         if final and st.params.prompt_logprobs:
             st.prompt_logprobs = list(out.prompt_logprobs)
         new_ids: Sequence[int] = [] if st.stop_seen else out.new_ids
@@ -303,8 +357,9 @@ class Front:
             # A stop string: the text is complete. The scheduler ends the request with
             # reason "stop" and its final TokenOut (with prompt log-probs) finishes it here.
             st.stop_seen = True
-            if not final:
-                self._send(AbortRequest(st.rid, reason="stop"))
+            if not final:  # this choice alone (an n > 1 request's others go on)
+                index = st.choice if st.num_choices > 1 else None
+                self._send(AbortRequest(st.rid, reason="stop", index=index))
         reason = out.finish_reason
         if reason is not None and st.stop_seen:
             reason = "stop"
@@ -313,12 +368,32 @@ class Front:
         if final:
             self._finish(st, reason)
 
+    def _on_beams(self, st: RequestState, out: TokenOut) -> None:
+        """A beam search's only output: its sequences, best first ([] when aborted)."""
+        assert out.finish_reason is not None, "a beam search reports once, at its end"
+        skip = st.params.skip_special_tokens
+        st.beams = [
+            BeamResult(
+                self.tokenizer.decode(b.output_ids, skip_special_tokens=skip),
+                list(b.output_ids),
+                b.cumulative_logprob,
+                b.score,
+                b.finish_reason,
+            )
+            for b in out.beams
+        ]
+        if st.beams:
+            st.output_ids, st.text = st.beams[0].output_ids, st.beams[0].text
+        self.metrics.generated_tokens.inc(sum(len(b.output_ids) for b in st.beams))
+        st.events.put_nowait((st, Delta(st.text, list(st.output_ids), [], out.finish_reason)))
+        self._finish(st, out.finish_reason)
+
     def _finish(self, st: RequestState, reason: str) -> None:
         st.finish_reason = reason
         self._forget(st)
-        self.metrics.finished(
-            reason, st.prompt_tokens, st.num_cached_tokens, time.perf_counter() - st.created
-        )
+        # an n > 1 request's prompt counts once (with its first choice)
+        prompt, cached = (st.prompt_tokens, st.num_cached_tokens) if st.choice == 0 else (0, 0)
+        self.metrics.finished(reason, prompt, cached, time.perf_counter() - st.created)
 
     def _fail(self, st: RequestState, error: ApiError) -> None:
         st.error = error
@@ -328,7 +403,9 @@ class Front:
 
     def _forget(self, st: RequestState) -> None:
         """Drop the front's state of a finished or failed request (every path ends here)."""
-        self.states.pop(st.rid, None)
+        group = self.states.get(st.rid)
+        if group is not None and all(s.finished for s in group):
+            del self.states[st.rid]
         if st.client_rid is not None:
             group = self.by_client_rid.get(st.client_rid)
             if group is not None and all(s.finished for s in group):

@@ -166,18 +166,38 @@ async def generate(request: web.Request) -> web.StreamResponse:
             m["input_token_logprobs"] = lead + st.prompt_logprobs
         return m
 
+    many = spec.batched or spec.n > 1  # a list of outputs; streamed events carry "index"
     async with front.generate(spec, client_rid=g.rid) as gen:
         if spec.stream:
 
             def chunks(st: RequestState, d: Delta) -> list[dict]:
                 event = {"text": d.text, "output_ids": d.token_ids, "meta_info": meta(st, d)}
-                if spec.batched:
+                if many:
                     event["index"] = st.index
                 return [event]
 
             return await sse_response(request, gen, chunks)
         states = await gen.wait()
+    if spec.beam_width is not None:  # W outputs per prompt, best first
+        return json_response(
+            [_beam_output(st, k, meta(st, None)) for st in states for k in range(len(st.beams))]
+        )
     outs = [
         {"text": st.text, "output_ids": st.output_ids, "meta_info": meta(st, None)} for st in states
     ]
-    return json_response(outs if spec.batched else outs[0])
+    return json_response(outs if many else outs[0])
+
+
+def _beam_output(st: RequestState, k: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """Sequence k (0: the best) of a finished beam search, as a /generate output."""
+    b = st.beams[k]
+    info = {
+        **meta,
+        "completion_tokens": len(b.output_ids),
+        "finish_reason": {"type": b.finish_reason},
+        "cumulative_logprob": b.cumulative_logprob,
+        "score": b.score,
+        "index": k,  # rank among the prompt's sequences
+        "prompt_index": st.index,
+    }
+    return {"text": b.text, "output_ids": b.output_ids, "meta_info": info}

@@ -1,6 +1,7 @@
 """Typed messages between the front process and the scheduler process (msgpack via msgspec).
 
-front -> scheduler (`ToScheduler`): `TokenizedRequest`, `AbortRequest`, `Shutdown`.
+front -> scheduler (`ToScheduler`): `TokenizedRequest` (n > 1: one message, the scheduler
+forks the children), `BeamSearchRequest`, `AbortRequest`, `Shutdown`.
 scheduler -> front (`FromScheduler`): `Ready` once after the model loads, then one
 `TokenBatchOut` per loop iteration that did something (a step, or handled messages), and
 `SchedulerFailed` if the loop dies of an exception.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import BeamSearchParams, SamplingParams
 
 
 # ---- front -> scheduler ----
@@ -20,16 +21,28 @@ class TokenizedRequest(msgspec.Struct, tag=True, frozen=True):
     params: SamplingParams
 
 
+class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
+    """A beam search (EngineCore.add_beam_search): one TokenOut when it ends, with `beams`."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: BeamSearchParams
+
+
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
+    """End request `rid` (an n > 1 request: every child), or with `index` only child
+    `index` of the n > 1 request `rid` (its stop string was seen; the others go on)."""
+
     rid: str
     reason: str = "abort"  # "abort" (client gone, /abort) | "stop" (front saw a stop string)
+    index: int | None = None
 
 
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-ToScheduler = TokenizedRequest | AbortRequest | Shutdown
+ToScheduler = TokenizedRequest | BeamSearchRequest | AbortRequest | Shutdown
 
 
 # ---- scheduler -> front ----
@@ -39,10 +52,23 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     vocab_size: int
     kv_blocks_total: int
     block_size: int
+    max_running_requests: int = 256  # sequences that run at once (n, beam_width at most)
+    num_eos_ids: int = 1  # the EOS ids beam search ranks candidates for
+
+
+class BeamOut(msgspec.Struct, frozen=True):
+    """One finished beam-search sequence."""
+
+    output_ids: list[int]  # generated tokens (a final EOS included)
+    cumulative_logprob: float  # sum of their log-probs
+    score: float  # cumulative_logprob / len(output_ids) ** length_penalty
+    finish_reason: str = "length"  # "stop": it ended with an EOS id; "length": max_tokens
 
 
 class TokenOut(msgspec.Struct, frozen=True):
-    """One request's progress in one step."""
+    """One request's progress in one step. A child of an n > 1 request reports as itself
+    (`rid` the scheduler's child id) with `parent_rid` the id it was sent with and `index`
+    its choice 0..n-1; a beam search reports once, at the end, with `beams`."""
 
     rid: str
     new_ids: list[int]  # output token ids generated since the previous TokenOut
@@ -56,6 +82,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     # when params.logprobs and params.top_logprobs > 0: per id of new_ids, the
     # params.top_logprobs most likely (token id, log-prob) pairs, most likely first
     new_top_logprobs: list[list[tuple[int, float]]] = []
+    parent_rid: str | None = None  # n > 1: the rid the request was sent with
+    index: int = 0  # n > 1: the child's choice index, 0..n-1
+    beams: list[BeamOut] = []  # beam search, on its (only) TokenOut: best first
 
 
 class RequestError(msgspec.Struct, frozen=True):
@@ -65,6 +94,9 @@ class RequestError(msgspec.Struct, frozen=True):
     rid: str
     message: str
     status: int = 400  # the HTTP status the client gets: 400 its input, 500 a server fault
+    parent_rid: str | None = None  # a child of an n > 1 request: the rid it was sent with
+    index: int = 0  # that child's choice index
+    param: str | None = None  # 400: the request field at fault, when known
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True):
@@ -91,6 +123,13 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     spec_draft_tokens: int = 0  # drafts verified
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verify_rows: int = 0  # rows that verified drafts
+    # n > 1 forks and beam search since start (see radixrt.scheduler.groups)
+    forks: int = 0  # groups forked (again after a preemption)
+    fork_shared_blocks: int = 0  # full prompt blocks children took a reference on at forks
+    fork_copied_blocks: int = 0  # partial prompt blocks copied for children at forks
+    beam_steps: int = 0  # beam-selection steps (one per group per generated token)
+    beam_shared_blocks: int = 0  # full blocks re-parented beams took references on
+    beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -79,6 +79,18 @@ class ServerMetrics:
         self.spec_verify_rows = g(
             "radixrt_spec_verify_rows", "Rows that verified speculative drafts, since start"
         )
+        # n > 1 forks and beam search: the snapshot field of the same name, since start
+        self.group_gauges = {
+            name: g(f"radixrt_{name}", doc)
+            for name, doc in (
+                ("forks", "Request groups (n > 1, beam search) forked, since start"),
+                ("fork_shared_blocks", "Full prompt blocks shared by reference at forks"),
+                ("fork_copied_blocks", "Partial prompt blocks copied at forks"),
+                ("beam_steps", "Beam-search selection steps, since start"),
+                ("beam_shared_blocks", "Full blocks shared by re-parented beams"),
+                ("beam_copied_blocks", "Partial blocks copied for re-parented beams"),
+            )
+        }
         self.in_flight = g("radixrt_front_in_flight", "Requests the front holds state for")
         self.rejected = Counter(
             "radixrt_rejected_requests",
@@ -93,7 +105,7 @@ class ServerMetrics:
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
             self.failed_requests, self.failed_steps, self.spec_draft_tokens,
-            self.spec_accepted_tokens, self.spec_verify_rows,
+            self.spec_accepted_tokens, self.spec_verify_rows, *self.group_gauges.values(),
         )  # fmt: skip
 
     def update(self, snap: SchedulerSnapshot) -> None:
@@ -109,6 +121,8 @@ class ServerMetrics:
         self.spec_draft_tokens.set(snap.spec_draft_tokens)
         self.spec_accepted_tokens.set(snap.spec_accepted_tokens)
         self.spec_verify_rows.set(snap.spec_verify_rows)
+        for name, gauge in self.group_gauges.items():
+            gauge.set(getattr(snap, name))
 
     def scheduler_gone(self) -> None:
         self.ready.set(0)

@@ -11,12 +11,13 @@ from typing import Any
 
 import msgspec
 
-from radixrt.sampling import SEED_RANGE, SamplingParams
+from radixrt.sampling import MAX_BEAM_WIDTH, MAX_N, SEED_RANGE, SamplingParams  # noqa: F401
 
 # ---- limits (the README's "Limits" lists them) ----
 GENERATE_DEFAULT_MAX_TOKENS = 128  # /generate without max_new_tokens (as SGLang)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (as OpenAI)
-MAX_N = 128  # choices per prompt
+# MAX_N (choices per prompt, n > 1 forks in the scheduler) and MAX_BEAM_WIDTH come from
+# radixrt.sampling; both are also capped by --max-running-requests and the KV pool
 MAX_PROMPTS = 256  # prompts of one batched request
 MAX_REQUESTS = 256  # prompts x n of one HTTP request
 MAX_STOP_STRINGS = 16
@@ -90,7 +91,10 @@ class GenerationSpec:
     # when not given: at most this many, and no more than the context length leaves
     # after the prompt (None: all that it leaves)
     default_max_tokens: int | None = None
-    n: int = 1  # independent samples per prompt
+    n: int = 1  # samples per prompt (one scheduler request forking n children)
+    # /generate beam search: beams kept and returned per prompt (None: sampling, not beams)
+    beam_width: int | None = None
+    length_penalty: float = 1.0  # beam search: score = cumulative / length ** this
     stream: bool = False
     include_usage: bool = False  # stream: a final chunk with usage
     add_special_tokens: bool = True  # False for chat-template text (it has its own)
@@ -98,6 +102,8 @@ class GenerationSpec:
     echo: bool = False  # /v1/completions: the prompt is part of the returned text
     prompt_param: str = "prompt"  # request fields to name in errors
     max_tokens_param: str = "max_tokens"
+    n_param: str = "n"
+    beam_width_param: str = "sampling_params.beam_width"
 
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """SamplingParams for one request; choice i of a seeded n > 1 uses
@@ -106,6 +112,11 @@ class GenerationSpec:
         if kw.get("seed") is not None:
             kw["seed"] = (kw["seed"] + choice) % SEED_RANGE
         return make_params(max_tokens=max_tokens, **kw)
+
+    def request_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams of the one scheduler request of a prompt: n = self.n (the
+        scheduler seeds child i with (seed + i) mod 2^63)."""
+        return make_params(max_tokens=max_tokens, n=self.n, **self.sampling)
 
 
 def make_params(**kwargs: Any) -> SamplingParams:

@@ -1,4 +1,8 @@
-"""Per-request state in the front, and `Generation`: the requests of one HTTP call."""
+"""Per-output state in the front, and `Generation`: the outputs of one HTTP call.
+
+One scheduler request per prompt: an n > 1 request has n `RequestState`s (its choices, one
+detokenizer and stop-string matcher each) that share its `rid`; a beam search has one, whose
+`beams` arrive when the search ends."""
 
 from __future__ import annotations
 
@@ -24,15 +28,30 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class BeamResult:
+    """One finished beam-search sequence, as the client gets it."""
+
+    text: str
+    output_ids: list[int]  # generated tokens (a final EOS included)
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(output_ids) ** length_penalty
+    finish_reason: str  # "stop" (ended with EOS) | "length"
+
+
 @dataclass(eq=False)
 class RequestState:
-    rid: str  # the front's own id, what the scheduler knows (never a client's id)
+    rid: str  # the front's id of the scheduler request (n > 1: shared by its choices)
     index: int  # position in its HTTP request: input i, choice j -> i * n + j
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # this choice's (n = 1, seed + choice)
     detok: IncrementalDetokenizer
     events: asyncio.Queue  # shared by the HTTP request: (state, Delta | ApiError)
     client_rid: str | None  # the client's rid (opaque): echoed back, /abort takes it
+    choice: int = 0  # the child index inside its scheduler request (0..n-1)
+    num_choices: int = 1  # n of its scheduler request (1 for a beam search)
+    beam: bool = False  # a beam search: no deltas but the last, results in `beams`
+    beams: list[BeamResult] = field(default_factory=list)  # beam search: best first
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -65,19 +84,19 @@ class Generation:
         self,
         states: list[RequestState],
         events: asyncio.Queue,
-        abort: Callable[[RequestState], None],
+        abort: Callable[[list[RequestState]], None],
     ) -> None:
         self.states = states  # in index order
         self._events = events
-        self._abort = abort  # ends one request now (client gone)
+        self._abort = abort  # ends these outputs now (client gone)
 
     async def __aenter__(self) -> Generation:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for st in self.states:
-            if not st.finished:
-                self._abort(st)
+        unfinished = [st for st in self.states if not st.finished]
+        if unfinished:
+            self._abort(unfinished)
 
     async def next_event(self) -> tuple[RequestState, Delta]:
         """The next delta of any of the requests. Raises the ApiError of a failed one."""

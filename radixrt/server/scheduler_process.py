@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,6 +24,8 @@ import zmq
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.messages import (
     AbortRequest,
+    BeamOut,
+    BeamSearchRequest,
     FromScheduler,
     Ready,
     RequestError,
@@ -151,6 +154,8 @@ class SchedulerLoop:
                 vocab_size=core.model_config.vocab_size,
                 kv_blocks_total=core.allocator.num_blocks,
                 block_size=core.config.cache.block_size,
+                max_running_requests=core.config.scheduler.max_running_requests,
+                num_eos_ids=len(core.scheduler.eos_token_ids),
             )
         )
         logger.info("ready: max_model_len=%d", core.max_model_len)
@@ -165,9 +170,10 @@ class SchedulerLoop:
                 outputs = []
                 for d in (*finished, *changed):
                     if d.finish_reason == "error":  # failed on our side: a 500
-                        errors.append(RequestError(d.rid, d.error or "internal error", 500))
+                        message = d.error or "internal error"
+                        errors.append(RequestError(d.rid, message, 500, d.parent_rid, d.index))
                     else:
-                        outputs.append(_token_out(d))
+                        outputs.append(_token_out(d, core.scheduler.eos_token_ids))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -187,18 +193,22 @@ class SchedulerLoop:
         errors: list[RequestError] = []
         finished = []
         for msg in msgs:
-            if isinstance(msg, TokenizedRequest):
+            if isinstance(msg, (TokenizedRequest, BeamSearchRequest)):
                 try:
-                    self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
+                    if isinstance(msg, TokenizedRequest):
+                        self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
+                    else:
+                        self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid)
                 except ValueError as e:
-                    errors.append(RequestError(msg.rid, str(e), 400))
+                    errors.append(RequestError(msg.rid, str(e), 400, param=_param_of(str(e))))
                 except Exception as e:  # a bug: this request fails, the loop goes on
                     logger.exception("adding request %s failed", msg.rid)
                     errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
             elif isinstance(msg, AbortRequest):
-                from radixrt.scheduler.request import FinishReason
+                from radixrt.scheduler.request import FinishReason, fork_rid
 
-                delta = self.core.abort(msg.rid, FinishReason(msg.reason))
+                rid = msg.rid if msg.index is None else fork_rid(msg.rid, msg.index)
+                delta = self.core.abort(rid, FinishReason(msg.reason))
                 if delta is not None:
                     finished.append(delta)
         return errors, finished
@@ -233,10 +243,31 @@ class SchedulerLoop:
             spec_draft_tokens=int(s["spec_draft_tokens"]),
             spec_accepted_tokens=int(s["spec_accepted_tokens"]),
             spec_verify_rows=int(s["spec_verify_rows"]),
+            forks=int(s["forks"]),
+            fork_shared_blocks=int(s["fork_shared_blocks"]),
+            fork_copied_blocks=int(s["fork_copied_blocks"]),
+            beam_steps=int(s["beam_steps"]),
+            beam_shared_blocks=int(s["beam_shared_blocks"]),
+            beam_copied_blocks=int(s["beam_copied_blocks"]),
         )
 
 
-def _token_out(d: RequestDelta) -> TokenOut:
+def _param_of(message: str) -> str | None:
+    """The field an engine ValueError names ("invalid n=...", "n=4 sequences of ...")."""
+    m = re.match(r"(?:invalid )?(\w+)=", message)
+    return m.group(1) if m else None
+
+
+def _token_out(d: RequestDelta, eos_token_ids: frozenset[int]) -> TokenOut:
+    beams = [
+        BeamOut(
+            h.output_token_ids,
+            h.cumulative_logprob,
+            h.score,
+            "stop" if h.output_token_ids[-1] in eos_token_ids else "length",
+        )
+        for h in d.beams or []
+    ]
     return TokenOut(
         rid=d.rid,
         new_ids=d.new_token_ids,
@@ -246,4 +277,7 @@ def _token_out(d: RequestDelta) -> TokenOut:
         new_logprobs=d.new_logprobs,
         prompt_logprobs=d.prompt_logprobs,
         new_top_logprobs=d.new_top_logprobs,
+        parent_rid=d.parent_rid,
+        index=d.index,
+        beams=beams,
     )

@@ -88,6 +88,9 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
 class GenerateSamplingParams(SamplingFields, kw_only=True):
     max_new_tokens: int | None = None
     max_tokens: int | None = None  # alias of max_new_tokens
+    n: int = 1  # samples of each prompt (a list of n outputs per prompt)
+    beam_width: int | None = None  # beam search instead of sampling (W outputs per prompt)
+    length_penalty: float | None = None  # beam search only: score = cum / length ** this
 
 
 class GenerateRequest(Body, kw_only=True):

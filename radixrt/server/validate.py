@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
+from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     GENERATE_DEFAULT_MAX_TOKENS,
@@ -200,13 +201,13 @@ def _check_text_length(chars: int, param: str, model: ModelInfo) -> None:
         )
 
 
-def _check_n(n: int, num_prompts: int) -> None:
-    _int_in(n, "n", 1, MAX_N)
+def _check_n(n: int, num_prompts: int, param: str = "n") -> None:
+    _int_in(n, param, 1, MAX_N)
     if n * num_prompts > MAX_REQUESTS:
         raise ApiError(
-            f"{num_prompts} prompts x n={n} is {n * num_prompts} generations; at most "
+            f"{num_prompts} prompts x {param}={n} is {n * num_prompts} generations; at most "
             f"{MAX_REQUESTS} per request",
-            param="n",
+            param=param,
         )
 
 
@@ -354,7 +355,16 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
     _check_max_tokens(max_tokens, "sampling_params.max_new_tokens")
     _int_in(req.logprob_start_len, "logprob_start_len", 0, MAX_INT, f"an integer in [0, {MAX_INT}]")
     _int_in(req.top_logprobs_num, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
-    _check_n(1, len(prompts))
+    length_penalty = 1.0
+    if sp.beam_width is not None:
+        length_penalty = check_beam_fields(req, sp, len(prompts))
+    elif sp.length_penalty is not None:
+        raise ApiError(
+            "sampling_params.length_penalty applies to beam search only: set "
+            "sampling_params.beam_width too",
+            param="sampling_params.length_penalty",
+        )
+    _check_n(sp.n, len(prompts), "sampling_params.n")
     sampling = _sampling(sp, model, prefix="sampling_params.")
     sampling["logprobs"] = req.return_logprob
     sampling["top_logprobs"] = req.top_logprobs_num if req.return_logprob else 0
@@ -365,9 +375,13 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         sampling=sampling,
         max_tokens=max_tokens,
         default_max_tokens=GENERATE_DEFAULT_MAX_TOKENS,
+        n=sp.n,
+        beam_width=sp.beam_width,
+        length_penalty=length_penalty,
         stream=req.stream,
         batched=batched,
         prompt_param="text" if req.text is not None else "input_ids",
         max_tokens_param="sampling_params.max_new_tokens",
+        n_param="sampling_params.n",
     )
     return GenerateSpec(gen=gen, rid=req.rid, logprob_start_len=req.logprob_start_len)

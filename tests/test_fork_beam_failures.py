@@ -1,0 +1,129 @@
+"""Failure isolation inside groups (n > 1, beam search) on the scripted runner: an exception
+while planning or applying one member's row fails its whole group cleanly (every reporting
+member gets an ERROR delta, nothing leaks) and never another request; and the fork / beam
+memory counters count what they say."""
+
+from __future__ import annotations
+
+import pytest
+from test_fork_beam_scheduler import beam_tops, content_core, ctx_token, drive, expect
+
+from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.scheduler.request import FinishReason, fork_rid
+
+PLAIN = list(range(60, 70))
+PROMPT = list(range(100, 111))
+
+
+def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
+    """Make scheduler `method(req, ...)` raise for `bad_rid` from its `after`-th call on."""
+    original = getattr(core.scheduler, method)
+    calls = [0]
+
+    def broken(req, *args, **kw):
+        if req.rid == bad_rid:
+            calls[0] += 1
+            if calls[0] > after:
+                raise KeyError("injected")
+        return original(req, *args, **kw)
+
+    setattr(core.scheduler, method, broken)
+    return calls
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "method, bad, after",
+    [
+        ("_stop_reason", fork_rid("p", 1), 2),  # applying a child's token
+        ("_plan_row", fork_rid("p", 2), 1),  # planning a child's decode row
+        ("_apply_row", "p", 0),  # applying the parent's prefill
+        ("_plan_row", "p", 0),  # planning the parent's prefill
+    ],
+)
+def test_a_failing_child_fails_its_group_only(overlap, method, bad, after):
+    core, _ = content_core(overlap=overlap)
+    core.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, n=3), rid="p")
+    core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
+    calls = _breaks(core, method, bad, after)
+    done = drive(core)  # integrity after every step
+    assert calls[0] > after
+    for c in range(3):
+        d = done[fork_rid("p", c)][2]
+        assert d.finish_reason is FinishReason.ERROR and "injected" in d.error
+        assert d.parent_rid == "p" and d.index == c
+    assert done["x"][0] == expect("x", PLAIN, 9)
+    assert done["x"][1] is FinishReason.LENGTH
+    assert core.stats()["failed_requests"] == 3
+    assert not core.scheduler.requests
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("method, after", [("_apply_row", 3), ("_plan_row", 2)])
+def test_a_failing_beam_fails_its_search_only(overlap, method, after):
+    core, runner = content_core(overlap=overlap)
+    runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)
+    core.add_beam_search(PROMPT[:7], BeamSearchParams(beam_width=3, max_tokens=9), "b")
+    core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
+    calls = _breaks(core, method, fork_rid("b", 0), after)
+    done = drive(core)
+    assert calls[0] > after
+    d = done["b"][2]
+    assert d.finish_reason is FinishReason.ERROR and "injected" in d.error and d.beams == []
+    assert done["x"][0] == expect("x", PLAIN, 9)
+    assert not core.scheduler.requests
+
+
+def test_fork_counters_count_shared_and_copied_blocks():
+    """forks / fork_shared_blocks / fork_copied_blocks per fork: an 11-token prompt with
+    block size 4 forks after 10 tokens (2 full blocks + 2 tokens): each of the n - 1 new
+    children references the 2 full blocks and gets 1 copied block (child 0 takes over)."""
+    core, _ = content_core(overlap=False, prefix_cache="none", block_size=4)
+    core.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True, n=4), rid="p")
+    core.add_request(PROMPT[:9], SamplingParams(max_tokens=4, ignore_eos=True, n=2), rid="q")
+    drive(core)
+    s = core.stats()
+    # q: 8 tokens computed by the parent = 2 full blocks, nothing partial: no copy
+    assert s["forks"] == 2
+    assert s["fork_shared_blocks"] == 2 * 3 + 2 * 1
+    assert s["fork_copied_blocks"] == 3 + 0
+    assert s["beam_steps"] == 0
+
+
+def test_beam_counters_count_steps_and_blocks():
+    """beam_steps is one per generated token of the search; every re-parented beam (a pick
+    that is not its source's first) references the source's full blocks and copies its
+    partial one (shared + copied == what the re-parentings imply)."""
+    core, runner = content_core(overlap=False, prefix_cache="none", block_size=4)
+    runner.context_fn = lambda rid, ctx: beam_tops(ctx)
+    sched = core.scheduler
+    reparented = []
+    original = sched._share_prefix
+
+    def share(src, dst, copy, ops):
+        reparented.append((src.num_computed // 4, src.num_computed % 4 > 0))
+        return original(src, dst, copy, ops)
+
+    sched._share_prefix = share
+    core.add_beam_search([7, 8, 9], BeamSearchParams(beam_width=3, max_tokens=6), "b")
+    done = drive(core)
+    s = core.stats()
+    out = done["b"][2]
+    assert s["beam_steps"] == max(len(h.output_token_ids) for h in out.beams)
+    assert reparented and s["forks"] == 1 and s["fork_shared_blocks"] == 0  # 1 first beam
+    assert s["beam_copied_blocks"] == sum(partial for _, partial in reparented)
+    assert s["beam_shared_blocks"] == sum(full for full, _ in reparented)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_only_children_finish(overlap):
+    """n > 1 with max_tokens = 0 (prompt scoring, cache warming): each child feeds the last
+    prompt token and finishes with nothing (it is not mistaken for a fork parent)."""
+    core, _ = content_core(overlap=overlap)
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=0, n=2), rid="p")
+    core.add_request([5], SamplingParams(max_tokens=0, n=3), rid="q")
+    done = drive(core)
+    rids = [fork_rid("p", c) for c in range(2)] + [fork_rid("q", c) for c in range(3)]
+    assert {rid: (v[0], v[1]) for rid, v in done.items()} == {
+        rid: ([], FinishReason.LENGTH) for rid in rids
+    }
