@@ -64,6 +64,17 @@ def _decode_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
     return seq_lens.max().reshape(1)
 
 
+def check_fp8_kv_capability(capability: tuple[int, int], device_name: str) -> None:
+    """Raise ValueError unless a GPU of `capability` can run fp8 KV on this backend."""
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(
+            f"kv_cache_dtype='fp8_e4m3' with the flashinfer backend needs a GPU of compute "
+            f"capability >= {need} (Ada, Hopper or newer); {device_name} is "
+            f"{capability[0]}.{capability[1]}. Use kv_cache_dtype='auto'"
+        )
+
+
 def prebuild_kernels(
     head_dims: Sequence[int],
     dtype: torch.dtype = torch.bfloat16,
@@ -131,14 +142,9 @@ class FlashInferBackend:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         if self.kv_dtype == torch.float8_e4m3fn:
-            cap = torch.cuda.get_device_capability(device)
-            if cap < FP8_MIN_CAPABILITY:
-                raise ValueError(
-                    f"kv_cache_dtype='fp8_e4m3' with the flashinfer backend needs a GPU of "
-                    f"compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
-                    f"(Ada, Hopper or newer); {torch.cuda.get_device_name(device)} is "
-                    f"{cap[0]}.{cap[1]}. Use kv_cache_dtype='auto'"
-                )
+            check_fp8_kv_capability(
+                torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+            )
         elif self.kv_dtype != dtype:
             raise ValueError(f"kv_dtype must be {dtype} or torch.float8_e4m3fn, got {kv_dtype}")
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
