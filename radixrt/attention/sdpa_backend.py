@@ -70,6 +70,9 @@ class SdpaAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, [n, hkv, kv_len, d] each (views of a flat buffer that
         every layer and step reuses: grown when a group needs more, never shrunk)."""
+        stored = k_cache.dtype
+        if stored == torch.float8_e4m3fn:  # gather the bytes: no fp8 index kernels everywhere
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         nblk = grp.blocks.shape[0]
         half = nblk * k_cache[0].numel()
         buf = self._buffer
@@ -79,6 +82,7 @@ class SdpaAttentionBackend:
         keys = torch.index_select(k_cache, 0, grp.blocks, out=buf[:half].view(shape))
         vals = torch.index_select(v_cache, 0, grp.blocks, out=buf[half : 2 * half].view(shape))
         n, kl, hkv, d = grp.num_pieces, grp.kv_len, self.num_kv_heads, self.head_dim
+        keys, vals = keys.view(stored), vals.view(stored)
         return keys.view(n, kl, hkv, d).transpose(1, 2), vals.view(n, kl, hkv, d).transpose(1, 2)
 
     def forward(

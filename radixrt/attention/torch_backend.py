@@ -29,6 +29,13 @@ def _row_slots(batch: ForwardBatch, rows: slice) -> tuple[torch.Tensor, torch.Te
     return torch.where(valid, blocks * bs + pos % bs, 0), valid
 
 
+def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """flat[index]; fp8 through its uint8 view (fp8 has no index kernel on every device)."""
+    if flat.dtype == torch.float8_e4m3fn:
+        return flat.view(torch.uint8)[index].view(torch.float8_e4m3fn)
+    return flat[index]
+
+
 class TorchAttentionBackend:
     supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
 
@@ -79,13 +86,13 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = batch.num_decode
         if nd:
-            keys, vals = k_flat[self.decode_slots], v_flat[self.decode_slots]
+            keys, vals = _gather(k_flat, self.decode_slots), _gather(v_flat, self.decode_slots)
             keys, vals = pool.dequantize(layer, keys, vals, torch.float32)
             out[:nd] = self._attend(
                 q[:nd].unsqueeze(1), keys, vals, self.decode_valid.unsqueeze(1)
             ).squeeze(1)
         for start, end, slots, mask in self.extend_rows:
-            keys, vals = k_flat[slots].unsqueeze(0), v_flat[slots].unsqueeze(0)
+            keys, vals = _gather(k_flat, slots).unsqueeze(0), _gather(v_flat, slots).unsqueeze(0)
             keys, vals = pool.dequantize(layer, keys, vals, torch.float32)
             out[start:end] = self._attend(
                 q[start:end].unsqueeze(0), keys, vals, mask.unsqueeze(0)

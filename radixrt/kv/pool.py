@@ -147,4 +147,5 @@ class KVPool:
         """Copy-on-write: the first `num_tokens` tokens of a block, every layer, K and V
         (stored values as they are, so fp8 copies exactly)."""
         assert 0 < num_tokens <= self.block_size
-        self.kv[:, :, dst_block, :num_tokens] = self.kv[:, :, src_block, :num_tokens]
+        kv = self.kv.view(torch.uint8) if self.is_fp8 else self.kv  # fp8: copy the bytes
+        kv[:, :, dst_block, :num_tokens] = kv[:, :, src_block, :num_tokens]
