@@ -81,7 +81,8 @@ def prebuild_kernels(
     kv_dtype: torch.dtype | None = None,
 ) -> None:
     """Compile (in one parallel ninja run) every FlashInfer JIT module radixrt uses for
-    models with these head dims: attention per padded head dim, RMSNorm, RoPE, SiLU-and-mul.
+    models with these head dims: attention per padded head dim (KV of `kv_dtype`, None:
+    `dtype`; fp8 for kv_cache_dtype="fp8_e4m3"), RMSNorm, RoPE, SiLU-and-mul.
     Modules already built or restored are skipped. Optional: each is built on first use."""
     from flashinfer.jit import (
         build_jit_specs,
@@ -91,19 +92,10 @@ def prebuild_kernels(
     from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.rope import gen_rope_module
 
+    kv = kv_dtype or dtype
     specs = [
         gen_batch_prefill_module(
-            ATTENTION_BACKEND,
-            dtype,
-            kv_dtype or dtype,
-            dtype,
-            torch.int32,
-            d,
-            d,
-            0,
-            False,
-            False,
-            False,
+            ATTENTION_BACKEND, dtype, kv, dtype, torch.int32, d, d, 0, False, False, False
         )
         for d in sorted({kv_head_dim(h) for h in head_dims})
     ]
