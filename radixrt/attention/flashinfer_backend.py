@@ -17,9 +17,9 @@ change neither q.k nor the first `head_dim` output columns.
 
 fp8 KV (`kv_dtype=torch.float8_e4m3fn`, q stays bf16/fp16): both wrappers are planned with
 `kv_data_type=fp8` on the fa2 backend (FlashInfer's fa3 refuses fp8 KV with a non-fp8 q:
-`is_fa3_backend_supported`, so "auto" would pick fa2 as well; pinning it keeps one JIT module
-per head dim). `store_kv` quantizes with the pool's per-layer scales, and `run` gets them as
-`k_scale` (FlashInfer folds it into sm_scale, no extra work) while V's scale multiplies the
+`is_fa3_backend_supported` in 0.6.13, so "auto" would pick fa2 as well; pinning it keeps one
+JIT module per head dim). `store_kv` quantizes with the pool's per-layer scales; `run` gets
+K's as `k_scale` (FlashInfer folds it into sm_scale, no extra work) while V's multiplies the
 output here (attention is linear in V); scales of 1.0 cost nothing. Needs compute
 capability >= 8.9 (Triton's fp8 cast), checked at construction.
 
