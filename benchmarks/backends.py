@@ -25,6 +25,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         "max_running_requests": args.max_running_requests,
         "load_format": args.load_format,
     }
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        opts["kv_cache_dtype"] = args.kv_cache_dtype
     if args.aging_tokens_per_step is not None:
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:

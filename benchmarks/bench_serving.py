@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="pool of the normal runs")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--aging-tokens-per-step", type=float, default=None,

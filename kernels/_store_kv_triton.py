@@ -21,6 +21,10 @@ def store_kv_kernel(
     num_heads,
     head_dim,
     block_size,
+    k_inv_scale,  # float: multiplies K before the cast when QUANT
+    v_inv_scale,
+    QUANT: tl.constexpr,  # fp8 pool: x * inv_scale in float32, clamped to +-FP8_MAX
+    FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -39,5 +43,8 @@ def store_kv_kernel(
 
     k = tl.load(k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask)
     v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask)
+    if QUANT:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     tl.store(kv_ptr + dst, k.to(kv_ptr.dtype.element_ty), mask)
     tl.store(kv_ptr + stride_kv_kv + dst, v.to(kv_ptr.dtype.element_ty), mask)

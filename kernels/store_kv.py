@@ -6,6 +6,8 @@ index 0 and V at 1. A token's flat slot is `block * block_size + offset`.
 
 import torch
 
+from radixrt.kv.scales import FP8_E4M3_MAX
+
 from ._triton import cdiv, load_triton_module, next_power_of_2
 
 
@@ -25,11 +27,20 @@ def _check_args(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v:
         raise ValueError(f"kv_layer, slots, k and v must share one device, got {devices}")
 
 
-def store_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(
+    kv_layer: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write k/v of T tokens at their flat slots; mutates `kv_layer` in place.
 
-    kv_layer: [2, num_blocks, block_size, H, D] float32 | bfloat16 | float16, any device
-              (`KVPool.kv[layer]`; its last dim must be contiguous).
+    kv_layer: [2, num_blocks, block_size, H, D] float32 | bfloat16 | float16 | float8_e4m3fn,
+              any device (`KVPool.kv[layer]`; its last dim must be contiguous). fp8 stores
+              `clamp(x / scale, +-448)` (computed in float32 as x * (1 / scale), rounded to
+              nearest); the scales are ignored for other dtypes.
     slots:    [T] int64, same device: flat slot `block * block_size + offset` of each token.
               Must lie in [0, num_blocks * block_size) and be distinct; neither is checked
               (that would need a host sync), so out-of-range slots write out of bounds.
@@ -50,6 +61,7 @@ def store_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
     # About 4K elements a program: all heads of one token for small models.
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))
     grid = (num_tokens, cdiv(num_heads, block_h))
+    quant = kv_layer.dtype == torch.float8_e4m3fn
     kernel = load_triton_module("_store_kv_triton").store_kv_kernel
     kernel[grid](
         kv_layer,
@@ -67,16 +79,31 @@ def store_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
         num_heads,
         head_dim,
         block_size,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        QUANT=quant,
+        FP8_MAX=FP8_E4M3_MAX,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
     )
 
 
 def store_kv_reference(
-    kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    kv_layer: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Torch version of `store_kv` (same contract; kv_layer must be viewable as flat slots)."""
     _check_args(kv_layer, slots, k, v)
     flat = kv_layer.view(2, -1, *kv_layer.shape[3:])  # [2, num_blocks * block_size, H, D]
-    flat[0].index_copy_(0, slots, k.to(flat.dtype))
-    flat[1].index_copy_(0, slots, v.to(flat.dtype))
+    if kv_layer.dtype != torch.float8_e4m3fn:
+        flat[0].index_copy_(0, slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        return
+    flat = flat.view(torch.uint8)  # no fp8 index_copy_ on CPU: copy the bytes
+    for i, (x, scale) in enumerate(((k, k_scale), (v, v_scale))):
+        x = (x.float() * (1.0 / scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        flat[i].index_copy_(0, slots, x.to(torch.float8_e4m3fn).view(torch.uint8))

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
 PREFIX_CACHES = ("radix", "blockhash", "none")
 POLICIES = ("fcfs", "lpm", "dfs-weight")
 SPECULATIVE_METHODS = ("none", "ngram", "radix")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 
 
@@ -119,8 +120,16 @@ class CacheConfig:
     mem_fraction: float = 0.85  # of free device memory after weights (CUDA only)
     cpu_kv_blocks: int = 4096  # pool size on CPU when num_kv_blocks is None
     prefix_cache: str = "radix"  # radix | blockhash | none
+    # KV storage: "auto" stores the model's dtype; "fp8_e4m3" stores float8_e4m3fn with
+    # per-tensor scales per layer (the checkpoint's kv scales, else 1.0): twice the tokens
+    # per byte. A mode, not a value to resolve ("auto" never means fp8).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -131,6 +140,10 @@ class CacheConfig:
             raise ValueError(
                 f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}"
             )
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8_e4m3"
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,31 @@ from radixrt.config import ModelConfig
 
 
 def create_attention_backend(
-    kind: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    kind: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """Build the backend named `kind`; flashinfer is imported only when asked for."""
+    """Build the backend named `kind` for a KV pool of `kv_dtype` (None: `dtype`); flashinfer
+    is imported only when asked for. Raises ValueError at once (not at the first forward)
+    when the backend cannot run that KV dtype on this device."""
+    backend = _create(kind, cfg, device, dtype, kv_dtype)
+    if kv_dtype == torch.float8_e4m3fn and not getattr(backend, "supports_fp8_kv", False):
+        raise ValueError(
+            f"attention_backend {kind!r} has no fp8 KV path; use kv_cache_dtype='auto' or "
+            "a backend that supports fp8 (torch, torch-reference, flashinfer)"
+        )
+    return backend
+
+
+def _create(
+    kind: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None,
+) -> AttentionBackend:
     if kind == "torch":
         from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 
@@ -26,7 +48,7 @@ def create_attention_backend(
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         from radixrt.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(cfg, device, dtype)
+        return FlashInferBackend(cfg, device, dtype, kv_dtype)
     raise ValueError(
         f"attention_backend must be 'torch', 'torch-reference' or 'flashinfer', got {kind!r}"
     )

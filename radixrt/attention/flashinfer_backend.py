@@ -15,6 +15,14 @@ zero-padded to `kv_head_dim`: the KV pool must then be allocated with `kv_head_d
 runner does), q/k/v are padded before the kernels and the output is cut back. Zero columns
 change neither q.k nor the first `head_dim` output columns.
 
+fp8 KV (`kv_dtype=torch.float8_e4m3fn`, q stays bf16/fp16): both wrappers are planned with
+`kv_data_type=fp8` on the fa2 backend (FlashInfer's fa3 refuses fp8 KV with a non-fp8 q:
+`is_fa3_backend_supported` in 0.6.13, so "auto" would pick fa2 as well; pinning it keeps one
+JIT module per head dim). `store_kv` quantizes with the pool's per-layer scales; `run` gets
+K's as `k_scale` (FlashInfer folds it into sm_scale, no extra work) while V's multiplies the
+output here (attention is linear in V); scales of 1.0 cost nothing. Needs compute
+capability >= 8.9 (Triton's fp8 cast), checked at construction.
+
 This module imports flashinfer at construction; CPU-only code never imports it.
 """
 
@@ -33,6 +41,7 @@ from radixrt.kv.pool import KVPool
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # float workspace shared by every wrapper (split-KV partials)
 ATTENTION_BACKEND = "fa2"  # the tensor-core decode uses fa2 too: one JIT module per head dim
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: hardware fp8 conversions (Triton's float8e4nv)
 
 
 def kv_head_dim(head_dim: int) -> int:
@@ -55,9 +64,25 @@ def _decode_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
     return seq_lens.max().reshape(1)
 
 
-def prebuild_kernels(head_dims: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> None:
+def check_fp8_kv_capability(capability: tuple[int, int], device_name: str) -> None:
+    """Raise ValueError unless a GPU of `capability` can run fp8 KV on this backend."""
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(
+            f"kv_cache_dtype='fp8_e4m3' with the flashinfer backend needs a GPU of compute "
+            f"capability >= {need} (Ada, Hopper or newer); {device_name} is "
+            f"{capability[0]}.{capability[1]}. Use kv_cache_dtype='auto'"
+        )
+
+
+def prebuild_kernels(
+    head_dims: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+) -> None:
     """Compile (in one parallel ninja run) every FlashInfer JIT module radixrt uses for
-    models with these head dims: attention per padded head dim, RMSNorm, RoPE, SiLU-and-mul.
+    models with these head dims: attention per padded head dim (KV of `kv_dtype`, None:
+    `dtype`; fp8 for kv_cache_dtype="fp8_e4m3"), RMSNorm, RoPE, SiLU-and-mul.
     Modules already built or restored are skipped. Optional: each is built on first use."""
     from flashinfer.jit import (
         build_jit_specs,
@@ -67,9 +92,10 @@ def prebuild_kernels(head_dims: Sequence[int], dtype: torch.dtype = torch.bfloat
     from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.rope import gen_rope_module
 
+    kv = kv_dtype or dtype
     specs = [
         gen_batch_prefill_module(
-            ATTENTION_BACKEND, dtype, dtype, dtype, torch.int32, d, d, 0, False, False, False
+            ATTENTION_BACKEND, dtype, kv, dtype, torch.int32, d, d, 0, False, False, False
         )
         for d in sorted({kv_head_dim(h) for h in head_dims})
     ]
@@ -81,8 +107,16 @@ class FlashInferBackend:
     """AttentionBackend over FlashInfer; see the module docstring."""
 
     supports_cuda_graph = True
+    supports_fp8_kv = True
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`kv_dtype`: the KV pool's dtype (None: `dtype`; or torch.float8_e4m3fn)."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -98,6 +132,13 @@ class FlashInferBackend:
         self.sm_scale = cfg.head_dim**-0.5
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        if self.kv_dtype == torch.float8_e4m3fn:
+            check_fp8_kv_capability(
+                torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+            )
+        elif self.kv_dtype != dtype:
+            raise ValueError(f"kv_dtype must be {dtype} or torch.float8_e4m3fn, got {kv_dtype}")
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=ATTENTION_BACKEND
@@ -124,7 +165,7 @@ class FlashInferBackend:
             page_size=page_size,
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
         )
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -216,14 +257,20 @@ class FlashInferBackend:
         pad = self.kv_head_dim - self.head_dim
         if pad:
             q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-        store_kv(pool.kv[layer], self._slots, k, v)
+        assert pool.dtype == self.kv_dtype, "the pool's dtype is not the planned kv_data_type"
+        k_scale, v_scale = pool.k_scale(layer), pool.v_scale(layer)
+        store_kv(pool.kv[layer], self._slots, k, v, k_scale, v_scale)
         kv_cache = (pool.k_cache(layer), pool.v_cache(layer))
+        # FlashInfer folds k_scale into sm_scale; V's scale is linear in the output.
+        scales = dict(k_scale=None if k_scale == 1.0 else k_scale)
         out = torch.empty(
             (q.shape[0], self.num_heads, self.kv_head_dim), dtype=q.dtype, device=q.device
         )
         nd = self._num_decode
         if self._decode is not None:
-            self._decode.run(q[:nd], kv_cache, out=out[:nd])
+            self._decode.run(q[:nd], kv_cache, out=out[:nd], **scales)
         if self._prefill is not None:
-            self._prefill.run(q[nd:], kv_cache, out=out[nd:])
+            self._prefill.run(q[nd:], kv_cache, out=out[nd:], **scales)
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return out[..., : self.head_dim] if pad else out

@@ -11,7 +11,8 @@ the results.
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.
 Padding and memory are bounded by `PlanLimits` (see sdpa_plan). Numerics: SDPA in the input
-dtype (float32 on CPU; bfloat16 accumulates in float32 inside the kernel).
+dtype (float32 on CPU; bfloat16 accumulates in float32 inside the kernel). An fp8 pool is
+gathered as stored (1 byte an element) and dequantized to q's dtype (`KVPool.dequantize`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from radixrt.kv.pool import KVPool
 
 class SdpaAttentionBackend:
     """AttentionBackend over torch SDPA; see the module docstring."""
+
+    supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, limits: PlanLimits = DEFAULT_LIMITS
@@ -67,6 +70,9 @@ class SdpaAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, [n, hkv, kv_len, d] each (views of a flat buffer that
         every layer and step reuses: grown when a group needs more, never shrunk)."""
+        stored = k_cache.dtype
+        if stored == torch.float8_e4m3fn:  # gather the bytes: no fp8 index kernels everywhere
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         nblk = grp.blocks.shape[0]
         half = nblk * k_cache[0].numel()
         buf = self._buffer
@@ -76,6 +82,7 @@ class SdpaAttentionBackend:
         keys = torch.index_select(k_cache, 0, grp.blocks, out=buf[:half].view(shape))
         vals = torch.index_select(v_cache, 0, grp.blocks, out=buf[half : 2 * half].view(shape))
         n, kl, hkv, d = grp.num_pieces, grp.kv_len, self.num_kv_heads, self.head_dim
+        keys, vals = keys.view(stored), vals.view(stored)
         return keys.view(n, kl, hkv, d).transpose(1, 2), vals.view(n, kl, hkv, d).transpose(1, 2)
 
     def forward(
@@ -92,7 +99,7 @@ class SdpaAttentionBackend:
         for i, grp in enumerate(self.groups):
             n, ql = grp.num_pieces, grp.q_len
             keys, vals = self._gather_kv(grp, k_cache, v_cache)  # [n, hkv, kl, d]
-            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+            keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
             qg = q.index_select(0, grp.q_index)  # [n * ql, hq, d]
             if ql == 1:  # decode: the heads of a KV head are its queries -> [n, hkv, g, d]
                 res = F.scaled_dot_product_attention(

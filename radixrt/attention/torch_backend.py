@@ -4,7 +4,8 @@ Exact and simple rather than fast: the test oracle of the other backends (the fa
 is `sdpa_backend`). Decode rows (one query each) are padded to the
 longest KV length among them and attended in one batched masked softmax; extend rows
 (prefill chunks over a cached prefix) are attended one row at a time. Gather indices
-and masks are built once per step in `prepare`.
+and masks are built once per step in `prepare`. An fp8 pool is dequantized (stored value x
+the layer's scale, `KVPool.dequantize`) in float32 after the gather.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ def _row_slots(batch: ForwardBatch, rows: slice) -> tuple[torch.Tensor, torch.Te
     return torch.where(valid, blocks * bs + pos % bs, 0), valid
 
 
+def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """flat[index]; fp8 through its uint8 view (fp8 has no index kernel on every device)."""
+    if flat.dtype == torch.float8_e4m3fn:
+        return flat.view(torch.uint8)[index].view(torch.float8_e4m3fn)
+    return flat[index]
+
+
 class TorchAttentionBackend:
+    supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -76,12 +86,14 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = batch.num_decode
         if nd:
-            keys, vals = k_flat[self.decode_slots], v_flat[self.decode_slots]
+            keys, vals = _gather(k_flat, self.decode_slots), _gather(v_flat, self.decode_slots)
+            keys, vals = pool.dequantize(layer, keys, vals, torch.float32)
             out[:nd] = self._attend(
                 q[:nd].unsqueeze(1), keys, vals, self.decode_valid.unsqueeze(1)
             ).squeeze(1)
         for start, end, slots, mask in self.extend_rows:
-            keys, vals = k_flat[slots].unsqueeze(0), v_flat[slots].unsqueeze(0)
+            keys, vals = _gather(k_flat, slots).unsqueeze(0), _gather(v_flat, slots).unsqueeze(0)
+            keys, vals = pool.dequantize(layer, keys, vals, torch.float32)
             out[start:end] = self._attend(
                 q[start:end].unsqueeze(0), keys, vals, mask.unsqueeze(0)
             ).squeeze(0)

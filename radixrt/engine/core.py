@@ -333,6 +333,8 @@ class EngineCore:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.allocator.num_blocks,
+            "kv_tokens_total": self.allocator.num_blocks * self.config.cache.block_size,
+            "kv_fp8": float(self.config.cache.kv_fp8),  # 1.0: fp8_e4m3 KV storage
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached": self.cache.cached_blocks,
             "spec_proposals": sp.num_proposals,

@@ -26,7 +26,8 @@ from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
-from radixrt.kv.pool import KVPool
+from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
+from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan
 
@@ -87,8 +88,9 @@ class ModelRunner:
             group=tp,
         )
         self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
+        self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         self.backend = create_attention_backend(
-            cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype
+            cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype, self.kv_dtype
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
@@ -101,8 +103,18 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             self.kv_head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
+            scales=self._kv_scales() if cfg.cache.kv_fp8 else None,
+        )
+        logger.info(
+            "KV pool: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
+            self.pool.kv_cache_dtype,
+            num_blocks,
+            self.block_size,
+            self.pool.num_tokens,
+            self.pool.kv.numel() * self.pool.kv.element_size() / 2**30,
+            f", {self.pool.scales.describe()}" if self.pool.is_fp8 else "",
         )
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot: the block table (host copy, updated from plans) and the
@@ -139,27 +151,35 @@ class ModelRunner:
         self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
         logger.info("model runner ready in %.1f s", time.perf_counter() - start)
 
+    def _kv_scales(self) -> KVScales:
+        """An fp8 pool's scales: the checkpoint's kv scales, else 1.0 for every layer."""
+        num_layers = self.model_cfg.num_layers
+        if self.cfg.load_format != "dummy":
+            from radixrt.model.kv_scales import load_kv_scales
+
+            found = load_kv_scales(self.cfg.model_path, num_layers)
+            if found is not None:
+                return found
+        return KVScales.ones(num_layers)
+
     def _num_kv_blocks(self) -> int:
+        """Pool size: explicit, `cpu_kv_blocks` on a CPU, else what fits in the device's
+        memory budget (in bytes: an fp8 pool gets twice the blocks of a bf16 one)."""
         c, m = self.cfg.cache, self.model_cfg
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if self.device.type != "cuda":
             return c.cpu_kv_blocks
         per_block = KVPool.bytes_per_block(
-            m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.dtype
+            m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.kv_dtype
         )
         free, total = torch.cuda.mem_get_info(self.device)
-        # Leave (1 - mem_fraction) of the whole device for activations, graphs, workspace.
-        budget = free - (1.0 - c.mem_fraction) * total
-        num = int(budget // per_block)
+        num = num_blocks_for_memory(free, total, c.mem_fraction, per_block)
         if num < 2:
             raise ValueError(
                 f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                 f"loading the model; raise mem_fraction or set num_kv_blocks"
             )
-        logger.info(
-            "KV pool: %d blocks of %d tokens (%.1f GiB)", num, c.block_size, num * per_block / 2**30
-        )
         return num
 
     # ---- the step ----

@@ -17,6 +17,7 @@ from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
 from radixrt.distributed.shard import TPShard
 from radixrt.kv.pool import KVPool
+from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 if TYPE_CHECKING:
@@ -188,8 +189,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
+            if "rotary_emb.inv_freq" in name or is_kv_scale_name(name):
+                continue  # kv scales: read by the runner for an fp8 pool (model.kv_scales)
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             parts = name.split(".")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +63,21 @@ def iterate_hf_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
     file (tensor-parallel ranks read their shard). A slice is valid until the next item."""
     _require_dir(model_path)
     return _iterate_shards(_shard_plan(model_path), lazy=True)
+
+
+def read_hf_tensors(model_path: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors whose HF name `wanted` accepts, read from a local HF dir (CPU, stored
+    dtype); only those bytes are read. Same checks and errors as `iterate_hf_weights`."""
+    _require_dir(model_path)
+    out: dict[str, torch.Tensor] = {}
+    for shard_path, names in _shard_plan(model_path):
+        if names is not None and not any(wanted(n) for n in names):
+            continue  # the index says this shard has none: do not open it
+        with safe_open(shard_path, framework="pt", device="cpu") as f:
+            for name in names if names is not None else f.keys():
+                if wanted(name):
+                    out[name] = f.get_tensor(name)
+    return out
 
 
 def _iterate_shards(

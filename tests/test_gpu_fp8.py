@@ -1,0 +1,148 @@
+"""fp8 KV on the GPU: FlashInfer (fa2, kv_data_type=fp8, bf16 q) against the torch reference
+on the same quantized pool, and engines with fp8 KV against bf16 KV (greedy agreement,
+teacher-forced log-prob difference), CUDA graphs on. All marked gpu (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from radixrt.config import ModelConfig
+from radixrt.kv.pool import FP8_DTYPE, KVPool
+from radixrt.kv.scales import KVScales
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.bench_fp8 import compare, greedy, teacher_forced  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS = 8, 2, 2
+DTYPE = torch.bfloat16
+pytestmark = pytest.mark.gpu
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [128, 32])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_flashinfer_fp8_matches_torch_on_the_same_pool(kind, block_size, head_dim, scaled):
+    from test_gpu_attention import make_batch, random_rows
+
+    from radixrt.attention.flashinfer_backend import FlashInferBackend
+    from radixrt.attention.torch_backend import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(7 * head_dim + block_size + 100 * scaled)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=NUM_HEADS * head_dim,
+        intermediate_size=64,
+        num_layers=NUM_LAYERS,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+    )
+    dev = torch.device("cuda")
+    fi = FlashInferBackend(cfg, dev, DTYPE, kv_dtype=FP8_DTYPE)
+    ref = TorchAttentionBackend(NUM_HEADS, NUM_KV_HEADS, head_dim)
+    scales = KVScales((0.02, 0.05), (0.04, 0.01), "test") if scaled else None
+    mult = 0.2 if scaled else 1.0  # scaled: new K/V of 0.2 x randn, stored as 4-20 x randn
+    rows, num_decode = random_rows(kind, gen)
+    batch, num_blocks = make_batch(rows, num_decode, block_size, gen)
+    args = (NUM_LAYERS, num_blocks, block_size, NUM_KV_HEADS)
+    pool_ref = KVPool(*args, head_dim, FP8_DTYPE, dev, scales=scales)
+    pool_fi = KVPool(*args, fi.kv_head_dim, FP8_DTYPE, dev, scales=scales)
+    cached = torch.randn(pool_ref.kv.shape, generator=gen).to(FP8_DTYPE).to(dev)
+    pool_ref.kv.view(torch.uint8).copy_(cached.view(torch.uint8))
+    pool_fi.kv.view(torch.uint8).zero_()
+    pool_fi.kv.view(torch.uint8)[..., :head_dim] = cached.view(torch.uint8)
+    q_size, kv_size = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
+    with torch.inference_mode():
+        fi.prepare(batch)
+        ref.prepare(batch)
+        for layer in range(NUM_LAYERS):
+            qkv = torch.randn(batch.num_tokens, q_size + 2 * kv_size, generator=gen).to(dev, DTYPE)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, NUM_HEADS, head_dim)
+            k = (k * mult).view(-1, NUM_KV_HEADS, head_dim)
+            v = (v * mult).view(-1, NUM_KV_HEADS, head_dim)
+            out = fi.forward(layer, q, k, v, pool_fi)
+            expected = ref.forward(layer, q, k, v, pool_ref)
+            assert out.shape == expected.shape and out.dtype == DTYPE
+            assert torch.isfinite(out).all()
+            err = rel_err(out, expected)
+            assert err <= 2e-2, f"layer {layer}: rel err {err:.2e} rows={rows}"
+    torch.cuda.synchronize()
+    stored_fi = pool_fi.kv.view(torch.uint8)[..., :head_dim]
+    assert torch.equal(stored_fi, pool_ref.kv.view(torch.uint8)), "stored fp8 K/V differ"
+
+
+PROMPTS = [
+    "Once upon a time there was a little",
+    "The cat sat on the",
+    "Q: What color is the sky?\nA:",
+    "Tom and Lily went to the park. They",
+    "The sun was shining and the birds",
+    "User: Hello! Who are you?\nAssistant:",
+    "One day a small dog found a",
+    "Q: What do bees make?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """bf16 engines on the trained tiny model: flashinfer bf16 KV, flashinfer fp8 KV, torch
+    fp8 KV (CUDA graphs and overlap on, as served)."""
+    from radixrt import Engine
+
+    made = {}
+    for name, opts in (
+        ("bf16", dict(attention_backend="flashinfer")),
+        ("fp8", dict(attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3")),
+        ("fp8-torch", dict(attention_backend="torch", kv_cache_dtype="fp8_e4m3")),
+    ):
+        made[name] = Engine(
+            tiny_model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=512, **opts
+        )
+    yield made
+    for e in made.values():
+        e.check_integrity()
+        e.shutdown()
+
+
+def test_engine_fp8_greedy_agreement_vs_bf16(engines):
+    bf16, fp8 = engines["bf16"], engines["fp8"]
+    assert fp8.core.runner.pool.is_fp8 and fp8.core.runner.cuda_graphs is not None
+    prompts = [bf16.tokenizer.encode(p) for p in PROMPTS]
+    reference = greedy(bf16, prompts, 32)
+    outputs = greedy(fp8, prompts, 32)
+    forced = teacher_forced(fp8, prompts, [ids for ids, _ in reference])
+    q = compare(reference, [ids for ids, _ in outputs], forced)
+    print(f"\nflashinfer fp8 vs bf16 KV: {q}")
+    # bf16 itself is noisy (~1e-2 per op); fp8 adds ~2^-4 relative per K/V element
+    assert q.mean_abs_logprob_diff <= 0.1, q
+    assert q.token_agreement >= 0.6, q
+    for e in (bf16, fp8):
+        e.check_integrity()
+
+
+def test_engine_fp8_flashinfer_close_to_torch_fp8(engines):
+    """Same quantized KV semantics on both backends: FlashInfer fp8 vs torch fp8 engines."""
+    a, b = engines["fp8"], engines["fp8-torch"]
+    prompts = [a.tokenizer.encode(p) for p in PROMPTS]
+    reference = greedy(b, prompts, 24)
+    forced = teacher_forced(a, prompts, [ids for ids, _ in reference])
+    q = compare(reference, [ids for ids, _ in greedy(a, prompts, 24)], forced)
+    print(f"\nflashinfer fp8 vs torch fp8: {q}")
+    assert q.mean_abs_logprob_diff <= 0.1, q
+    assert q.token_agreement >= 0.6, q
