@@ -23,6 +23,7 @@ from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
+from radixrt.engine.draft_verify import verify_stochastic
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
@@ -32,6 +33,7 @@ from radixrt.plan import CopyBlock, StepHandle, StepPlan
 
 if TYPE_CHECKING:
     from radixrt.distributed.group import TPGroup
+    from radixrt.engine.draft import DraftOutput, DraftRunner
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,12 @@ class ModelRunner:
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
+        # speculative_method 'draft': the draft model and its KV pool (same block ids)
+        self.draft: DraftRunner | None = None
+        if cfg.speculative.speculative_method == "draft":
+            from radixrt.engine.draft import DraftRunner
+
+            self.draft = DraftRunner(cfg, model_cfg, max_model_len)
         num_blocks = self._num_kv_blocks()
         if tp is not None:
             num_blocks = tp.min_int(num_blocks)
@@ -104,6 +112,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, self.block_size)
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot: the block table (host copy, updated from plans) and the
         # token the row sampled last (device: the next decode step reads it there).
@@ -148,6 +158,8 @@ class ModelRunner:
         per_block = KVPool.bytes_per_block(
             m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.dtype
         )
+        if self.draft is not None:
+            per_block += self.draft.bytes_per_block(c.block_size)
         free, total = torch.cuda.mem_get_info(self.device)
         # Leave (1 - mem_fraction) of the whole device for activations, graphs, workspace.
         budget = free - (1.0 - c.mem_fraction) * total
@@ -168,8 +180,11 @@ class ModelRunner:
         """Run `plan` (see the module docstring). `use_cuda_graph=False` forces the eager
         path (benchmarks, tests)."""
         layout = self._begin(plan)
-        logits, scores = self._forward(plan, layout, use_cuda_graph)
-        outputs = self._sample(plan, layout, logits)
+        drafted = None
+        if self.draft is not None:
+            drafted = self.draft.propose(plan, layout, self.build_batch, self._generator)
+        logits, scores = self._forward(plan, layout, use_cuda_graph, drafted)
+        outputs = self._sample(plan, layout, logits, drafted)
         outputs.prompt_logprobs = scores
         return PendingResult(plan, layout, outputs, copy_to_host=self._copy_to_host)
 
@@ -186,6 +201,8 @@ class ModelRunner:
         for op in plan.block_ops:
             if isinstance(op, CopyBlock):
                 self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
+                if self.draft is not None and self.draft.pool is not None:
+                    self.draft.pool.copy_prefix(op.src, op.dst, op.num_tokens)
             else:
                 raise ValueError(f"block op {op!r} needs a host KV tier, which is not configured")
         return layout_plan(plan)
@@ -197,21 +214,33 @@ class ModelRunner:
             self._inputs_on_device.record()
 
     def _forward(
-        self, plan: StepPlan, layout: StepLayout, use_cuda_graph: bool
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        use_cuda_graph: bool,
+        drafted: DraftOutput | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of the sampled tokens [S, vocab] float32 (None if S = 0) and the log-probs
-        of the scored prompt tokens [P] float32 (None if P = 0)."""
+        of the scored prompt tokens [P] float32 (None if P = 0). With a draft model, its KV
+        is filled over the same tokens and `drafted`'s drafts are the verify rows' inputs."""
         graphs = self.cuda_graphs
         if use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
+            if self.draft is not None:
+                self.draft.fill_kv(self.build_batch(layout))
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
                 layout, tables, self.last_tokens, on_inputs_staged=self._inputs_staged
             )
             return logits, None
         fb = self.build_batch(layout)
+        if drafted is not None:
+            assert self.draft is not None
+            fb.input_ids[drafted.flat_index] = self.draft.draft_inputs(drafted)
         self.backend.prepare(fb)
         self._inputs_staged()
         hidden = self.model(fb, self.backend, self.pool)
+        if self.draft is not None:
+            self.draft.fill_kv(fb)
         dev = self.device
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
@@ -274,10 +303,15 @@ class ModelRunner:
         return self.model.compute_logits(self.model(fb, self.backend, self.pool))
 
     def _sample(
-        self, plan: StepPlan, layout: StepLayout, logits: torch.Tensor | None
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        logits: torch.Tensor | None,
+        drafted: DraftOutput | None = None,
     ) -> StepOutputs:
-        """Sample every listed position, verify drafts, keep each row's last accepted
-        sample in its slot on the device."""
+        """Sample every listed position, verify drafts (`drafted`: the draft model's, by
+        rejection sampling for non-greedy rows), keep each row's last accepted sample in its
+        slot on the device."""
         out = StepOutputs()
         if logits is None:
             return out
@@ -304,7 +338,14 @@ class ModelRunner:
         last = layout.row_first_sample + layout.num_samples - 1  # [R]: the row's last sample
         drafting = [i for i, r in enumerate(plan.rows) if r.num_draft_tokens]
         if drafting:
-            out.num_accepted = self._verify(plan, layout, tokens, drafting)
+            out.num_accepted = self._verify(plan, layout, tokens, drafting, drafted)
+        if drafted is not None:
+            stochastic = verify_stochastic(
+                plan, layout, logits, tokens, out, drafted, drafting, self._generator
+            )
+            if stochastic and want_logprobs:  # rejection replaced some tokens
+                lps = torch.log_softmax(logits, dim=-1)
+                out.logprobs = lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
         keep = [
             i for i, r in enumerate(plan.rows) if layout.num_samples[i] and not r.num_draft_tokens
         ]
@@ -315,7 +356,12 @@ class ModelRunner:
         return out
 
     def _verify(
-        self, plan: StepPlan, layout: StepLayout, tokens: torch.Tensor, rows: list[int]
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        tokens: torch.Tensor,
+        rows: list[int],
+        drafted: DraftOutput | None = None,
     ) -> torch.Tensor:
         """Accepted drafts per drafting row [len(rows)] int64 (device): the longest prefix of
         its drafts equal to the samples at the positions before them. A sample made with the
@@ -334,7 +380,13 @@ class ModelRunner:
             valid[j, :n] = True
         dev = self.device
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        match = (tokens[to_dev(index)] == to_dev(drafts)) & to_dev(valid)
+        drafts_d = to_dev(drafts)
+        if drafted is not None:  # the draft model's drafts (device): rows in drafted.rows
+            at = {i: j for j, i in enumerate(rows)}
+            width = min(k, drafted.token_ids.shape[1])
+            dst = to_dev(np.asarray([at[i] for i in drafted.rows], dtype=np.int64))
+            drafts_d[dst, :width] = drafted.token_ids[:, :width]
+        match = (tokens[to_dev(index)] == drafts_d) & to_dev(valid)
         return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     # ---- for tests and benchmarks ----

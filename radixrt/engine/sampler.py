@@ -98,6 +98,16 @@ def sample(
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
 
 
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample` draws from for non-greedy rows: softmax(logits / T) with
+    top-k / top-p / min-p applied, renormalised ([S, V] float32). Greedy rows get
+    softmax(logits) (callers treat them separately). Penalties and logit bias are the
+    caller's, applied to `logits` before (as for `sample`)."""
+    temps = _on(logits.device, [p.temperature if not p.greedy else 1.0 for p in params])
+    probs = _filter(torch.softmax(logits / temps.unsqueeze(1), dim=-1), params)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def _on(device: torch.device, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list as a device tensor without a host sync (non-blocking copy)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

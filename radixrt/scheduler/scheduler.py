@@ -490,6 +490,7 @@ class Scheduler(GroupScheduling):
             new_blocks=req.block_table[req.num_table_sent :],
             sample_offsets=list(range(n - 1 - k, n)) if samples else [],
             num_draft_tokens=k,
+            drafts_on_device=k > 0 and getattr(self.proposer, "drafts_on_device", False),
             params=p,
             num_output_before=req.num_output + req.num_inflight_samples,
         )

@@ -1,9 +1,11 @@
 """The proposer interface of speculative decoding and its statistics (plain Python).
 
-A proposer drafts tokens for a decode row on the host; the scheduler feeds the row's last
-token plus the drafts, the runner samples at every position and accepts the longest prefix
-of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are deterministic given
-the row's tokens, so the output distribution is exactly that of plain decoding.
+A host proposer (ngram, radix) drafts tokens for a decode row on the host; the scheduler feeds
+the row's last token plus the drafts, the runner samples at every position and accepts the
+longest prefix of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are
+deterministic given the row's tokens, so the output distribution is exactly that of plain
+decoding. The draft-model proposer (`radixrt.spec.draft`) only says how many drafts a row
+gets; the runner makes them on the device and verifies them by rejection sampling.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from radixrt.scheduler.request import Request
 
 
 class Proposer(Protocol):
+    # True: propose() returns placeholders and the runner's draft model writes the drafts
+    # on the device (PlanRow.drafts_on_device); False (also when absent): the drafts are
+    # the tokens returned
+    drafts_on_device: bool
+
     def propose(self, req: Request, max_drafts: int) -> list[int]:
         """Up to `max_drafts` (>= 1) draft tokens to follow `req.seq_token_ids`. Reads the
         request only; returns [] when it has nothing to propose."""

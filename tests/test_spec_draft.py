@@ -1,0 +1,134 @@
+"""Draft-model speculation in the engine (CPU, tiny model): greedy outputs identical with
+speculation off for a perfect draft (the target itself: every draft accepted), a useless one
+(random weights) and under chunked prefill, preemption, overlap and no cache; a cached prefix
+has draft KV (a re-run with the target as draft still accepts everything); seeded sampling
+is reproducible; per-request counters; bad draft checkpoints fail at startup. Rejection
+sampling's distribution is tested in test_spec_rejection. The make_engine fixture checks
+integrity and that no KV leaked after every test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from test_spec_engine import TEXTS, greedy, outputs, seeded
+
+from radixrt import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from radixrt import Engine
+
+    engine = Engine(tiny_model_dir, device="cpu", dtype="float32", block_size=4)
+    return outputs(engine, greedy())
+
+
+def draft_engine(make_engine, draft: str, **config):
+    config.setdefault("num_speculative_tokens", 3)
+    return make_engine(
+        block_size=4, speculative_method="draft", speculative_draft_model=draft, **config
+    )
+
+
+CONFIGS = [
+    dict(),
+    dict(long_prefill_token_threshold=5),  # chunked prefill
+    dict(num_kv_blocks=14),  # preemption
+    dict(overlap_schedule=True),
+    dict(prefix_cache="none"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_greedy_identical_with_the_target_as_draft(make_engine, tiny_model_dir, reference, config):
+    engine = draft_engine(make_engine, tiny_model_dir, **config)
+    assert outputs(engine, greedy()) == reference
+    s = engine.stats()
+    assert s["spec_draft_tokens"] > 0
+    assert s["spec_acceptance_rate"] == 1.0  # the same model drafts the same argmax
+    if config.get("num_kv_blocks"):
+        assert s["preemptions"] > 0
+
+
+def test_greedy_identical_with_a_random_draft(make_engine, tiny_random_model_dir, reference):
+    engine = draft_engine(make_engine, tiny_random_model_dir, num_speculative_tokens=4)
+    assert outputs(engine, greedy()) == reference
+    s = engine.stats()
+    assert s["spec_draft_tokens"] > 0 and s["spec_acceptance_rate"] < 0.2
+
+
+def test_cached_prefix_has_draft_kv(make_engine, tiny_model_dir, reference):
+    """The second run matches the first run's prompts and outputs in the radix tree; with
+    the target as draft any missing draft KV would show up as a rejected draft."""
+    engine = draft_engine(make_engine, tiny_model_dir)
+    assert outputs(engine, greedy()) == reference
+    first = engine.stats()
+    assert outputs(engine, greedy()) == reference
+    s = engine.stats()
+    assert s["cached_tokens"] > first["cached_tokens"]
+    assert s["spec_draft_tokens"] > first["spec_draft_tokens"]
+    assert s["spec_acceptance_rate"] == 1.0
+
+
+def test_sampling_with_draft(make_engine, tiny_model_dir, tiny_random_model_dir):
+    """Seeded sampling is reproducible (per-request noise); the target as its own draft
+    (p == q) accepts (almost) every draft; per-request counters add up to the totals."""
+    same = draft_engine(make_engine, tiny_model_dir)
+    first = outputs(same, seeded())
+    assert outputs(same, seeded()) == first
+    assert same.stats()["spec_acceptance_rate"] > 0.97
+    other = draft_engine(make_engine, tiny_random_model_dir, num_speculative_tokens=2)
+    prompts = [other.tokenizer.encode(t) for t in TEXTS]
+    params = [
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=20, min_p=0.02, ignore_eos=True)
+        for _ in prompts
+    ]
+    rids = [other.add_request(p, sp) for p, sp in zip(prompts, params)]
+    last = {}
+    while other.core.has_work:
+        for delta, _ in other.step():
+            last[delta.rid] = delta
+    other.check_integrity()
+    s = other.stats()
+    assert all(last[r].num_output_tokens == 12 for r in rids)
+    assert sum(last[r].num_draft_tokens for r in rids) == s["spec_draft_tokens"] > 0
+    assert sum(last[r].num_accepted_tokens for r in rids) == s["spec_accepted_tokens"]
+
+
+def test_abort_during_draft_speculation(make_engine, tiny_model_dir):
+    engine = draft_engine(make_engine, tiny_model_dir, num_kv_blocks=20)
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0)) for p in ids]
+    for _ in range(3):
+        engine.step()
+    engine.abort(rids[0])
+    engine.abort(rids[2])
+    while engine.core.has_work:
+        engine.step()
+    engine.check_integrity()
+
+
+def test_bad_draft_checkpoints_fail_at_startup(make_engine, tiny_model_dir, tmp_path):
+    from radixrt.model.tiny import make_hf_checkpoint
+
+    small = make_hf_checkpoint(str(tmp_path / "v1000"), "llama", vocab_size=1000)
+    with pytest.raises(ValueError, match="vocab_size 1000"):
+        draft_engine(make_engine, small)
+    # same vocab size, two token ids swapped: a different tokenizer
+    swapped = str(tmp_path / "swapped")
+    shutil.copytree(tiny_model_dir, swapped)
+    path = os.path.join(swapped, "tokenizer.json")
+    with open(path) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(path, "w") as f:
+        json.dump(tok, f)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        draft_engine(make_engine, swapped)
+    with pytest.raises(FileNotFoundError):
+        draft_engine(make_engine, str(tmp_path / "missing"))
