@@ -27,6 +27,7 @@ from radixrt.engine.draft_verify import verify_stochastic
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
+from radixrt.engine.spec_penalties import penalty_output_ids
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan
@@ -322,7 +323,7 @@ class ModelRunner:
                 logits,
                 params,
                 [r.history[: r.prompt_len] if r.history else [] for r in rows],
-                [r.history[r.prompt_len :] if r.history else [] for r in rows],
+                penalty_output_ids(plan, layout, drafted),  # + drafts before each position
             )
         if any(p.logit_bias for p in params):
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from

@@ -25,7 +25,7 @@ def apply_penalties(
     logits: torch.Tensor,  # [S, V] float32, modified in place
     params: Sequence[SamplingParams],
     prompt_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int] | torch.Tensor],  # host lists or device int64 tensors
 ) -> None:
     """OpenAI presence/frequency penalties on generated tokens; HF-style repetition
     penalty on prompt + generated tokens (logit / p if > 0 else logit * p)."""
@@ -35,7 +35,8 @@ def apply_penalties(
     device, vocab = logits.device, logits.shape[1]
     for i in rows:  # rows with penalties are rare; each costs O(its tokens) on the device
         p = params[i]
-        out = _on(device, output_ids[i], torch.int64)
+        ids = output_ids[i]
+        out = ids if isinstance(ids, torch.Tensor) else _on(device, ids, torch.int64)
         counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         counts.scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
         row = logits[i]

@@ -259,10 +259,11 @@ class Scheduler(GroupScheduling):
 
     def _drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with a proposer, the row's last token on the
-        host, no penalties (they would count the drafts), and room for them (max_tokens, the
-        context and `spare` tokens of the step's budget). Beams never draft (their group
-        picks one token per beam from top log-probs)."""
-        if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
+        host, and room for them (max_tokens, the context and `spare` tokens of the step's
+        budget). Beams never draft (their group picks one token per beam from top
+        log-probs). Rows with penalties draft: the runner penalises each position with the
+        drafts before it counted (`radixrt.engine.spec_penalties`)."""
+        if self.proposer is None or req.num_inflight_samples:
             return []
         if not req.reports:
             return []
