@@ -297,6 +297,8 @@ def test_spec_stats_count_what_they_say():
         s.record_verify(drafts, accepted)
     assert (s.num_verify_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 13, 7)
     assert s.accepted_per_position == [3, 2, 1, 1]  # rows whose draft i was accepted
+    assert s.drafted_per_position == [4, 4, 3, 2]  # rows that had a draft i
+    assert [s.acceptance_rate_at(i) for i in range(5)] == [3 / 4, 2 / 4, 1 / 3, 1 / 2, 0.0]
     assert s.acceptance_rate == 7 / 13
     assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
 

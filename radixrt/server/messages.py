@@ -56,6 +56,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     # when params.logprobs and params.top_logprobs > 0: per id of new_ids, the
     # params.top_logprobs most likely (token id, log-prob) pairs, most likely first
     new_top_logprobs: list[list[tuple[int, float]]] = []
+    # speculative decoding, for the request so far: drafts verified, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestError(msgspec.Struct, frozen=True):

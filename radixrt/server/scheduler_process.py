@@ -245,4 +245,6 @@ def _token_out(d: RequestDelta) -> TokenOut:
         new_logprobs=d.new_logprobs,
         prompt_logprobs=d.prompt_logprobs,
         new_top_logprobs=d.new_top_logprobs,
+        num_draft_tokens=d.num_draft_tokens,
+        num_accepted_tokens=d.num_accepted_tokens,
     )

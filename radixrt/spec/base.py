@@ -39,6 +39,8 @@ class SpecStats:
     num_accepted_tokens: int = 0  # of those, accepted by verification
     # [i]: verify rows whose draft at position i was accepted (acceptance per position)
     accepted_per_position: list[int] = field(default_factory=list)
+    # [i]: verify rows that had a draft at position i (the denominator of acceptance at i)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
         """One verify row's result: `num_accepted` of its `num_drafts` drafts accepted."""
@@ -50,6 +52,17 @@ class SpecStats:
             self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        if len(self.drafted_per_position) < num_drafts:
+            self.drafted_per_position += [0] * (num_drafts - len(self.drafted_per_position))
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
+
+    def acceptance_rate_at(self, i: int) -> float:
+        """Of the verify rows with a draft at position i, the share that accepted it (a
+        draft is accepted only if every draft before it was)."""
+        drafted = self.drafted_per_position[i] if i < len(self.drafted_per_position) else 0
+        accepted = self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0
+        return accepted / drafted if drafted else 0.0
 
     @property
     def acceptance_rate(self) -> float:
