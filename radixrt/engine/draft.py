@@ -107,6 +107,10 @@ class DraftRunner:
         )
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", self.model_cfg.head_dim)
         self.pool: KVPool | None = None
+        # Recorded after each plan of the draft's attention backend: FlashInfer stages plan
+        # data in pinned host buffers copied asynchronously, so the next plan (k + 1 per
+        # step) waits until the previous copy ran (the runner's _inputs_on_device, per plan)
+        self._planned: torch.cuda.Event | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
         m = self.model_cfg
@@ -131,8 +135,16 @@ class DraftRunner:
         """Run the draft model over the target's batch `fb`: writes draft KV at every slot
         the target writes (the logits are not needed)."""
         assert self.pool is not None
-        self.backend.prepare(fb)
+        self._prepare(fb)
         self.model(fb, self.backend, self.pool)
+
+    def _prepare(self, fb: ForwardBatch) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+        self.backend.prepare(fb)
+        if self.device.type == "cuda":
+            self._planned = self._planned or torch.cuda.Event()
+            self._planned.record()
 
     def propose(
         self,
@@ -163,7 +175,7 @@ class DraftRunner:
             fb = build_batch(layout_plan(StepPlan(plan.step_id, step_rows)))
             act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
             fb.input_ids = tokens[act, j]
-            self.backend.prepare(fb)
+            self._prepare(fb)
             logits = self.model.compute_logits(self.model(fb, self.backend, self.pool)).float()
             params = [plan_rows[a].params for a in active]
             q = sampling_probs(logits, params)
@@ -186,8 +198,9 @@ class DraftRunner:
     def draft_inputs(self, out: DraftOutput) -> torch.Tensor:
         """The drafts in the order of `out.flat_index` ([sum num_drafts] int64)."""
         k = out.token_ids.shape[1]
-        valid = torch.arange(k).unsqueeze(0) < torch.tensor(out.num_drafts).unsqueeze(1)
-        return out.token_ids[valid.to(self.device)]
+        flat = [a * k + j for a, n in enumerate(out.num_drafts) for j in range(n)]
+        index = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        return out.token_ids.reshape(-1)[index]  # a gather: no host sync (a mask would sync)
 
 
 def _one_token_row(r: PlanRow, j: int) -> PlanRow:

@@ -61,7 +61,8 @@ def verify_stochastic(
     # write back: the row's n + 1 sample positions get the rejection tokens
     valid = np.arange(k + 1)[None, :] <= n[:, None]
     flat = torch.from_numpy(index[valid]).to(dev, non_blocking=True)
-    tokens[flat] = res.tokens[torch.from_numpy(valid).to(dev)]
+    src = torch.from_numpy(np.flatnonzero(valid)).to(dev, non_blocking=True)
+    tokens[flat] = res.tokens.reshape(-1)[src]  # gathers, no boolean mask: no host sync
     at = {i: j for j, i in enumerate(drafting)}
     dst = torch.tensor([at[i] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
     out.num_accepted[dst] = res.num_accepted
