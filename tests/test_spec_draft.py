@@ -13,6 +13,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from test_spec_engine import TEXTS, greedy, outputs, seeded
 
 from radixrt import SamplingParams
@@ -168,7 +169,7 @@ def test_penalties_count_the_drafts_before_each_position(make_engine, tiny_model
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_draft_model_greedy_and_sampling(make_engine, tiny_model_dir):
     """CUDA, flashinfer, bf16, CUDA graphs and overlap on: the target as its own draft
     accepts (nearly) every greedy draft and its greedy outputs agree with speculation off
@@ -191,3 +192,71 @@ def test_gpu_draft_model_greedy_and_sampling(make_engine, tiny_model_dir):
     assert engine.stats()["spec_acceptance_rate"] > 0.9
     first = outputs(engine, seeded())
     assert outputs(engine, seeded()) == first
+
+
+def test_runner_draft_rejection_sampling_first_token_distribution(
+    make_engine, tiny_random_model_dir
+):
+    """The runner's whole draft path (q from the random draft model on the device, p from
+    the target with temperature and top-k, rejection): over N identical verify rows, the
+    first output token (accepted draft 1 or the residual sample) is distributed as the
+    target's p at that position (chi-square, ALPHA; the rows share one block table:
+    attention at the first verify position reads only the shared context). Sampling a
+    rejected position from p instead of max(0, p - q) fails it (p-value ~1e-14, checked by
+    hand)."""
+    from scipy.stats import chisquare
+
+    from radixrt.plan import PlanRow, StepPlan
+
+    num_rows, alpha = 3000, 1e-3
+    engine = make_engine(
+        prefix_cache="none",
+        block_size=4,
+        num_kv_blocks=16,
+        max_running_requests=num_rows,
+        speculative_method="draft",
+        speculative_draft_model=tiny_random_model_dir,
+    )
+    runner = engine.core.runner
+    ctx = engine.tokenizer.encode("Once upon a time there was a")
+    n = len(ctx) - 1  # the context's KV; ctx[-1] is each verify row's first input
+    blocks = list(range(-(-(n + 3) // 4)))
+    params = SamplingParams(temperature=0.9, top_k=40, max_tokens=8)
+
+    def plan_row(slot, start, ids, samples, **kw):
+        return PlanRow(
+            rid=f"r{slot}",
+            slot=slot,
+            start=start,
+            num_tokens=len(ids),
+            input_ids=list(ids),
+            new_blocks=blocks,
+            sample_offsets=samples,
+            params=params,
+            **kw,
+        )
+
+    runner.execute(StepPlan(0, [plan_row(0, 0, ctx[:n], [])])).result()  # target + draft KV
+    logits = runner.logits(StepPlan(1, [plan_row(0, n, ctx[n:], [0])]))[0]
+    p = torch.softmax(logits / 0.9, dim=-1)
+    p[p < p.topk(40).values[-1]] = 0
+    p /= p.sum()
+    rows = [
+        plan_row(i, n, [ctx[-1], 0, 0], [0, 1, 2], num_draft_tokens=2, drafts_on_device=True)
+        for i in range(num_rows)
+    ]
+    result = runner.execute(StepPlan(2, rows)).result()
+    first = torch.tensor([t[0] for t in result.tokens])
+    assert (p[first] > 0).all()
+    observed = torch.bincount(first, minlength=p.numel()).double()
+    expected = p.double() * num_rows
+    big = expected >= 5  # the rest pooled into one cell (those that p gives mass to)
+    rest = (~big) & (p > 0)
+    obs, exp = observed[big], expected[big]
+    if rest.any():
+        obs = torch.cat([obs, observed[rest].sum().view(1)])
+        exp = torch.cat([exp, expected[rest].sum().view(1)])
+    exp *= obs.sum() / exp.sum()  # float32 p: renormalise exactly
+    assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > alpha
+    accepted = sum(len(t) - 1 for t in result.tokens)
+    assert 0 < accepted < 2 * num_rows  # a random draft: some but not all accepted
