@@ -131,7 +131,7 @@ def test_bad_draft_checkpoints_fail_at_startup(make_engine, tiny_model_dir, tmp_
         json.dump(tok, f)
     with pytest.raises(ValueError, match="different tokenizer"):
         draft_engine(make_engine, swapped)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="speculative_draft_model: no config.json"):
         draft_engine(make_engine, str(tmp_path / "missing"))
 
 

@@ -89,7 +89,10 @@ class DraftRunner:
     def __init__(self, cfg: EngineConfig, target_cfg: ModelConfig, max_model_len: int) -> None:
         path = cfg.speculative.speculative_draft_model
         assert path is not None
-        self.model_cfg = ModelConfig.from_pretrained(path)
+        try:
+            self.model_cfg = ModelConfig.from_pretrained(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"speculative_draft_model: {e}") from e
         check_draft_compatible(cfg.model_path, path, target_cfg, self.model_cfg)
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
