@@ -260,3 +260,26 @@ def test_runner_draft_rejection_sampling_first_token_distribution(
     assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > alpha
     accepted = sum(len(t) - 1 for t in result.tokens)
     assert 0 < accepted < 2 * num_rows  # a random draft: some but not all accepted
+
+
+def test_stop_token_and_logprobs_inside_an_accepted_run(make_engine, tiny_model_dir, reference):
+    """A stop token inside a run of accepted drafts ends the output at that token (the rest
+    dropped), and log-probs of accepted tokens equal plain decoding's."""
+    plain = make_engine(block_size=4)
+    engine = draft_engine(make_engine, tiny_model_dir, num_speculative_tokens=4)
+    prompts = [plain.tokenizer.encode(t) for t in TEXTS]
+    stops = [ref[6] for ref in reference]  # the 7th greedy token of each prompt
+    params = [
+        SamplingParams(
+            max_tokens=20, temperature=0, stop_token_ids=[s], logprobs=True, ignore_eos=True
+        )
+        for s in stops
+    ]
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    engine.check_integrity()
+    for w, g, stop in zip(want, got, stops):
+        assert g.token_ids == w.token_ids and g.token_ids[-1] == stop
+        assert g.finish_reason == w.finish_reason
+        torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-4, atol=1e-4)
+    assert engine.stats()["dropped_tokens"] > 0
