@@ -3,9 +3,10 @@
 GPU (default): dummy Llama-3-8B (bf16, random weights, flashinfer), one GPU.
 1. `steps`: ModelRunner step time (execute + host round trip, median) of B rows with CONTEXT
    cached tokens: plain decode (CUDA graph and eager) vs verify rows of k + 1 tokens
-   (k = 1..5, eager: decode CUDA graphs capture one-token rows only, `graph_used` says
-   whether a graph ran). With `--draft-preset`, also verify steps of the draft model path
-   (k draft-model steps + the draft's KV fill + target verify) with a dummy draft.
+   (k = 1..5; the target's verify forward is eager: decode CUDA graphs capture one-token
+   rows only). With `--draft-preset`, also verify steps of the draft-model path (k draft
+   steps + the draft's KV fill + target verify) with a dummy draft; there `graph` says
+   whether the draft's one-token steps replayed its decode graphs.
 2. `oracle`: B requests through EngineCore; the ORACLE proposer knows each request's greedy
    continuation (recorded by a plain run first) and drafts the right token with probability
    ALPHA per position (then a wrong one), so the acceptance rate is set, not real (random
@@ -156,7 +157,9 @@ def bench_steps(s: Setup, rng, draft_dir: str | None) -> list[dict]:
             plan = verify_plan(runner, b, s.context, k, rng)
             graphs = runner.cuda_graphs
             graph_used = bool(graphs and graphs.can_run(plan, runner._begin(plan)))
-            for graph in (True, False) if graph_used else (False,):
+            # draft-model verify steps: graph = the draft's k one-token steps replay graphs
+            draft_graphs = draft_dir is not None and k > 0 and graphs is not None
+            for graph in (True, False) if graph_used or draft_graphs else (False,):
                 ms = step_ms(s, runner, plan, graph)
                 if k == 0 and not graph:
                     base = ms

@@ -283,3 +283,31 @@ def test_stop_token_and_logprobs_inside_an_accepted_run(make_engine, tiny_model_
         assert g.finish_reason == w.finish_reason
         torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-4, atol=1e-4)
     assert engine.stats()["dropped_tokens"] > 0
+
+
+def test_draft_graph_step_plumbing(make_engine, tiny_model_dir, reference):
+    """The draft's CUDA-graph step path on CPU with a stand-in for DecodeCudaGraphs that
+    runs eagerly from the same inputs (`run(layout, tables, last_tokens, callback)`, input
+    ids read from last_tokens by slot): outputs and acceptance as the eager path."""
+    engine = draft_engine(make_engine, tiny_model_dir, num_speculative_tokens=3)
+    runner = engine.core.runner
+    draft = runner.draft
+    calls = []
+
+    class EagerGraphs:
+        def can_run(self, plan, layout):
+            return layout.num_decode == len(plan.rows)
+
+        def run(self, layout, tables, last_tokens, on_inputs_staged):
+            assert (tables == runner.block_tables[layout.slots]).all()
+            fb = runner.build_batch(layout)
+            fb.input_ids = last_tokens[torch.from_numpy(layout.slots)]
+            draft.backend.prepare(fb)
+            on_inputs_staged()
+            calls.append(len(layout.slots))
+            return draft.model.compute_logits(draft.model(fb, draft.backend, draft.pool))
+
+    draft.cuda_graphs = EagerGraphs()
+    draft.last_tokens = torch.zeros(runner.num_slots, dtype=torch.int64)
+    assert outputs(engine, greedy()) == reference
+    assert calls and engine.stats()["spec_acceptance_rate"] == 1.0

@@ -110,6 +110,8 @@ class DraftRunner:
         )
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", self.model_cfg.head_dim)
         self.pool: KVPool | None = None
+        self.cuda_graphs = None  # DecodeCudaGraphs of the draft (CUDA), see enable_cuda_graphs
+        self.last_tokens: torch.Tensor | None = None  # [slots] int64: graph-step inputs
         # Recorded after each plan of the draft's attention backend: FlashInfer stages plan
         # data in pinned host buffers copied asynchronously, so the next plan (k + 1 per
         # step) waits until the previous copy ran (the runner's _inputs_on_device, per plan)
@@ -141,24 +143,69 @@ class DraftRunner:
         self._prepare(fb)
         self.model(fb, self.backend, self.pool)
 
+    def enable_cuda_graphs(
+        self, *, max_batch_size: int, max_blocks_per_seq: int, scratch_block: int, num_slots: int
+    ) -> None:
+        """Capture decode CUDA graphs of the draft model for `propose`'s one-token steps
+        (the target's scratch block is the draft pool's scratch block too)."""
+        from radixrt.engine.cuda_graph import DecodeCudaGraphs
+
+        assert self.pool is not None
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.cuda_graphs = DecodeCudaGraphs(
+            lambda fb: self.model.compute_logits(self.model(fb, self.backend, self.pool)),
+            self.backend,
+            max_batch_size=max_batch_size,
+            max_blocks_per_seq=max_blocks_per_seq,
+            block_size=self.pool.block_size,
+            scratch_block=scratch_block,
+            device=self.device,
+        )
+
     def _prepare(self, fb: ForwardBatch) -> None:
+        self._wait_planned()
+        self.backend.prepare(fb)
+        self._record_planned()
+
+    def _wait_planned(self) -> None:
         if self._planned is not None:
             self._planned.synchronize()
-        self.backend.prepare(fb)
+
+    def _record_planned(self) -> None:
         if self.device.type == "cuda":
             self._planned = self._planned or torch.cuda.Event()
             self._planned.record()
+
+    def _step_logits(
+        self, step_plan: StepPlan, build_batch, block_tables, inputs: torch.Tensor, graph: bool
+    ) -> torch.Tensor:
+        """Logits [R, V] float32 of one draft step: row r feeds inputs[r] (device)."""
+        layout = layout_plan(step_plan)
+        graphs = self.cuda_graphs if graph else None
+        if graphs is not None and graphs.can_run(step_plan, layout):
+            slots = torch.from_numpy(layout.slots).to(self.device, non_blocking=True)
+            self.last_tokens.index_copy_(0, slots, inputs)
+            self._wait_planned()
+            tables = block_tables[layout.slots]
+            return graphs.run(layout, tables, self.last_tokens, self._record_planned).float()
+        fb = build_batch(layout)
+        fb.input_ids = inputs
+        self._prepare(fb)
+        return self.model.compute_logits(self.model(fb, self.backend, self.pool)).float()
 
     def propose(
         self,
         plan: StepPlan,
         layout: StepLayout,
         build_batch,  # StepLayout -> ForwardBatch (the runner's, over the shared tables)
+        block_tables,  # [slots, max_blocks] int32 numpy: the runner's (shared) block tables
         generator: torch.Generator | None = None,
+        use_cuda_graph: bool = True,
     ) -> DraftOutput | None:
         """Drafts for the plan's `drafts_on_device` rows (None if there are none). Writes
         draft KV at positions start .. start + num_drafts - 1 of those rows (blocks the
-        scheduler reserved for the verify row)."""
+        scheduler reserved for the verify row). Steps replay the draft's decode CUDA graphs
+        when they were captured (`enable_cuda_graphs`) and `use_cuda_graph`."""
         rows = [i for i, r in enumerate(plan.rows) if r.drafts_on_device]
         if not rows:
             return None
@@ -174,12 +221,11 @@ class DraftRunner:
         greedy = torch.tensor([r.params.greedy for r in plan_rows]).to(dev, non_blocking=True)
         for j in range(k):
             active = [a for a in range(len(rows)) if n[a] > j]
-            step_rows = [_one_token_row(plan_rows[a], j) for a in active]
-            fb = build_batch(layout_plan(StepPlan(plan.step_id, step_rows)))
+            step_plan = StepPlan(plan.step_id, [_one_token_row(plan_rows[a], j) for a in active])
             act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
-            fb.input_ids = tokens[act, j]
-            self._prepare(fb)
-            logits = self.model.compute_logits(self.model(fb, self.backend, self.pool)).float()
+            logits = self._step_logits(
+                step_plan, build_batch, block_tables, tokens[act, j], use_cuda_graph
+            )
             params = [plan_rows[a].params for a in active]
             q = sampling_probs(logits, params)
             steps = [plan_rows[a].num_output_before + j for a in active]
@@ -207,8 +253,14 @@ class DraftRunner:
 
 
 def _one_token_row(r: PlanRow, j: int) -> PlanRow:
-    """Draft step j of verify row `r`: one token at position r.start + j (its id is written
-    on the device), sampled."""
+    """Draft step j of verify row `r`: one token at position r.start + j, sampled; its id is
+    on the device (a "last sample" read there: `_step_logits` writes it)."""
     return PlanRow(
-        rid=r.rid, slot=r.slot, start=r.start + j, num_tokens=1, input_ids=[0], sample_offsets=[0]
+        rid=r.rid,
+        slot=r.slot,
+        start=r.start + j,
+        num_tokens=1,
+        input_ids=[],
+        reads_last_sample=True,
+        sample_offsets=[0],
     )

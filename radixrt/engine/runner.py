@@ -146,6 +146,13 @@ class ModelRunner:
                 logger.info(
                     "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
                 )
+        if self.draft is not None and self.cuda_graphs is not None:
+            self.draft.enable_cuda_graphs(
+                max_batch_size=self.cuda_graphs.max_batch_size,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                scratch_block=self.pool.num_blocks - 1,
+                num_slots=num_slots,
+            )
         # Blocks the allocator may hand out: all but the graphs' scratch block.
         self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
         logger.info("model runner ready in %.1f s", time.perf_counter() - start)
@@ -183,7 +190,9 @@ class ModelRunner:
         layout = self._begin(plan)
         drafted = None
         if self.draft is not None:
-            drafted = self.draft.propose(plan, layout, self.build_batch, self._generator)
+            drafted = self.draft.propose(
+                plan, layout, self.build_batch, self.block_tables, self._generator, use_cuda_graph
+            )
         logits, scores = self._forward(plan, layout, use_cuda_graph, drafted)
         outputs = self._sample(plan, layout, logits, drafted)
         outputs.prompt_logprobs = scores
