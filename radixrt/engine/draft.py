@@ -8,9 +8,11 @@ k placeholder drafts, `PlanRow.drafts_on_device`); in the same step the runner
      row's sampling parameters (greedy rows: argmax);
   2. writes the drafts into the verify rows' input ids on the device and runs the target
      over the whole batch;
-  3. `fill_kv`: runs the draft model over the same ForwardBatch as the target (every step:
-     prefill chunks, decode and verify rows), so the draft KV is filled wherever the target's
-     is; then verification (greedy: exact match; sampling: `radixrt.engine.rejection`).
+  3. `fill_kv_rest`: runs the draft model over the step's other rows (prefill chunks, plain
+     decode rows) with the target's inputs; `propose` already wrote the verify rows' draft KV
+     (one more one-token step feeds the last draft), so the draft KV is filled wherever the
+     target's is; then verification (greedy: exact match; sampling:
+     `radixrt.engine.rejection`).
 Drafts never travel to the host before verification. Verify rows still wait for their
 result on the host before the next plan (their length depends on acceptance).
 
@@ -143,6 +145,17 @@ class DraftRunner:
         self._prepare(fb)
         self.model(fb, self.backend, self.pool)
 
+    def fill_kv_rest(self, plan: StepPlan, fb: ForwardBatch, drafted, build_batch) -> None:
+        """Draft KV for the step's rows that `propose` did not cover (`fb`: the target's
+        batch of the whole plan; `drafted`: propose's output or None)."""
+        if drafted is None:
+            self.fill_kv(fb)
+            return
+        done = set(drafted.rows)
+        rest = [r for i, r in enumerate(plan.rows) if i not in done]
+        if rest:
+            self.fill_kv(build_batch(layout_plan(StepPlan(plan.step_id, rest))))
+
     def enable_cuda_graphs(
         self, *, max_batch_size: int, max_blocks_per_seq: int, scratch_block: int, num_slots: int
     ) -> None:
@@ -203,8 +216,9 @@ class DraftRunner:
         use_cuda_graph: bool = True,
     ) -> DraftOutput | None:
         """Drafts for the plan's `drafts_on_device` rows (None if there are none). Writes
-        draft KV at positions start .. start + num_drafts - 1 of those rows (blocks the
-        scheduler reserved for the verify row). Steps replay the draft's decode CUDA graphs
+        those rows' draft KV for the whole verify row: positions start .. start + num_drafts
+        (n + 1 one-token steps, the last one for the last draft's KV only), so `fill_kv_rest`
+        skips them. Steps replay the draft's decode CUDA graphs
         when they were captured (`enable_cuda_graphs`) and `use_cuda_graph`."""
         rows = [i for i, r in enumerate(plan.rows) if r.drafts_on_device]
         if not rows:
@@ -219,13 +233,20 @@ class DraftRunner:
         tokens = tokens.to(dev, non_blocking=True)
         probs = torch.zeros((len(rows), k, vocab), dtype=torch.float32, device=dev)
         greedy = torch.tensor([r.params.greedy for r in plan_rows]).to(dev, non_blocking=True)
-        for j in range(k):
-            active = [a for a in range(len(rows)) if n[a] > j]
+        for j in range(k + 1):  # step n of a row: its last draft's KV only (no sample)
+            active = [a for a in range(len(rows)) if n[a] >= j]
             step_plan = StepPlan(plan.step_id, [_one_token_row(plan_rows[a], j) for a in active])
             act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self._step_logits(
                 step_plan, build_batch, block_tables, tokens[act, j], use_cuda_graph
             )
+            sampled = [b for b, a in enumerate(active) if n[a] > j]
+            if not sampled:
+                continue
+            if len(sampled) < len(active):
+                logits = logits[torch.tensor(sampled).to(dev, non_blocking=True)]
+                active = [active[b] for b in sampled]
+                act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
             params = [plan_rows[a].params for a in active]
             q = sampling_probs(logits, params)
             steps = [plan_rows[a].num_output_before + j for a in active]

@@ -1,5 +1,6 @@
 """ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend and the
-per-slot row state (block tables, last sampled tokens on the device).
+per-slot row state (block tables, last sampled tokens on the device); with speculative_method
+'draft' also the draft model and its KV pool (`radixrt.engine.draft`).
 
 `execute(plan)` applies the plan's block-table changes and block ops, runs one forward over all
 rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`), samples, keeps each
@@ -250,7 +251,7 @@ class ModelRunner:
         self._inputs_staged()
         hidden = self.model(fb, self.backend, self.pool)
         if self.draft is not None:
-            self.draft.fill_kv(fb)
+            self.draft.fill_kv_rest(plan, fb, drafted, self.build_batch)
         dev = self.device
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
