@@ -173,8 +173,8 @@ def test_penalties_count_the_drafts_before_each_position(make_engine, tiny_model
 def test_gpu_draft_model_greedy_and_sampling(make_engine, tiny_model_dir):
     """CUDA, flashinfer, bf16, CUDA graphs and overlap on: the target as its own draft
     accepts (nearly) every greedy draft and its greedy outputs agree with speculation off
-    up to bf16 near ties (the verify rows run through the prefill kernel); seeded sampling
-    is reproducible."""
+    up to bf16 near ties (the verify rows run through the prefill kernel, the draft steps
+    through the draft's decode graphs); seeded sampling is reproducible."""
     opts = dict(device="cuda", dtype="bfloat16", num_kv_blocks=512)
     plain = make_engine(**opts)
     engine = make_engine(
@@ -190,8 +190,15 @@ def test_gpu_draft_model_greedy_and_sampling(make_engine, tiny_model_dir):
     same = sum(a[:8] == b[:8] for a, b in zip(ref, got))
     assert same >= len(prompts) - 1
     assert engine.stats()["spec_acceptance_rate"] > 0.9
-    first = outputs(engine, seeded())
-    assert outputs(engine, seeded()) == first
+    # reproducible seeded sampling: no cache, so both runs compute exactly the same batches
+    uncached = make_engine(
+        speculative_method="draft",
+        speculative_draft_model=tiny_model_dir,
+        prefix_cache="none",
+        **opts,
+    )
+    first = outputs(uncached, seeded())
+    assert outputs(uncached, seeded()) == first
 
 
 def test_runner_draft_rejection_sampling_first_token_distribution(
