@@ -36,3 +36,19 @@ def test_bench_verify_smoke(one_thread):
     assert by_alpha[1.0]["measured_acceptance"] == 1.0
     assert by_alpha[1.0]["tokens_per_verify"] > 2.5
     assert "ORACLE" in tables(steps, oracle, "CPU")
+
+
+def test_text_workloads_are_text(tiny_model_dir):
+    """bench_spec's TEXT workloads: chat-template text, each call after its parent."""
+    from benchmarks.bench_spec import TEXT_WORKLOADS, text_workload
+    from radixrt.model.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    for name in TEXT_WORKLOADS:
+        w = text_workload(name, tok, 0.25)
+        assert len(w.programs) == 2 and w.num_calls == 8
+        for prog in w.programs:
+            assert prog.calls[0].parent is None
+            assert all(c.parent == i for i, c in enumerate(prog.calls[1:]))
+            first = tok.decode(list(prog.calls[0].input_ids))
+            assert "<|user|>" in first and "<|assistant|>" in first
