@@ -1,12 +1,20 @@
 """Speculative decoding on the tiny model (CPU, in-process Engine): steps, acceptance and
 tokens/s of each proposer against none, and how often the radix proposer fires.
 
-Each workload (benchmarks/workloads.py, greedy, ignore_eos) runs twice on one engine: pass 1
-is the program as it comes (cold cache), pass 2 re-runs the same program (a retried agent, a
-regenerated answer: the radix tree holds every answer). Outputs of every method are checked
+Each workload (greedy, ignore_eos) runs twice on one engine: pass 1 is the program as it
+comes (cold cache), pass 2 re-runs the same program (a repeated program: a retried agent, a
+regenerated answer; the radix tree holds every answer). Outputs of every method are checked
 to equal those of `none` (exactness), integrity after every pass.
 
+Workloads: benchmarks/workloads.py (random token ids: acceptance there is not meaningful), or
+with `--text` TEXT workloads in the tiny model's chat template (`text_workload`): `chat`
+(multi-turn: users ask questions from the training chats, each turn extends the conversation)
+and `agent` (ReAct: a tool prompt, a task, then thought/action outputs each followed by an
+observation sentence). `--draft-model DIR` adds the `draft` method (a trained smaller tiny
+model: `make_draft_model`).
+
     PYTHONPATH=. python benchmarks/bench_spec.py --json spec.json
+    PYTHONPATH=. python benchmarks/bench_spec.py --text --draft-model auto --json text.json
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import platform
 import time
 
 from benchmarks.engine_driver import run_engine
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import Call, Program, Workload, make_workload
 
 METHODS = ("none", "ngram", "radix")
 WORKLOADS = ("multi-turn", "agent", "tree-of-thought", "random")
@@ -72,6 +80,64 @@ def run_pass(engine, workload) -> tuple[dict, list[tuple[int, ...]]]:
     return row, sorted(tuple(v) for v in by_rid.values())
 
 
+TEXT_WORKLOADS = ("chat", "agent")
+AGENT_SYSTEM = (
+    "You are a helpful assistant who can use tools. To look something up, write Action: "
+    "search[topic]. You will then see an Observation. Think step by step and answer "
+    "briefly and kindly."
+)
+DRAFT_SHAPE = dict(num_layers=1, hidden_size=96, intermediate_size=256, num_heads=3)
+
+
+def make_draft_model() -> str:
+    """A trained 1-layer tiny model (the target's tokenizer and training text), cached."""
+    from radixrt.model.tiny import make_tiny_model
+
+    path = os.path.expanduser("~/.cache/radixrt/tiny-draft-1l-h96")
+    if not os.path.exists(os.path.join(path, "radixrt_training.json")):
+        make_tiny_model(path, num_kv_heads=1, progress=False, **DRAFT_SHAPE)
+    return path
+
+
+def _lines(prefix: str, files: tuple[str, ...]) -> list[str]:
+    from radixrt.model.tiny_data import DATA_DIR
+
+    out = []
+    for name in files:
+        with open(os.path.join(DATA_DIR, name)) as f:
+            out += [ln[len(prefix) :].strip() for ln in f if ln.startswith(prefix)]
+    return out
+
+
+def text_workload(name: str, tokenizer, scale: float) -> Workload:
+    """A TEXT workload in the tiny model's chat template (see the module docstring)."""
+    enc = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    questions = _lines("User: ", ("chats.txt",))
+    facts = [ln.strip() for ln in _lines("", ("corpus.txt",)) if len(ln.split()) > 8]
+    count = max(1, round(8 * scale))
+    programs = []
+    for u in range(count):
+        if name == "chat":
+            calls = []
+            for turn in range(4):
+                q = questions[(u * 4 + turn) % len(questions)]
+                head = "<|system|>\nYou are a helpful assistant.<|end|>\n" if turn == 0 else ""
+                text = f"{head}<|user|>\n{q}<|end|>\n<|assistant|>\n"
+                calls.append(Call(None if turn == 0 else turn - 1, enc(text), 32))
+        elif name == "agent":
+            q = questions[(u * 7) % len(questions)]
+            first = f"<|system|>\n{AGENT_SYSTEM}<|end|>\n<|user|>\n{q}<|end|>\n<|assistant|>\n"
+            first += "Thought:"
+            calls = [Call(None, enc(first), 24)]
+            for step in range(1, 4):
+                obs = facts[(u * 3 + step) % len(facts)][:200]
+                calls.append(Call(step - 1, enc(f"\nObservation: {obs}\nThought:"), 24))
+        else:
+            raise ValueError(f"unknown text workload {name!r}; allowed: {TEXT_WORKLOADS}")
+        programs.append(Program(tuple(calls)))
+    return Workload(name, tuple(programs), {"text": True, "count": count})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -83,7 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timing)")
+    p.add_argument("--text", action="store_true", help="TEXT workloads (chat, agent)")
+    p.add_argument("--draft-model", default=None, help="add method draft ('auto': trained)")
     args = p.parse_args(argv)
+    if args.text and args.workloads == ",".join(WORKLOADS):
+        args.workloads = ",".join(TEXT_WORKLOADS)
+    draft = make_draft_model() if args.draft_model == "auto" else args.draft_model
+    if draft and "draft" not in args.methods.split(","):
+        args.methods += ",draft"
     import torch
 
     torch.set_num_threads(args.threads)
@@ -104,10 +177,14 @@ def main(argv: list[str] | None = None) -> None:
                 num_speculative_tokens=args.num_speculative_tokens,
                 ngram_min_n=args.ngram_min_n,
                 ngram_max_n=args.ngram_max_n,
+                speculative_draft_model=draft if method == "draft" else None,
             )
             vocab = engine.model_config.vocab_size
             _warm_up(engine)
-            workload = make_workload(name, "smoke", args.scale, vocab_size=vocab)
+            if args.text:
+                workload = text_workload(name, engine.tokenizer, args.scale * 4)
+            else:
+                workload = make_workload(name, "smoke", args.scale, vocab_size=vocab)
             for run in (1, 2):
                 row, outputs = run_pass(engine, workload)
                 engine.check_integrity()

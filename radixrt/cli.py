@@ -47,8 +47,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-method",
         default="none",
-        choices=["none", "ngram", "radix"],
-        help="draft tokens by prompt lookup (ngram) or from the radix cache (radix)",
+        choices=["none", "ngram", "radix", "draft"],
+        help="draft tokens by prompt lookup (ngram), from the radix cache (radix) or with a "
+        "draft model (draft: needs --speculative-draft-model)",
+    )
+    g.add_argument(
+        "--speculative-draft-model",
+        default=None,
+        help="draft: HF dir of a smaller checkpoint with the target's tokenizer",
     )
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per decode row")
     g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
@@ -77,6 +83,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "num_speculative_tokens": args.num_speculative_tokens,
         "ngram_min_n": args.ngram_min_n,
         "ngram_max_n": args.ngram_max_n,
+        "speculative_draft_model": args.speculative_draft_model,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

@@ -19,8 +19,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 PREFIX_CACHES = ("radix", "blockhash", "none")
 POLICIES = ("fcfs", "lpm", "dfs-weight")
-SPECULATIVE_METHODS = ("none", "ngram", "radix")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
+SPECULATIVE_METHODS = ("none", "ngram", "radix", "draft")
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 
 
@@ -182,11 +182,13 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding: who drafts (the scheduler's `num_speculative_tokens` caps how
     many tokens per decode row). `ngram`: prompt lookup over the row's own tokens; `radix`:
-    the continuation the radix prefix cache holds after the row's context."""
+    the continuation the radix prefix cache holds after the row's context; `draft`: a smaller
+    checkpoint with the target's tokenizer, run by the runner (see `radixrt.engine.draft`)."""
 
-    speculative_method: str = "none"  # none | ngram | radix
+    speculative_method: str = "none"  # none | ngram | radix | draft
     ngram_min_n: int = 2  # ngram: shortest suffix that may match
     ngram_max_n: int = 4  # ngram: longest suffix tried (the longest match wins)
+    speculative_draft_model: str | None = None  # draft: the draft checkpoint's HF dir
 
     def __post_init__(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:
@@ -198,6 +200,13 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= ngram_min_n <= ngram_max_n <= {MAX_NGRAM}, got "
                 f"ngram_min_n={self.ngram_min_n}, ngram_max_n={self.ngram_max_n}"
+            )
+        has_draft = self.speculative_draft_model is not None
+        if (self.speculative_method == "draft") != has_draft:
+            raise ValueError(
+                "speculative_draft_model must be given exactly when speculative_method is "
+                f"'draft' (got speculative_method={self.speculative_method!r}, "
+                f"speculative_draft_model={self.speculative_draft_model!r})"
             )
 
     @property
@@ -251,6 +260,11 @@ class EngineConfig:
                 "speculative_method 'radix' drafts from the radix prefix cache, but "
                 f"prefix_cache is {self.cache.prefix_cache!r}; use prefix_cache='radix' or "
                 "speculative_method 'ngram'"
+            )
+        if self.speculative.speculative_method == "draft" and tp > 1:
+            raise ValueError(
+                "speculative_method 'draft' runs with tensor_parallel_size 1 only, "
+                f"got tensor_parallel_size={tp}"
             )
 
 

@@ -87,6 +87,8 @@ class PlanRow:
     needs_host_result: bool = False  # the next plan needs this row's result on the host
     # first (penalties, beam search, host-side drafting, grammar masks): the scheduler does
     # not plan the row again before this step's result arrives
+    drafts_on_device: bool = False  # the trailing num_draft_tokens input ids are
+    # placeholders: the runner's draft model writes the drafts (speculative_method 'draft')
 
     @property
     def end(self) -> int:

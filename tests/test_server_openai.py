@@ -200,8 +200,9 @@ def test_metrics(server):
 
 def test_speculative_counters_in_metrics(tiny_model_dir):
     """A server drafting from the radix tree exports its verify counters in /metrics (the
-    second identical request is drafted from the first one's cached continuation), and the
-    greedy output equals the server without speculation."""
+    second identical request is drafted from the first one's cached continuation) and per
+    request in /generate's meta_info, and the greedy output equals the server without
+    speculation."""
     body = {"prompt": "one two three one two three one two three one two", "max_tokens": 12}
     body |= {"temperature": 0}
     texts = []
@@ -213,6 +214,14 @@ def test_speculative_counters_in_metrics(tiny_model_dir):
                 status, out = srv.post("/v1/completions", body)
                 assert status == 200, out
                 texts.append(out["choices"][0]["text"])
+            # per-request counters in /generate's meta_info (a third identical request)
+            sp = {"max_new_tokens": 12, "temperature": 0}
+            status, gen = srv.post("/generate", {"text": body["prompt"], "sampling_params": sp})
+            assert status == 200, gen
+            meta = gen["meta_info"]
+            assert (meta["spec_draft_tokens"] > 0) == bool(args)
+            assert 0 <= meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
+            texts.append(gen["text"])
             status, text = srv.get("/metrics")
             families = {f.name: f for f in text_string_to_metric_families(text)}
             drafted = families["radixrt_spec_draft_tokens"].samples[0].value

@@ -151,7 +151,19 @@ def test_create_proposer_and_bad_configuration():
     with pytest.raises(ValueError, match="prefix_cache is 'blockhash'"):
         resolve_config("-", "cpu", speculative_method="radix", prefix_cache="blockhash")
     with pytest.raises(ValueError, match="speculative_method must be one of"):
+        resolve_config("-", "cpu", speculative_method="medusa")
+    with pytest.raises(ValueError, match="speculative_draft_model must be given"):
         resolve_config("-", "cpu", speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_draft_model must be given"):
+        resolve_config("-", "cpu", speculative_method="ngram", speculative_draft_model="/x")
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        resolve_config(
+            "-",
+            "cpu",
+            speculative_method="draft",
+            speculative_draft_model="/x",
+            tensor_parallel_size=2,
+        )
     with pytest.raises(ValueError, match="ngram_min_n"):
         resolve_config("-", "cpu", speculative_method="ngram", ngram_min_n=3, ngram_max_n=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -285,6 +297,8 @@ def test_spec_stats_count_what_they_say():
         s.record_verify(drafts, accepted)
     assert (s.num_verify_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 13, 7)
     assert s.accepted_per_position == [3, 2, 1, 1]  # rows whose draft i was accepted
+    assert s.drafted_per_position == [4, 4, 3, 2]  # rows that had a draft i
+    assert [s.acceptance_rate_at(i) for i in range(5)] == [3 / 4, 2 / 4, 1 / 3, 1 / 2, 0.0]
     assert s.acceptance_rate == 7 / 13
     assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
 
@@ -354,4 +368,7 @@ def test_cli_flags_reach_the_config():
     assert cfg.speculative == SpeculativeConfig("ngram", 2, 5)
     assert cfg.scheduler.num_speculative_tokens == 3
     with pytest.raises(SystemExit):
-        p.parse_args(["--speculative-method", "draft"])
+        p.parse_args(["--speculative-method", "medusa"])
+    args = p.parse_args(["--speculative-method", "draft", "--speculative-draft-model", "/d"])
+    cfg = resolve_config("-", **{**engine_options(args), "device": "cpu"})
+    assert cfg.speculative.speculative_draft_model == "/d"

@@ -306,9 +306,12 @@ class EngineCore:
         """Counters since start. `spec_*`: speculative decoding (zero without a proposer):
         proposals (decode rows asked for drafts) and those that drafted anything (fired),
         verify rows, drafted and accepted tokens, acceptance rate, mean tokens per verify
-        row (accepted + 1), and `spec_accepted_pos_<i>` (rows whose draft i was accepted)."""
+        row (accepted + 1), `spec_accepted_pos_<i>` (rows whose draft i was accepted) and
+        `spec_acceptance_rate_pos_<i>` (that over the rows that had a draft i)."""
         s, c, sp = self.scheduler.stats, self.cache.stats, self.scheduler.stats.spec
         spec = {f"spec_accepted_pos_{i}": n for i, n in enumerate(sp.accepted_per_position)}
+        for i in range(len(sp.drafted_per_position)):
+            spec[f"spec_acceptance_rate_pos_{i}"] = sp.acceptance_rate_at(i)
         return {
             "num_requests": s.num_requests,
             "prompt_tokens": s.num_prompt_tokens,

@@ -1,5 +1,6 @@
 """ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend and the
-per-slot row state (block tables, last sampled tokens on the device).
+per-slot row state (block tables, last sampled tokens on the device); with speculative_method
+'draft' also the draft model and its KV pool (`radixrt.engine.draft`).
 
 `execute(plan)` applies the plan's block-table changes and block ops, runs one forward over all
 rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`), samples, keeps each
@@ -23,9 +24,11 @@ from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
+from radixrt.engine.draft_verify import verify_stochastic
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
+from radixrt.engine.spec_penalties import penalty_output_ids
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model
@@ -33,6 +36,7 @@ from radixrt.plan import CopyBlock, StepHandle, StepPlan
 
 if TYPE_CHECKING:
     from radixrt.distributed.group import TPGroup
+    from radixrt.engine.draft import DraftOutput, DraftRunner
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,12 @@ class ModelRunner:
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
+        # speculative_method 'draft': the draft model and its KV pool (same block ids)
+        self.draft: DraftRunner | None = None
+        if cfg.speculative.speculative_method == "draft":
+            from radixrt.engine.draft import DraftRunner
+
+            self.draft = DraftRunner(cfg, model_cfg, max_model_len)
         num_blocks = self._num_kv_blocks()
         if tp is not None:
             num_blocks = tp.min_int(num_blocks)
@@ -116,6 +126,8 @@ class ModelRunner:
             self.pool.kv.numel() * self.pool.kv.element_size() / 2**30,
             f", {self.pool.scales.describe()}" if self.pool.is_fp8 else "",
         )
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, self.block_size)
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot: the block table (host copy, updated from plans) and the
         # token the row sampled last (device: the next decode step reads it there).
@@ -147,6 +159,13 @@ class ModelRunner:
                 logger.info(
                     "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
                 )
+        if self.draft is not None and self.cuda_graphs is not None:
+            self.draft.enable_cuda_graphs(
+                max_batch_size=self.cuda_graphs.max_batch_size,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                scratch_block=self.pool.num_blocks - 1,
+                num_slots=num_slots,
+            )
         # Blocks the allocator may hand out: all but the graphs' scratch block.
         self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
         logger.info("model runner ready in %.1f s", time.perf_counter() - start)
@@ -173,6 +192,8 @@ class ModelRunner:
         per_block = KVPool.bytes_per_block(
             m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.kv_dtype
         )
+        if self.draft is not None:
+            per_block += self.draft.bytes_per_block(c.block_size)
         free, total = torch.cuda.mem_get_info(self.device)
         num = num_blocks_for_memory(free, total, c.mem_fraction, per_block)
         if num < 2:
@@ -188,8 +209,13 @@ class ModelRunner:
         """Run `plan` (see the module docstring). `use_cuda_graph=False` forces the eager
         path (benchmarks, tests)."""
         layout = self._begin(plan)
-        logits, scores = self._forward(plan, layout, use_cuda_graph)
-        outputs = self._sample(plan, layout, logits)
+        drafted = None
+        if self.draft is not None:
+            drafted = self.draft.propose(
+                plan, layout, self.build_batch, self.block_tables, self._generator, use_cuda_graph
+            )
+        logits, scores = self._forward(plan, layout, use_cuda_graph, drafted)
+        outputs = self._sample(plan, layout, logits, drafted)
         outputs.prompt_logprobs = scores
         return PendingResult(plan, layout, outputs, copy_to_host=self._copy_to_host)
 
@@ -206,6 +232,8 @@ class ModelRunner:
         for op in plan.block_ops:
             if isinstance(op, CopyBlock):
                 self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
+                if self.draft is not None and self.draft.pool is not None:
+                    self.draft.pool.copy_prefix(op.src, op.dst, op.num_tokens)
             else:
                 raise ValueError(f"block op {op!r} needs a host KV tier, which is not configured")
         return layout_plan(plan)
@@ -217,21 +245,33 @@ class ModelRunner:
             self._inputs_on_device.record()
 
     def _forward(
-        self, plan: StepPlan, layout: StepLayout, use_cuda_graph: bool
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        use_cuda_graph: bool,
+        drafted: DraftOutput | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of the sampled tokens [S, vocab] float32 (None if S = 0) and the log-probs
-        of the scored prompt tokens [P] float32 (None if P = 0)."""
+        of the scored prompt tokens [P] float32 (None if P = 0). With a draft model, its KV
+        is filled over the same tokens and `drafted`'s drafts are the verify rows' inputs."""
         graphs = self.cuda_graphs
         if use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
+            if self.draft is not None:
+                self.draft.fill_kv(self.build_batch(layout))
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
                 layout, tables, self.last_tokens, on_inputs_staged=self._inputs_staged
             )
             return logits, None
         fb = self.build_batch(layout)
+        if drafted is not None:
+            assert self.draft is not None
+            fb.input_ids[drafted.flat_index] = self.draft.draft_inputs(drafted)
         self.backend.prepare(fb)
         self._inputs_staged()
         hidden = self.model(fb, self.backend, self.pool)
+        if self.draft is not None:
+            self.draft.fill_kv_rest(plan, fb, drafted, self.build_batch)
         dev = self.device
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
@@ -294,10 +334,15 @@ class ModelRunner:
         return self.model.compute_logits(self.model(fb, self.backend, self.pool))
 
     def _sample(
-        self, plan: StepPlan, layout: StepLayout, logits: torch.Tensor | None
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        logits: torch.Tensor | None,
+        drafted: DraftOutput | None = None,
     ) -> StepOutputs:
-        """Sample every listed position, verify drafts, keep each row's last accepted
-        sample in its slot on the device."""
+        """Sample every listed position, verify drafts (`drafted`: the draft model's, by
+        rejection sampling for non-greedy rows), keep each row's last accepted sample in its
+        slot on the device."""
         out = StepOutputs()
         if logits is None:
             return out
@@ -308,7 +353,7 @@ class ModelRunner:
                 logits,
                 params,
                 [r.history[: r.prompt_len] if r.history else [] for r in rows],
-                [r.history[r.prompt_len :] if r.history else [] for r in rows],
+                penalty_output_ids(plan, layout, drafted),  # + drafts before each position
             )
         if any(p.logit_bias for p in params):
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
@@ -324,7 +369,14 @@ class ModelRunner:
         last = layout.row_first_sample + layout.num_samples - 1  # [R]: the row's last sample
         drafting = [i for i, r in enumerate(plan.rows) if r.num_draft_tokens]
         if drafting:
-            out.num_accepted = self._verify(plan, layout, tokens, drafting)
+            out.num_accepted = self._verify(plan, layout, tokens, drafting, drafted)
+        if drafted is not None:
+            stochastic = verify_stochastic(
+                plan, layout, logits, tokens, out, drafted, drafting, self._generator
+            )
+            if stochastic and want_logprobs:  # rejection replaced some tokens
+                lps = torch.log_softmax(logits, dim=-1)
+                out.logprobs = lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
         keep = [
             i for i, r in enumerate(plan.rows) if layout.num_samples[i] and not r.num_draft_tokens
         ]
@@ -335,7 +387,12 @@ class ModelRunner:
         return out
 
     def _verify(
-        self, plan: StepPlan, layout: StepLayout, tokens: torch.Tensor, rows: list[int]
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        tokens: torch.Tensor,
+        rows: list[int],
+        drafted: DraftOutput | None = None,
     ) -> torch.Tensor:
         """Accepted drafts per drafting row [len(rows)] int64 (device): the longest prefix of
         its drafts equal to the samples at the positions before them. A sample made with the
@@ -354,7 +411,13 @@ class ModelRunner:
             valid[j, :n] = True
         dev = self.device
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        match = (tokens[to_dev(index)] == to_dev(drafts)) & to_dev(valid)
+        drafts_d = to_dev(drafts)
+        if drafted is not None:  # the draft model's drafts (device): rows in drafted.rows
+            at = {i: j for j, i in enumerate(rows)}
+            width = min(k, drafted.token_ids.shape[1])
+            dst = to_dev(np.asarray([at[i] for i in drafted.rows], dtype=np.int64))
+            drafts_d[dst, :width] = drafted.token_ids[:, :width]
+        match = (tokens[to_dev(index)] == drafts_d) & to_dev(valid)
         return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     # ---- for tests and benchmarks ----

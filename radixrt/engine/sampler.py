@@ -25,7 +25,7 @@ def apply_penalties(
     logits: torch.Tensor,  # [S, V] float32, modified in place
     params: Sequence[SamplingParams],
     prompt_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int] | torch.Tensor],  # host lists or device int64 tensors
 ) -> None:
     """OpenAI presence/frequency penalties on generated tokens; HF-style repetition
     penalty on prompt + generated tokens (logit / p if > 0 else logit * p)."""
@@ -35,7 +35,8 @@ def apply_penalties(
     device, vocab = logits.device, logits.shape[1]
     for i in rows:  # rows with penalties are rare; each costs O(its tokens) on the device
         p = params[i]
-        out = _on(device, output_ids[i], torch.int64)
+        ids = output_ids[i]
+        out = ids if isinstance(ids, torch.Tensor) else _on(device, ids, torch.int64)
         counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         counts.scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
         row = logits[i]
@@ -96,6 +97,16 @@ def sample(
     if top_logprobs:
         top_lps, top_ids = logprobs_all.topk(min(top_logprobs, logits.shape[1]), dim=-1)
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample` draws from for non-greedy rows: softmax(logits / T) with
+    top-k / top-p / min-p applied, renormalised ([S, V] float32). Greedy rows get
+    softmax(logits) (callers treat them separately). Penalties and logit bias are the
+    caller's, applied to `logits` before (as for `sample`)."""
+    temps = _on(logits.device, [p.temperature if not p.greedy else 1.0 for p in params])
+    probs = _filter(torch.softmax(logits / temps.unsqueeze(1), dim=-1), params)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _on(device: torch.device, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:

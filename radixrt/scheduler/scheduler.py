@@ -265,10 +265,11 @@ class Scheduler(GroupScheduling):
 
     def _drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with a proposer, the row's last token on the
-        host, no penalties (they would count the drafts), and room for them (max_tokens, the
-        context and `spare` tokens of the step's budget). Beams never draft (their group
-        picks one token per beam from top log-probs)."""
-        if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
+        host, and room for them (max_tokens, the context and `spare` tokens of the step's
+        budget). Beams never draft (their group picks one token per beam from top
+        log-probs). Rows with penalties draft: the runner penalises each position with the
+        drafts before it counted (`radixrt.engine.spec_penalties`)."""
+        if self.proposer is None or req.num_inflight_samples:
             return []
         if not req.reports:
             return []
@@ -496,6 +497,7 @@ class Scheduler(GroupScheduling):
             new_blocks=req.block_table[req.num_table_sent :],
             sample_offsets=list(range(n - 1 - k, n)) if samples else [],
             num_draft_tokens=k,
+            drafts_on_device=k > 0 and getattr(self.proposer, "drafts_on_device", False),
             params=p,
             num_output_before=req.num_output + req.num_inflight_samples,
         )

@@ -331,6 +331,7 @@ class Front:
 
     def _on_output(self, st: RequestState, out: TokenOut) -> None:
         st.num_cached_tokens = out.num_cached_tokens
+        st.num_draft_tokens, st.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         final = out.finish_reason is not None
         if st.beam:
             self._on_beams(st, out)

@@ -153,6 +153,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": st.completion_tokens,
             "cached_tokens": st.num_cached_tokens,
+            "spec_draft_tokens": st.num_draft_tokens,  # speculative decoding, so far
+            "spec_accepted_tokens": st.num_accepted_tokens,
             "finish_reason": None if reason is None else {"type": reason},
             "e2e_latency": time.perf_counter() - st.created,
         }

@@ -85,6 +85,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     parent_rid: str | None = None  # n > 1: the rid the request was sent with
     index: int = 0  # n > 1: the child's choice index, 0..n-1
     beams: list[BeamOut] = []  # beam search, on its (only) TokenOut: best first
+    # speculative decoding, for the request so far: drafts verified, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestError(msgspec.Struct, frozen=True):

@@ -60,6 +60,8 @@ class RequestState:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
     stop_seen: bool = False  # a stop string ended the text; the scheduler's abort is pending
     finish_reason: str | None = None
     error: ApiError | None = None

@@ -280,4 +280,6 @@ def _token_out(d: RequestDelta, eos_token_ids: frozenset[int]) -> TokenOut:
         parent_rid=d.parent_rid,
         index=d.index,
         beams=beams,
+        num_draft_tokens=d.num_draft_tokens,
+        num_accepted_tokens=d.num_accepted_tokens,
     )

@@ -1,5 +1,6 @@
 """Speculative decoding proposers: ngram (prompt lookup), radix (the prefix cache's own
-continuation). `create_proposer` imports lazily (the ngram proposer needs numpy)."""
+continuation), draft (a draft model that the runner runs, `radixrt.engine.draft`).
+`create_proposer` imports lazily (the ngram proposer needs numpy)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ def create_proposer(cfg: SpeculativeConfig, cache: PrefixCache) -> Proposer | No
                 f"{type(cache).__name__}; use prefix_cache='radix' or speculative_method 'ngram'"
             )
         return RadixProposer(cache)
-    raise ValueError(f"unknown speculative_method {method!r}; allowed: none, ngram, radix")
+    if method == "draft":
+        from radixrt.spec.draft import DraftModelProposer
+
+        return DraftModelProposer()
+    raise ValueError(f"unknown speculative_method {method!r}; allowed: none, ngram, radix, draft")
 
 
 __all__ = ["Proposer", "SpecStats", "create_proposer"]

@@ -1,9 +1,11 @@
 """The proposer interface of speculative decoding and its statistics (plain Python).
 
-A proposer drafts tokens for a decode row on the host; the scheduler feeds the row's last
-token plus the drafts, the runner samples at every position and accepts the longest prefix
-of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are deterministic given
-the row's tokens, so the output distribution is exactly that of plain decoding.
+A host proposer (ngram, radix) drafts tokens for a decode row on the host; the scheduler feeds
+the row's last token plus the drafts, the runner samples at every position and accepts the
+longest prefix of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are
+deterministic given the row's tokens, so the output distribution is exactly that of plain
+decoding. The draft-model proposer (`radixrt.spec.draft`) only says how many drafts a row
+gets; the runner makes them on the device and verifies them by rejection sampling.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from radixrt.scheduler.request import Request
 
 
 class Proposer(Protocol):
+    # True: propose() returns placeholders and the runner's draft model writes the drafts
+    # on the device (PlanRow.drafts_on_device); False (also when absent): the drafts are
+    # the tokens returned
+    drafts_on_device: bool
+
     def propose(self, req: Request, max_drafts: int) -> list[int]:
         """Up to `max_drafts` (>= 1) draft tokens to follow `req.seq_token_ids`. Reads the
         request only; returns [] when it has nothing to propose."""
@@ -32,6 +39,8 @@ class SpecStats:
     num_accepted_tokens: int = 0  # of those, accepted by verification
     # [i]: verify rows whose draft at position i was accepted (acceptance per position)
     accepted_per_position: list[int] = field(default_factory=list)
+    # [i]: verify rows that had a draft at position i (the denominator of acceptance at i)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
         """One verify row's result: `num_accepted` of its `num_drafts` drafts accepted."""
@@ -43,6 +52,17 @@ class SpecStats:
             self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        if len(self.drafted_per_position) < num_drafts:
+            self.drafted_per_position += [0] * (num_drafts - len(self.drafted_per_position))
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
+
+    def acceptance_rate_at(self, i: int) -> float:
+        """Of the verify rows with a draft at position i, the share that accepted it (a
+        draft is accepted only if every draft before it was)."""
+        drafted = self.drafted_per_position[i] if i < len(self.drafted_per_position) else 0
+        accepted = self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0
+        return accepted / drafted if drafted else 0.0
 
     @property
     def acceptance_rate(self) -> float:

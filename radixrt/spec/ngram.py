@@ -12,6 +12,8 @@ class NgramProposer:
     """Longest suffix match of length in [min_n, max_n]; among equally long matches the
     most recent earlier occurrence wins. Vectorised: one [max_n, L] comparison per call."""
 
+    drafts_on_device = False
+
     def __init__(self, min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n
         self.min_n = min_n

@@ -10,6 +10,8 @@ from radixrt.scheduler.request import Request
 class RadixProposer:
     """Reads `RadixCache.peek_continuation` (no split, no LRU refresh, no hit counted)."""
 
+    drafts_on_device = False
+
     def __init__(self, cache: RadixCache) -> None:
         self.cache = cache
 

@@ -1,0 +1,22 @@
+"""The scheduler's side of draft-model speculation: how many drafts a decode row gets.
+
+The draft model itself runs in the runner (`radixrt.engine.draft`): the scheduler stays
+torch-free, reserves KV for k + 1 tokens as for any proposer and plans the row with k
+placeholder drafts and `PlanRow.drafts_on_device`; the runner runs the draft model k steps
+over the row on the device, writes the drafts into the verify row's inputs and verifies them
+in the same step (no host round trip for the drafts).
+"""
+
+from __future__ import annotations
+
+from radixrt.scheduler.request import Request
+
+PLACEHOLDER = 0  # the input id planned for a draft the runner writes
+
+
+class DraftModelProposer:
+    drafts_on_device = True
+
+    def propose(self, req: Request, max_drafts: int) -> list[int]:
+        """`max_drafts` placeholders: the draft model always drafts the full k."""
+        return [PLACEHOLDER] * max_drafts
