@@ -87,6 +87,8 @@ class PlanRow:
     needs_host_result: bool = False  # the next plan needs this row's result on the host
     # first (penalties, beam search, host-side drafting, grammar masks): the scheduler does
     # not plan the row again before this step's result arrives
+    token_bitmask: bytes | None = None  # structured output: the tokens allowed at the row's
+    # one sample (packed little-endian int32 words, bit set = allowed; see radixrt.grammar)
 
     @property
     def end(self) -> int:

@@ -36,6 +36,7 @@ ROW_FIELDS = (
     "prompt_len",
     "prompt_logprobs",
     "needs_host_result",
+    "token_bitmask",
 )
 assert tuple(f.name for f in fields(PlanRow)) == ROW_FIELDS, "PlanRow changed: update the codec"
 PARAMS_AT = ROW_FIELDS.index("params")
@@ -91,6 +92,7 @@ class PlanEncoder:
                     r.prompt_len,
                     None if pl is None else (pl.offset, pl.targets),
                     r.needs_host_result,
+                    r.token_bitmask,
                 )
             )
         ops = [_op(op) for op in plan.block_ops]

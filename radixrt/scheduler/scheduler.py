@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
+from radixrt.grammar.scheduling import GrammarScheduling
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.groups import GroupScheduling
@@ -67,6 +68,9 @@ class SchedulerStats:
     num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
     num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
     num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
+    num_grammar_requests: int = 0  # constrained requests whose grammar compiled
+    num_grammar_errors: int = 0  # constrained requests refused (compile error or timeout)
+    num_forced_tokens: int = 0  # tokens appended by jump-forward (also in generated)
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
@@ -84,7 +88,7 @@ class _Launched:
     epochs: list[int]
 
 
-class Scheduler(GroupScheduling):
+class Scheduler(GroupScheduling, GrammarScheduling):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -94,11 +98,18 @@ class Scheduler(GroupScheduling):
         max_model_len: int,
         eos_token_ids: Sequence[int],
         proposer: Proposer | None = None,
+        grammar_backend: object | None = None,
+        jump_forward: bool = True,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; a row with
         drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
-        waits for that result on the host before its next step."""
+        waits for that result on the host before its next step. `grammar_backend`
+        (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
+        `jump_forward` (see radixrt.grammar.scheduling)."""
         self.cfg = cfg
+        self.grammar_backend = grammar_backend
+        self.jump_forward = jump_forward
+        self._finished_outside_update: list[Request] = []
         self.proposer = proposer
         self.allocator = allocator
         self.cache = cache
@@ -125,6 +136,7 @@ class Scheduler(GroupScheduling):
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit."""
         self._check_fits(req, 1, "")
+        self._submit_grammar(req)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -171,6 +183,8 @@ class Scheduler(GroupScheduling):
         self._matches.clear()
         ops: list = self._pending_ops
         self._pending_ops = []
+        if self.grammar_backend is not None:
+            self._poll_grammars()
         for parent in [r for r in self.running if r.group is not None and r.group.ready]:
             assert parent is parent.group.parent
             self._fork(parent.group, ops)
@@ -205,6 +219,7 @@ class Scheduler(GroupScheduling):
                 rows.append(self._plan_row(req, n, drafts))
             except Exception as e:  # a bug planning one request fails that request only
                 self._fail(req, e)
+                self._finished_outside_update.append(req)
                 continue
             reqs.append(req)
         if not rows:
@@ -263,6 +278,8 @@ class Scheduler(GroupScheduling):
         context and `spare` tokens of the step's budget). Beams never draft (their group
         picks one token per beam from top log-probs)."""
         if self.proposer is None or req.num_inflight_samples or req.params.has_penalties:
+            return []
+        if req.grammar is not None:  # drafts are not checked against the grammar
             return []
         if not req.reports:
             return []
@@ -327,6 +344,8 @@ class Scheduler(GroupScheduling):
             group_slots = req.group.num_slots if req.group is not None else 1
             if group_slots > len(self._free_slots):
                 break
+            if req.grammar_ticket is not None:  # grammar-pending: its compile runs
+                continue
             if dedup and computing and self._shares_uncached_prefix(req, computing):
                 skipped += 1
                 if skipped >= MAX_DEFERRED_PER_STEP:
@@ -500,6 +519,9 @@ class Scheduler(GroupScheduling):
         # beam search, to pick the next beams.
         is_beam = req.group is not None and req.group.beam is not None and req.reports is False
         row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
+        if req.grammar is not None and samples:  # the next mask needs this step's token
+            row.token_bitmask = req.grammar.next_mask()
+            row.needs_host_result = True
         self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
@@ -626,10 +648,14 @@ class Scheduler(GroupScheduling):
                 req.output_top_logprobs.append(result.top_logprobs[i][j])
             self.stats.num_generated_tokens += 1
             reason = self._stop_reason(req, token)
+            if req.grammar is not None:
+                reason = self._grammar_accept(req, token) or reason
             if reason is not None:
                 self.stats.num_dropped_tokens += len(tokens) - j - 1
                 self._finish_running(req, reason)
                 return
+        if req.grammar is not None and self.jump_forward:
+            self._jump_forward(req)
 
     def _truncate(self, req: Request) -> None:
         """Free blocks past the request's computed KV (speculative rollback)."""
@@ -706,6 +732,7 @@ class Scheduler(GroupScheduling):
         assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
         self.allocator.check_integrity(refs)
         self.cache.check_integrity()
+        self._check_grammar_integrity()
         in_use = {b for r in self.running for b in r.block_table}
         cached_only = set(self.cache.held_refs()) - in_use
         assert len(cached_only) <= self.cache.cached_blocks
