@@ -237,7 +237,7 @@ def _check_grammar(p: SamplingParams) -> None:
         try:
             schema = json.loads(p.json_schema)
         except ValueError as e:
-            raise ValueError(f"invalid json_schema: not JSON ({e})") from None
+            _check(False, "json_schema", p.json_schema, f"a JSON object (not JSON: {e})")
         _check(isinstance(schema, (dict, bool)), "json_schema", p.json_schema, "a JSON object")
 
 

@@ -164,7 +164,8 @@ class SchedulerLoop:
                 outputs = []
                 for d in (*finished, *changed):
                     if d.finish_reason == "error":  # failed on our side: a 500
-                        errors.append(RequestError(d.rid, d.error or "internal error", 500))
+                        status = 400 if d.invalid_request else 500  # a bad grammar: 400
+                        errors.append(RequestError(d.rid, d.error or "internal error", status))
                     else:
                         outputs.append(_token_out(d))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))

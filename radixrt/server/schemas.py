@@ -50,7 +50,7 @@ class OpenAIFields(SamplingFields, kw_only=True):
     user: str | None = None  # an end-user id for the caller's records; not used
     # OpenAI fields radixrt does not implement: refused when set
     best_of: int | None = None  # only 1
-    response_format: Any = None  # only {"type": "text"}
+    response_format: Any = None  # text | json_object | json_schema (radixrt.grammar.api)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -88,6 +88,9 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
 class GenerateSamplingParams(SamplingFields, kw_only=True):
     max_new_tokens: int | None = None
     max_tokens: int | None = None  # alias of max_new_tokens
+    regex: str | None = None  # structured output (at most one of the three)
+    json_schema: dict[str, Any] | str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Body, kw_only=True):
