@@ -11,6 +11,8 @@ import jsonschema
 import pytest
 from server_utils import ServerProcess
 
+from radixrt.frontend import EngineBackend, RuntimeEndpoint, function, gen
+
 pytest.importorskip("xgrammar")
 
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
@@ -115,3 +117,31 @@ def test_bad_constraints_are_400(server, path, body, param, message):
     assert message in err["message"], err
     if param is not None:
         assert err.get("param") == param, err
+
+
+@function
+def tool_call(s, question):
+    s += "Q: " + question + "\nDate: "
+    s += gen("date", regex=DATE, temperature=1.0, max_tokens=20)
+    s += "\nCall: "
+    s += gen("call", json_schema=SCHEMA, temperature=1.0, max_tokens=60)
+
+
+def _check_tool_call(state):
+    assert re.fullmatch(DATE, state["date"]), state["date"]
+    jsonschema.validate(json.loads(state["call"]), SCHEMA)
+
+
+def test_dsl_gen_constraints_on_both_backends(server, make_engine, tiny_model_dir):
+    local = EngineBackend(make_engine())
+    remote = RuntimeEndpoint(server.url, model_path=tiny_model_dir)
+    try:
+        for backend in (local, remote):
+            for state in tool_call.run_batch(
+                [{"question": q} for q in ("when?", "who?", "what?")], backend=backend
+            ):
+                _check_tool_call(state)
+    finally:
+        local.close()
+    with pytest.raises(ValueError, match="at most one"):
+        gen("x", regex="a", json_schema={"type": "string"})
