@@ -193,7 +193,11 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         extend: list[tuple[Request, int]] = []
         for req in [r for r in self.running if self._schedulable(r) and self._extend_due(r)]:
             n = self._chunk(req, budget)
-            if n == 0 or not self._reserve(req, n):
+            if n == 0 or req.status is not Status.RUNNING:
+                break
+            if not self._reserve(req, n) and not (
+                not decode and not extend and self._preempt_until_reserved(req, n)
+            ):
                 break
             extend.append((req, n))
             budget -= n
@@ -295,6 +299,19 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         self.stats.spec.num_proposals += 1
         self.stats.spec.num_proposals_with_drafts += bool(drafts)
         return drafts
+
+    def _preempt_until_reserved(self, req: Request, n: int) -> bool:
+        """Nothing else runs this step and `req` (a running request with a chunk to feed,
+        e.g. a jump-forward run) lacks blocks: preempt the newest other requests until it
+        has them, so that running chunks cannot all wait on each other's blocks. False when
+        `req` itself went (its group was the newest) or nothing else can go."""
+        while not self._reserve(req, n):
+            if len(self.running) < 2:
+                return False
+            self._preempt(self._newest_preemptible(exclude=[req]))
+            if req.status is not Status.RUNNING:
+                return False
+        return True
 
     def _newest_preemptible(self, exclude: list[Request]) -> Request:
         taken = set(map(id, exclude))
