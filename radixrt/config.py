@@ -199,6 +199,7 @@ class GrammarConfig:
     jump_forward: bool = True  # append tokens the grammar forces without sampling them
     grammar_compile_timeout_s: float = 30.0  # a request whose compile takes longer fails
     grammar_compile_threads: int = 2  # compile worker threads (off the scheduler's thread)
+    grammar_mask_threads: int = 4  # threads filling a step's token bitmasks together
 
     def __post_init__(self) -> None:
         t = self.grammar_compile_timeout_s
@@ -207,6 +208,9 @@ class GrammarConfig:
         n = self.grammar_compile_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"grammar_compile_threads must be an integer in 1..64, got {n!r}")
+        n = self.grammar_mask_threads
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+            raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")
 
 
 @dataclass(frozen=True)

@@ -251,3 +251,20 @@ def test_sampling_params_validation():
     ]:
         with pytest.raises(ValueError, match=f"invalid {field}"):
             SamplingParams(**kwargs)
+
+
+def test_json_strings_never_hold_raw_control_characters(make_engine):
+    """xgrammar 0.2.9 lets maxLength strings take raw control bytes (JSON forbids them); the
+    backend bans such tokens in JSON-schema masks. Push the model towards them."""
+    engine = make_engine()
+    tok = engine.tokenizer
+    control = [t for t in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([t])) and t > 6]
+    assert control
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}}}
+    schema["required"] = ["s"]
+    params = SamplingParams(
+        max_tokens=40, temperature=0, json_schema=schema, logit_bias={t: 50 for t in control}
+    )
+    for o in engine.generate(PROMPTS, params):
+        assert o.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(o.text), schema)

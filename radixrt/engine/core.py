@@ -373,6 +373,7 @@ def _xgrammar_backend(cfg: EngineConfig, model_config: ModelConfig, eos_token_id
         eos_token_ids,
         compile_timeout_s=g.grammar_compile_timeout_s,
         num_threads=g.grammar_compile_threads,
+        mask_threads=g.grammar_mask_threads,
     )
 
 

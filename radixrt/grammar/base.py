@@ -8,6 +8,7 @@ the plan row) and feeds it every token the sequence gets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,4 +59,9 @@ class GrammarBackend(Protocol):
 
     def new_matcher(self, grammar: Any) -> GrammarMatcher:
         """A fresh matcher (no tokens accepted) for a compiled grammar."""
+        ...
+
+    def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
+        """Optional speed-up: compute these matchers' next masks together (in parallel);
+        `next_mask` / `forced_token` then return at once. Changes no result."""
         ...

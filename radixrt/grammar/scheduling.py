@@ -91,6 +91,23 @@ class GrammarScheduling:
             self.abort(req.rid, FinishReason.ERROR)
         self._finished_outside_update += seqs
 
+    def _fill_masks(self, reqs: list[Request]) -> None:
+        """Compute the next masks of these requests' matchers in one batch (if the backend
+        can): before planning their rows, and before jump-forward looks at them."""
+        matchers = [r.grammar for r in reqs if r.grammar is not None]
+        fill = getattr(self.grammar_backend, "fill_masks", None)
+        if matchers and fill is not None:
+            fill(matchers)
+
+    def _jump_forward_all(self, reqs: list[Request]) -> None:
+        """Jump-forward for the running constrained requests that got tokens in `update`."""
+        reqs = [r for r in reqs if r.grammar is not None and r.status is Status.RUNNING]
+        if not reqs or not self.jump_forward:
+            return
+        self._fill_masks(reqs)
+        for req in reqs:
+            self._jump_forward(req)
+
     def _grammar_accept(self, req: Request, token: int) -> FinishReason | None:
         """Feed an appended token to the request's matcher; STOP once it terminated."""
         m = req.grammar

@@ -215,6 +215,8 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
         ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
+        if self.grammar_backend is not None:
+            self._fill_masks([r for r, _ in decode] + [r for r, _ in extend])
         rows, reqs = [], []
         for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
             (r, n, ()) for r, n in extend
@@ -573,6 +575,8 @@ class Scheduler(GroupScheduling, GrammarScheduling):
                 b.beam_top_logprobs is not None for b in g.children
             ):
                 self._beam_step(g, changed)
+        if self.grammar_backend is not None:
+            self._jump_forward_all(changed)
         return changed
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
@@ -671,8 +675,6 @@ class Scheduler(GroupScheduling, GrammarScheduling):
                 self.stats.num_dropped_tokens += len(tokens) - j - 1
                 self._finish_running(req, reason)
                 return
-        if req.grammar is not None and self.jump_forward:
-            self._jump_forward(req)
 
     def _truncate(self, req: Request) -> None:
         """Free blocks past the request's computed KV (speculative rollback)."""
