@@ -70,11 +70,14 @@ def test_json_object_outputs_parse(make_engine):
     outputs run out of tokens; every finished one parses to an object."""
     engine = make_engine()
     outs = engine.generate(
-        PROMPTS * 4,
-        SamplingParams(max_tokens=300, temperature=0.7, seed=3, grammar=JSON_OBJECT_EBNF),
+        PROMPTS * 2,
+        [
+            SamplingParams(max_tokens=120, temperature=0.5, seed=i, grammar=JSON_OBJECT_EBNF)
+            for i in range(10)
+        ],
     )
     stopped = [o for o in outs if o.finish_reason is FinishReason.STOP]
-    assert len(stopped) >= 3
+    assert len(stopped) >= 2
     for o in stopped:
         assert isinstance(json.loads(o.text), dict), o.text
     for o in outs:
