@@ -53,6 +53,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="structured output: sample tokens the grammar forces instead of appending them",
     )
     g.add_argument(
+        "--jump-forward-retokenize",
+        action="store_true",
+        help="also append forced strings as xgrammar tokenizes them (not output-identical)",
+    )
+    g.add_argument(
         "--grammar-compile-timeout-s", type=float, default=30.0, help="a slower compile fails"
     )
 
@@ -80,6 +85,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "ngram_max_n": args.ngram_max_n,
         "grammar_compile_timeout_s": args.grammar_compile_timeout_s,
         "jump_forward": not args.disable_jump_forward,
+        "jump_forward_retokenize": args.jump_forward_retokenize,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

@@ -197,6 +197,9 @@ class GrammarConfig:
     """Structured output (radixrt.grammar): compiling constraints and jump-forward."""
 
     jump_forward: bool = True  # append tokens the grammar forces without sampling them
+    # with jump_forward: also append the string the grammar forces, as xgrammar tokenizes it
+    # (fewer steps; NOT output-identical: the model might have picked other tokens for it)
+    jump_forward_retokenize: bool = False
     grammar_compile_timeout_s: float = 30.0  # a request whose compile takes longer fails
     grammar_compile_threads: int = 2  # compile worker threads (off the scheduler's thread)
     grammar_mask_threads: int = 4  # threads filling a step's token bitmasks together

@@ -106,6 +106,7 @@ class EngineCore:
             proposer=create_proposer(cfg.speculative, self.cache),
             grammar_backend=grammar_backend,
             jump_forward=cfg.grammar.jump_forward,
+            jump_forward_retokenize=cfg.grammar.jump_forward_retokenize,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None

@@ -46,6 +46,11 @@ class GrammarMatcher(Protocol):
         """The only token allowed next, or None when there are several (jump-forward)."""
         ...
 
+    def forced_string_tokens(self) -> list[int]:
+        """Tokens spelling the string the grammar forces next ([] if none), which the model
+        might have tokenized otherwise (the string-level jump-forward option)."""
+        ...
+
 
 class GrammarBackend(Protocol):
     def submit(self, spec: GrammarSpec) -> Any:

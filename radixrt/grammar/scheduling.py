@@ -35,6 +35,7 @@ class GrammarScheduling:
 
     grammar_backend: Any  # GrammarBackend or None (constrained requests are refused)
     jump_forward: bool
+    jump_forward_retokenize: bool
     _finished_outside_update: list[Request]
 
     def _submit_grammar(self, req: Request) -> None:
@@ -116,10 +117,15 @@ class GrammarScheduling:
 
     def _jump_forward(self, req: Request) -> bool:
         """Append the tokens the grammar forces (see the module docstring); True when that
-        finished the request."""
+        finished the request. With `jump_forward_retokenize`, also the tokens of the string
+        the grammar forces (xgrammar's own tokenization of it: not output-identical)."""
         m, p = req.grammar, req.params
+        queue: list[int] = []
         while req.num_output < req.max_tokens:
-            token = m.forced_token()
+            token = queue.pop(0) if queue else m.forced_token()
+            if token is None and self.jump_forward_retokenize:
+                queue = m.forced_string_tokens()
+                token = queue.pop(0) if queue else None
             if token is None:
                 return False
             req.seq_token_ids.append(token)

@@ -185,6 +185,9 @@ class XGrammarMatcher:
     def next_mask(self) -> bytes:
         return self._fill().tobytes()
 
+    def forced_string_tokens(self) -> list[int]:
+        return list(self._matcher.find_jump_forward_tokens())
+
     def forced_token(self) -> int | None:
         words = self._fill()
         nonzero = np.flatnonzero(words)

@@ -100,15 +100,17 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         proposer: Proposer | None = None,
         grammar_backend: object | None = None,
         jump_forward: bool = True,
+        jump_forward_retokenize: bool = False,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; a row with
         drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
         waits for that result on the host before its next step. `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
-        `jump_forward` (see radixrt.grammar.scheduling)."""
+        `jump_forward` and `jump_forward_retokenize` (see radixrt.grammar.scheduling)."""
         self.cfg = cfg
         self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward
+        self.jump_forward_retokenize = jump_forward_retokenize
         self._finished_outside_update: list[Request] = []
         self.proposer = proposer
         self.allocator = allocator
