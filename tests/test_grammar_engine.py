@@ -285,3 +285,21 @@ def test_string_level_jump_forward_follows_the_grammar_in_fewer_steps(make_engin
     token.generate(PROMPTS * 4, params)
     assert string.stats()["steps"] < token.stats()["steps"]
     assert string.stats()["grammar_forced_tokens"] > token.stats()["grammar_forced_tokens"]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]])
+def test_apply_token_bitmasks_matches_reference(rows):
+    from radixrt.grammar.masks import allowed_tokens, apply_token_bitmasks
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    masks = [
+        torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32, generator=g).numpy().tobytes()
+        for _ in rows
+    ]
+    logits = torch.randn(4, vocab, generator=g)
+    want = logits.clone()
+    for r, m in zip(rows, masks):
+        want[r] = want[r].masked_fill(~allowed_tokens(m, vocab), float("-inf"))
+    apply_token_bitmasks(logits, masks, rows)
+    assert torch.equal(logits, want)
