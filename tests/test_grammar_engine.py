@@ -303,3 +303,18 @@ def test_apply_token_bitmasks_matches_reference(rows):
         want[r] = want[r].masked_fill(~allowed_tokens(m, vocab), float("-inf"))
     apply_token_bitmasks(logits, masks, rows)
     assert torch.equal(logits, want)
+
+
+def test_torch_mask_fallback_matches():
+    from radixrt.grammar.masks import _apply_torch, apply_token_bitmasks, stack_masks
+
+    g = torch.Generator().manual_seed(2)
+    masks = [
+        torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32, generator=g).numpy().tobytes()
+        for _ in range(3)
+    ]
+    logits = torch.randn(3, 100, generator=g)
+    a, b = logits.clone(), logits.clone()
+    apply_token_bitmasks(a, masks, [0, 1, 2])
+    _apply_torch(b, stack_masks(masks))
+    assert torch.equal(a, b)

@@ -222,3 +222,18 @@ def test_plan_codec_carries_the_bitmask():
     row = PlanRow("r", 0, 0, 2, [1, 2], sample_offsets=[1], token_bitmask=mask)
     _, plan = PlanDecoder().decode(PlanEncoder().encode(StepPlan(0, [row])))
     assert plan.rows[0].token_bitmask == mask
+
+
+def test_scheduler_grammar_path_and_front_import_no_torch_or_xgrammar():
+    from test_step_plan import run_blocked
+
+    run_blocked(
+        ["torch", "numpy", "xgrammar"],
+        """
+        import radixrt.grammar, radixrt.grammar.scheduling, radixrt.grammar.api
+        import radixrt.server.validate
+        sys.path.insert(0, "tests")
+        import test_grammar_scheduler as t
+        t.test_jump_forward_same_outputs_fewer_steps_and_prefilled_runs(True)
+        """,
+    )
