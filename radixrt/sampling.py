@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radixrt.grammar.spec import MAX_GRAMMAR_CHARS  # torch-free
+
 MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
 MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
@@ -220,8 +222,6 @@ class BeamSearchParams:
 def _check_grammar(p: SamplingParams) -> None:
     """regex / json_schema / grammar: strings of bounded size, at most one set; a schema is a
     JSON object (or true/false)."""
-    from radixrt.grammar.spec import MAX_GRAMMAR_CHARS  # torch-free
-
     given = [n for n in ("regex", "json_schema", "grammar") if getattr(p, n) is not None]
     _check(len(given) <= 1, given[-1] if given else "regex", given, "at most one of regex, "
            "json_schema and grammar")  # fmt: skip

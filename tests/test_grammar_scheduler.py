@@ -68,6 +68,8 @@ class FakeBackend:
     def poll(self, ticket):
         if ticket == "bad":
             return CompileOutcome(error="invalid grammar: bad")
+        if ticket == "boom":
+            return CompileOutcome(error="internal error: boom", internal=True)
         if ticket not in self.ready:
             return None
         return CompileOutcome(grammar=json.loads(ticket))
@@ -196,6 +198,13 @@ def test_compile_error_fails_that_request_with_invalid_request(n):
         assert out[rid] == []
     assert done["f0"][0] is FinishReason.LENGTH
     assert core.stats()["grammar_errors"] == 1 and core.stats()["failed_requests"] == 0
+
+
+def test_engine_fault_while_compiling_is_not_the_requests_fault():
+    core, runner, backend = make(overlap=False)
+    out, done = drive(core, [([100, 101, 102], SamplingParams(grammar="boom"), "x")])
+    assert done["x"] == (FinishReason.ERROR, "internal error: boom", False)
+    assert core.stats()["failed_requests"] == 1 and core.stats()["grammar_errors"] == 0
 
 
 def test_constrained_request_without_backend_is_refused():

@@ -18,10 +18,12 @@ from radixrt.grammar.spec import GrammarSpec
 @dataclass(frozen=True, slots=True)
 class CompileOutcome:
     """A finished compile: exactly one of `grammar` (an opaque compiled grammar for
-    `GrammarBackend.new_matcher`) and `error` (what the client did wrong, or the timeout)."""
+    `GrammarBackend.new_matcher`) and `error` (what the client did wrong, the timeout, or
+    with `internal` an engine fault such as a tokenizer that does not load)."""
 
     grammar: Any = None
     error: str | None = None
+    internal: bool = False  # the error is the engine's (a 500), not the request's (a 400)
 
 
 class GrammarMatcher(Protocol):
@@ -67,6 +69,7 @@ class GrammarBackend(Protocol):
         ...
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
-        """Optional speed-up: compute these matchers' next masks together (in parallel);
-        `next_mask` / `forced_token` then return at once. Changes no result."""
+        """Optional (the scheduler looks it up with getattr): compute these matchers' next
+        masks together, in parallel; `next_mask` / `forced_token` then return at once.
+        Changes no result."""
         ...

@@ -66,7 +66,7 @@ class GrammarScheduling:
                 continue
             req.grammar_ticket = None
             if outcome.error is not None:
-                self._reject(req, outcome.error)
+                self._reject(req, outcome.error, invalid=not outcome.internal)
                 continue
             self.stats.num_grammar_requests += 1
             g = req.group
@@ -78,14 +78,17 @@ class GrammarScheduling:
             if g is None and self.jump_forward:
                 self._jump_forward(req)
 
-    def _reject(self, req: Request, error: str) -> None:
-        """Finish a waiting request (an n > 1 request: all its children) with ERROR, as the
-        client's fault (`invalid_request`)."""
-        self.stats.num_grammar_errors += 1
+    def _reject(self, req: Request, error: str, invalid: bool) -> None:
+        """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
+        client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500)."""
+        if invalid:
+            self.stats.num_grammar_errors += 1
+        else:
+            self.stats.num_failed_requests += 1
         g = req.group
         seqs = [req] if g is None else list(g.children)
         for seq in seqs:
-            seq.error, seq.invalid_request = error, True
+            seq.error, seq.invalid_request = error, invalid
         if g is None:
             self._stop(req, FinishReason.ERROR)
         else:

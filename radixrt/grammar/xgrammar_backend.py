@@ -87,9 +87,10 @@ class XGrammarBackend:
             error = f.exception()
             if error is None:
                 return CompileOutcome(grammar=f.result())
-            if not isinstance(error, CompileError):
+            if not isinstance(error, CompileError):  # not the request's fault
                 logger.error("compiling a %s failed", ticket.spec.kind, exc_info=error)
-                error = CompileError(f"invalid {ticket.spec.field}: {error}")
+                message = f"internal error compiling the {ticket.spec.field}: {error!r}"
+                return CompileOutcome(error=message, internal=True)
             return CompileOutcome(error=str(error))
         if self.clock() > ticket.deadline:
             return CompileOutcome(

@@ -19,6 +19,9 @@ k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping
 condition inside them), rolls num_computed back to the accepted length and frees blocks past
 it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
 their result on the host (the proposer reads the sequence), so they do not overlap.
+Structured output (`grammar_backend`): constrained requests wait while their grammar compiles,
+their rows carry token bitmasks and wait for their result on the host; tokens the grammar
+forces are appended without sampling (jump-forward); see `radixrt.grammar.scheduling`.
 Groups (n > 1 children, beam search) share a prompt's blocks by reference and are admitted
 (with all their slots), preempted and aborted as a whole; see `radixrt.scheduler.groups`.
 """
