@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, sse_events
 
 from radixrt.frontend import EngineBackend, RuntimeEndpoint, function, gen
 
@@ -57,6 +57,15 @@ def test_generate_constraints(server):
     assert status == 200 and o["text"] in ("yes", "no"), o
 
 
+def test_stream_matches_non_stream(server):
+    body = {"text": "d", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": DATE}}
+    status, full = server.post("/generate", body)
+    assert status == 200 and re.fullmatch(DATE, full["text"]), full
+    events = list(sse_events(server.url + "/generate", {**body, "stream": True}))
+    assert "".join(e["text"] for e in events) == full["text"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_openai_response_format(server):
     for path, body in [
         ("/v1/completions", {"prompt": "JSON:"}),
@@ -90,6 +99,8 @@ def test_openai_response_format(server):
     "path, body, param, message",
     [
         ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, None, "invalid regex: "),
+        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "(ab"}}, None,
+         "invalid regex: "),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "nope"}}}, None,
          "invalid json_schema: "),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= "}}, None,
