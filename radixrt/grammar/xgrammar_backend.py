@@ -25,6 +25,7 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 MIN_BATCH_FILL = 8  # fewer stale masks are filled one by one (no thread hand-off)
+COMPILE_THREADS = 4  # threads xgrammar uses inside one compile
 
 
 class CompileError(ValueError):
@@ -133,7 +134,8 @@ class XGrammarBackend:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # threads of one compile (its token-mask cache); the pool runs several
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
                 self._no_control = _no_control_mask(info, self.vocab_size)
             return self._compiler
 
