@@ -53,8 +53,15 @@ class GenParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool | None = None
+    regex: str | None = None  # structured output: the text matches this regex ...
+    json_schema: str | None = None  # ... or is JSON valid under this schema (a dict is
+    # kept as canonical JSON text)
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(
+                self, "json_schema", SamplingParams(json_schema=self.json_schema).json_schema
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
@@ -123,10 +130,14 @@ def gen(
     seed: int | None = None,
     ignore_eos: bool | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
-    (max_tokens 128, temperature 1.0). Raises ValueError for an invalid value."""
+    (max_tokens 128, temperature 1.0). `regex` / `json_schema` (at most one) constrain the
+    text (structured output: it stops when the regex / JSON is complete). Raises ValueError
+    for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
         max_tokens=max_tokens,
@@ -138,6 +149,8 @@ def gen(
         stop=stop,  # type: ignore[arg-type]
         stop_token_ids=stop_token_ids,  # type: ignore[arg-type]
         ignore_eos=ignore_eos,
+        regex=regex,
+        json_schema=json_schema,  # type: ignore[arg-type]
     )
     return Gen(name, params)
 

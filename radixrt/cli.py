@@ -59,6 +59,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per decode row")
     g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
     g.add_argument("--ngram-max-n", type=int, default=4, help="ngram: longest suffix matched")
+    g.add_argument(
+        "--disable-jump-forward",
+        action="store_true",
+        help="structured output: sample tokens the grammar forces instead of appending them",
+    )
+    g.add_argument(
+        "--jump-forward-retokenize",
+        action="store_true",
+        help="also append forced strings as xgrammar tokenizes them (not output-identical)",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout-s", type=float, default=30.0, help="a slower compile fails"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -84,6 +97,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         "ngram_min_n": args.ngram_min_n,
         "ngram_max_n": args.ngram_max_n,
         "speculative_draft_model": args.speculative_draft_model,
+        "grammar_compile_timeout_s": args.grammar_compile_timeout_s,
+        "jump_forward": not args.disable_jump_forward,
+        "jump_forward_retokenize": args.jump_forward_retokenize,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

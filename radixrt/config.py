@@ -215,6 +215,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class GrammarConfig:
+    """Structured output (radixrt.grammar): compiling constraints and jump-forward."""
+
+    jump_forward: bool = True  # append tokens the grammar forces without sampling them
+    # with jump_forward: also append the string the grammar forces, as xgrammar tokenizes it
+    # (fewer steps; NOT output-identical: the model might have picked other tokens for it)
+    jump_forward_retokenize: bool = False
+    grammar_compile_timeout_s: float = 30.0  # a request whose compile takes longer fails
+    grammar_compile_threads: int = 2  # compile worker threads (off the scheduler's thread)
+    grammar_mask_threads: int = 4  # threads filling a step's token bitmasks together
+
+    def __post_init__(self) -> None:
+        t = self.grammar_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a number > 0, got {t!r}")
+        n = self.grammar_compile_threads
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+            raise ValueError(f"grammar_compile_threads must be an integer in 1..64, got {n!r}")
+        n = self.grammar_mask_threads
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+            raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine needs, resolved (no "auto" left)."""
 
@@ -239,6 +263,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -289,6 +314,7 @@ def resolve_config(
         "cache": CacheConfig,
         "scheduler": SchedulerConfig,
         "speculative": SpeculativeConfig,
+        "grammar": GrammarConfig,
     }
     sub: dict[str, dict[str, object]] = {k: {} for k in groups}
     top: dict[str, object] = {}
@@ -320,6 +346,7 @@ def resolve_config(
         cache=cache,
         scheduler=SchedulerConfig(**sub["scheduler"]),
         speculative=SpeculativeConfig(**sub["speculative"]),
+        grammar=GrammarConfig(**sub["grammar"]),
         **top,
     )
 

@@ -8,9 +8,12 @@ server's request validation, `EngineCore.add_request`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from radixrt.grammar.spec import MAX_GRAMMAR_CHARS  # torch-free
 
 MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
@@ -46,8 +49,20 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1  # independent samples of the prompt (1..MAX_N): the prompt is prefilled
     # once and forked; child i samples with seed (seed + i) mod 2**63 when seeded
+    # Structured output (at most one; see radixrt.grammar): the output must match
+    regex: str | None = None  # this regular expression (whole output)
+    json_schema: str | None = None  # this JSON schema (a dict is turned into canonical JSON)
+    grammar: str | None = None  # this EBNF grammar (xgrammar / GBNF syntax, rule `root`)
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, Mapping):
+            try:
+                text = json.dumps(self.json_schema, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError):
+                text = None
+            _check(text is not None, "json_schema", self.json_schema, "JSON-serialisable")
+            object.__setattr__(self, "json_schema", text)
+        _check_grammar(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -202,6 +217,28 @@ class BeamSearchParams:
             f"at most {MAX_TOP_LOGPROBS // max(2, 1 + num_eos_ids)} for a model with "
             f"{num_eos_ids} EOS ids (max(2, 1 + EOS ids) * beam_width <= {MAX_TOP_LOGPROBS})",
         )
+
+
+def _check_grammar(p: SamplingParams) -> None:
+    """regex / json_schema / grammar: strings of bounded size, at most one set; a schema is a
+    JSON object (or true/false)."""
+    given = [n for n in ("regex", "json_schema", "grammar") if getattr(p, n) is not None]
+    _check(len(given) <= 1, given[-1] if given else "regex", given, "at most one of regex, "
+           "json_schema and grammar")  # fmt: skip
+    for name in given:
+        value = getattr(p, name)
+        _check(
+            isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS,
+            name,
+            value,
+            f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters",
+        )
+    if p.json_schema is not None:
+        try:
+            schema = json.loads(p.json_schema)
+        except ValueError as e:
+            _check(False, "json_schema", p.json_schema, f"a JSON object (not JSON: {e})")
+        _check(isinstance(schema, (dict, bool)), "json_schema", p.json_schema, "a JSON object")
 
 
 def _int(x: object) -> bool:

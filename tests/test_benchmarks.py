@@ -265,6 +265,8 @@ def test_bench_timeline_counts_every_step(tiny_model_dir, one_thread, capsys):
     table = [line.split("|") for line in out.splitlines() if line.startswith("| ") and
              line.split("|")[1].strip() in ("decode", "mixed", "prefill")]  # fmt: skip
     assert sum(int(r[2]) for r in table) == steps
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_bench_fork_tiny_peak_equals_prediction(one_thread, overlap):
     """benchmarks/bench_fork.py on the tiny model (CPU): n = W, beam W and W independent

@@ -207,7 +207,7 @@ def test_model_names(server, tiny_model_dir):
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "tool_choice", "auto"),
         (CHAT, "functions", [{"name": "f"}]),
-        (CHAT, "response_format", {"type": "json_object"}),
+        (CHAT, "response_format", {"type": "yaml"}),
         (CHAT, "top_logprobs", 21),
         (COMP, "logprobs", 6),
         (COMP, "logit_bias", {"5": 150}),

@@ -70,7 +70,7 @@ def error(fn, **fields) -> ApiError:
         ({"tools": []}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"unknown_field": 1}, "unknown_field"),
         ({"prompt": [1, 2048]}, "prompt"),

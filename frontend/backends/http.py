@@ -172,6 +172,9 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
+        if getattr(params, name) is not None:  # structured output
+            out[key] = getattr(params, name)
     return out
 
 

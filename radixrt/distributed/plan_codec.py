@@ -37,6 +37,7 @@ ROW_FIELDS = (
     "prompt_logprobs",
     "needs_host_result",
     "drafts_on_device",
+    "token_bitmask",
 )
 assert tuple(f.name for f in fields(PlanRow)) == ROW_FIELDS, "PlanRow changed: update the codec"
 PARAMS_AT = ROW_FIELDS.index("params")
@@ -93,6 +94,7 @@ class PlanEncoder:
                     None if pl is None else (pl.offset, pl.targets),
                     r.needs_host_result,
                     r.drafts_on_device,
+                    r.token_bitmask,
                 )
             )
         ops = [_op(op) for op in plan.block_ops]

@@ -44,6 +44,7 @@ class RequestDelta:
     num_output_tokens: int  # output tokens so far
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None  # with FinishReason.ERROR: what failed
+    invalid_request: bool = False  # with ERROR: the request's fault (bad grammar): a 400
     new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
@@ -66,13 +67,17 @@ class EngineCore:
         eos_token_ids: Sequence[int],
         runner: Runner | None = None,
         num_kv_blocks: int | None = None,
+        grammar_backend: object | None = None,
     ) -> None:
         """`runner` replaces the ModelRunner (scripted runners in tests and simulations,
-        which then give `num_kv_blocks`)."""
+        which then give `num_kv_blocks`). `grammar_backend` serves structured output
+        (radixrt.grammar.base.GrammarBackend); None: xgrammar's, made lazily for the model's
+        tokenizer when the ModelRunner is used and xgrammar is installed."""
         self.config = cfg
         self.model_config = model_config
         self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
         num_slots = cfg.scheduler.max_running_requests
+        own_runner = runner is None
         if runner is None and cfg.tensor_parallel_size > 1:
             from radixrt.distributed.runner import TensorParallelRunner
 
@@ -83,6 +88,9 @@ class EngineCore:
 
             runner = ModelRunner(cfg, model_config, self.max_model_len, num_slots)
             num_kv_blocks = runner.num_usable_blocks
+        if grammar_backend is None and own_runner:
+            grammar_backend = _xgrammar_backend(cfg, model_config, eos_token_ids)
+        self.grammar_backend = grammar_backend
         assert num_kv_blocks is not None, "a custom runner needs num_kv_blocks"
         self.runner = runner
         self.overlap = cfg.overlap_schedule
@@ -97,6 +105,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
             proposer=create_proposer(cfg.speculative, self.cache),
+            grammar_backend=grammar_backend,
+            jump_forward=cfg.grammar.jump_forward,
+            jump_forward_retokenize=cfg.grammar.jump_forward_retokenize,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
@@ -172,6 +183,7 @@ class EngineCore:
         changed: list[Request] = self._aborted
         self._aborted = []
         plan = sched.schedule()
+        changed += sched.drain_finished()
         handle = None
         if plan is not None:
             try:
@@ -186,6 +198,7 @@ class EngineCore:
                 # Nothing could be planned while every row waited for that result on the
                 # host (speculative drafts, penalties): plan again now that it is there.
                 plan = sched.schedule()
+                changed += sched.drain_finished()
                 if plan is not None:
                     try:
                         handle = self.runner.execute(plan)
@@ -196,8 +209,6 @@ class EngineCore:
                 self._inflight = (plan, handle)
             else:
                 changed += self._finish_step(plan, handle)
-        changed += sched.planning_failures
-        sched.planning_failures = []
         return [self._delta(req) for req in _unique(changed)]
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
@@ -237,9 +248,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release the runner: stops tensor-parallel worker processes (idempotent)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        for owner in (self.runner, self.grammar_backend):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
         if self._froze_gc:
             gc.unfreeze()  # the engine's objects can be collected again
             self._froze_gc = False
@@ -280,6 +292,7 @@ class EngineCore:
             if g is not None
             else req.num_cached_tokens,
             error=req.error,
+            invalid_request=req.invalid_request,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
@@ -340,6 +353,9 @@ class EngineCore:
             "kv_fp8": float(self.config.cache.kv_fp8),  # 1.0: fp8_e4m3 KV storage
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached": self.cache.cached_blocks,
+            "grammar_requests": s.num_grammar_requests,
+            "grammar_errors": s.num_grammar_errors,
+            "grammar_forced_tokens": s.num_forced_tokens,
             "spec_proposals": sp.num_proposals,
             "spec_proposals_with_drafts": sp.num_proposals_with_drafts,
             "spec_fire_rate": sp.fire_rate,
@@ -362,6 +378,25 @@ class FatalEngineError(RuntimeError):
 def _is_fatal(error: Exception) -> bool:
     """CUDA errors leave the context unusable; anything else fails one step."""
     return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
+
+
+def _xgrammar_backend(cfg: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]):
+    """xgrammar's GrammarBackend over the checkpoint's tokenizer, or None (with a log line)
+    when xgrammar is not installed: constrained requests are then refused."""
+    try:
+        from radixrt.grammar.xgrammar_backend import XGrammarBackend
+    except ImportError as e:
+        logger.info("structured output off: %s", e)
+        return None
+    g = cfg.grammar
+    return XGrammarBackend(
+        cfg.model_path,
+        model_config.vocab_size,
+        eos_token_ids,
+        compile_timeout_s=g.grammar_compile_timeout_s,
+        num_threads=g.grammar_compile_threads,
+        mask_threads=g.grammar_mask_threads,
+    )
 
 
 def _unique(reqs: list[Request]) -> list[Request]:

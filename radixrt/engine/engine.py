@@ -34,6 +34,9 @@ class RequestOutput:
     # when SamplingParams.prompt_logprobs: prompt tokens [logprob_start_len, prompt_tokens)
     prompt_logprobs: list[float] = field(default_factory=list)
     index: int = 0  # which of the prompt's SamplingParams.n samples (choice index)
+    error: str | None = None  # with FinishReason.ERROR: why (e.g. a grammar that does not
+    # compile; then `invalid_request`)
+    invalid_request: bool = False
 
     @property
     def finished(self) -> bool:
@@ -213,6 +216,7 @@ class Engine:
                     out.num_cached_tokens = d.num_cached_tokens
                     out.logprobs += d.new_logprobs
                     out.top_logprobs += d.new_top_logprobs
+                    out.error, out.invalid_request = d.error, d.invalid_request
                     if d.finished:
                         out.prompt_logprobs = d.prompt_logprobs
                         pending.discard(d.rid)

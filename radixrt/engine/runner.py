@@ -357,6 +357,9 @@ class ModelRunner:
             )
         if any(p.logit_bias for p in params):
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
+        masked = [i for i, r in enumerate(plan.rows) if r.token_bitmask is not None]
+        if masked:  # structured output: before temperature / top-k / top-p
+            self._apply_grammar_masks(plan, layout, logits, masked)
         want_logprobs = any(p.logprobs for p in params)
         top_k = max(p.top_logprobs for p in params)
         sampled = sample(
@@ -385,6 +388,17 @@ class ModelRunner:
             src = torch.from_numpy(last[keep]).to(dev, non_blocking=True)
             self.last_tokens.index_copy_(0, slots, tokens[src])
         return out
+
+    @staticmethod
+    def _apply_grammar_masks(
+        plan: StepPlan, layout: StepLayout, logits: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Mask the one sample of each constrained row (they never draft)."""
+        from radixrt.grammar.masks import apply_token_bitmasks
+
+        assert all(layout.num_samples[i] == 1 for i in rows), "a masked row samples once"
+        index = [int(layout.row_first_sample[i]) for i in rows]
+        apply_token_bitmasks(logits, [plan.rows[i].token_bitmask for i in rows], index)
 
     def _verify(
         self,

@@ -52,6 +52,7 @@ class GroupScheduling:
         n = req.params.n
         assert n > 1
         self._check_fits(req, n, "n")
+        self._submit_grammar(req)  # the parent waits for it; each child gets a matcher
         seed = req.params.seed
         children = [
             Request(
@@ -99,6 +100,7 @@ class GroupScheduling:
             params=req.params,
             max_tokens=0,
             reports=beam is not None,
+            grammar_ticket=req.grammar_ticket,
         )
         group = ForkGroup(parent, children, beam=beam)
         parent.group = group

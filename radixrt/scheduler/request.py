@@ -52,6 +52,11 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: what went wrong
+    invalid_request: bool = False  # with ERROR: the request's own fault (a bad grammar: 400)
+    # structured output (radixrt.grammar.scheduling): the compile in progress (grammar-
+    # pending: not admitted), then the sequence's GrammarMatcher (opaque handles)
+    grammar_ticket: Any = None
+    grammar: Any = None
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     # when params.top_logprobs: per output token, the most likely (token, log-prob) pairs
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -19,6 +19,9 @@ k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping
 condition inside them), rolls num_computed back to the accepted length and frees blocks past
 it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
 their result on the host (the proposer reads the sequence), so they do not overlap.
+Structured output (`grammar_backend`): constrained requests wait while their grammar compiles,
+their rows carry token bitmasks and wait for their result on the host; tokens the grammar
+forces are appended without sampling (jump-forward); see `radixrt.grammar.scheduling`.
 Groups (n > 1 children, beam search) share a prompt's blocks by reference and are admitted
 (with all their slots), preempted and aborted as a whole; see `radixrt.scheduler.groups`.
 """
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
+from radixrt.grammar.scheduling import GrammarScheduling
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
 from radixrt.scheduler.groups import GroupScheduling
@@ -68,6 +72,9 @@ class SchedulerStats:
     num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
     num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
     num_beam_steps: int = 0  # beam selections (one per group and generated token)
+    num_grammar_requests: int = 0  # constrained requests whose grammar compiled
+    num_grammar_errors: int = 0  # constrained requests refused (compile error or timeout)
+    num_forced_tokens: int = 0  # tokens appended by jump-forward (also in generated)
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
@@ -85,7 +92,7 @@ class _Launched:
     epochs: list[int]
 
 
-class Scheduler(GroupScheduling):
+class Scheduler(GroupScheduling, GrammarScheduling):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -95,11 +102,20 @@ class Scheduler(GroupScheduling):
         max_model_len: int,
         eos_token_ids: Sequence[int],
         proposer: Proposer | None = None,
+        grammar_backend: object | None = None,
+        jump_forward: bool = True,
+        jump_forward_retokenize: bool = False,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; a row with
         drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
-        waits for that result on the host before its next step."""
+        waits for that result on the host before its next step. `grammar_backend`
+        (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
+        `jump_forward` and `jump_forward_retokenize` (see radixrt.grammar.scheduling)."""
         self.cfg = cfg
+        self.grammar_backend = grammar_backend
+        self.jump_forward = jump_forward
+        self.jump_forward_retokenize = jump_forward_retokenize
+        self._finished_outside_update: list[Request] = []
         self.proposer = proposer
         self.allocator = allocator
         self.cache = cache
@@ -121,13 +137,12 @@ class Scheduler(GroupScheduling):
         self._matches_version = -1
         # Block ops made while applying a result (beam re-parenting) for the next plan.
         self._pending_ops: list = []
-        # requests failed while planning (they get their last delta with this step's)
-        self.planning_failures: list[Request] = []
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit."""
         self._check_fits(req, 1, "")
+        self._submit_grammar(req)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -174,6 +189,8 @@ class Scheduler(GroupScheduling):
         self._matches.clear()
         ops: list = self._pending_ops
         self._pending_ops = []
+        if self.grammar_backend is not None:
+            self._poll_grammars()
         for parent in [r for r in self.running if r.group is not None and r.group.ready]:
             assert parent is parent.group.parent
             self._fork(parent.group, ops)
@@ -182,7 +199,11 @@ class Scheduler(GroupScheduling):
         extend: list[tuple[Request, int]] = []
         for req in [r for r in self.running if self._schedulable(r) and self._extend_due(r)]:
             n = self._chunk(req, budget)
-            if n == 0 or not self._reserve(req, n):
+            if n == 0 or req.status is not Status.RUNNING:
+                break
+            if not self._reserve(req, n) and not (
+                not decode and not extend and self._preempt_until_reserved(req, n)
+            ):
                 break
             extend.append((req, n))
             budget -= n
@@ -200,17 +221,20 @@ class Scheduler(GroupScheduling):
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
         ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
-        rows, reqs = [], []
+        if self.grammar_backend is not None:
+            self._fill_masks([r for r, _ in decode] + [r for r, _ in extend])
+        rows, reqs, failed = [], [], False
         for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
             (r, n, ()) for r, n in extend
         ]:
             try:
                 rows.append(self._plan_row(req, n, drafts))
             except Exception as e:  # a bug planning one request fails that request only
-                self.planning_failures += self._fail(req, e)
+                self._finished_outside_update += self._fail(req, e)
+                failed = True
                 continue
             reqs.append(req)
-        if self.planning_failures:  # rows of a failed group's other members go too
+        if failed:  # rows of a failed group's other members go too
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
@@ -271,6 +295,8 @@ class Scheduler(GroupScheduling):
         drafts before it counted (`radixrt.engine.spec_penalties`)."""
         if self.proposer is None or req.num_inflight_samples:
             return []
+        if req.grammar is not None:  # drafts are not checked against the grammar
+            return []
         if not req.reports:
             return []
         room = min(
@@ -285,6 +311,19 @@ class Scheduler(GroupScheduling):
         self.stats.spec.num_proposals += 1
         self.stats.spec.num_proposals_with_drafts += bool(drafts)
         return drafts
+
+    def _preempt_until_reserved(self, req: Request, n: int) -> bool:
+        """Nothing else runs this step and `req` (a running request with a chunk to feed,
+        e.g. a jump-forward run) lacks blocks: preempt the newest other requests until it
+        has them, so that running chunks cannot all wait on each other's blocks. False when
+        `req` itself went (its group was the newest) or nothing else can go."""
+        while not self._reserve(req, n):
+            if len(self.running) < 2:
+                return False
+            self._preempt(self._newest_preemptible(exclude=[req]))
+            if req.status is not Status.RUNNING:
+                return False
+        return True
 
     def _newest_preemptible(self, exclude: list[Request]) -> Request:
         taken = set(map(id, exclude))
@@ -334,6 +373,8 @@ class Scheduler(GroupScheduling):
             group_slots = req.group.num_slots if req.group is not None else 1
             if group_slots > len(self._free_slots):
                 break
+            if req.grammar_ticket is not None:  # grammar-pending: its compile runs
+                continue
             if dedup and computing and self._shares_uncached_prefix(req, computing):
                 skipped += 1
                 if skipped >= MAX_DEFERRED_PER_STEP:
@@ -508,6 +549,9 @@ class Scheduler(GroupScheduling):
         # beam search, to pick the next beams.
         is_beam = req.group is not None and req.group.beam is not None and req.reports is False
         row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
+        if req.grammar is not None and samples:  # the next mask needs this step's token
+            row.token_bitmask = req.grammar.next_mask()
+            row.needs_host_result = True
         self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
@@ -541,6 +585,8 @@ class Scheduler(GroupScheduling):
                 b.beam_top_logprobs is not None for b in g.children
             ):
                 self._beam_step(g, changed)
+        if self.grammar_backend is not None:
+            self._jump_forward_all(changed)
         return changed
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
@@ -643,6 +689,8 @@ class Scheduler(GroupScheduling):
                 req.output_top_logprobs.append(result.top_logprobs[i][j])
             self.stats.num_generated_tokens += 1
             reason = self._stop_reason(req, token)
+            if req.grammar is not None:
+                reason = self._grammar_accept(req, token) or reason
             if reason is not None:
                 self.stats.num_dropped_tokens += len(tokens) - j - 1
                 self._finish_running(req, reason)
@@ -723,6 +771,7 @@ class Scheduler(GroupScheduling):
         assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
         self.allocator.check_integrity(refs)
         self.cache.check_integrity()
+        self._check_grammar_integrity()
         in_use = {b for r in self.running for b in r.block_table}
         cached_only = set(self.cache.held_refs()) - in_use
         assert len(cached_only) <= self.cache.cached_blocks

@@ -171,7 +171,8 @@ class SchedulerLoop:
                 for d in (*finished, *changed):
                     if d.finish_reason == "error":  # failed on our side: a 500
                         message = d.error or "internal error"
-                        errors.append(RequestError(d.rid, message, 500, d.parent_rid, d.index))
+                        status = 400 if d.invalid_request else 500  # a bad grammar: 400
+                        errors.append(RequestError(d.rid, message, status, d.parent_rid, d.index))
                     else:
                         outputs.append(_token_out(d, core.scheduler.eos_token_ids))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))

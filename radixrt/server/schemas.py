@@ -50,7 +50,7 @@ class OpenAIFields(SamplingFields, kw_only=True):
     user: str | None = None  # an end-user id for the caller's records; not used
     # OpenAI fields radixrt does not implement: refused when set
     best_of: int | None = None  # only 1
-    response_format: Any = None  # only {"type": "text"}
+    response_format: Any = None  # text | json_object | json_schema (radixrt.grammar.api)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -91,6 +91,9 @@ class GenerateSamplingParams(SamplingFields, kw_only=True):
     n: int = 1  # samples of each prompt (a list of n outputs per prompt)
     beam_width: int | None = None  # beam search instead of sampling (W outputs per prompt)
     length_penalty: float | None = None  # beam search only: score = cum / length ** this
+    regex: str | None = None  # structured output (at most one of the three)
+    json_schema: dict[str, Any] | str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Body, kw_only=True):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.grammar.api import grammar_kwargs
 from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
@@ -107,6 +108,10 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         kw["logit_bias"] = _logit_bias(f.logit_bias, vocab, p("logit_bias"))
     kw["ignore_eos"] = f.ignore_eos
     kw["skip_special_tokens"] = f.skip_special_tokens
+    try:  # structured output: /generate's regex / json_schema / ebnf, OpenAI's response_format
+        kw.update(grammar_kwargs(f))
+    except ValueError as e:
+        raise ApiError(str(e), param="response_format") from None
     _checked(kw, prefix)
     return kw
 
@@ -223,10 +228,6 @@ def _check_openai(req: OpenAIFields, model: ModelInfo) -> None:
         )
     if req.best_of not in (None, 1):
         raise ApiError(f"invalid best_of={_short(req.best_of)}: only 1 is supported", "best_of")
-    if req.response_format not in (None, {"type": "text"}):
-        raise ApiError(
-            'response_format is not supported (only {"type": "text"})', param="response_format"
-        )
     for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
         if getattr(req, name) is not None:
             raise ApiError(f"{name} is not supported: this server has no tool calling", name)

@@ -1,0 +1,75 @@
+"""The scheduler's view of grammars: opaque handles behind two small protocols (torch-free).
+
+The scheduler submits a request's `GrammarSpec` when it is added, polls the ticket each step
+(the request waits, grammar-pending, while its grammar compiles on a worker thread), then holds
+one `GrammarMatcher` per sequence: it asks it for the next token bitmask (bytes that go into
+the plan row) and feeds it every token the sequence gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from radixrt.grammar.spec import GrammarSpec
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOutcome:
+    """A finished compile: exactly one of `grammar` (an opaque compiled grammar for
+    `GrammarBackend.new_matcher`) and `error` (what the client did wrong, the timeout, or
+    with `internal` an engine fault such as a tokenizer that does not load)."""
+
+    grammar: Any = None
+    error: str | None = None
+    internal: bool = False  # the error is the engine's (a 500), not the request's (a 400)
+
+
+class GrammarMatcher(Protocol):
+    """Grammar state of one sequence. Not thread-safe: the scheduler thread owns it."""
+
+    num_accepted: int  # tokens accepted so far (== the sequence's output tokens)
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: nothing more may follow."""
+        ...
+
+    def next_mask(self) -> bytes:
+        """The tokens allowed next as a packed bitmask: little-endian int32 words, bit t % 32
+        of word t // 32 set when token t is allowed; ceil(vocab_size / 32) words."""
+        ...
+
+    def forced_token(self) -> int | None:
+        """The only token allowed next, or None when there are several (jump-forward)."""
+        ...
+
+    def forced_string_tokens(self) -> list[int]:
+        """Tokens spelling the string the grammar forces next ([] if none), which the model
+        might have tokenized otherwise (the string-level jump-forward option)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    def submit(self, spec: GrammarSpec) -> Any:
+        """Start compiling `spec` (or reuse the cached compile of the same (kind, text));
+        returns a ticket for `poll`. Never blocks on the compile."""
+        ...
+
+    def poll(self, ticket: Any) -> CompileOutcome | None:
+        """None while the compile runs (and its time limit has not passed)."""
+        ...
+
+    def new_matcher(self, grammar: Any) -> GrammarMatcher:
+        """A fresh matcher (no tokens accepted) for a compiled grammar."""
+        ...
+
+    def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
+        """Optional (the scheduler looks it up with getattr): compute these matchers' next
+        masks together, in parallel; `next_mask` / `forced_token` then return at once.
+        Changes no result."""
+        ...

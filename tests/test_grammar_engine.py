@@ -1,0 +1,320 @@
+"""Structured output on the tiny model (CPU): constrained samples match their regex / schema
+and stop, greedy constrained decoding is the argmax over allowed tokens, jump-forward changes
+nothing but the step count, and bad or slow grammars fail alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from radixrt import SamplingParams
+from radixrt.grammar.spec import JSON_OBJECT_EBNF
+from radixrt.scheduler.request import FinishReason
+
+pytest.importorskip("xgrammar")
+
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+IPV4 = r"((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+        "owner": {
+            "type": "object",
+            "properties": {"id": {"type": "string", "maxLength": 4}, "admin": {"type": "boolean"}},
+            "required": ["id", "admin"],
+        },
+    },
+    "required": ["name", "color", "ok", "tags", "owner"],
+}
+PROMPTS = ["The date is ", "Server address: ", "Answer in JSON: ", "x", "Tell me a story"]
+
+
+def test_regex_samples_full_match_and_stop(make_engine):
+    engine = make_engine()
+    for regex in (DATE, IPV4):
+        outs = engine.generate(
+            [PROMPTS[i % len(PROMPTS)] for i in range(200)],
+            SamplingParams(max_tokens=40, temperature=1.0, regex=regex),
+        )
+        for o in outs:
+            assert o.finish_reason is FinishReason.STOP, o
+            assert re.fullmatch(regex, o.text), o.text
+        assert len({o.text for o in outs}) > 20  # really sampled
+    stats = engine.stats()
+    assert stats["grammar_requests"] == 400 and stats["grammar_forced_tokens"] > 0
+
+
+def test_json_schema_samples_validate(make_engine):
+    engine = make_engine()
+    outs = engine.generate(
+        [PROMPTS[i % len(PROMPTS)] for i in range(100)],
+        SamplingParams(max_tokens=200, temperature=1.0, json_schema=SCHEMA),
+    )
+    for o in outs:
+        assert o.finish_reason is FinishReason.STOP, o
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert len({o.text for o in outs}) > 20
+
+
+def test_json_object_outputs_parse(make_engine):
+    """OpenAI's json_object (any JSON object): the tiny model writes long strings, so some
+    outputs run out of tokens; every finished one parses to an object."""
+    engine = make_engine()
+    outs = engine.generate(
+        PROMPTS * 2,
+        [
+            SamplingParams(max_tokens=120, temperature=0.5, seed=i, grammar=JSON_OBJECT_EBNF)
+            for i in range(10)
+        ],
+    )
+    stopped = [o for o in outs if o.finish_reason is FinishReason.STOP]
+    assert len(stopped) >= 2
+    for o in stopped:
+        assert isinstance(json.loads(o.text), dict), o.text
+    for o in outs:
+        assert o.text.startswith("{") and o.finish_reason in (
+            FinishReason.STOP,
+            FinishReason.LENGTH,
+        )
+
+
+def test_greedy_is_argmax_over_allowed_tokens(make_engine, tiny_model_dir):
+    """Recompute every constrained greedy token from HF transformers' logits of the whole
+    sequence and an independent matcher's mask."""
+    from transformers import AutoModelForCausalLM
+
+    from radixrt.grammar.masks import allowed_tokens
+    from radixrt.grammar.spec import GrammarSpec
+
+    engine = make_engine()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    backend = engine.core.grammar_backend
+    vocab = engine.model_config.vocab_size
+    cases = [("regex", DATE), ("json_schema", json.dumps(SCHEMA)), ("regex", IPV4)]
+    for (kind, text), prompt in zip(cases, PROMPTS):
+        field = {"regex": "regex", "json_schema": "json_schema"}[kind]
+        out = engine.generate(
+            [prompt], SamplingParams(max_tokens=120, temperature=0, **{field: text})
+        )[0]
+        assert out.finish_reason is FinishReason.STOP
+        ids = engine.tokenizer.encode(prompt)
+        seq = torch.tensor([ids + out.token_ids])
+        with torch.no_grad():
+            logits = hf(seq).logits[0, len(ids) - 1 : -1]  # [len(out), V]
+        grammar = backend.poll(backend.submit(GrammarSpec(kind, text))).grammar
+        matcher = backend.new_matcher(grammar)
+        for j, token in enumerate(out.token_ids):
+            allowed = allowed_tokens(matcher.next_mask(), vocab)
+            masked = logits[j].masked_fill(~allowed, float("-inf"))
+            assert int(masked.argmax()) == token, (prompt, j)
+            assert matcher.accept(token)
+        assert matcher.is_terminated()
+
+
+def _run(engine, params):
+    outs = engine.generate(PROMPTS, params)
+    return [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_jump_forward_identical_and_counted(make_engine, overlap):
+    params = [
+        SamplingParams(max_tokens=120, temperature=0, json_schema=SCHEMA, logprobs=True),
+        SamplingParams(max_tokens=120, temperature=1.0, seed=7, json_schema=SCHEMA),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=11, regex=DATE, logprobs=True),
+    ]
+    on = make_engine(overlap_schedule=overlap)
+    off = make_engine(overlap_schedule=overlap, jump_forward=False)
+    for p in params:
+        a, b = _run(on, p), _run(off, p)
+        assert [x[:2] for x in a] == [x[:2] for x in b]
+        # forced tokens have log-prob 0 both ways; the others agree up to float rounding
+        # (a forced run is prefilled, not decoded)
+        for x, y in zip(a, b):
+            assert x[2] == pytest.approx(y[2], abs=1e-4)
+            assert [v == 0.0 for v in x[2]] == [v == 0.0 for v in y[2]]
+    assert on.stats()["grammar_forced_tokens"] > 0 and off.stats()["grammar_forced_tokens"] == 0
+    assert on.stats()["steps"] < off.stats()["steps"]
+    assert on.stats()["generated_tokens"] == off.stats()["generated_tokens"]
+
+
+def test_chunked_prefill_preemption_overlap_same_outputs(make_engine):
+    """Greedy constrained outputs do not change with chunked prefill, preemption (the
+    matcher keeps the host tokens' state), overlap or mixed unconstrained rows."""
+    mixed = [
+        SamplingParams(max_tokens=80, temperature=0, json_schema=SCHEMA),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, regex=IPV4),
+        SamplingParams(max_tokens=80, temperature=0, json_schema=SCHEMA),
+        SamplingParams(max_tokens=40, temperature=0, regex=DATE),
+    ]
+    ref = [o.token_ids for o in make_engine(prefix_cache="none").generate(PROMPTS, mixed)]
+    variants = [
+        dict(max_num_batched_tokens=5),
+        dict(block_size=4, num_kv_blocks=24, overlap_schedule=True),
+        dict(block_size=4, num_kv_blocks=24, jump_forward=False),
+        dict(overlap_schedule=True, long_prefill_token_threshold=3),
+    ]
+    for options in variants:
+        engine = make_engine(**options)
+        assert [o.token_ids for o in engine.generate(PROMPTS, mixed)] == ref, options
+        if "num_kv_blocks" in options:
+            assert engine.stats()["preemptions"] > 0
+
+
+def test_n_children_each_follow_the_grammar(make_engine):
+    engine = make_engine()
+    outs = engine.generate(
+        PROMPTS[:2], SamplingParams(n=8, max_tokens=40, temperature=1.0, regex=IPV4)
+    )
+    assert len(outs) == 16
+    for o in outs:
+        assert o.finish_reason is FinishReason.STOP and re.fullmatch(IPV4, o.text)
+    assert len({o.text for o in outs}) > 4
+
+
+def test_speculative_engine_never_drafts_constrained_rows(make_engine):
+    ref = make_engine()
+    spec = make_engine(speculative_method="ngram")
+    p = SamplingParams(max_tokens=80, temperature=0, json_schema=SCHEMA)
+    assert _run(spec, p) == _run(ref, p)
+    assert spec.stats()["spec_proposals"] == 0
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("regex", "(ab", "invalid regex: "),
+        ("json_schema", '{"type": "frobnicate"}', "invalid json_schema: "),
+        ("grammar", 'root ::= "a" |', "invalid grammar: "),
+    ],
+)
+def test_bad_grammar_fails_its_request_only(make_engine, field, value, message):
+    engine = make_engine()
+    good = SamplingParams(max_tokens=40, temperature=0, regex=DATE)
+    bad = SamplingParams(max_tokens=40, **{field: value})
+    outs = engine.generate(PROMPTS[:3], [good, bad, good])
+    assert outs[1].finish_reason is FinishReason.ERROR and outs[1].invalid_request
+    assert outs[1].error.startswith(message) and len(outs[1].error) > len(message)
+    assert all(re.fullmatch(DATE, outs[i].text) for i in (0, 2))
+    # n > 1: every child fails; a cached failed compile fails again
+    kids = engine.generate(PROMPTS[:1], SamplingParams(n=3, **{field: value}))
+    assert all(o.finish_reason is FinishReason.ERROR and o.invalid_request for o in kids)
+    assert engine.stats()["grammar_errors"] == 2
+    assert engine.stats()["failed_requests"] == 0  # not an engine fault
+
+
+def test_compile_timeout_fails_that_request_only(make_engine, monkeypatch):
+    from radixrt.grammar.xgrammar_backend import XGrammarBackend
+
+    release = threading.Event()
+    compile_ = XGrammarBackend._compile
+
+    def slow(self, spec):
+        if spec.text == "never":
+            release.wait()
+        return compile_(self, spec)
+
+    monkeypatch.setattr(XGrammarBackend, "_compile", slow)
+    engine = make_engine(grammar_compile_timeout_s=0.3)
+    try:
+        outs = engine.generate(
+            PROMPTS[:3],
+            [
+                SamplingParams(max_tokens=40, temperature=0, regex=DATE),
+                SamplingParams(max_tokens=40, regex="never"),
+                SamplingParams(max_tokens=8, temperature=0),
+            ],
+        )
+    finally:
+        release.set()
+    assert outs[1].finish_reason is FinishReason.ERROR and "took longer" in outs[1].error
+    assert re.fullmatch(DATE, outs[0].text) and outs[2].finish_reason is FinishReason.LENGTH
+
+
+def test_sampling_params_validation():
+    p = SamplingParams(json_schema={"b": 1, "a": {"type": "string"}})
+    assert p.json_schema == '{"a":{"type":"string"},"b":1}'  # canonical: one cache key
+    for kwargs, field in [
+        (dict(regex="a", grammar="b"), "grammar"),
+        (dict(regex=""), "regex"),
+        (dict(regex=3), "regex"),
+        (dict(json_schema="[1]"), "json_schema"),
+        (dict(json_schema="{"), "json_schema"),
+        (dict(grammar="x" * (64 * 1024 + 1)), "grammar"),
+    ]:
+        with pytest.raises(ValueError, match=f"invalid {field}"):
+            SamplingParams(**kwargs)
+
+
+def test_json_strings_never_hold_raw_control_characters(make_engine):
+    """xgrammar 0.2.9 lets maxLength strings take raw control bytes (JSON forbids them); the
+    backend bans such tokens in JSON-schema masks. Push the model towards them."""
+    engine = make_engine()
+    tok = engine.tokenizer
+    control = [t for t in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([t])) and t > 6]
+    assert control
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}}}
+    schema["required"] = ["s"]
+    params = SamplingParams(
+        max_tokens=40, temperature=0, json_schema=schema, logit_bias={t: 50 for t in control}
+    )
+    for o in engine.generate(PROMPTS, params):
+        assert o.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_string_level_jump_forward_follows_the_grammar_in_fewer_steps(make_engine):
+    """`jump_forward_retokenize` appends xgrammar's tokens for each forced string: not
+    output-identical by design, but still valid and in fewer steps."""
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=5, json_schema=SCHEMA)
+    token = make_engine()
+    string = make_engine(jump_forward_retokenize=True)
+    for o in string.generate(PROMPTS * 4, params):
+        assert o.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    token.generate(PROMPTS * 4, params)
+    assert string.stats()["steps"] < token.stats()["steps"]
+    assert string.stats()["grammar_forced_tokens"] > token.stats()["grammar_forced_tokens"]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]])
+def test_apply_token_bitmasks_matches_reference(rows):
+    from radixrt.grammar.masks import allowed_tokens, apply_token_bitmasks
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    masks = [
+        torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32, generator=g).numpy().tobytes()
+        for _ in rows
+    ]
+    logits = torch.randn(4, vocab, generator=g)
+    want = logits.clone()
+    for r, m in zip(rows, masks):
+        want[r] = want[r].masked_fill(~allowed_tokens(m, vocab), float("-inf"))
+    apply_token_bitmasks(logits, masks, rows)
+    assert torch.equal(logits, want)
+
+
+def test_torch_mask_fallback_matches():
+    from radixrt.grammar.masks import _apply_torch, apply_token_bitmasks, stack_masks
+
+    g = torch.Generator().manual_seed(2)
+    masks = [
+        torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32, generator=g).numpy().tobytes()
+        for _ in range(3)
+    ]
+    logits = torch.randn(3, 100, generator=g)
+    a, b = logits.clone(), logits.clone()
+    apply_token_bitmasks(a, masks, [0, 1, 2])
+    _apply_torch(b, stack_masks(masks))
+    assert torch.equal(a, b)

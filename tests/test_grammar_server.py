@@ -1,0 +1,158 @@
+"""Structured output through the server: /generate regex / json_schema / ebnf, OpenAI
+response_format on both routes, and 400s for bad constraints (types and sizes from the front,
+compile errors from the scheduler process)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from server_utils import ServerProcess, sse_events
+
+from radixrt.frontend import EngineBackend, RuntimeEndpoint, function, gen
+
+pytest.importorskip("xgrammar")
+
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["color", "tags"],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = ServerProcess(tiny_model_dir)
+    try:
+        srv.wait_ready()
+        yield srv
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
+def test_generate_constraints(server):
+    sp = {"max_new_tokens": 60, "temperature": 1.0}
+    status, out = server.post(
+        "/generate", {"text": ["a", "b", "c"], "sampling_params": {**sp, "regex": DATE}}
+    )
+    assert status == 200, out
+    for o in out:
+        assert re.fullmatch(DATE, o["text"]) and o["meta_info"]["finish_reason"]["type"] == "stop"
+    for schema in (SCHEMA, json.dumps(SCHEMA)):
+        status, o = server.post(
+            "/generate", {"text": "x", "sampling_params": {**sp, "json_schema": schema}}
+        )
+        assert status == 200, o
+        jsonschema.validate(json.loads(o["text"]), SCHEMA)
+    status, o = server.post(
+        "/generate", {"text": "x", "sampling_params": {**sp, "ebnf": 'root ::= "yes" | "no"'}}
+    )
+    assert status == 200 and o["text"] in ("yes", "no"), o
+
+
+def test_stream_matches_non_stream(server):
+    body = {"text": "d", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": DATE}}
+    status, full = server.post("/generate", body)
+    assert status == 200 and re.fullmatch(DATE, full["text"]), full
+    events = list(sse_events(server.url + "/generate", {**body, "stream": True}))
+    assert "".join(e["text"] for e in events) == full["text"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_openai_response_format(server):
+    for path, body in [
+        ("/v1/completions", {"prompt": "JSON:"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+        status, out = server.post(path, {**body, "max_tokens": 80, "response_format": rf})
+        assert status == 200, out
+        choice = out["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert choice["finish_reason"] == "stop"
+        status, out = server.post(
+            path,
+            {
+                **body,
+                "max_tokens": 300,
+                "temperature": 0,
+                "response_format": {"type": "json_object"},
+            },
+        )
+        assert status == 200, out
+        choice = out["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert text.startswith("{")
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, None, "invalid regex: "),
+        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "(ab"}}, None,
+         "invalid regex: "),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "nope"}}}, None,
+         "invalid json_schema: "),
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= "}}, None,
+         "invalid grammar: "),
+        ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "b"}},
+         "sampling_params.grammar", "at most one"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "[1"}},
+         "sampling_params.json_schema", "not JSON"),
+        ("/generate", {"text": "x", "sampling_params": {"regex": 5}}, "sampling_params.regex", ""),
+        ("/generate", {"text": "x", "sampling_params": {"regex": "a" * 70000}},
+         "sampling_params.regex", "at most"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
+         "response_format", "invalid response_format"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}},
+         "response_format", "schema"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+         None, "invalid json_schema: "),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400(server, path, body, param, message):
+    status, out = server.post(path, body)
+    assert status == 400, out
+    err = out["error"]
+    assert message in err["message"], err
+    if param is not None:
+        assert err.get("param") == param, err
+
+
+@function
+def tool_call(s, question):
+    s += "Q: " + question + "\nDate: "
+    s += gen("date", regex=DATE, temperature=1.0, max_tokens=20)
+    s += "\nCall: "
+    s += gen("call", json_schema=SCHEMA, temperature=1.0, max_tokens=60)
+
+
+def _check_tool_call(state):
+    assert re.fullmatch(DATE, state["date"]), state["date"]
+    jsonschema.validate(json.loads(state["call"]), SCHEMA)
+
+
+def test_dsl_gen_constraints_on_both_backends(server, make_engine, tiny_model_dir):
+    local = EngineBackend(make_engine())
+    remote = RuntimeEndpoint(server.url, model_path=tiny_model_dir)
+    try:
+        for backend in (local, remote):
+            for state in tool_call.run_batch(
+                [{"question": q} for q in ("when?", "who?", "what?")], backend=backend
+            ):
+                _check_tool_call(state)
+    finally:
+        local.close()
+    with pytest.raises(ValueError, match="at most one"):
+        gen("x", regex="a", json_schema={"type": "string"})
