@@ -307,10 +307,13 @@ class ModelRunner:
             ]
         if self._is_cuda:
             from radixrt.kernels import build_kv_metadata, build_token_metadata
+
+            kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
         else:
-            from radixrt.kernels import build_kv_metadata_reference as build_kv_metadata
-            from radixrt.kernels import build_token_metadata_reference as build_token_metadata
-        kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
+            from radixrt.kernels import build_kv_metadata_vectorized
+            from radixrt.kernels import build_token_metadata_vectorized as build_token_metadata
+
+            kv = build_kv_metadata_vectorized(tables_d, seq_lens_d, bs)
         tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
         return ForwardBatch(
             input_ids=input_ids,
