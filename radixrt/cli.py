@@ -17,6 +17,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=0.85)
+    g.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        help="host KV tier (radix cache): GiB of host memory for evicted KV blocks; 0: off",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
@@ -59,6 +65,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
         "mem_fraction": args.mem_fraction,
+        "host_kv_gb": args.host_kv_gb,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_running_requests": args.max_running_requests,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,

@@ -119,6 +119,10 @@ class CacheConfig:
     mem_fraction: float = 0.85  # of free device memory after weights (CUDA only)
     cpu_kv_blocks: int = 4096  # pool size on CPU when num_kv_blocks is None
     prefix_cache: str = "radix"  # radix | blockhash | none
+    # Host KV tier (radix only): evicted device blocks are written back to a host pool of
+    # this many GiB (pinned on CUDA) and loaded again on a match; 0: off.
+    host_kv_gb: float = 0.0
+    num_host_kv_blocks: int | None = None  # explicit host pool size (tests); overrides host_kv_gb
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -131,6 +135,20 @@ class CacheConfig:
             raise ValueError(
                 f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}"
             )
+        if not self.host_kv_gb >= 0:
+            raise ValueError(f"host_kv_gb must be >= 0 (0: no host tier), got {self.host_kv_gb}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 1:
+            raise ValueError(f"num_host_kv_blocks must be >= 1, got {self.num_host_kv_blocks}")
+        if self.host_tier and self.prefix_cache != "radix":
+            raise ValueError(
+                "a host KV tier (host_kv_gb > 0 or num_host_kv_blocks) needs prefix_cache "
+                f"'radix', got {self.prefix_cache!r}"
+            )
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether a host KV tier is configured."""
+        return self.host_kv_gb > 0 or self.num_host_kv_blocks is not None
 
 
 @dataclass(frozen=True)
