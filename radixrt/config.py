@@ -247,6 +247,8 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.cache.host_tier and tp > 1:
+            raise ValueError("a host KV tier (host_kv_gb) needs tensor_parallel_size 1 for now")
         if self.speculative.speculative_method == "radix" and self.cache.prefix_cache != "radix":
             raise ValueError(
                 "speculative_method 'radix' drafts from the radix prefix cache, but "
