@@ -108,3 +108,23 @@ def test_gpu_host_tier_matches_unconstrained(make_engine, workload):
     eng = make_engine(**opts, num_kv_blocks=40, num_host_kv_blocks=256)
     assert workload(eng) == want
     assert eng.core.stats()["host_hit_tokens"] > 0
+
+
+def test_host_tier_metrics(make_engine):
+    """The snapshot carries the host-tier counters of EngineCore.stats(); /metrics has them."""
+    from radixrt.server.messages import SchedulerSnapshot
+    from radixrt.server.metrics import ServerMetrics
+    from radixrt.server.scheduler_process import HOST_TIER_FIELDS
+
+    eng = make_engine(block_size=4, num_kv_blocks=32, num_host_kv_blocks=64)
+    multi_turn(eng)
+    s = eng.core.stats()
+    assert s["host_kv_blocks_cached"] + s["host_kv_blocks_free"] == 64
+    snap = SchedulerSnapshot(
+        *[0] * 12, **{k: int(s[k]) for k in HOST_TIER_FIELDS}, swap_seconds=s["swap_seconds"]
+    )
+    m = ServerMetrics()
+    m.update(snap)
+    text = m.render().decode()
+    assert f"radixrt_host_hit_tokens {float(s['host_hit_tokens'])}" in text
+    assert s["host_hit_tokens"] > 0 and "radixrt_swap_seconds" in text

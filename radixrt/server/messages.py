@@ -91,6 +91,17 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     spec_draft_tokens: int = 0  # drafts verified
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verify_rows: int = 0  # rows that verified drafts
+    # host KV tier since start (zero without one; see radixrt.engine.tier_stats)
+    host_hit_tokens: int = 0  # prompt tokens loaded from the host tier (part of cached)
+    host_written_back_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_evicted_blocks: int = 0
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_free: int = 0
+    host_kv_blocks_cached: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_seconds: float = 0.0
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

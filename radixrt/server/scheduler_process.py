@@ -232,7 +232,22 @@ class SchedulerLoop:
             spec_draft_tokens=int(s["spec_draft_tokens"]),
             spec_accepted_tokens=int(s["spec_accepted_tokens"]),
             spec_verify_rows=int(s["spec_verify_rows"]),
+            **{k: int(s[k]) for k in HOST_TIER_FIELDS},
+            swap_seconds=float(s["swap_seconds"]),
         )
+
+
+HOST_TIER_FIELDS = (
+    "host_hit_tokens",
+    "host_written_back_blocks",
+    "host_loaded_blocks",
+    "host_evicted_blocks",
+    "host_kv_blocks_total",
+    "host_kv_blocks_free",
+    "host_kv_blocks_cached",
+    "swap_out_bytes",
+    "swap_in_bytes",
+)  # integer counters of the host KV tier in the snapshot (and swap_seconds, a float)
 
 
 def _token_out(d: RequestDelta) -> TokenOut:
