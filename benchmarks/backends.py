@@ -17,7 +17,7 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
     opts = {
         "device": args.device,
         "dtype": args.dtype,
-        "prefix_cache": cache,
+        "prefix_cache": "radix" if cache == "radix-host" else cache,
         "policy": policy,
         "block_size": args.block_size,
         "num_kv_blocks": kv,
@@ -25,6 +25,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         "max_running_requests": args.max_running_requests,
         "load_format": args.load_format,
     }
+    if cache == "radix-host":  # the host KV tier config of bench_serving
+        opts["host_kv_gb"] = getattr(args, "host_kv_gb", 1.0)
     if args.aging_tokens_per_step is not None:
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:
