@@ -63,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "memory pressure (comma list; empty: none)")  # fmt: skip
     p.add_argument("--pressure-factor", type=float, default=3.0,
                    help="working set / KV pool of the pressure runs")  # fmt: skip
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of radix, "
-                   "blockhash, none or <cache>+<policy> (e.g. blockhash+lpm)")  # fmt: skip
+    p.add_argument("--configs", default="radix,blockhash,none", help="comma list of radix, "
+                   "blockhash, none, radix-host (radix + a host KV tier of --host-kv-gb) or "
+                   "<cache>+<policy> (e.g. blockhash+lpm, radix-host+fcfs)")  # fmt: skip
     p.add_argument("--size", default="full", choices=["full", "smoke"])
     p.add_argument("--scale", default="1", help="session-count factor: X, or name=X,... "
                    "(workloads not named keep 1)")  # fmt: skip

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 def format_host_table(runs: Sequence[dict]) -> str:
     """Markdown table of every workload with a radix-host run ('' when none): hit rate (of
     the best possible), host hits, prompt tokens computed, TTFT p50 and request throughput,
-    each also as a ratio to the radix run of the workload with the same policy, and the transfers."""
+    each also as a ratio to the radix run of the workload with the same policy, and the
+    transfers."""
     host = [r for r in runs if r["cache"] == "radix-host"]
     if not host:
         return ""
@@ -24,8 +25,8 @@ def format_host_table(runs: Sequence[dict]) -> str:
         ratio = lambda key, sub=None, r=r, b=b: _ratio(r, b, key, sub)  # noqa: E731
         base_hit = f", no tier {100 * b['hit_rate']:.1f}" if b else ""
         lines.append(
-            f"| {r['workload']} | {r['config']} | {100 * r['hit_rate']:.1f} ({100 * r['best_hit_rate']:.1f}"
-            f"{base_hit}) | {r['host_hit_tokens']} "
+            f"| {r['workload']} | {r['config']} | {100 * r['hit_rate']:.1f} "
+            f"({100 * r['best_hit_rate']:.1f}{base_hit}) | {r['host_hit_tokens']} "
             f"| {r['prompt_tokens_computed']}{ratio('prompt_tokens_computed')} "
             f"| {r['ttft_ms']['p50']:.0f}{ratio('ttft_ms', 'p50')} "
             f"| {r['request_throughput']:.2f}{ratio('request_throughput')} "
