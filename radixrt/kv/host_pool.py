@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,8 +91,10 @@ class HostKVPool:
         self.is_cuda = dev_kv.device.type == "cuda"
         shape = (num_blocks, *dev_kv.shape[:2], *dev_kv.shape[3:])
         start = time.perf_counter()
-        # [num_host_blocks, L, 2, B, H, D], pinned on CUDA (async copies)
-        self.kv = torch.empty(shape, dtype=dev_kv.dtype, pin_memory=self.is_cuda)
+        # [num_host_blocks, L, 2, B, H, D], page-locked on CUDA (async copies)
+        self.kv = torch.empty(shape, dtype=dev_kv.dtype)
+        if self.is_cuda:
+            _pin(self)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
         logger.info(
             "host KV pool: %d blocks (%.1f GiB%s) in %.1f s",
@@ -147,6 +150,8 @@ class HostKVPool:
             self._run(ops)
             end.record()
         self._timed.append((begin, end))
+        if len(self._timed) > 64:
+            self.stats()  # fold finished timings in
         if ins or any(op.device_block in written for op in outs):
             compute.wait_event(end)
         else:
@@ -169,20 +174,38 @@ class HostKVPool:
             i = j
 
     def _write_back(self, dev: list[int], host: list[int]) -> None:
-        kv = self.device_pool.kv
+        kv = _raw(self.device_pool.kv)
         idx = torch.tensor(dev, dtype=torch.int64).to(kv.device, non_blocking=True)
         # [n, L, 2, B, H, D] contiguous on the device, then one copy per run of host ids
         staged = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+        host_kv = _raw(self.kv)
         for a, b, h in _runs(host):
-            self.kv[h : h + b - a].copy_(staged[a:b], non_blocking=True)
+            host_kv[h : h + b - a].copy_(staged[a:b], non_blocking=True)
 
     def _load(self, host: list[int], dev: list[int]) -> None:
-        kv = self.device_pool.kv
-        staged = torch.empty((len(host), *self.kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        kv, host_kv = _raw(self.device_pool.kv), _raw(self.kv)
+        staged = torch.empty((len(host), *host_kv.shape[1:]), dtype=kv.dtype, device=kv.device)
         for a, b, h in _runs(host):
-            staged[a:b].copy_(self.kv[h : h + b - a], non_blocking=True)
+            staged[a:b].copy_(host_kv[h : h + b - a], non_blocking=True)
         idx = torch.tensor(dev, dtype=torch.int64).to(kv.device, non_blocking=True)
         kv.index_copy_(2, idx, staged.permute(1, 2, 0, 3, 4, 5))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte dtypes (fp8 KV) as uint8: index_select / index_copy_ need not support them."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _pin(pool: HostKVPool) -> None:
+    """Page-lock `pool.kv` in place (cudaHostRegister: torch's pinned allocator would round
+    the size up to a power of two); unregistered when the pool is collected."""
+    t = pool.kv
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.1f} GiB host KV pool: {err}")
+    weakref.finalize(pool, cudart.cudaHostUnregister, ptr)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
