@@ -128,3 +128,28 @@ def test_host_tier_metrics(make_engine):
     text = m.render().decode()
     assert f"radixrt_host_hit_tokens {float(s['host_hit_tokens'])}" in text
     assert s["host_hit_tokens"] > 0 and "radixrt_swap_seconds" in text
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_model_preemption_with_host_tier(make_engine, overlap):
+    """Decode rows preempt each other in a tiny pool; outputs still match."""
+    long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def work(engine):
+        out = {}
+        for i in range(6):
+            engine.add_request([10 + (5 * i + j) % 120 for j in range(20)], long, rid=f"p{i}")
+        drain(engine, out)
+        for i in range(6):  # a second turn over the evicted histories
+            prompt = [10 + (5 * i + j) % 120 for j in range(20)] + out[f"p{i}"] + [77, 78]
+            engine.add_request(prompt, long, rid=f"q{i}")
+        drain(engine, out)
+        return out
+
+    want = work(make_engine(block_size=4, overlap_schedule=overlap))
+    eng = make_engine(
+        block_size=4, num_kv_blocks=24, num_host_kv_blocks=128, overlap_schedule=overlap
+    )
+    assert work(eng) == want
+    s = eng.core.stats()
+    assert s["preemptions"] > 0 and s["host_hit_tokens"] > 0

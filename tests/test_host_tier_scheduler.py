@@ -263,3 +263,21 @@ def test_insert_over_host_only_node_takes_callers_blocks():
     m = cache.match(list(range(12)))
     assert m.num_host_tokens == 0 and m.blocks == blocks
     assert res.num_new_tokens == 4
+
+
+def test_host_tier_scheduler_imports_no_torch():
+    """The host tier's scheduler side (tree tiers, host allocator, swap ops) is plain Python."""
+    from test_step_plan import run_blocked
+
+    run_blocked(
+        ["torch", "numpy"],
+        """
+        import radixrt.cache.tiers
+        sys.path.insert(0, "tests")
+        import test_host_tier_scheduler as t
+        ref, _ = t.make_core(overlap=True, num_kv_blocks=4096, host_blocks=None)
+        core, _ = t.make_core(overlap=True, num_kv_blocks=40, host_blocks=400)
+        assert t.multi_turn(core) == t.multi_turn(ref)
+        assert core.stats()["host_hit_tokens"] > 0
+        """,
+    )
