@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         for ops, key in ((outs, "write_back_GBps"), (ins, "load_GBps")):
             sync()
             t = time.perf_counter()
-            host.execute(ops, set() if key == "write_back_GBps" else set(dev_ids))
+            touched = set() if key == "write_back_GBps" else set(dev_ids)
+            host.execute(ops, touched, set())
             if pool.kv.is_cuda:
                 host.wait_previous()
             sync()

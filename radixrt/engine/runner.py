@@ -26,7 +26,7 @@ from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
-from radixrt.kv.host_pool import HostKVPool, blocks_written, num_host_blocks
+from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
@@ -210,9 +210,10 @@ class ModelRunner:
             pool.wait_previous()
         swaps = [op for op in plan.block_ops if isinstance(op, SwapIn | SwapOut)]
         if swaps:
-            written = blocks_written(plan.rows, self.block_tables, self.block_size)
+            read, written = blocks_touched(plan.rows, self.block_tables, self.block_size)
+            read.update(op.src for op in copies)
             written.update(op.dst for op in copies)
-            pool.execute(swaps, written)
+            pool.execute(swaps, read, written)
 
     def _inputs_staged(self) -> None:
         if self._is_cuda:

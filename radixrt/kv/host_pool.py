@@ -10,13 +10,15 @@ Ordering contract (CUDA), per step, decided here once:
   before a write-back reads them; earlier steps' reads of a block are done before a load
   overwrites it). Ops of different steps keep plan order on that one stream, so a host block
   is never rewritten before an earlier load read it.
-- The step's forward waits for the step's copies when the step loads (SwapIn: its rows read
-  the loaded blocks) or writes a device block that one of its write-backs reads (a block
-  freed by a write-back and reused at once). Otherwise only the next step's forward waits
-  for them, so write-backs overlap this step's compute. (The scheduler frees a written-back
-  device block at once; a later step reusing it runs after that wait, a later load into it
-  runs after the write-back on the copy stream. So no block is "in flight" for the
-  scheduler's allocator: the fence lives here.)
+- The step's forward waits for the step's copies when one of its rows (or copies) reads a
+  block the step loads, or it writes a device block that one of its write-backs reads (a
+  block freed by a write-back and reused at once). Otherwise only the next step's forward
+  waits for them, so transfers overlap this step's compute. The scheduler plans a request
+  whose prefix loads from the host without a row in that step when other rows run (its first
+  row comes with the next plan): those rows do not wait for its transfer.
+- The scheduler frees a written-back device block at once (no block is "in flight" for its
+  allocator): a later step reusing it runs after that wait, a later load into it
+  runs after the write-back on the copy stream: the fence lives here.
 On a CPU the copies are synchronous and nothing waits.
 """
 
@@ -126,9 +128,10 @@ class HostKVPool:
             torch.cuda.current_stream().wait_event(self._done)
             self._done = None
 
-    def execute(self, ops: list[SwapIn | SwapOut], written: set[int]) -> None:
-        """Run the step's swap ops in order (see the module docstring); `written`: device
-        blocks the step's forward and copies write. Call `wait_previous` first."""
+    def execute(self, ops: list[SwapIn | SwapOut], read: set[int], written: set[int]) -> None:
+        """Run the step's swap ops in order (see the module docstring); `read` / `written`:
+        device blocks the step's forward and copies read / write. Call `wait_previous`
+        first."""
         outs = [op for op in ops if isinstance(op, SwapOut)]
         ins = [op for op in ops if isinstance(op, SwapIn)]
         s = self._stats
@@ -152,7 +155,9 @@ class HostKVPool:
         self._timed.append((begin, end))
         if len(self._timed) > 64:
             self.stats()  # fold finished timings in
-        if ins or any(op.device_block in written for op in outs):
+        if any(op.device_block in read for op in ins) or any(
+            op.device_block in written for op in outs
+        ):
             compute.wait_event(end)
         else:
             self._done = end  # the next step's forward waits (wait_previous)
@@ -219,10 +224,15 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def blocks_written(plan_rows, block_tables: np.ndarray, block_size: int) -> set[int]:
-    """Device blocks the rows of a step write KV into (after its block-table updates)."""
-    out: set[int] = set()
+def blocks_touched(
+    plan_rows, block_tables: np.ndarray, block_size: int
+) -> tuple[set[int], set[int]]:
+    """Device blocks the rows of a step read (their whole KV) and write (their new tokens),
+    from the slots' block tables after the step's updates."""
+    read: set[int] = set()
+    written: set[int] = set()
     for r in plan_rows:
         lo, hi = r.start // block_size, (r.end - 1) // block_size + 1
-        out.update(block_tables[r.slot, lo:hi].tolist())
-    return out
+        read.update(block_tables[r.slot, :hi].tolist())
+        written.update(block_tables[r.slot, lo:hi].tolist())
+    return read, written

@@ -71,6 +71,7 @@ class SchedulerStats:
     num_failed_steps: int = 0  # plans whose execution raised
     num_prompt_tokens_computed: int = 0  # prompt positions fed to the model (recomputes too)
     num_host_hit_tokens: int = 0  # of num_cached_tokens, loaded from the host KV tier
+    num_deferred_loads: int = 0  # admissions whose first row waited a step for host loads
     num_forks: int = 0  # n > 1 / beam-search groups forked (again after a preemption)
     num_fork_shared_blocks: int = 0  # full blocks children took a reference on at a fork
     num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
@@ -375,6 +376,12 @@ class Scheduler(GroupScheduling):
             self.running.append(req)
             if n == 0:  # a fork parent with its whole prefix cached
                 req.group.ready = True
+                continue
+            if req.num_host_cached_tokens and (extend or budget < self.cfg.max_num_batched_tokens):
+                # Its blocks load from the host tier in this step (SwapIn ops): its first row
+                # comes with the next plan, so this step's other rows need not wait for the
+                # transfer (see radixrt.kv.host_pool).
+                self.stats.num_deferred_loads += 1
                 continue
             extend.append((req, n))
             computing.append(req)
