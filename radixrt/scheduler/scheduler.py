@@ -391,20 +391,41 @@ class Scheduler(GroupScheduling):
     def _try_start(self, req: Request, ops: list, budget: int) -> int | None:
         """Start `req` and reserve its first chunk; returns the chunk, or None holding nothing.
         When nothing else runs and its locked cached path (with the blocks of every branch on
-        it, which a host tier keeps) leaves too few blocks, retry once without the cache:
-        otherwise the request could never run."""
-        for attempt in range(2):
+        it, which a host tier keeps and loads) leaves too few blocks, retry with shorter
+        cached prefixes (the path's node boundaries, then none): otherwise the request could
+        never run."""
+        shorter: list[int] | None = None
+        while True:
             num_ops = len(ops)
             if self._start(req, ops):
                 n = self._chunk(req, budget)
-                if self._reserve(req, n):
+                if self._reserve(req, n) and (not shorter or self._can_finish(req)):
                     return n
                 del ops[num_ops:]
                 self._release(req)
-            if attempt or self.running or self._match(req).num_cached_tokens == 0:
+            if self.running:
                 return None
-            self._matches[req] = self.cache.match([])  # valid while the version holds
-        return None
+            if shorter is None:
+                m = self._match(req)
+                if m.num_cached_tokens == 0:
+                    return None
+                node, shorter = m.handle, [0]
+                while getattr(node, "parent", None) is not None:  # radix: node boundaries
+                    shorter.insert(1, node.start)
+                    node = node.parent
+                shorter = sorted(set(shorter) - {m.num_cached_tokens})
+            if not shorter:
+                return None
+            self._match(req)  # brings the per-step match table up to the cache version
+            self._matches[req] = self.cache.match(req.seq_token_ids[: shorter.pop()])
+
+    def _can_finish(self, req: Request) -> bool:
+        """Whether the blocks free or evictable now cover the rest of `req` (all its tokens to
+        come), so that a retry with a shorter prefix does not just preempt it again."""
+        total = math.ceil(
+            (len(req.seq_token_ids) + req.max_tokens - req.num_output) / self.block_size
+        )
+        return self.allocator.num_free + self.cache.evictable_blocks >= total - len(req.block_table)
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
         cached = self._match(req).num_cached_tokens
