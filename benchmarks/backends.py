@@ -17,7 +17,7 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
     opts = {
         "device": args.device,
         "dtype": args.dtype,
-        "prefix_cache": cache,
+        "prefix_cache": "radix" if cache == "radix-host" else cache,
         "policy": policy,
         "block_size": args.block_size,
         "num_kv_blocks": kv,
@@ -27,6 +27,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
     }
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         opts["kv_cache_dtype"] = args.kv_cache_dtype
+    if cache == "radix-host":  # the host KV tier config of bench_serving
+        opts["host_kv_gb"] = getattr(args, "host_kv_gb", 1.0)
     if args.aging_tokens_per_step is not None:
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:

@@ -20,16 +20,21 @@ from radixrt.model.tiny import ensure_tiny_model
 from radixrt.testing import ScriptedRunner
 
 
-def simulate(workload, cache: str, policy: str, num_kv_blocks: int, block_size: int) -> dict:
+def simulate(
+    workload, cache: str, policy: str, num_kv_blocks: int, block_size: int, host_blocks: int = 0
+) -> dict:
+    """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks."""
     model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
+    host = {"num_host_kv_blocks": host_blocks} if cache == "radix-host" else {}
     cfg = resolve_config(
         model_dir,
         device="cpu",
         detect_devices=False,
-        prefix_cache=cache,
+        prefix_cache="radix" if cache == "radix-host" else cache,
         policy=policy,
         block_size=block_size,
         max_model_len=1 << 20,
+        **host,
     )
     runner = ScriptedRunner(cfg.scheduler.max_running_requests, block_size, lambda rid, pos: 11)
     core = EngineCore(
@@ -45,6 +50,7 @@ def simulate(workload, cache: str, policy: str, num_kv_blocks: int, block_size: 
         "preemptions": stats["preemptions"],
         "evicted_blocks": stats["evicted_blocks"],
         "hit_rate": stats["cache_hit_rate"],
+        "host_hit_tokens": stats["host_hit_tokens"],
         "wall_s": time.perf_counter() - start,
     }
 
@@ -56,7 +62,12 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--num-kv-blocks", type=int, default=575)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--configs", default="radix+lpm,radix+fcfs,blockhash+lpm,blockhash+fcfs")
+    p.add_argument(
+        "--configs",
+        default="radix+lpm,radix+fcfs,blockhash+lpm,blockhash+fcfs",
+        help="<cache>+<policy>; cache radix-host: radix + --num-host-kv-blocks",
+    )
+    p.add_argument("--num-host-kv-blocks", type=int, default=8192)
     args = p.parse_args()
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
     wl = make_workload(args.workload, size=args.size, scale=args.scale, vocab_size=2048)
@@ -64,10 +75,13 @@ def main() -> None:
     print(f"{'config':>16} {'steps':>6} {'computed':>9} {'preempt':>7} {'evicted':>7} {'hit':>6}")
     for config in args.configs.split(","):
         cache, policy = config.split("+")
-        r = simulate(wl, cache, policy, args.num_kv_blocks, args.block_size)
+        r = simulate(
+            wl, cache, policy, args.num_kv_blocks, args.block_size, args.num_host_kv_blocks
+        )
         print(
             f"{config:>16} {r['steps']:>6} {r['computed_tokens']:>9} {r['preemptions']:>7} "
-            f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f}"
+            f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f} host {r['host_hit_tokens']:>8} "
+            f"{r['wall_s']:6.1f} s"
         )
 
 

@@ -29,13 +29,15 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from benchmarks.backends import EngineBackend, ServerBackend, engine_options
+from benchmarks.host_tier import format_host_table
 from benchmarks.metrics import DriverResult, format_table, summarize
 from benchmarks.plot import plot_runs
 from benchmarks.targets import check_targets
-from benchmarks.workloads import WORKLOADS, Workload, make_workload
+from benchmarks.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, make_workload
 
 CONFIGS = {  # short name -> (prefix cache, scheduling policy); "<cache>+<policy>" also works
     "radix": ("radix", "lpm"),
+    "radix-host": ("radix-host", "lpm"),  # radix + a host KV tier of --host-kv-gb
     "blockhash": ("blockhash", "fcfs"),
     "none": ("none", "fcfs"),
 }
@@ -52,13 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="HF model dir (default: the tiny model)")
     p.add_argument("--backend", default="engine", choices=["engine", "server"])
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list")
+    p.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma list of {', '.join(WORKLOADS)}",
+    )
     p.add_argument("--pressure", default="multi-turn,agent", help="workloads to rerun under "
                    "memory pressure (comma list; empty: none)")  # fmt: skip
     p.add_argument("--pressure-factor", type=float, default=3.0,
                    help="working set / KV pool of the pressure runs")  # fmt: skip
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of radix, "
-                   "blockhash, none or <cache>+<policy> (e.g. blockhash+lpm)")  # fmt: skip
+    p.add_argument("--configs", default="radix,blockhash,none", help="comma list of radix, "
+                   "blockhash, none, radix-host (radix + a host KV tier of --host-kv-gb) or "
+                   "<cache>+<policy> (e.g. blockhash+lpm, radix-host+fcfs)")  # fmt: skip
     p.add_argument("--size", default="full", choices=["full", "smoke"])
     p.add_argument("--scale", default="1", help="session-count factor: X, or name=X,... "
                    "(workloads not named keep 1)")  # fmt: skip
@@ -80,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="pool of the normal runs")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    g.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=1.0,
+        help="host KV tier of the radix-host config (GiB, the same in every run)",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--aging-tokens-per-step", type=float, default=None,
@@ -227,7 +240,7 @@ def parse_config(name: str) -> tuple[str, str]:
     cache, _, policy = name.partition("+")
     if not policy and cache in CONFIGS:
         return CONFIGS[cache]
-    if cache not in PREFIX_CACHES or policy not in POLICIES:
+    if cache not in (*PREFIX_CACHES, "radix-host") or policy not in POLICIES:
         raise ValueError(
             f"unknown config {name!r}: use {', '.join(CONFIGS)} or <cache>+<policy> with a "
             f"cache in {PREFIX_CACHES} and a policy in {POLICIES}"
@@ -258,6 +271,7 @@ def _one_line(r: dict) -> str:
         f"{r['request_throughput']:8.2f} req/s, {r['output_throughput']:8.0f} out tok/s, "
         f"hit {100 * r['hit_rate']:5.1f}% (best {100 * r['best_hit_rate']:.1f}%), "
         f"evicted {r['evicted_blocks']}, preempted {r['preemptions']}"
+        + (f", host hits {r['host_hit_tokens']}" if r.get("host_hit_tokens") else "")
         + ("" if r["complete"] else "  TIMEOUT")
     )
 
@@ -273,6 +287,9 @@ def _write(results: dict, args: argparse.Namespace) -> None:
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
         f.write(format_table(results["runs"]) + "\n\n")
         f.write("\n".join(f"- {t['status']}: {t['text']}" for t in results["targets"]) + "\n")
+        host = format_host_table(results["runs"])
+        if host:
+            f.write("\n" + host + "\n")
 
 
 def _meta(args: argparse.Namespace, model: str, command: str) -> dict:
@@ -306,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     results = run_suite(args, shlex.join(["python", "-m", "benchmarks.bench_serving", *argv]))
     print()
     print(format_table(results["runs"]))
+    host = format_host_table(results["runs"])
+    if host:
+        print("\n" + host)
     print()
     for t in results["targets"]:
         print(f"{t['status']:>4}  {t['text']}")

@@ -17,6 +17,13 @@ from radixrt.engine import Engine
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
 
+HOST_COUNTERS = (
+    "prompt_tokens_computed",
+    "host_hit_tokens",
+    "host_written_back_blocks",
+    "host_loaded_blocks",
+)  # engine stats differenced per run (see KVStats)
+
 
 def run_engine(
     engine: Engine | EngineCore,
@@ -95,5 +102,8 @@ def run_engine(
         evicted_blocks=int(after["evicted_blocks"] - before["evicted_blocks"]),
         preemptions=int(after["preemptions"] - before["preemptions"]),
         steps=int(after["steps"] - before["steps"]),
+        **{k: int(after[k] - before[k]) for k in HOST_COUNTERS},
+        swap_bytes=int(sum(after[k] - before[k] for k in ("swap_in_bytes", "swap_out_bytes"))),
+        swap_seconds=after["swap_seconds"] - before["swap_seconds"],
     )
     return DriverResult(records, duration, kv, complete)

@@ -31,6 +31,13 @@ class KVStats:
     evicted_blocks: int | None = None
     preemptions: int | None = None
     steps: int | None = None
+    # prompt positions fed to the model (recomputed ones too) and the host KV tier's work
+    prompt_tokens_computed: int | None = None
+    host_hit_tokens: int | None = None
+    host_written_back_blocks: int | None = None
+    host_loaded_blocks: int | None = None
+    swap_bytes: int | None = None  # both directions
+    swap_seconds: float | None = None
 
 
 @dataclass
@@ -79,6 +86,12 @@ def summarize(result: DriverResult) -> dict[str, object]:
         "evicted_blocks": kv.evicted_blocks,
         "preemptions": kv.preemptions,
         "steps": kv.steps,
+        "prompt_tokens_computed": kv.prompt_tokens_computed,
+        "host_hit_tokens": kv.host_hit_tokens,
+        "host_written_back_blocks": kv.host_written_back_blocks,
+        "host_loaded_blocks": kv.host_loaded_blocks,
+        "swap_bytes": kv.swap_bytes,
+        "swap_seconds": kv.swap_seconds,
         "mean_step_ms": 1000 * result.duration_s / kv.steps if kv.steps else None,
     }
 

@@ -14,6 +14,11 @@ lengths below are known before the run. Token ids are drawn from [FIRST_TOKEN, v
 | tree-of-thought | each node forks 3-4 branches after it finished      | num_trees   |
 | few-shot        | prefill shots + question, then score each choice    | num_subjects|
 | random          | one call, nothing shared (the cache's overhead)     | num_requests|
+| long-history    | chats over 4-16k-token histories, short answers     | num_users   |
+
+`long-history` (host KV tier benchmark) is not in the default suite (`DEFAULT_WORKLOADS`): its
+conversations together hold more KV than a device pool, so without a host tier every turn
+recomputes most of its history.
 
 `SIZES[name]["full"]` is the full-size (GPU) shape, `["smoke"]` a CPU-sized one for the
 tiny model; `scale` multiplies the count key.
@@ -284,6 +289,26 @@ def few_shot(
     return programs
 
 
+def long_history(
+    tok: _Tokens,
+    num_users: int,
+    num_turns: int,
+    history_len: tuple[int, int],
+    input_len: tuple[int, int],
+    output_lens: tuple[int, ...],
+) -> list[Program]:
+    """Chats that resume a long private history (`history_len` (low, high) tokens, e.g. a
+    document or an old conversation): turn 0 sends it plus a question, each later turn the
+    whole context plus `input_len` new tokens; answers are short (one of `output_lens`)."""
+    programs = []
+    for _ in range(num_users):
+        calls = [Call(None, tok(tok.uniform(*history_len)), tok.choice(output_lens))]
+        for turn in range(1, num_turns):
+            calls.append(Call(turn - 1, tok(tok.uniform(*input_len)), tok.choice(output_lens)))
+        programs.append(Program(tuple(calls)))
+    return programs
+
+
 def random_requests(
     tok: _Tokens, num_requests: int, input_len: int, output_len: int
 ) -> list[Program]:
@@ -298,8 +323,10 @@ GENERATORS = {
     "tree-of-thought": (tree_of_thought, "num_trees"),
     "few-shot": (few_shot, "num_subjects"),
     "random": (random_requests, "num_requests"),
+    "long-history": (long_history, "num_users"),
 }
 WORKLOADS = tuple(GENERATORS)
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "long-history")  # bench_serving's
 
 SIZES: dict[str, dict[str, dict]] = {
     "shared-prefix": {  # best hit rate 15/16 * 2048/2176 = 88.2% (smoke: 15/16 * 256/272)
@@ -335,6 +362,12 @@ SIZES: dict[str, dict[str, dict]] = {
     "random": {
         "full": dict(num_requests=256, input_len=1024, output_len=1024),
         "smoke": dict(num_requests=32, input_len=128, output_len=32),
+    },
+    "long-history": {
+        "full": dict(num_users=48, num_turns=4, history_len=(4096, 16384), input_len=(32, 128),
+                     output_lens=(16, 32)),
+        "smoke": dict(num_users=8, num_turns=3, history_len=(128, 384), input_len=(8, 16),
+                      output_lens=(4, 8)),
     },
 }  # fmt: skip
 

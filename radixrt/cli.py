@@ -23,6 +23,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "fp8_e4m3"],
         help="KV storage: the model dtype (auto) or fp8 e4m3 with per-tensor scales (2x tokens)",
     )
+    g.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        help="host KV tier (radix cache): GiB of host memory for evicted KV blocks; 0: off",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
@@ -85,6 +91,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "num_kv_blocks": args.num_kv_blocks,
         "mem_fraction": args.mem_fraction,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "host_kv_gb": args.host_kv_gb,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_running_requests": args.max_running_requests,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,

@@ -124,6 +124,10 @@ class CacheConfig:
     # per-tensor scales per layer (the checkpoint's kv scales, else 1.0): twice the tokens
     # per byte. A mode, not a value to resolve ("auto" never means fp8).
     kv_cache_dtype: str = "auto"
+    # Host KV tier (radix only): evicted device blocks are written back to a host pool of
+    # this many GiB (pinned on CUDA) and loaded again on a match; 0: off.
+    host_kv_gb: float = 0.0
+    num_host_kv_blocks: int | None = None  # explicit host pool size (tests); overrides host_kv_gb
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -140,6 +144,20 @@ class CacheConfig:
             raise ValueError(
                 f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}"
             )
+        if not self.host_kv_gb >= 0:
+            raise ValueError(f"host_kv_gb must be >= 0 (0: no host tier), got {self.host_kv_gb}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 1:
+            raise ValueError(f"num_host_kv_blocks must be >= 1, got {self.num_host_kv_blocks}")
+        if self.host_tier and self.prefix_cache != "radix":
+            raise ValueError(
+                "a host KV tier (host_kv_gb > 0 or num_host_kv_blocks) needs prefix_cache "
+                f"'radix', got {self.prefix_cache!r}"
+            )
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether a host KV tier is configured."""
+        return self.host_kv_gb > 0 or self.num_host_kv_blocks is not None
 
     @property
     def kv_fp8(self) -> bool:
@@ -280,6 +298,13 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.cache.host_tier and tp > 1:
+            raise ValueError("a host KV tier (host_kv_gb) needs tensor_parallel_size 1 for now")
+        if self.cache.host_tier and self.speculative.speculative_method == "draft":
+            raise ValueError(
+                "a host KV tier (host_kv_gb) cannot be combined with speculative_method 'draft' "
+                "yet: the draft model's KV is not written back to the host; use ngram or radix"
+            )
         if self.speculative.speculative_method == "radix" and self.cache.prefix_cache != "radix":
             raise ValueError(
                 "speculative_method 'radix' drafts from the radix prefix cache, but "

@@ -14,8 +14,10 @@ which stays on the device. A plan row says how to change the block table (`table
 samples (`sample_offsets`, a list: speculative verification samples at every position) and how
 many trailing input tokens are drafts to verify.
 
-Execution order inside `execute`: block table updates, then `block_ops` in list order (copies
-today; swap-in / swap-out with a host tier), then one forward over all rows, then sampling.
+Execution order inside `execute`: block table updates, then `block_ops` in list order (the host
+tier's swap-outs / swap-ins first, in the order the cache made them, then copies; see
+`radixrt.kv.host_pool` for the copy stream and when the forward waits), then one forward over
+all rows, then sampling.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ With `context_fn`, the runner also models KV content: each block holds the token
 at its positions (rows write their input tokens, copy ops copy), and a sample is
 `context_fn(rid, context)` of the context read back through the row's block table, so a
 missing or wrong copy-on-write changes the outputs (and reading an unwritten position fails).
+Host-tier swap ops copy block contents to and from `host_kv` the same way.
 `context_fn` may return a list of (token, log-prob) pairs, best first: the first is the
 sample, the list is the row's top log-probs (beam search rows).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from radixrt.plan import CopyBlock, StepPlan, StepResult
+from radixrt.plan import CopyBlock, StepPlan, StepResult, SwapIn, SwapOut
 
 
 def default_token(rid: str, position: int) -> int:
@@ -41,6 +42,8 @@ class ScriptedRunner:
     # (rid, context token ids) -> a token, or [(token, log-prob), ...] best first
     context_fn: Callable[[str, Sequence[int]], int | list[tuple[int, float]]] | None = None
     kv: dict[int, list[int | None]] = field(default_factory=dict)  # block -> token per offset
+    host_kv: dict[int, list[int | None]] = field(default_factory=dict)  # host block (tier)
+    swaps: list[SwapIn | SwapOut] = field(default_factory=list)  # executed, in order
 
     def execute(self, plan: StepPlan) -> _Handle:
         self.events.append(("execute", plan.step_id))
@@ -80,12 +83,21 @@ class ScriptedRunner:
             pl = row.prompt_logprobs
             scores.append([-1.0] * len(pl.targets) if pl is not None else [])
         self.copies += [op for op in plan.block_ops if isinstance(op, CopyBlock)]
+        self.swaps += [op for op in plan.block_ops if isinstance(op, SwapIn | SwapOut)]
         return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
 
     def _execute_with_content(self, plan: StepPlan) -> _Handle:
         bs = self.block_size
         for op in plan.block_ops:
-            assert isinstance(op, CopyBlock)
+            if isinstance(op, SwapOut):  # host tier: the block's content, copied
+                self.host_kv[op.host_block] = list(self.kv.get(op.device_block, [None] * bs))
+                self.swaps.append(op)
+                continue
+            if isinstance(op, SwapIn):
+                assert op.host_block in self.host_kv, f"load of unwritten host block {op}"
+                self.kv[op.device_block] = list(self.host_kv[op.host_block])
+                self.swaps.append(op)
+                continue
             src = self.kv.setdefault(op.src, [None] * bs)
             self.kv.setdefault(op.dst, [None] * bs)[: op.num_tokens] = src[: op.num_tokens]
             self.copies.append(op)

@@ -6,12 +6,19 @@ from radixrt.cache.base import CacheStats, InsertResult, MatchResult, PrefixCach
 from radixrt.kv.allocator import BlockAllocator
 
 
-def create_prefix_cache(kind: str, allocator: BlockAllocator, block_size: int) -> PrefixCache:
-    """Build the cache named by `kind` (radix | blockhash | none) over `allocator`."""
+def create_prefix_cache(
+    kind: str, allocator: BlockAllocator, block_size: int, num_host_blocks: int = 0
+) -> PrefixCache:
+    """Build the cache named by `kind` (radix | blockhash | none) over `allocator`, with a
+    host KV tier of `num_host_blocks` blocks when > 0 (radix only: ValueError otherwise)."""
+    if num_host_blocks and kind != "radix":
+        raise ValueError(f"a host KV tier needs prefix_cache 'radix', got {kind!r}")
     if kind == "radix":
         from radixrt.cache.radix import RadixCache
+        from radixrt.cache.tiers import HostTier
 
-        return RadixCache(allocator, block_size)
+        host = HostTier(num_host_blocks) if num_host_blocks else None
+        return RadixCache(allocator, block_size, host)
     if kind == "blockhash":
         from radixrt.cache.blockhash import BlockHashCache
 

@@ -17,6 +17,10 @@ Ownership rules (all implementations):
   itself. Returns the handle of the deepest node for `tokens` (lock it, unlock the old).
 - `evict(n)` drops unlocked cached entries, least recently used first, until `n` blocks
   became free in the allocator or nothing evictable is left; returns blocks freed.
+- Host tier (radix only): `match` may end in host-resident nodes (`num_host_tokens > 0`);
+  after `lock(handle)`, `load(handle)` allocates device blocks for them (it may evict), queues
+  SwapIn ops and returns the full device block table (None when blocks are short).
+  `take_swap_ops()` hands the queued SwapIn / SwapOut ops to the scheduler for the next plan.
 - `version` increases whenever an entry is removed (evict, reset): a MatchResult taken
   before may name freed blocks and must be matched again.
 """
@@ -30,9 +34,12 @@ from typing import Any, NamedTuple, Protocol
 
 
 class MatchResult(NamedTuple):
-    blocks: list[int]  # ceil(num_cached_tokens / block_size) blocks; the last may be partial
+    blocks: list[int]  # ceil((num_cached_tokens - num_host_tokens) / block_size) device
+    # blocks; the last may be partial
     num_cached_tokens: int  # tokens of the query whose KV is cached (token-exact for radix)
     handle: Any  # pass to lock/unlock (radix: deepest matched node; others: opaque)
+    num_host_tokens: int = 0  # of num_cached_tokens, the trailing ones whose KV is only in
+    # the host tier: lock the handle, then `load(handle)` gives the whole device table
 
 
 class InsertResult(NamedTuple):

@@ -10,6 +10,19 @@ split, or a request inserting its progress twice) or different ones (branches th
 diverged mid-block). Every node holds one reference on each block it records, so a block
 recorded by two nodes carries two cache references (see `held_refs`).
 
+Host tier (optional `HostTier`, see `radixrt.cache.tiers`): a node's KV is on the device
+(`blocks`), on the host (`host_blocks`), or both; an empty list means "not in that tier". The
+nodes on the device form a subtree containing the root (a device node's parent is on the
+device), so a path runs device nodes first, then host-only ones. Device eviction takes LRU
+device leaves (unlocked, no child on the device) and writes their blocks back to the host
+(a SwapOut op per block; none when the node already has a host copy) instead of removing
+them; only when the host cannot make room is the leaf removed with its host-only subtree.
+The host tier evicts LRU too, for real: a host-only leaf is removed, a node on both tiers
+loses its host copy. `match` counts host-resident tokens as cached (`num_host_tokens`);
+`load(handle)` brings them into fresh device blocks (SwapIn ops). Locking covers both tiers:
+a locked host-only node is never evicted. Without a host tier the tree behaves as before
+(a long leaf's tail is trimmed first).
+
 Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
 - match: O(d + m) plus C-level list comparisons of the edges; at most one split.
 - insert: O(d + new tokens / B); at most one split and one new leaf.
@@ -27,23 +40,40 @@ from collections.abc import Sequence
 from sortedcontainers import SortedKeyList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
 
 
 class RadixNode:
     """One edge of the tree. Fields are read-only outside `RadixCache`."""
 
-    __slots__ = ("id", "key", "start", "blocks", "children", "parent", "lock_ref", "last_access")
+    __slots__ = (
+        "id",
+        "key",
+        "start",
+        "blocks",
+        "host_blocks",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "in_lru",
+        "in_host_lru",
+    )
 
     def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
         self.id = node_id  # unique, breaks ties between equal access times
         self.key = key  # token ids of the edge (empty only for the root)
         self.start = start  # absolute position of key[0]
-        self.blocks = blocks  # block per block index start // B .. (end - 1) // B
+        self.blocks = blocks  # device block per block index start // B .. (end - 1) // B
+        # ([] when the node's KV is not on the device)
+        self.host_blocks: list[int] = []  # host copy, per block index likewise ([]: none)
         self.children: dict[int, RadixNode] = {}  # by first token of the child's key
         self.parent: RadixNode | None = None  # None for the root and for evicted nodes
         self.lock_ref = 0  # lock() calls whose handle is this node or a descendant
         self.last_access = 0  # cache clock at the last match/insert through this node
+        self.in_lru = False  # listed as a device eviction candidate
+        self.in_host_lru = False  # listed as a host eviction candidate
 
     @property
     def end(self) -> int:
@@ -59,44 +89,97 @@ class RadixNode:
 class RadixCache:
     """Prefix cache keyed by exact token prefixes; see `radixrt.cache.base` for ownership.
 
-    `evictable_blocks` counts the distinct cached blocks that no locked node records. It
-    equals what `evict` would free if every unlocked node were evicted, provided every
+    `evictable_blocks` counts the distinct cached device blocks that no locked node records.
+    It equals what `evict` would free if every unlocked node were evicted, provided every
     block a request holds that the tree also records lies on a path the request locked
     (the scheduler protocol: lock the match handle, lock each insert's handle at once).
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, host: HostTier | None = None
+    ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.allocator = allocator
         self.block_size = block_size
+        self.host = host  # the host KV tier, or None
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
         self._clock = 0
         self.root = RadixNode(next(self._ids), [], 0, [])
-        # Unlocked non-root leaves, least recently used first.
+        # Device eviction candidates (unlocked non-root device leaves), LRU first.
         self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
-        self._refs: Counter[int] = Counter()  # block -> nodes recording it
-        self._locked_refs: Counter[int] = Counter()  # block -> locked nodes recording it
+        # Host eviction candidates (nodes with a host copy that are on the device too, or
+        # unlocked host-only leaves), LRU first.
+        self._host_evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        self._refs: Counter[int] = Counter()  # device block -> nodes recording it
+        self._locked_refs: Counter[int] = Counter()  # device block -> locked nodes recording it
+        self._host_refs: Counter[int] = Counter()  # host block -> nodes recording it
         self._total_tokens = 0
 
     # ---- queries -------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens` (token-exact). Splits a node when the match
-        ends inside an edge, so the handle ends exactly at the match; refreshes access
-        times along the path. Takes no references for the caller; a split inside a block
-        adds the cache's reference for the second node recording it (see base.py)."""
+        """Longest cached prefix of `tokens` (token-exact), on either tier. Splits a node when
+        the match ends inside an edge, so the handle ends exactly at the match; refreshes
+        access times along the path. Takes no references for the caller; a split inside a
+        block adds the cache's reference for the second node recording it (see base.py).
+        `blocks` cover the device-resident part; `num_host_tokens` tokens follow on the host
+        only (`load` brings them to the device)."""
         tokens = list(tokens)
         path, pos = self._walk(tokens)
+        node = path[-1] if path else self.root
+        num_host = sum(len(n.key) for n in path if not n.blocks)
+        return MatchResult(self._table(path), pos, node, num_host)
+
+    def _table(self, path: list[RadixNode]) -> list[int]:
+        """Device block table of the device-resident nodes of `path` (root side first)."""
         table: list[int] = []
         for node in path:
+            if not node.blocks:
+                break  # the rest of the path is host-only
             if node.start % self.block_size:
                 table.pop()  # block index shared with the parent: the deeper node wins
             table.extend(node.blocks)
-        node = path[-1] if path else self.root
-        return MatchResult(table, pos, node)
+        return table
+
+    def load(self, handle: RadixNode) -> list[int] | None:
+        """Bring the host-only nodes of the (locked) path root..handle to the device: fresh
+        device blocks (allocating may evict other nodes), one SwapIn op per block; the nodes
+        keep their host copies. Returns the path's device block table, or None, changing
+        nothing, when the device cannot free enough blocks. Caller: lock `handle` first."""
+        path = self._path(handle)
+        assert all(n.lock_ref > 0 for n in path), "load of an unlocked path"
+        todo = [n for n in path if not n.blocks]
+        need = sum(len(n.host_blocks) for n in todo)
+        short = need - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        if self.allocator.num_free < need:
+            return None
+        for node in todo:  # root side first: a parent is on the device before its child
+            assert self.host is not None and node.host_blocks
+            self._unlist(node)
+            self._unlist(node.parent)
+            node.blocks = self.allocator.allocate(len(node.host_blocks))  # the node's refs
+            for b in node.blocks:
+                self._refs[b] += 1
+                self._locked_refs[b] += 1
+            self.host.load(node.host_blocks, node.blocks)
+            self._relist(node.parent)
+            self._relist(node)
+        return self._table(path)
+
+    def _path(self, handle: RadixNode) -> list[RadixNode]:
+        """Nodes root..handle, root excluded, root side first."""
+        path = []
+        node = handle
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
 
     def peek_continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` cached tokens that follow `tokens`, when all of `tokens` is
@@ -124,36 +207,47 @@ class RadixCache:
 
     @property
     def evictable_blocks(self) -> int:
-        """Distinct cached blocks recorded by no locked node (see the class docstring)."""
+        """Distinct cached device blocks recorded by no locked node (see the class docstring)."""
         return len(self._refs) - len(self._locked_refs)
 
     @property
     def cached_blocks(self) -> int:
-        """Distinct blocks the tree holds a reference on."""
+        """Distinct device blocks the tree holds a reference on."""
         return len(self._refs)
 
     @property
+    def host_cached_blocks(self) -> int:
+        """Distinct host blocks the tree holds a reference on (0 without a host tier)."""
+        return len(self._host_refs)
+
+    @property
     def total_tokens(self) -> int:
-        """Tokens stored in the tree (= distinct cached non-empty prefixes)."""
+        """Tokens stored in the tree, on either tier (= distinct cached non-empty prefixes)."""
         return self._total_tokens
 
     def held_refs(self) -> Counter[int]:
-        """Block -> references held by the tree (one per node recording the block)."""
+        """Device block -> references held by the tree (one per node recording the block)."""
         return Counter(self._refs)
+
+    def take_swap_ops(self) -> list:
+        """Swap ops made since the last call, in order ([] without a host tier)."""
+        return self.host.take_ops() if self.host is not None else []
 
     # ---- locking -------------------------------------------------------------------
 
     def lock(self, handle: RadixNode) -> None:
-        """Protect the path root..handle from eviction (nestable)."""
+        """Protect the path root..handle from eviction on both tiers (nestable)."""
         assert handle is self.root or handle.parent is not None, "lock of an evicted node"
         node = handle
         while node is not self.root:
             if node.lock_ref == 0:
-                if not node.children:
-                    self._evictable.remove(node)
+                self._unlist(node)
                 for b in node.blocks:
                     self._locked_refs[b] += 1
-            node.lock_ref += 1
+                node.lock_ref += 1
+                self._relist(node)
+            else:
+                node.lock_ref += 1
             node = node.parent
 
     def unlock(self, handle: RadixNode) -> None:
@@ -161,12 +255,14 @@ class RadixCache:
         node = handle
         while node is not self.root:
             assert node.lock_ref > 0, "unlock without lock"
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 1:
+                self._unlist(node)
+                node.lock_ref = 0
                 for b in node.blocks:
                     self._drop(self._locked_refs, b)
-                if not node.children:
-                    self._evictable.add(node)
+                self._relist(node)
+            else:
+                node.lock_ref -= 1
             node = node.parent
 
     # ---- mutation ------------------------------------------------------------------
@@ -174,14 +270,23 @@ class RadixCache:
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
         """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]).
 
-        Cached tokens keep their blocks; the uncached tail becomes one new leaf that
-        takes a reference on each block it records. Returns the node ending at
+        Cached tokens keep their blocks (a host-only node on the path takes the caller's
+        blocks for its positions and is on both tiers after); the uncached tail becomes one
+        new leaf that takes a reference on each block it records. Returns the node ending at
         len(tokens) (split if needed; the root for no tokens): lock it before anything
         can evict."""
         tokens = list(tokens)
         n, bs = len(tokens), self.block_size
         assert len(blocks) >= -(-n // bs), f"{len(blocks)} blocks cannot hold {n} tokens"
         path, pos = self._walk(tokens)
+        for node in path:
+            if not node.blocks:  # host-only: the caller computed these tokens itself
+                self._unlist(node)
+                self._unlist(node.parent)
+                node.blocks = list(blocks[node.start // bs : (node.end - 1) // bs + 1])
+                self._hold(node, node.blocks)
+                self._relist(node.parent)
+                self._relist(node)
         node = path[-1] if path else self.root
         num_new = n - pos
         if num_new:
@@ -195,26 +300,147 @@ class RadixCache:
         return InsertResult(node, num_new)
 
     def evict(self, num_blocks: int) -> int:
-        """Remove least recently used unlocked leaves until `num_blocks` blocks became
-        free in the allocator or nothing is evictable. Returns the blocks freed."""
+        """Evict least recently used unlocked device leaves until `num_blocks` device blocks
+        became free in the allocator or nothing is evictable. With a host tier a leaf is
+        written back (it stays in the tree, host-only) unless the host cannot make room.
+        Returns the device blocks freed."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         freed = 0
         while freed < num_blocks and self._evictable:
             self.version += 1
             leaf = self._evictable.pop(0)
+            leaf.in_lru = False
+            if self.host is not None:
+                freed += self._evict_to_host(leaf)
+                continue
             trimmed = self._trim_leaf(leaf, num_blocks - freed)
             freed += self._remove_leaf(leaf) if trimmed is None else trimmed
         self.stats.num_evicted_blocks += freed
         return freed
 
     def reset(self) -> None:
-        """Remove every unlocked node (locked paths stay)."""
+        """Remove every unlocked node, on both tiers (locked paths stay)."""
         freed = 0
         while self._evictable:
             self.version += 1
-            freed += self._remove_leaf(self._evictable.pop(0))
+            leaf = self._evictable.pop(0)
+            leaf.in_lru = False
+            freed += self._remove_subtree(leaf)
+        while self._host_evictable:
+            self.version += 1
+            self._evict_host_one()
         self.stats.num_evicted_blocks += freed
+
+    # ---- host tier internals -----------------------------------------------------------
+
+    def _evict_to_host(self, leaf: RadixNode) -> int:
+        """Drop an (already unlisted) device leaf's device blocks, writing them back first
+        unless it has a host copy; with no room on the host, remove it and its host-only
+        subtree. Returns device blocks freed."""
+        host = self.host
+        assert host is not None and leaf.lock_ref == 0
+        if not leaf.host_blocks:
+            host_blocks = self._host_allocate(len(leaf.blocks))  # may relist `leaf`
+            if host_blocks is None:
+                host.stats.num_dropped_blocks += len(leaf.blocks)
+                return self._remove_subtree(leaf)
+            self._unlist(leaf)
+            host.write_back(leaf.blocks, host_blocks)
+            leaf.host_blocks = host_blocks  # allocate gave one reference each: the node's
+            for b in host_blocks:
+                self._host_refs[b] += 1
+        self._unlist(leaf)
+        self._unlist(leaf.parent)
+        dropped, leaf.blocks = leaf.blocks, []
+        for b in dropped:
+            self._drop(self._refs, b)
+        self._relist(leaf)
+        self._relist(leaf.parent)
+        return self.allocator.decref(dropped)
+
+    def _host_allocate(self, n: int) -> list[int] | None:
+        """`n` fresh host blocks, evicting LRU host entries for room; None if impossible."""
+        alloc = self.host.allocator
+        while alloc.num_free < n and self._host_evictable:
+            self._evict_host_one()
+        return alloc.allocate(n) if alloc.num_free >= n else None
+
+    def _evict_host_one(self) -> None:
+        """Evict the LRU host entry: a node on both tiers loses its host copy, a host-only
+        leaf leaves the tree."""
+        node = self._host_evictable.pop(0)
+        node.in_host_lru = False
+        if not node.blocks:
+            assert node.lock_ref == 0 and not node.children
+            parent = node.parent
+            self._unlist(parent)
+            del parent.children[node.key[0]]
+            node.parent = None
+            self._total_tokens -= len(node.key)
+            self._relist(parent)
+        self.host.stats.num_host_evicted_blocks += self._drop_host_copy(node)
+
+    def _drop_host_copy(self, node: RadixNode) -> int:
+        """Release the node's host blocks; returns host blocks freed."""
+        dropped, node.host_blocks = node.host_blocks, []
+        for b in dropped:
+            self._drop(self._host_refs, b)
+        return self.host.allocator.decref(dropped) if dropped else 0
+
+    def _remove_subtree(self, top: RadixNode) -> int:
+        """Remove an unlocked device leaf (already unlisted) and every (host-only) node below
+        it; returns device blocks freed."""
+        assert top.lock_ref == 0
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            assert not node.blocks and node.lock_ref == 0
+            stack += node.children.values()
+            self._unlist(node)
+            node.children = {}
+            node.parent = None
+            self._total_tokens -= len(node.key)
+            self._drop_host_copy(node)
+        top.children = {}
+        self._unlist(top)
+        if top.host_blocks:
+            self._drop_host_copy(top)
+        return self._remove_leaf(top)
+
+    def _is_device_leaf(self, node: RadixNode) -> bool:
+        """A device eviction candidate: unlocked, on the device, no child on the device."""
+        return (
+            node is not self.root
+            and node.lock_ref == 0
+            and bool(node.blocks)
+            and not any(c.blocks for c in node.children.values())
+        )
+
+    def _is_host_candidate(self, node: RadixNode) -> bool:
+        """A host eviction candidate: a host copy of a device node, or an unlocked host-only
+        leaf."""
+        return bool(node.host_blocks) and (
+            bool(node.blocks) or (node.lock_ref == 0 and not node.children)
+        )
+
+    def _unlist(self, node: RadixNode) -> None:
+        """Take `node` off both candidate lists (before changing its state or access time)."""
+        if node.in_lru:
+            self._evictable.remove(node)
+            node.in_lru = False
+        if node.in_host_lru:
+            self._host_evictable.remove(node)
+            node.in_host_lru = False
+
+    def _relist(self, node: RadixNode) -> None:
+        """Put `node` on the candidate lists it belongs to and is not on yet."""
+        if not node.in_lru and self._is_device_leaf(node):
+            self._evictable.add(node)
+            node.in_lru = True
+        if not node.in_host_lru and node.host_blocks and self._is_host_candidate(node):
+            self._host_evictable.add(node)
+            node.in_host_lru = True
 
     # ---- internals -----------------------------------------------------------------
 
@@ -236,19 +462,16 @@ class RadixCache:
             node, pos = child, pos + k
         return path, pos
 
-    def _is_evictable(self, node: RadixNode) -> bool:
-        return node is not self.root and node.lock_ref == 0 and not node.children
-
     def _touch(self, node: RadixNode, stamp: int) -> None:
-        if self._is_evictable(node):  # re-key in the sorted list
-            self._evictable.remove(node)
+        if node.in_lru or node.in_host_lru:  # re-key in the sorted lists
+            self._unlist(node)
             node.last_access = stamp
-            self._evictable.add(node)
+            self._relist(node)
         else:
             node.last_access = stamp
 
     def _hold(self, node: RadixNode, blocks: Sequence[int]) -> None:
-        """Record that `node` holds a reference on each of `blocks`."""
+        """Record that `node` holds a reference on each of `blocks` (device)."""
         self.allocator.incref(blocks)
         for b in blocks:
             self._refs[b] += 1
@@ -263,35 +486,43 @@ class RadixCache:
             counter[block] -= 1
 
     def _attach(self, parent: RadixNode, leaf: RadixNode) -> None:
-        if self._is_evictable(parent):
-            self._evictable.remove(parent)
+        self._unlist(parent)
         parent.children[leaf.key[0]] = leaf
         leaf.parent = parent
         self._hold(leaf, leaf.blocks)
         self._total_tokens += len(leaf.key)
-        self._evictable.add(leaf)
+        self._relist(leaf)
+        self._relist(parent)
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut node's edge after k tokens (0 < k < len(key)); returns the new upper node.
 
         `node` keeps its identity (handles to it stay valid) as the lower half. If the
-        cut falls inside a block, both halves record that block: one more reference."""
+        cut falls inside a block, both halves record that block (on each tier the node is
+        on): one more reference."""
         bs, s = self.block_size, node.start
         cut = s + k
-        upper = RadixNode(
-            next(self._ids), node.key[:k], s, node.blocks[: (cut - 1) // bs - s // bs + 1]
-        )
+        num_upper = (cut - 1) // bs - s // bs + 1  # block indices of the upper half
+        upper = RadixNode(next(self._ids), node.key[:k], s, node.blocks[:num_upper])
+        upper.host_blocks = node.host_blocks[:num_upper]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.parent = node.parent
         upper.children = {node.key[k]: node}
         node.parent.children[node.key[0]] = upper
         node.parent = upper
-        node.blocks = node.blocks[cut // bs - s // bs :]
+        first_lower = cut // bs - s // bs
+        node.blocks = node.blocks[first_lower:]
+        node.host_blocks = node.host_blocks[first_lower:]
         node.key = node.key[k:]
         node.start = cut
         if cut % bs:
-            self._hold(upper, [upper.blocks[-1]])
+            if upper.blocks:
+                self._hold(upper, [upper.blocks[-1]])
+            if upper.host_blocks:
+                self.host.allocator.incref([upper.host_blocks[-1]])
+                self._host_refs[upper.host_blocks[-1]] += 1
+        self._relist(upper)  # on both tiers it may be a host candidate; never a leaf
         return upper
 
     def _trim_leaf(self, node: RadixNode, num_blocks: int) -> int | None:
@@ -299,7 +530,8 @@ class RadixCache:
         `num_blocks` blocks, when the leaf keeps at least one token and its first block.
         The shortened leaf goes back on the evictable list. Returns blocks freed, or None
         when the leaf is too short to trim (evict it whole). Like block-hash LRU, which frees a
-        sequence's tail blocks first, this keeps the still-useful head of a long leaf."""
+        sequence's tail blocks first, this keeps the still-useful head of a long leaf.
+        Only without a host tier."""
         bs, first = self.block_size, node.start // self.block_size
         keep = len(node.blocks) - num_blocks  # blocks the leaf keeps
         if keep < 1 or (first + keep) * bs <= node.start:
@@ -311,31 +543,34 @@ class RadixCache:
         del node.key[new_len:]
         for b in dropped:
             self._drop(self._refs, b)
-        self._evictable.add(node)
+        self._relist(node)
         return self.allocator.decref(dropped)
 
     def _remove_leaf(self, node: RadixNode) -> int:
-        """Detach an (already unlisted) unlocked leaf; returns blocks freed."""
-        assert node.lock_ref == 0 and not node.children
+        """Detach an (already unlisted) unlocked leaf; returns device blocks freed."""
+        assert node.lock_ref == 0 and not node.children and not node.host_blocks
         parent = node.parent
+        self._unlist(parent)
         del parent.children[node.key[0]]
         node.parent = None
         self._total_tokens -= len(node.key)
         for b in node.blocks:
             self._drop(self._refs, b)
-        if self._is_evictable(parent):
-            self._evictable.add(parent)
+        self._relist(parent)
         return self.allocator.decref(node.blocks)
 
     # ---- debugging -----------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Assert tree shape, lock counts, reference counters and the evictable list."""
+        """Assert tree shape, tier residency, lock counts, reference counters (both tiers)
+        and the candidate lists."""
         bs = self.block_size
         assert not self.root.key and self.root.parent is None and not self.root.blocks
         refs: Counter[int] = Counter()
         locked: Counter[int] = Counter()
+        host_refs: Counter[int] = Counter()
         leaves: set[int] = set()
+        host_candidates: set[int] = set()
         total = 0
         stack = [self.root]
         while stack:
@@ -344,30 +579,52 @@ class RadixCache:
             for first, child in node.children.items():
                 assert child.key and child.key[0] == first, "child keyed by its first token"
                 assert child.parent is node and child.start == node.end
-                assert len(child.blocks) == (child.end - 1) // bs - child.start // bs + 1
+                num = (child.end - 1) // bs - child.start // bs + 1
+                assert child.blocks or child.host_blocks, "a node with KV on no tier"
+                assert len(child.blocks) in (0, num) and len(child.host_blocks) in (0, num)
                 assert len(set(child.blocks)) == len(child.blocks), "block twice in a node"
+                assert not child.blocks or node is self.root or node.blocks, (
+                    "a device node under a host-only node"
+                )
+                assert self.host is not None or not child.host_blocks
                 assert child.lock_ref >= 0
                 if node is not self.root:
                     assert node.lock_ref >= child.lock_ref
                 child_locks += child.lock_ref
                 refs.update(child.blocks)
+                host_refs.update(child.host_blocks)
                 if child.lock_ref:
                     locked.update(child.blocks)
-                if not child.children and not child.lock_ref:
+                if self._is_device_leaf(child):
                     leaves.add(child.id)
+                if self._is_host_candidate(child):
+                    host_candidates.add(child.id)
                 total += len(child.key)
                 stack.append(child)
             if node is not self.root:
                 assert node.lock_ref >= child_locks, "lock_ref below the children's sum"
         assert refs == self._refs, "reference counter out of sync"
         assert locked == self._locked_refs, "locked reference counter out of sync"
+        assert host_refs == self._host_refs, "host reference counter out of sync"
         assert total == self._total_tokens
-        listed = [node.id for node in self._evictable]
-        assert len(listed) == len(set(listed)) and set(listed) == leaves, "evictable leaves"
-        keys = [(node.last_access, node.id) for node in self._evictable]
-        assert keys == sorted(keys)
+        for lru, members, flag in (
+            (self._evictable, leaves, "in_lru"),
+            (self._host_evictable, host_candidates, "in_host_lru"),
+        ):
+            listed = [node.id for node in lru]
+            assert len(listed) == len(set(listed)) and set(listed) == members, "candidate list"
+            assert all(getattr(node, flag) for node in lru)
+            keys = [(node.last_access, node.id) for node in lru]
+            assert keys == sorted(keys)
         for b, r in refs.items():
             assert self.allocator.ref_counts[b] >= r, f"block {b}: tree holds more refs"
+        if self.host is not None:
+            # Host blocks are held by tree nodes only: the counts match exactly, and
+            # free + cached == total (a queued SwapIn's source stays recorded by its node
+            # or is rewritten only by a later op: the runner runs ops in order).
+            alloc = self.host.allocator
+            alloc.check_integrity(host_refs)
+            assert alloc.num_free + len(host_refs) == alloc.num_blocks, "host blocks leaked"
 
     def format_tree(self) -> str:
         """One line per node: tokens, position range, blocks, lock_ref, last_access."""
@@ -378,9 +635,10 @@ class RadixCache:
             if node is self.root:
                 lines.append(f"root tokens={self._total_tokens} cached_blocks={self.cached_blocks}")
             else:
+                host = f" host={node.host_blocks}" if node.host_blocks else ""
                 lines.append(
-                    f"{'  ' * depth}{node.key} [{node.start},{node.end}) blocks={node.blocks} "
-                    f"lock={node.lock_ref} t={node.last_access}"
+                    f"{'  ' * depth}{node.key} [{node.start},{node.end}) blocks={node.blocks}"
+                    f"{host} lock={node.lock_ref} t={node.last_access}"
                 )
             for first in sorted(node.children, reverse=True):
                 stack.append((node.children[first], depth + 1))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.tier_stats import host_tier_stats
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
@@ -95,8 +96,10 @@ class EngineCore:
         self.runner = runner
         self.overlap = cfg.overlap_schedule
         self.allocator = BlockAllocator(num_kv_blocks)
+        # Host KV tier: the runner sized its host pool; a custom runner takes the config's.
+        num_host_blocks = getattr(runner, "num_host_blocks", cfg.cache.num_host_kv_blocks or 0)
         self.cache = create_prefix_cache(
-            cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size
+            cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size, num_host_blocks
         )
         self.scheduler = Scheduler(
             cfg.scheduler,
@@ -365,6 +368,7 @@ class EngineCore:
             "spec_acceptance_rate": sp.acceptance_rate,
             "spec_mean_acceptance_length": sp.mean_acceptance_length,
             **spec,
+            **host_tier_stats(self.cache, s, self.runner),
         }
 
 

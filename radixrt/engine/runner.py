@@ -29,10 +29,11 @@ from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.result import PendingResult, StepOutputs
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
 from radixrt.engine.spec_penalties import penalty_output_ids
+from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model
-from radixrt.plan import CopyBlock, StepHandle, StepPlan
+from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
 
 if TYPE_CHECKING:
     from radixrt.distributed.group import TPGroup
@@ -168,6 +169,15 @@ class ModelRunner:
             )
         # Blocks the allocator may hand out: all but the graphs' scratch block.
         self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
+        # Host KV tier (see radixrt.kv.host_pool): sized here, the cache's allocator matches.
+        self.host_pool: HostKVPool | None = None
+        self.num_host_blocks = 0
+        if cfg.cache.host_tier:
+            per_block = self.pool.kv[:, :, 0].numel() * self.pool.kv.element_size()
+            self.num_host_blocks = num_host_blocks(
+                cfg.cache.host_kv_gb, cfg.cache.num_host_kv_blocks, per_block
+            )
+            self.host_pool = HostKVPool(self.num_host_blocks, self.pool)
         logger.info("model runner ready in %.1f s", time.perf_counter() - start)
 
     def _kv_scales(self) -> KVScales:
@@ -229,14 +239,29 @@ class ModelRunner:
                 self.block_tables[r.slot, r.table_start : r.table_start + len(r.new_blocks)] = (
                     r.new_blocks
                 )
-        for op in plan.block_ops:
-            if isinstance(op, CopyBlock):
-                self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
-                if self.draft is not None and self.draft.pool is not None:
-                    self.draft.pool.copy_prefix(op.src, op.dst, op.num_tokens)
-            else:
-                raise ValueError(f"block op {op!r} needs a host KV tier, which is not configured")
+        copies = [op for op in plan.block_ops if isinstance(op, CopyBlock)]
+        if self.host_pool is not None:
+            self._swap(plan, copies)
+        elif len(copies) < len(plan.block_ops):
+            raise ValueError("swap ops need a host KV tier (host_kv_gb), which is not configured")
+        for op in copies:
+            self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
+            if self.draft is not None and self.draft.pool is not None:
+                self.draft.pool.copy_prefix(op.src, op.dst, op.num_tokens)
         return layout_plan(plan)
+
+    def _swap(self, plan: StepPlan, copies: list[CopyBlock]) -> None:
+        """Host tier: wait for the previous step's transfers, start this step's (they come
+        first in the plan and never touch a copy's blocks; see radixrt.kv.host_pool)."""
+        pool = self.host_pool
+        if self._is_cuda:
+            pool.wait_previous()
+        swaps = [op for op in plan.block_ops if isinstance(op, SwapIn | SwapOut)]
+        if swaps:
+            read, written = blocks_touched(plan.rows, self.block_tables, self.block_size)
+            read.update(op.src for op in copies)
+            written.update(op.dst for op in copies)
+            pool.execute(swaps, read, written)
 
     def _inputs_staged(self) -> None:
         if self._is_cuda:

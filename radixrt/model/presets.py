@@ -33,6 +33,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
     },
 }
+# Llama-3-8B's shape with a 32k context (as Llama 3.1 allows; plain RoPE, fine for random
+# weights): the long-history benchmark (4-16k-token histories) needs more than 8192.
+PRESETS["llama-3-8b-32k"] = {**PRESETS["llama-3-8b"], "max_position_embeddings": 32768}
 
 
 def write_dummy_model_dir(out_dir: str, preset: str = "llama-3-8b") -> str:

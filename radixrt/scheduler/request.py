@@ -47,6 +47,7 @@ class Request:
     awaiting_host_result: bool = False  # in flight with needs_host_result: not schedulable
     epoch: int = 0  # bumped by preemption: results of older steps are dropped
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_host_cached_tokens: int = 0  # of those (at the latest admission), from the host tier
     cache_handle: Any = None  # locked prefix-cache node, None when nothing is locked
     waited_steps: int = 0  # scheduler steps spent waiting (aging)
     num_preemptions: int = 0

@@ -39,7 +39,15 @@ from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
 from radixrt.grammar.scheduling import GrammarScheduling
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, StepResult
+from radixrt.plan import (
+    CopyBlock,
+    PlanRow,
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+    SwapIn,
+    SwapOut,
+)
 from radixrt.scheduler.groups import GroupScheduling
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status
@@ -66,6 +74,8 @@ class SchedulerStats:
     num_failed_requests: int = 0  # finished with FinishReason.ERROR (each one is a bug)
     num_failed_steps: int = 0  # plans whose execution raised
     num_prompt_tokens_computed: int = 0  # prompt positions fed to the model (recomputes too)
+    num_host_hit_tokens: int = 0  # of num_cached_tokens, loaded from the host KV tier
+    num_deferred_loads: int = 0  # admissions whose first row waited a step for host loads
     num_forks: int = 0  # n > 1 / beam-search groups forked (again after a preemption)
     num_fork_shared_blocks: int = 0  # full blocks children took a reference on at a fork
     num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
@@ -137,6 +147,8 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         self._matches_version = -1
         # Block ops made while applying a result (beam re-parenting) for the next plan.
         self._pending_ops: list = []
+        # Swap ops the cache queued (host KV tier; only the radix cache has one).
+        self._take_swap_ops = getattr(cache, "take_swap_ops", list)
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
@@ -216,7 +228,9 @@ class Scheduler(GroupScheduling, GrammarScheduling):
             # prefix cached) wait for the next plan; the others were for forks or beams
             # preempted since (their blocks are free now, nothing to copy).
             held = {b for r in self.running for b in r.block_table}
-            self._pending_ops = [op for op in ops if op.dst in held]
+            self._pending_ops = self._swaps_first(
+                [op for op in ops if not isinstance(op, CopyBlock) or op.dst in held]
+            )
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
@@ -238,10 +252,19 @@ class Scheduler(GroupScheduling, GrammarScheduling):
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
+            self._pending_ops = [op for op in self._swaps_first(ops) if _is_swap(op)]
             return None
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs])
         self.stats.num_steps += 1
-        return StepPlan(step_id, rows, ops)
+        return StepPlan(step_id, rows, self._swaps_first(ops))
+
+    def _swaps_first(self, ops: list) -> list:
+        """`ops` with the host tier's swap ops (earlier pending ones, then those the cache
+        made since) first, then the copies. Swaps never touch a copy's blocks (a copy reads
+        a locked block and writes a fresh one), so running them first is safe, and the
+        runner can start every transfer before the step's device work."""
+        swaps = [op for op in ops if _is_swap(op)] + self._take_swap_ops()
+        return swaps + [op for op in ops if not _is_swap(op)]
 
     def _schedulable(self, req: Request) -> bool:
         """Running and not waiting for the host result of a step in flight."""
@@ -380,18 +403,14 @@ class Scheduler(GroupScheduling, GrammarScheduling):
                 if skipped >= MAX_DEFERRED_PER_STEP:
                     break
                 continue
-            num_ops = len(ops)
-            if not self._start(req, ops):
-                break
-            n = self._chunk(req, budget)
-            if not self._reserve(req, n):
-                del ops[num_ops:]
-                self._release(req)
+            n = self._try_start(req, ops, budget)
+            if n is None:
                 break
             if req.group is not None:
                 req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
+                self.stats.num_host_hit_tokens += req.num_host_cached_tokens
                 # a group's parent holds the prompt but its last token
                 prompt_len = req.prompt_len + (1 if req.group is not None else 0)
                 self.stats.num_requests += 1
@@ -406,10 +425,55 @@ class Scheduler(GroupScheduling, GrammarScheduling):
             if n == 0:  # a fork parent with its whole prefix cached
                 req.group.ready = True
                 continue
+            if req.num_host_cached_tokens and (extend or budget < self.cfg.max_num_batched_tokens):
+                # Its blocks load from the host tier in this step (SwapIn ops): its first row
+                # comes with the next plan, so this step's other rows need not wait for the
+                # transfer (see radixrt.kv.host_pool).
+                self.stats.num_deferred_loads += 1
+                continue
             extend.append((req, n))
             computing.append(req)
             budget -= n
         return budget
+
+    def _try_start(self, req: Request, ops: list, budget: int) -> int | None:
+        """Start `req` and reserve its first chunk; returns the chunk, or None holding nothing.
+        When nothing else runs and its locked cached path (with the blocks of every branch on
+        it, which a host tier keeps and loads) leaves too few blocks, retry with shorter
+        cached prefixes (the path's node boundaries, then none): otherwise the request could
+        never run."""
+        shorter: list[int] | None = None
+        while True:
+            num_ops = len(ops)
+            if self._start(req, ops):
+                n = self._chunk(req, budget)
+                if self._reserve(req, n) and (not shorter or self._can_finish(req)):
+                    return n
+                del ops[num_ops:]
+                self._release(req)
+            if self.running:
+                return None
+            if shorter is None:
+                m = self._match(req)
+                if m.num_cached_tokens == 0:
+                    return None
+                node, shorter = m.handle, [0]
+                while getattr(node, "parent", None) is not None:  # radix: node boundaries
+                    shorter.insert(1, node.start)
+                    node = node.parent
+                shorter = sorted(set(shorter) - {m.num_cached_tokens})
+            if not shorter:
+                return None
+            self._match(req)  # brings the per-step match table up to the cache version
+            self._matches[req] = self.cache.match(req.seq_token_ids[: shorter.pop()])
+
+    def _can_finish(self, req: Request) -> bool:
+        """Whether the blocks free or evictable now cover the rest of `req` (all its tokens to
+        come), so that a retry with a shorter prefix does not just preempt it again."""
+        total = math.ceil(
+            (len(req.seq_token_ids) + req.max_tokens - req.num_output) / self.block_size
+        )
+        return self.allocator.num_free + self.cache.evictable_blocks >= total - len(req.block_table)
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
         cached = self._match(req).num_cached_tokens
@@ -428,6 +492,13 @@ class Scheduler(GroupScheduling, GrammarScheduling):
         self.cache.lock(m.handle)
         req.cache_handle = m.handle
         req.slot = self._free_slots.pop()
+        req.num_host_cached_tokens = m.num_host_tokens
+        if m.num_host_tokens:  # host tier: load the host-resident tail of the match
+            table = self.cache.load(m.handle)
+            if table is None:
+                self._release(req)
+                return False
+            m = m._replace(blocks=table, num_host_tokens=0)
         req.num_table_sent = 0
         if req.params.prompt_logprobs:
             req.prompt_logprobs = []
@@ -780,6 +851,10 @@ class Scheduler(GroupScheduling, GrammarScheduling):
             f"free {free} + cached {num_cached} + in use {num_in_use} "
             f"!= total {self.allocator.num_blocks}"
         )
+
+
+def _is_swap(op: object) -> bool:
+    return isinstance(op, SwapIn | SwapOut)
 
 
 def _queued(req: Request) -> bool:

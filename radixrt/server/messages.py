@@ -133,6 +133,17 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     beam_steps: int = 0  # beam-selection steps (one per group per generated token)
     beam_shared_blocks: int = 0  # full blocks re-parented beams took references on
     beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
+    # host KV tier since start (zero without one; see radixrt.engine.tier_stats)
+    host_hit_tokens: int = 0  # prompt tokens loaded from the host tier (part of cached)
+    host_written_back_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_evicted_blocks: int = 0
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_free: int = 0
+    host_kv_blocks_cached: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_seconds: float = 0.0
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -101,7 +101,23 @@ class ServerMetrics:
         self.internal_errors = Counter(
             "radixrt_internal_errors", "HTTP requests that failed on a server bug (500)", registry=r
         )
-        self._scheduler_gauges = (
+        # host KV tier (zero without one): snapshot field -> gauge
+        self.host_tier = {
+            field: g(f"radixrt_{field}", doc)
+            for field, doc in (
+                ("host_hit_tokens", "Prompt tokens loaded from the host KV tier, since start"),
+                ("host_written_back_blocks", "KV blocks written back to the host, since start"),
+                ("host_loaded_blocks", "KV blocks loaded from the host, since start"),
+                ("host_evicted_blocks", "Host KV blocks freed by host LRU eviction, since start"),
+                ("host_kv_blocks_total", "KV blocks in the host pool"),
+                ("host_kv_blocks_free", "Host KV blocks nobody holds"),
+                ("host_kv_blocks_cached", "Host KV blocks the prefix cache holds"),
+                ("swap_out_bytes", "Bytes copied device -> host by write-backs, since start"),
+                ("swap_in_bytes", "Bytes copied host -> device by loads, since start"),
+                ("swap_seconds", "Seconds of host <-> device KV transfers, since start"),
+            )
+        }
+        self._scheduler_gauges = (*self.host_tier.values(),
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
             self.failed_requests, self.failed_steps, self.spec_draft_tokens,
@@ -123,6 +139,8 @@ class ServerMetrics:
         self.spec_verify_rows.set(snap.spec_verify_rows)
         for name, gauge in self.group_gauges.items():
             gauge.set(getattr(snap, name))
+        for field, gauge in self.host_tier.items():
+            gauge.set(getattr(snap, field))
 
     def scheduler_gone(self) -> None:
         self.ready.set(0)

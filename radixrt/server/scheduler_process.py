@@ -250,7 +250,22 @@ class SchedulerLoop:
             beam_steps=int(s["beam_steps"]),
             beam_shared_blocks=int(s["beam_shared_blocks"]),
             beam_copied_blocks=int(s["beam_copied_blocks"]),
+            **{k: int(s[k]) for k in HOST_TIER_FIELDS},
+            swap_seconds=float(s["swap_seconds"]),
         )
+
+
+HOST_TIER_FIELDS = (
+    "host_hit_tokens",
+    "host_written_back_blocks",
+    "host_loaded_blocks",
+    "host_evicted_blocks",
+    "host_kv_blocks_total",
+    "host_kv_blocks_free",
+    "host_kv_blocks_cached",
+    "swap_out_bytes",
+    "swap_in_bytes",
+)  # integer counters of the host KV tier in the snapshot (and swap_seconds, a float)
 
 
 def _param_of(message: str) -> str | None:

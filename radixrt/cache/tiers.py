@@ -1,0 +1,58 @@
+"""The host KV tier's scheduler-side state: a host block allocator and the swap ops to send.
+
+Plain Python (no torch): the runner holds the host tensors (`radixrt.kv.host_pool`). The radix
+cache (`radixrt.cache.radix`) decides what moves: evicting a device leaf writes its blocks back
+(`SwapOut`, one host block per device block) unless the node already has a host copy; loading
+a host-resident node into fresh device blocks is a `SwapIn`. The ops collect here in the order
+the cache made them and go, first, into the next plan (`take_ops`); the runner executes them
+in list order, before that step's copies and forward, so every op reads what earlier ops and
+steps wrote. Host blocks are reference counted like device blocks: each node with a host copy
+holds one reference per host block it records (a split inside a block adds one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixrt.kv.allocator import BlockAllocator
+from radixrt.plan import SwapIn, SwapOut
+
+
+@dataclass
+class TierStats:
+    num_written_back_blocks: int = 0  # device blocks copied to the host (SwapOut ops)
+    num_loaded_blocks: int = 0  # host blocks copied into fresh device blocks (SwapIn ops)
+    num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's LRU eviction
+    num_dropped_blocks: int = 0  # device blocks evicted without a host copy (host full)
+
+
+class HostTier:
+    """Host block allocator plus the outbox of swap ops (see the module docstring)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs >= 1 block, got {num_blocks}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.stats = TierStats()
+        self._ops: list[SwapIn | SwapOut] = []
+
+    def write_back(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Queue copies of `device_blocks` into `host_blocks` (pairwise)."""
+        assert len(device_blocks) == len(host_blocks)
+        self._ops += [SwapOut(d, h) for d, h in zip(device_blocks, host_blocks)]
+        self.stats.num_written_back_blocks += len(device_blocks)
+
+    def load(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Queue copies of `host_blocks` into `device_blocks` (pairwise)."""
+        assert len(device_blocks) == len(host_blocks)
+        self._ops += [SwapIn(h, d) for h, d in zip(host_blocks, device_blocks)]
+        self.stats.num_loaded_blocks += len(device_blocks)
+
+    def take_ops(self) -> list[SwapIn | SwapOut]:
+        """The ops queued since the last call, in the order they were made (clears them)."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    @property
+    def num_pending_ops(self) -> int:
+        return len(self._ops)

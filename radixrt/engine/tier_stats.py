@@ -1,0 +1,45 @@
+"""Host KV tier counters for `EngineCore.stats()` (all zero without a host tier)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def host_tier_stats(cache: Any, sched_stats: Any, runner: Any) -> dict[str, float]:
+    """`host_hit_tokens`: prompt tokens served from the host tier (part of cached_tokens);
+    `host_deferred_loads`: admissions whose first row waited one step for their loads;
+    blocks written back / loaded / evicted from the host / dropped without a host copy (the
+    host was full); host pool usage; and, from a runner with a host pool, bytes and seconds
+    of the transfers it executed (`swap_seconds`: copy-stream time on CUDA, wall time on a
+    CPU)."""
+    host = getattr(cache, "host", None)
+    out: dict[str, float] = {
+        "host_hit_tokens": sched_stats.num_host_hit_tokens,
+        "host_deferred_loads": sched_stats.num_deferred_loads,
+        "host_written_back_blocks": 0,
+        "host_loaded_blocks": 0,
+        "host_evicted_blocks": 0,
+        "host_dropped_blocks": 0,
+        "host_kv_blocks_total": 0,
+        "host_kv_blocks_free": 0,
+        "host_kv_blocks_cached": 0,
+        "swap_out_bytes": 0,
+        "swap_in_bytes": 0,
+        "swap_seconds": 0.0,
+    }
+    if host is not None:
+        t = host.stats
+        out.update(
+            host_written_back_blocks=t.num_written_back_blocks,
+            host_loaded_blocks=t.num_loaded_blocks,
+            host_evicted_blocks=t.num_host_evicted_blocks,
+            host_dropped_blocks=t.num_dropped_blocks,
+            host_kv_blocks_total=host.allocator.num_blocks,
+            host_kv_blocks_free=host.allocator.num_free,
+            host_kv_blocks_cached=cache.host_cached_blocks,
+        )
+    swap = getattr(runner, "host_pool", None)
+    if swap is not None:
+        s = swap.stats()
+        out.update(swap_out_bytes=s.bytes_out, swap_in_bytes=s.bytes_in, swap_seconds=s.seconds)
+    return out
