@@ -45,7 +45,8 @@ class EngineBackend:
     an empty prefix cache. Leaving releases the engine's memory."""
 
     def __init__(self, args: argparse.Namespace, model: str, opts: dict) -> None:
-        self.model, self.opts = model, opts
+        self.model = model
+        self.opts = {**opts, "freeze_gc": True}  # as the server's scheduler process does
         self.kw = driver_kwargs(args)
         self.engine = None
 

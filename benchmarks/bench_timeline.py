@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         load_format=args.load_format,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_running_requests=args.max_running_requests,
+        freeze_gc=True,  # as the server's scheduler process does
     )
     if args.disable_overlap_schedule:
         opts["overlap_schedule"] = False

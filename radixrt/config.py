@@ -271,9 +271,11 @@ class EngineConfig:
     # default: half the cores, at least 1 (OpenMP threads that share a core with other work
     # spin: on 2 busy cores 2 threads made a tiny-model decode step 8x slower than 1)
     cpu_threads: int | None = None
-    # gc.freeze() once the engine is built (resolved: on for CUDA and in the server's
-    # scheduler process): Python's full collections otherwise rescan the model, graphs and
-    # modules every ~80 busy steps, a 200-300 ms stall of the loop (benchmarks/RESULTS.md)
+    # gc.freeze() once the engine is built, gc.unfreeze() at shutdown: Python's full
+    # collections otherwise rescan the model, graphs and modules every ~80 busy steps, a
+    # 200-300 ms stall of the loop (benchmarks/RESULTS.md). On in the server's scheduler
+    # process and the benchmarks; off by default in-process, where an engine dropped without
+    # shutdown() would then keep its (device) memory for good.
     freeze_gc: bool = False
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -358,7 +360,6 @@ def resolve_config(
         top["attention_backend"] = "flashinfer" if usable else "torch"
     top.setdefault("enable_cuda_graph", device.startswith("cuda"))
     top.setdefault("overlap_schedule", device.startswith("cuda"))
-    top.setdefault("freeze_gc", device.startswith("cuda"))
     if device == "cpu":
         top.setdefault("cpu_threads", max(1, (os.cpu_count() or 1) // 2))
     cache = CacheConfig(**sub["cache"])
