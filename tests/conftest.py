@@ -52,6 +52,9 @@ def make_engine(tiny_model_dir):
     def make(model: str | None = None, **options):
         options.setdefault("device", "cpu")
         options.setdefault("dtype", "float32")
+        if options["device"].startswith("cuda"):
+            # several engines of one test share the GPU: none may size its pool to fill it
+            options.setdefault("num_kv_blocks", 4096)
         engine = Engine(model or tiny_model_dir, **options)
         engines.append(engine)
         return engine
@@ -59,6 +62,8 @@ def make_engine(tiny_model_dir):
     yield make
     for engine in engines:
         assert_idle(engine)
+    for engine in engines:
+        engine.shutdown()  # frees the KV pool now, not when the collector gets to it
 
 
 def assert_idle(engine) -> None:
