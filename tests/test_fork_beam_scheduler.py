@@ -299,3 +299,23 @@ def test_abort_mid_beam(when):
         assert not core.step()
     core.check_integrity()
     assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
+
+
+def test_beam_stopped_means_ended_on_eos_and_never_with_ignore_eos():
+    """`BeamHypothesis.stopped` (the "stop" finish reason of a beam) is set exactly for beams
+    that end on an EOS id; with ignore_eos a beam that happens to end on EOS at max_tokens
+    ran to its length."""
+    prompt = list(range(100, 108))
+    for ignore_eos in (False, True):
+        params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=ignore_eos)
+        beams = reference_beams(prompt, params)
+        assert beams
+        for h in beams:
+            ended_on_eos = h.output_token_ids[-1] == EOS
+            assert h.stopped is (ended_on_eos and not ignore_eos)
+            if not h.stopped:
+                assert len(h.output_token_ids) == params.max_tokens
+    ignoring = reference_beams(
+        prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    )
+    assert not any(h.stopped for h in ignoring)

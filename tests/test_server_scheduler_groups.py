@@ -24,9 +24,8 @@ def step(loop: SchedulerLoop, outs: dict, msgs=()) -> None:
     core = loop.core
     errors, finished = loop._handle(list(msgs))
     assert not errors, errors
-    eos = core.scheduler.eos_token_ids
     for d in (*finished, *(core.step() if core.has_work else [])):
-        o = _token_out(d, eos)
+        o = _token_out(d)
         outs.setdefault((o.parent_rid, o.index, o.rid), []).append(o)
     core.check_integrity()
 

@@ -32,6 +32,7 @@ class BeamHypothesis:
     output_token_ids: list[int]  # generated tokens (a final EOS included)
     cumulative_logprob: float  # sum of the generated tokens' log-probs
     score: float  # cumulative_logprob / len(output_token_ids) ** length_penalty
+    stopped: bool = False  # ended on an EOS id (never with ignore_eos); else at max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ class BeamState:
                     list(outputs[c.beam]) + [c.token],
                     c.cumulative_logprob,
                     c.cumulative_logprob / norm,
+                    c.token in self.eos_token_ids,
                 )
                 for c in ranked[: self.width]
                 if hits(c)

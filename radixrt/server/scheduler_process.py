@@ -174,7 +174,7 @@ class SchedulerLoop:
                         status = 400 if d.invalid_request else 500  # a bad grammar: 400
                         errors.append(RequestError(d.rid, message, status, d.parent_rid, d.index))
                     else:
-                        outputs.append(_token_out(d, core.scheduler.eos_token_ids))
+                        outputs.append(_token_out(d))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -274,13 +274,13 @@ def _param_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _token_out(d: RequestDelta, eos_token_ids: frozenset[int]) -> TokenOut:
+def _token_out(d: RequestDelta) -> TokenOut:
     beams = [
         BeamOut(
             h.output_token_ids,
             h.cumulative_logprob,
             h.score,
-            "stop" if h.output_token_ids[-1] in eos_token_ids else "length",
+            "stop" if h.stopped else "length",
         )
         for h in d.beams or []
     ]
