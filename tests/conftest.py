@@ -42,6 +42,17 @@ def tiny_random_model_dir() -> str:
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread: on a shared, oversubscribed CPU two threads can be 10x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def make_engine(tiny_model_dir):
     """Factory for CPU float32 engines on the tiny model (or on `model`, a model dir); every
     engine it made is checked at teardown: integrity holds and no request holds KV."""

@@ -128,6 +128,19 @@ class ServerProcess:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def serving(model_dir: str, *args: str, api_key: str | None = None):
+    """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
+    idle (nothing in flight, integrity holds) and is stopped."""
+    srv = ServerProcess(model_dir, *args, api_key=api_key)
+    try:
+        srv.wait_ready()
+        yield srv
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
 def http_call(
     url: str,
     body: Any,

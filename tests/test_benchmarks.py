@@ -18,18 +18,6 @@ from benchmarks.dispatch import Dispatcher  # noqa: E402
 from benchmarks.engine_driver import run_engine  # noqa: E402
 from benchmarks.workloads import FIRST_TOKEN, WORKLOADS, make_workload  # noqa: E402
 
-
-@pytest.fixture
-def one_thread():
-    """One torch thread: on a shared, oversubscribed CPU two threads can be 10x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TINY_SHARED_PREFIX = dict(num_groups=3, prompts_per_group=4, system_len=48, question_len=8,
                           output_len=4)  # fmt: skip
 

@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 import pytest
-from server_utils import ServerProcess, sse_events
+from server_utils import serving, sse_events
 
 from radixrt.frontend import EngineBackend, RuntimeEndpoint, function, gen
 
@@ -28,13 +28,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir)
-    try:
-        srv.wait_ready()
+    with serving(tiny_model_dir) as srv:
         yield srv
-        srv.wait_idle()
-    finally:
-        srv.stop()
 
 
 def test_generate_constraints(server):

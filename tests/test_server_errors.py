@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from server_utils import ServerProcess, sse_events
+from server_utils import serving, sse_events
 
 # 16 blocks of 16 tokens: a request may pass the front's context check (2048 tokens) and
 # still be refused by the scheduler (KV pool), which must come back as a 400.
@@ -118,13 +118,8 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir, *POOL_ARGS)
-    try:
-        srv.wait_ready()
+    with serving(tiny_model_dir, *POOL_ARGS) as srv:
         yield srv
-        srv.wait_idle()
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from server_utils import ServerProcess, open_raw_stream, read_until, sse_events
+from server_utils import open_raw_stream, read_until, serving, sse_events
 
 from radixrt import SamplingParams
 
@@ -17,13 +17,8 @@ LONG = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}  # seconds
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir)
-    try:
-        srv.wait_ready()
+    with serving(tiny_model_dir) as srv:
         yield srv
-        srv.wait_idle()
-    finally:
-        srv.stop()
 
 
 def generate(server, body):

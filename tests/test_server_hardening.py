@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess, http_call, sse_events
+from server_utils import http_call, serving, sse_events
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -23,13 +23,8 @@ LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir, "--log-level", "info")
-    try:
-        srv.wait_ready()
+    with serving(tiny_model_dir, "--log-level", "info") as srv:
         yield srv
-        srv.wait_idle()
-    finally:
-        srv.stop()
 
 
 def gauges(srv) -> dict[str, float]:

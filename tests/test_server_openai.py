@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess, http_call
+from server_utils import ServerProcess, http_call, serving
 
 from radixrt import SamplingParams
 
@@ -18,13 +18,8 @@ PROMPTS = ["Tell me a story about a dragon who", "The list of ingredients: flour
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir, api_key=API_KEY)
-    try:
-        srv.wait_ready()
+    with serving(tiny_model_dir, api_key=API_KEY) as srv:
         yield srv
-        srv.wait_idle()
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

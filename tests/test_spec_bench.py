@@ -4,17 +4,6 @@ drafts, and the ORACLE proposer's acceptance is what it is set to at the extreme
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
-
-@pytest.fixture
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_bench_verify_smoke(one_thread):

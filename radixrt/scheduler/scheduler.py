@@ -572,22 +572,23 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         if g is not None:
             for child in g.children:
                 if child.status is Status.RUNNING:
-                    self.running.remove(child)
-                    self._release(child)
-                    child.epoch += 1
-                    child.status = Status.WAITING
-                    child.num_preemptions += 1
+                    self._unrun(child)
                     child.beam_top_logprobs = None
             g.ready = False
             req = g.parent
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        self._release(req)
-        req.epoch += 1
-        req.status = Status.WAITING
-        req.num_preemptions += 1
+        self._unrun(req)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _unrun(self, seq: Request) -> None:
+        """Preemption of one sequence: out of `running`, its KV freed, a new epoch (results of
+        steps in flight for it are ignored), waiting again."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.epoch += 1
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
 
     def _plan_row(self, req: Request, n: int, drafts: Sequence[int] = ()) -> PlanRow:
         """The row of `req` feeding its next `n` tokens (the last len(drafts) of them
