@@ -21,6 +21,7 @@ tokens/s.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -242,6 +243,10 @@ def bench_jump_forward(args, model_dir: str, options: dict) -> list[dict]:
         rows.append(row)
         print(json.dumps(row))
         engine.shutdown()
+        del engine  # the next mode's engine needs the device memory
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if "off" in outputs and "token" in outputs:
         assert outputs["off"] == outputs["token"], "token-level jump-forward changed the outputs"
     return rows
@@ -262,12 +267,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--modes", default="off,token,string", help="jump-forward modes to run")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    p.add_argument(
+        "--dtype", default=None, help="engine dtype (default: float32 on CPU, bf16 on CUDA)"
+    )
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: auto)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     options: dict = {"device": args.device}
+    options["dtype"] = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
     if args.preset is not None:
         from radixrt.model.presets import write_dummy_model_dir
 

@@ -318,3 +318,57 @@ def test_torch_mask_fallback_matches():
     apply_token_bitmasks(a, masks, [0, 1, 2])
     _apply_torch(b, stack_masks(masks))
     assert torch.equal(a, b)
+
+
+def test_padded_vocabulary_compiles_and_follows_the_schema(make_engine, tmp_path):
+    """A model vocabulary far larger than its tokenizer's (the dummy presets: the tiny
+    tokenizer under Llama-3's 128k logits) compiles inside the time limit and never allows a
+    padding id. On an idle 16-core machine this timed out (30 s) before the fix: the
+    control-byte mask iterated xgrammar's 126k padding "special" ids one FFI call at a time
+    while the engine loop spun on `poll` holding the GIL (a loaded machine hides it; the
+    scheduler test of the idle wait is the deterministic one)."""
+    from radixrt.model.presets import write_dummy_model_dir
+
+    model_dir = write_dummy_model_dir(str(tmp_path / "padded"), "llama-3-8b")
+    config_path = tmp_path / "padded" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    config_path.write_text(json.dumps(config))
+    engine = make_engine(model_dir, load_format="dummy", grammar_compile_timeout_s=20.0)
+    assert engine.model_config.vocab_size == 128256
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    outs = engine.generate(
+        ["Answer: "] * 4,
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, json_schema=schema),
+    )
+    for o in outs:
+        assert o.finish_reason is FinishReason.STOP, o
+        assert max(o.token_ids[:-1]) < 2048  # no padding id was ever allowed
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_control_byte_mask_equals_xgrammars_special_ids_reference(tmp_path):
+    """The mask built from stop ids + the tokenizer's special ids equals the one built from
+    xgrammar's own (slow, padding-inclusive) special-token list."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from radixrt.grammar.xgrammar_backend import _no_control_mask
+    from radixrt.model.loader import load_tokenizer
+    from radixrt.model.presets import write_dummy_model_dir
+
+    tok = load_tokenizer(write_dummy_model_dir(str(tmp_path / "m"), "llama-3-8b"))
+    vocab = 128256
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[2])
+    got = _no_control_mask(info, vocab, [*info.stop_token_ids, *tok.all_special_ids])
+    want = _no_control_mask(info, vocab, [*info.stop_token_ids, *info.special_token_ids])
+    np.testing.assert_array_equal(got, want)
+    bits = np.unpackbits(got.view(np.uint8), bitorder="little")[:vocab]
+    assert 0 < int((bits == 0).sum()) < 2048  # some real tokens banned, no padding id

@@ -182,6 +182,28 @@ def test_grammar_pending_request_waits_alone():
     assert backend.submitted == [GRAMMAR]
 
 
+def test_idle_step_waits_on_the_compile_instead_of_spinning():
+    """A step that plans nothing while a grammar compiles blocks in the backend's `wait`
+    (with the pending tickets) instead of returning at once; a step that ran rows never
+    waits."""
+    core, runner, backend = make(overlap=True)
+    waits = []
+    backend.wait = lambda tickets, timeout_s: waits.append((list(tickets), timeout_s))
+    core.add_request([100, 101, 102, 200], FREE, rid="f0")
+    core.add_request([100, 101, 102, 103, 104], CONSTRAINED, rid="c0")
+    finished = []
+    while "f0" not in finished:
+        finished += [d.rid for d in core.step() if d.finished]
+    assert waits == []  # f0's steps ran: no waiting while there was work
+    core.step()
+    core.step()
+    assert [w[0] for w in waits] == [[GRAMMAR], [GRAMMAR]] and all(0 < w[1] < 1 for w in waits)
+    backend.ready.add(GRAMMAR)
+    out, done = drive(core, [])
+    check_follows(out["c0"])
+    assert len(waits) == 2  # compiled: the loop runs c0's rows without waiting
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_compile_error_fails_that_request_with_invalid_request(n):
     core, runner, backend = make(overlap=True)

@@ -32,6 +32,9 @@ from radixrt.scheduler.scheduler import Scheduler
 from radixrt.spec import create_proposer
 
 logger = logging.getLogger(__name__)
+# A step that planned nothing while grammars compile waits this long (or until one is done)
+# for them instead of spinning (a spinning loop also starves the compile threads of the GIL)
+GRAMMAR_IDLE_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -212,6 +215,8 @@ class EngineCore:
                 self._inflight = (plan, handle)
             else:
                 changed += self._finish_step(plan, handle)
+        elif not changed and self._inflight is None:
+            sched.wait_for_grammars(GRAMMAR_IDLE_WAIT_S)  # nothing ran: don't spin on compiles
         return [self._delta(req) for req in _unique(changed)]
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:

@@ -57,6 +57,14 @@ class GrammarScheduling:
         out, self._finished_outside_update = self._finished_outside_update, []
         return out
 
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until a pending compile finishes (returns at once when
+        none is pending or the backend cannot wait). For a loop whose step planned nothing."""
+        tickets = [r.grammar_ticket for r in self.waiting if r.grammar_ticket is not None]
+        wait = getattr(self.grammar_backend, "wait", None)
+        if tickets and wait is not None:
+            wait(tickets, timeout_s)
+
     def _poll_grammars(self) -> None:
         """Admit compiled grammars: give each waiting sequence its matcher; fail the requests
         whose compile failed or timed out."""

@@ -9,7 +9,8 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,10 @@ class XGrammarBackend:
             )
         return None
 
+    def wait(self, tickets: Sequence[Ticket], timeout_s: float) -> None:
+        if tickets:
+            wait_futures([t.future for t in tickets], timeout_s, return_when=FIRST_COMPLETED)
+
     def new_matcher(self, grammar: Compiled) -> XGrammarMatcher:
         return XGrammarMatcher(grammar, self.vocab_size)
 
@@ -136,7 +141,9 @@ class XGrammarBackend:
                 )
                 # threads of one compile (its token-mask cache); the pool runs several
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
-                self._no_control = _no_control_mask(info, self.vocab_size)
+                self._no_control = _no_control_mask(
+                    info, self.vocab_size, [*info.stop_token_ids, *tok.all_special_ids]
+                )
             return self._compiler
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
@@ -202,11 +209,14 @@ class XGrammarMatcher:
         return int(nonzero[0]) * 32 + w.bit_length() - 1
 
 
-def _no_control_mask(info: xgr.TokenizerInfo, vocab_size: int) -> np.ndarray:
+def _no_control_mask(info: xgr.TokenizerInfo, vocab_size: int, keep_ids) -> np.ndarray:
     """[ceil(V / 32)] int32: bit t set unless token t's bytes hold a control byte (< 0x20);
-    stop and special tokens stay allowed."""
+    `keep_ids` (stop and special tokens) stay allowed. Ids past the tokenizer's vocabulary
+    (a padded model vocabulary) decode to b"" and stay allowed too (xgrammar masks them).
+    Not `info.special_token_ids`: for a padded vocabulary it lists every padding id, one
+    FFI call each, which under GIL contention took minutes."""
     allowed = np.ones(vocab_size, dtype=bool)
-    keep = set(info.stop_token_ids) | set(info.special_token_ids)
+    keep = set(keep_ids)
     for t, piece in enumerate(info.decoded_vocab[:vocab_size]):
         if t not in keep and any(b < 0x20 for b in piece):
             allowed[t] = False
