@@ -318,3 +318,17 @@ def test_draft_graph_step_plumbing(make_engine, tiny_model_dir, reference):
     draft.last_tokens = torch.zeros(runner.num_slots, dtype=torch.int64)
     assert outputs(engine, greedy()) == reference
     assert calls and engine.stats()["spec_acceptance_rate"] == 1.0
+
+
+def test_verify_rows_as_decode_rows_with_device_drafts(make_engine, tiny_model_dir, reference):
+    """The target's graph path for verify rows whose drafts are on the device (the draft
+    model's): run eagerly on CPU from the graphs' host metadata (tests/eager_decode_graphs),
+    the drafts written as device inputs. Greedy output as without speculation; the target as
+    its own draft accepts everything, so a misplaced draft id would show."""
+    from eager_decode_graphs import EagerDecodeGraphs
+
+    engine = draft_engine(make_engine, tiny_model_dir, num_speculative_tokens=3)
+    graphs = engine.core.runner.cuda_graphs = EagerDecodeGraphs(engine.core.runner)
+    assert outputs(engine, greedy()) == reference
+    assert any(tokens > rows for rows, tokens in graphs.calls)
+    assert engine.stats()["spec_acceptance_rate"] == 1.0

@@ -6,6 +6,12 @@ that the allocator never hands out (`scratch_block`, the pool's last block), and
 that block alone, so they never touch the KV of real requests. Each graph computes the
 logits of every row (model forward + lm_head); sampling runs outside.
 
+Verify rows (speculative decoding: the last sample + k drafts, every token sampled) run in
+the same graphs: a row of k + 1 tokens is fed as k + 1 decode rows over its block table,
+token j at position start + j attending to KV [0, start + j] (every row's K/V is stored
+before attention in each layer), which is exactly the row's causal mask (`decode_rows`).
+Such a plan fits a bucket by its token count.
+
 Host-side inputs are built with numpy from the rows' block tables (no device kernels, no
 sync), copied into static device buffers with one pinned copy (rows that read their last
 sample on the device get it by one device gather), and the attention backend plans the
@@ -94,13 +100,12 @@ class DecodeCudaGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
 
     def can_run(self, plan: StepPlan, layout: StepLayout) -> bool:
-        """Decode-only plans of at most max_batch_size rows, each sampling its one token,
-        scoring no prompt tokens."""
-        num_rows = len(plan.rows)
+        """Plans of at most max_batch_size tokens that sample every token they feed (decode
+        rows and verify rows) and score no prompt tokens."""
+        num_tokens = layout.num_tokens
         return (
-            layout.num_decode == num_rows
-            and 0 < num_rows <= self.max_batch_size
-            and len(layout.sample_tokens) == num_rows
+            0 < num_tokens <= self.max_batch_size
+            and len(layout.sample_tokens) == num_tokens
             and not len(layout.score_tokens)
         )
 
@@ -162,14 +167,18 @@ class DecodeCudaGraphs:
         tables: np.ndarray,  # [R, >= blocks used] int32: the rows' block tables
         last_tokens: torch.Tensor,  # [slots] int64 cuda: each slot's last sample
         on_inputs_staged: Callable[[], None] | None = None,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Replay the graph for a decode-only step; returns logits [R, vocab] float32 (a view
-        of the graph's output, valid until the next replay). `on_inputs_staged` runs once
-        the inputs' copies are enqueued, before the replay."""
-        num_rows, n = len(layout.starts), self.max_batch_size
-        bs = self.bucket(num_rows)
+        """Replay the graph for a step that `can_run`; returns logits [T, vocab] float32 of
+        its T tokens in flat order (= its samples; a view of the graph's output, valid until
+        the next replay). `device_inputs` = (flat token index [D] int64, ids [D] int64), both
+        on the device, overwrite those input ids (a draft model's drafts).
+        `on_inputs_staged` runs once the inputs' copies are enqueued, before the replay."""
+        num_tokens, n = layout.num_tokens, self.max_batch_size
+        bs = self.bucket(num_tokens)
+        positions, tables = decode_rows(layout, tables)
         meta = decode_metadata(
-            layout.host_ids, layout.starts, tables, bs, self.block_size, self.scratch_block
+            layout.host_ids, positions, tables, bs, self.block_size, self.scratch_block
         )
         host = self._host.numpy()
         host[:bs] = meta.input_ids
@@ -181,6 +190,8 @@ class DecodeCudaGraphs:
             rows = torch.from_numpy(layout.last_read_tokens).to(dev, non_blocking=True)
             slots = torch.from_numpy(layout.last_read_slots).to(dev, non_blocking=True)
             self._static[:bs].index_copy_(0, rows, last_tokens[slots])
+        if device_inputs is not None:
+            self._static[:bs].index_copy_(0, *device_inputs)
         num = len(meta.kv_indices)
         self._host_indices.numpy()[:num] = meta.kv_indices
         indices = self._device_indices[:num]
@@ -195,7 +206,18 @@ class DecodeCudaGraphs:
         if on_inputs_staged is not None:
             on_inputs_staged()
         self.graphs[bs].replay()
-        return self.logits[bs][:num_rows]
+        return self.logits[bs][:num_tokens]
+
+
+def decode_rows(layout: StepLayout, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One decode row per new token of the step: (positions [T] int64, block tables
+    [T, blocks] int32). Token j of row r is at position starts[r] + j and reads row r's
+    table; a step of one-token rows is returned as is."""
+    if layout.num_tokens == len(layout.starts):
+        return layout.starts.astype(np.int64), tables
+    row_of = np.repeat(np.arange(len(layout.starts)), layout.num_new)
+    offsets = np.arange(layout.num_tokens) - layout.qo_indptr[:-1][row_of]
+    return layout.starts[row_of].astype(np.int64) + offsets, tables[row_of]
 
 
 class DecodeMetadata(NamedTuple):

@@ -145,9 +145,10 @@ class DraftRunner:
         self._prepare(fb)
         self.model(fb, self.backend, self.pool)
 
-    def fill_kv_rest(self, plan: StepPlan, fb: ForwardBatch, drafted, build_batch) -> None:
-        """Draft KV for the step's rows that `propose` did not cover (`fb`: the target's
-        batch of the whole plan; `drafted`: propose's output or None)."""
+    def fill_kv_rest(self, plan: StepPlan, fb: ForwardBatch | None, drafted, build_batch) -> None:
+        """Draft KV for the step's rows that `propose` did not cover (`drafted`: propose's
+        output or None; `fb`: the target's batch of the whole plan, read only when
+        `drafted` is None)."""
         if drafted is None:
             self.fill_kv(fb)
             return

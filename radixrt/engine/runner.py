@@ -281,11 +281,16 @@ class ModelRunner:
         is filled over the same tokens and `drafted`'s drafts are the verify rows' inputs."""
         graphs = self.cuda_graphs
         if use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
-            if self.draft is not None:
+            drafts = None  # the draft model's drafts: input ids written on the device
+            if drafted is not None:
+                assert self.draft is not None
+                self.draft.fill_kv_rest(plan, None, drafted, self.build_batch)
+                drafts = (drafted.flat_index, self.draft.draft_inputs(drafted))
+            elif self.draft is not None:
                 self.draft.fill_kv(self.build_batch(layout))
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
-                layout, tables, self.last_tokens, on_inputs_staged=self._inputs_staged
+                layout, tables, self.last_tokens, self._inputs_staged, device_inputs=drafts
             )
             return logits, None
         fb = self.build_batch(layout)
