@@ -1,5 +1,5 @@
 """bench_verify's CPU smoke (tiny model): verify-row step times run for host and draft-model
-drafts, and the ORACLE proposer's acceptance is what it is set to at the extremes."""
+drafts, and the ORACLE's forced acceptance is what it is set to."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def test_bench_verify_smoke(one_thread):
     from benchmarks.bench_verify import Setup, bench_oracle, bench_steps, tables
 
     s = Setup(tiny=True)
-    s.batches, s.ks, s.iters, s.alphas, s.max_tokens = (2,), (2,), 1, (0.0, 1.0), 8
+    s.batches, s.ks, s.iters, s.alphas, s.max_tokens = (2,), (2,), 1, (0.0, 0.5, 1.0), 16
     rng = np.random.default_rng(0)
     steps = bench_steps(s, rng, None) + bench_steps(s, rng, s.model_dir)
     assert [(r["kind"], r["k"]) for r in steps] == [
@@ -23,6 +23,7 @@ def test_bench_verify_smoke(one_thread):
     by_alpha = {r["alpha"]: r for r in oracle}
     assert by_alpha[0.0]["measured_acceptance"] == 0.0
     assert by_alpha[1.0]["measured_acceptance"] == 1.0
+    assert 0.0 < by_alpha[0.5]["measured_acceptance"] < 1.0
     assert by_alpha[1.0]["tokens_per_verify"] > 2.5
     assert "ORACLE" in tables(steps, oracle, "CPU")
 
