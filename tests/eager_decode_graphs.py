@@ -8,14 +8,19 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.engine.cuda_graph import DecodeCudaGraphs, decode_metadata, decode_rows
+from radixrt.engine.cuda_graph import (
+    DecodeCudaGraphs,
+    decode_metadata,
+    decode_rows,
+    sample_logits,
+)
 
 
 class EagerDecodeGraphs:
     def __init__(self, runner, max_batch_size: int = 256) -> None:
         self.runner = runner
         self.max_batch_size = max_batch_size
-        self.calls: list[tuple[int, int]] = []  # (rows, tokens) of every run
+        self.calls: list[tuple[int, int, int]] = []  # (rows, tokens, samples) of every run
 
     can_run = DecodeCudaGraphs.can_run
 
@@ -51,5 +56,5 @@ class EagerDecodeGraphs:
         runner.backend.prepare(fb)
         if on_inputs_staged is not None:
             on_inputs_staged()
-        self.calls.append((len(layout.starts), num_tokens))
-        return runner._decode_logits(fb)
+        self.calls.append((len(layout.starts), num_tokens, len(layout.sample_tokens)))
+        return sample_logits(runner._decode_logits(fb), layout)

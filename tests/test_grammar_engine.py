@@ -372,3 +372,19 @@ def test_control_byte_mask_equals_xgrammars_special_ids_reference(tmp_path):
     np.testing.assert_array_equal(got, want)
     bits = np.unpackbits(got.view(np.uint8), bitorder="little")[:vocab]
     assert 0 < int((bits == 0).sum()) < 2048  # some real tokens banned, no padding id
+
+
+def test_jump_forward_runs_through_the_graph_path(make_engine):
+    """Forced runs (a row of several tokens sampled only at its last) take the decode-graph
+    path, run eagerly on CPU from the graphs' own host metadata (tests/eager_decode_graphs):
+    outputs identical to the plain eager engine."""
+    from eager_decode_graphs import EagerDecodeGraphs
+
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, json_schema=SCHEMA)
+    want = _run(make_engine(), params)
+    engine = make_engine()
+    graphs = engine.core.runner.cuda_graphs = EagerDecodeGraphs(engine.core.runner)
+    got = _run(engine, params)
+    assert [x[:2] for x in got] == [x[:2] for x in want]
+    # rows of several tokens that sample fewer than they feed went through the graph path
+    assert any(samples < tokens and tokens > rows for rows, tokens, samples in graphs.calls)

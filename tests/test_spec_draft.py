@@ -330,5 +330,5 @@ def test_verify_rows_as_decode_rows_with_device_drafts(make_engine, tiny_model_d
     engine = draft_engine(make_engine, tiny_model_dir, num_speculative_tokens=3)
     graphs = engine.core.runner.cuda_graphs = EagerDecodeGraphs(engine.core.runner)
     assert outputs(engine, greedy()) == reference
-    assert any(tokens > rows for rows, tokens in graphs.calls)
+    assert any(tokens > rows for rows, tokens, _ in graphs.calls)
     assert engine.stats()["spec_acceptance_rate"] == 1.0

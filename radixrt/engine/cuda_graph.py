@@ -6,11 +6,12 @@ that the allocator never hands out (`scratch_block`, the pool's last block), and
 that block alone, so they never touch the KV of real requests. Each graph computes the
 logits of every row (model forward + lm_head); sampling runs outside.
 
-Verify rows (speculative decoding: the last sample + k drafts, every token sampled) run in
-the same graphs: a row of k + 1 tokens is fed as k + 1 decode rows over its block table,
-token j at position start + j attending to KV [0, start + j] (every row's K/V is stored
-before attention in each layer), which is exactly the row's causal mask (`decode_rows`).
-Such a plan fits a bucket by its token count.
+Short multi-token rows run in the same graphs: a row of n <= GRAPH_MAX_ROW_TOKENS new
+tokens is fed as n decode rows over its block table, token j at position start + j attending
+to KV [0, start + j] (every row's K/V is stored before attention in each layer), which is
+exactly the row's causal mask (`decode_rows`). That covers speculative verify rows (the last
+sample + k drafts) and jump-forward runs of forced tokens. Such a plan fits a bucket by its
+token count; the graph computes the logits of every token and the step keeps its samples'.
 
 Host-side inputs are built with numpy from the rows' block tables (no device kernels, no
 sync), copied into static device buffers with one pinned copy (rows that read their last
@@ -36,6 +37,10 @@ from radixrt.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
+# Longest row a graph step takes (fed as that many decode rows; each reads the row's KV again,
+# which the decode kernel serves from L2 for short rows): verify rows of k <= 15 drafts, short
+# jump-forward runs. Longer rows (prefill chunks) run eagerly.
+GRAPH_MAX_ROW_TOKENS = 16
 
 
 def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -100,12 +105,13 @@ class DecodeCudaGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
 
     def can_run(self, plan: StepPlan, layout: StepLayout) -> bool:
-        """Plans of at most max_batch_size tokens that sample every token they feed (decode
-        rows and verify rows) and score no prompt tokens."""
+        """Plans of at most max_batch_size tokens in rows of at most GRAPH_MAX_ROW_TOKENS
+        that sample something and score no prompt tokens."""
         num_tokens = layout.num_tokens
         return (
             0 < num_tokens <= self.max_batch_size
-            and len(layout.sample_tokens) == num_tokens
+            and int(layout.num_new.max()) <= GRAPH_MAX_ROW_TOKENS
+            and len(layout.sample_tokens) > 0
             and not len(layout.score_tokens)
         )
 
@@ -169,10 +175,11 @@ class DecodeCudaGraphs:
         on_inputs_staged: Callable[[], None] | None = None,
         device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Replay the graph for a step that `can_run`; returns logits [T, vocab] float32 of
-        its T tokens in flat order (= its samples; a view of the graph's output, valid until
-        the next replay). `device_inputs` = (flat token index [D] int64, ids [D] int64), both
-        on the device, overwrite those input ids (a draft model's drafts).
+        """Replay the graph for a step that `can_run`; returns the logits of its samples
+        [S, vocab] float32 (`sample_logits`: a view of the graph's output when every token
+        is sampled, valid until the next replay). `device_inputs` = (flat token index [D]
+        int64, ids [D] int64), both on the device, overwrite those input ids (a draft
+        model's drafts).
         `on_inputs_staged` runs once the inputs' copies are enqueued, before the replay."""
         num_tokens, n = layout.num_tokens, self.max_batch_size
         bs = self.bucket(num_tokens)
@@ -206,7 +213,17 @@ class DecodeCudaGraphs:
         if on_inputs_staged is not None:
             on_inputs_staged()
         self.graphs[bs].replay()
-        return self.logits[bs][:num_tokens]
+        return sample_logits(self.logits[bs], layout)
+
+
+def sample_logits(logits: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """The rows of `logits` ([>= T, vocab]: one per token in flat order) at the step's
+    samples [S, vocab]: a view when every token is sampled, else a gather."""
+    num_samples = len(layout.sample_tokens)
+    if num_samples == layout.num_tokens:  # sample tokens are ascending: all of them
+        return logits[:num_samples]
+    index = torch.from_numpy(layout.sample_tokens).to(logits.device, non_blocking=True)
+    return logits[index]
 
 
 def decode_rows(layout: StepLayout, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -150,7 +150,7 @@ class ModelRunner:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self._decode_logits,
                     self.backend,
-                    max_batch_size=min(num_slots, DECODE_BUCKETS[-1]),
+                    max_batch_size=min(num_slots * graph_tokens_per_row(cfg), DECODE_BUCKETS[-1]),
                     max_blocks_per_seq=self.max_blocks_per_seq,
                     block_size=self.block_size,
                     scratch_block=self.pool.num_blocks - 1,
@@ -162,7 +162,7 @@ class ModelRunner:
                 )
         if self.draft is not None and self.cuda_graphs is not None:
             self.draft.enable_cuda_graphs(
-                max_batch_size=self.cuda_graphs.max_batch_size,
+                max_batch_size=min(num_slots, DECODE_BUCKETS[-1]),  # one-token draft steps
                 max_blocks_per_seq=self.max_blocks_per_seq,
                 scratch_block=self.pool.num_blocks - 1,
                 num_slots=num_slots,
@@ -474,3 +474,10 @@ class ModelRunner:
         row state kept). Block-table changes and block ops are applied."""
         layout = self._begin(plan)
         return self._forward(plan, layout, use_cuda_graph)[0]
+
+
+def graph_tokens_per_row(cfg: EngineConfig) -> int:
+    """Tokens per row the decode graphs are sized for: 1 + k with speculation (verify rows),
+    else 1 (graph buckets cover max_running_requests rows of that many tokens)."""
+    spec = cfg.speculative
+    return 1 + (spec.num_speculative_tokens if spec.speculative_method != "none" else 0)
