@@ -147,6 +147,8 @@ def bench_steps(s: Setup, rng, draft_dir: str | None) -> list[dict]:
     slots = max(s.batches)
     blocks = slots * math.ceil((s.context + max(s.ks) + 1) / BLOCK_SIZE) + 1
     opts = dict(num_kv_blocks=blocks, max_running_requests=slots, max_model_len=s.context + 64)
+    # a proposer configured with k = max(ks): the decode graphs are sized for verify rows
+    opts |= dict(speculative_method="ngram", num_speculative_tokens=max(s.ks))
     if draft_dir is not None:
         opts |= dict(speculative_method="draft", speculative_draft_model=draft_dir)
     cfg = s.config(enable_cuda_graph=s.device == "cuda", **opts)
@@ -240,7 +242,9 @@ def bench_oracle(s: Setup, rng, ks: tuple[int, ...]) -> list[dict]:
     blocks = b_max * math.ceil((s.context + s.max_tokens + k_max + 2) / BLOCK_SIZE) + 2
     opts = dict(num_kv_blocks=blocks, max_running_requests=b_max)
     cfg = s.config(**opts)
-    shared = EngineCore(cfg, s.model_cfg, [])
+    # the shared runner's decode graphs are sized for verify rows of k_max drafts
+    sized = s.config(speculative_method="ngram", num_speculative_tokens=k_max, **opts)
+    shared = EngineCore(sized, s.model_cfg, [])
     runner, num_blocks = shared.runner, shared.allocator.num_blocks
     for b in s.batches:
         prompts = [rng.integers(0, vocab, s.context).tolist() for _ in range(b)]

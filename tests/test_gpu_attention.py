@@ -41,6 +41,19 @@ def test_decode_buckets():
         decode_buckets(257)
 
 
+def test_graph_tokens_per_row_covers_verify_rows():
+    from radixrt.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+    from radixrt.engine.runner import graph_tokens_per_row
+
+    assert graph_tokens_per_row(EngineConfig(model_path="m")) == 1
+    spec = EngineConfig(
+        model_path="m",
+        scheduler=SchedulerConfig(num_speculative_tokens=5),
+        speculative=SpeculativeConfig(speculative_method="ngram"),
+    )
+    assert graph_tokens_per_row(spec) == 6
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_decode_metadata_matches_reference(block_size):
     """The CUDA-graph host metadata (numpy) equals the reference builders on the real rows;

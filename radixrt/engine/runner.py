@@ -479,5 +479,5 @@ class ModelRunner:
 def graph_tokens_per_row(cfg: EngineConfig) -> int:
     """Tokens per row the decode graphs are sized for: 1 + k with speculation (verify rows),
     else 1 (graph buckets cover max_running_requests rows of that many tokens)."""
-    spec = cfg.speculative
-    return 1 + (spec.num_speculative_tokens if spec.speculative_method != "none" else 0)
+    drafting = cfg.speculative.speculative_method != "none"
+    return 1 + (cfg.scheduler.num_speculative_tokens if drafting else 0)
