@@ -91,8 +91,9 @@ class PlanRow:
     # not plan the row again before this step's result arrives
     drafts_on_device: bool = False  # the trailing num_draft_tokens input ids are
     # placeholders: the runner's draft model writes the drafts (speculative_method 'draft')
-    token_bitmask: bytes | None = None  # structured output: the tokens allowed at the row's
-    # one sample (packed little-endian int32 words, bit set = allowed; see radixrt.grammar)
+    token_bitmask: bytes | None = None  # structured output: the tokens allowed at each of the
+    # row's samples, one mask per sample back to back (packed little-endian int32 words, bit
+    # set = allowed, ceil(vocab / 32) words each; see radixrt.grammar)
 
     @property
     def end(self) -> int:

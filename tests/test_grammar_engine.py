@@ -182,12 +182,64 @@ def test_n_children_each_follow_the_grammar(make_engine):
     assert len({o.text for o in outs}) > 4
 
 
-def test_speculative_engine_never_drafts_constrained_rows(make_engine):
+SENTENCES = r"((the|a) (cat|dog|bird) (sat|ran|slept)( on the (mat|rug))?\. ){3,8}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "radix"])
+def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method):
+    """With a host-side proposer constrained rows draft: drafts are cut where the grammar
+    refuses them and every verify position is masked by the state after the drafts before
+    it, so outputs (greedy, seeded, JSON) are identical to no speculation, and drafts of
+    constrained rows do get accepted (radix: the second run drafts from the tree)."""
     ref = make_engine()
-    spec = make_engine(speculative_method="ngram")
-    p = SamplingParams(max_tokens=80, temperature=0, json_schema=SCHEMA)
-    assert _run(spec, p) == _run(ref, p)
-    assert spec.stats()["spec_proposals"] == 0
+    spec = make_engine(speculative_method=method, ngram_min_n=1)
+    prompts = ["the cat sat on the mat. the cat sat on the mat. the cat", "Once upon a time"]
+    for p in [
+        SamplingParams(max_tokens=80, temperature=0, regex=SENTENCES, logprobs=True),
+        SamplingParams(max_tokens=80, temperature=0.8, seed=5, regex=SENTENCES),
+        SamplingParams(max_tokens=120, temperature=0, json_schema=SCHEMA),
+    ]:
+        for _ in range(2):
+            want, got = ref.generate(prompts, p), spec.generate(prompts, p)
+            assert [(o.token_ids, o.finish_reason) for o in got] == [
+                (o.token_ids, o.finish_reason) for o in want
+            ]
+            for o, w in zip(got, want):
+                assert o.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+                if p.regex:
+                    assert re.fullmatch(SENTENCES, o.text) or o.finish_reason.value == "length"
+    s = spec.stats()
+    assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0
+
+
+def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
+    """_grammar_drafts keeps the longest allowed prefix and leaves the matcher unchanged;
+    _grammar_masks gives one mask per sample (current state, then after each draft)."""
+    from radixrt.grammar.masks import allowed_tokens
+    from radixrt.scheduler.scheduler import Scheduler
+
+    engine = make_engine()
+    tok = engine.tokenizer
+    engine.add_request(tok.encode("x"), SamplingParams(max_tokens=20, regex="abcabc"))
+    while True:  # until the grammar compiled and the request runs
+        engine.core.step()
+        req = next(iter(engine.scheduler.requests.values()))
+        if req.grammar is not None:
+            break
+    m = req.grammar
+    before = (m.num_accepted, m.next_mask())
+    good = [t for t in tok.encode("abcabc") if t != tok.bos_token_id]
+    bad = tok.encode("z")[-1]
+    drafts = Scheduler._grammar_drafts(req, good[:2] + [bad] + good[2:])
+    assert drafts == good[:2]
+    assert (m.num_accepted, m.next_mask()) == before
+    masks = Scheduler._grammar_masks(req, drafts)
+    width = len(before[1])
+    assert len(masks) == width * 3 and masks[:width] == before[1]
+    vocab = engine.model_config.vocab_size
+    assert allowed_tokens(masks[width : 2 * width], vocab)[good[1]]
+    assert (m.num_accepted, m.next_mask()) == before
+    engine.abort(req.rid)
 
 
 @pytest.mark.parametrize(

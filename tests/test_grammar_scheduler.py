@@ -45,6 +45,10 @@ class FakeMatcher:
         self.num_accepted += 1
         return True
 
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens <= self.num_accepted
+        self.num_accepted -= num_tokens
+
     def is_terminated(self) -> bool:
         return self.num_accepted == len(self.sets)
 

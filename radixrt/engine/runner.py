@@ -426,12 +426,18 @@ class ModelRunner:
     def _apply_grammar_masks(
         plan: StepPlan, layout: StepLayout, logits: torch.Tensor, rows: list[int]
     ) -> None:
-        """Mask the one sample of each constrained row (they never draft)."""
+        """Mask every sample of each constrained row (a verify row: one mask per sample)."""
         from radixrt.grammar.masks import apply_token_bitmasks
 
-        assert all(layout.num_samples[i] == 1 for i in rows), "a masked row samples once"
-        index = [int(layout.row_first_sample[i]) for i in rows]
-        apply_token_bitmasks(logits, [plan.rows[i].token_bitmask for i in rows], index)
+        masks, index = [], []
+        for i in rows:
+            bitmask, count = plan.rows[i].token_bitmask, int(layout.num_samples[i])
+            width = len(bitmask) // count
+            assert width * count == len(bitmask), "a masked row carries one mask per sample"
+            first = int(layout.row_first_sample[i])
+            masks += [bitmask[j * width : (j + 1) * width] for j in range(count)]
+            index += range(first, first + count)
+        apply_token_bitmasks(logits, masks, index)
 
     def _verify(
         self,

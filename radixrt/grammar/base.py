@@ -39,6 +39,11 @@ class GrammarMatcher(Protocol):
         """The grammar accepted a stop token: nothing more may follow."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts checked against
+        the grammar are accepted, their masks read, then rolled back)."""
+        ...
+
     def next_mask(self) -> bytes:
         """The tokens allowed next as a packed bitmask: little-endian int32 words, bit t % 32
         of word t // 32 set when token t is allowed; ceil(vocab_size / 32) words."""

@@ -6,9 +6,13 @@ requests go ahead) until `schedule()` polls the compile done. A compile error or
 finishes it with FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands
 such requests to EngineCore. Then every sequence (an n > 1 request: every child) holds its own
 matcher (`req.grammar`); its rows carry the matcher's next-token bitmask and wait for their
-result on the host (`needs_host_result`: the mask of step N+1 needs step N's token), never
-draft, and the matcher accepts every token appended. A row whose matcher terminated (it
-accepted a stop token) stops with FinishReason.STOP.
+result on the host (`needs_host_result`: the mask of step N+1 needs step N's token), and the
+matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained
+row drafts too: its drafts are cut at the first one the grammar refuses, and the row carries
+one mask per sample (the state after each draft; the matcher is rolled back after reading
+them), so a verify position samples exactly what masked decoding would. Draft-model drafts
+(made on the device) are not checked: constrained rows do not draft with them. A row whose
+matcher terminated (it accepted a stop token) stops with FinishReason.STOP.
 
 Jump-forward (on by default): after the tokens of a step are accepted, while the grammar
 allows exactly one token, that token is appended without sampling (log-prob 0: it has
@@ -119,6 +123,29 @@ class GrammarScheduling:
         self._fill_masks(reqs)
         for req in reqs:
             self._jump_forward(req)
+
+    @staticmethod
+    def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar allows (the matcher is left
+        as it was)."""
+        m, n = req.grammar, 0
+        while n < len(drafts) and not m.is_terminated() and m.accept(drafts[n]):
+            n += 1
+        m.rollback(n)
+        return drafts[:n]
+
+    @staticmethod
+    def _grammar_masks(req: Request, drafts) -> bytes:
+        """The masks of a row's samples, back to back: the current state's, then the state
+        after each draft (the matcher is left as it was). The drafts must be allowed
+        (`_grammar_drafts`)."""
+        m = req.grammar
+        masks = [m.next_mask()]
+        for token in drafts:
+            assert m.accept(token), f"draft {token} is outside {req.rid}'s grammar"
+            masks.append(m.next_mask())
+        m.rollback(len(drafts))
+        return b"".join(masks)
 
     def _grammar_accept(self, req: Request, token: int) -> FinishReason | None:
         """Feed an appended token to the request's matcher; STOP once it terminated."""

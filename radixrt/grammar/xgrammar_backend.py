@@ -184,6 +184,13 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            assert num_tokens <= self.num_accepted
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+            self._fresh = False
+
     def _fill(self) -> np.ndarray:
         if not self._fresh:
             self._matcher.fill_next_token_bitmask(self._bitmask, 0)

@@ -318,8 +318,8 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         drafts before it counted (`radixrt.engine.spec_penalties`)."""
         if self.proposer is None or req.num_inflight_samples:
             return []
-        if req.grammar is not None:  # drafts are not checked against the grammar
-            return []
+        if req.grammar is not None and getattr(self.proposer, "drafts_on_device", False):
+            return []  # device drafts cannot be checked against the grammar
         if not req.reports:
             return []
         room = min(
@@ -331,6 +331,8 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         if k <= 0:
             return []
         drafts = self.proposer.propose(req, k)[:k]
+        if req.grammar is not None and drafts:
+            drafts = self._grammar_drafts(req, drafts)
         self.stats.spec.num_proposals += 1
         self.stats.spec.num_proposals_with_drafts += bool(drafts)
         return drafts
@@ -622,7 +624,7 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         is_beam = req.group is not None and req.group.beam is not None and req.reports is False
         row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
         if req.grammar is not None and samples:  # the next mask needs this step's token
-            row.token_bitmask = req.grammar.next_mask()
+            row.token_bitmask = self._grammar_masks(req, drafts)
             row.needs_host_result = True
         self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
         if p.prompt_logprobs:
