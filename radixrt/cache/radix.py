@@ -332,6 +332,65 @@ class RadixCache:
             self._evict_host_one()
         self.stats.num_evicted_blocks += freed
 
+    # ---- after a failed step ----------------------------------------------------------
+
+    def stale_nodes(self, device_blocks: set[int], host_blocks: set[int]) -> list[RadixNode]:
+        """The nodes `discard_copies(device_blocks, host_blocks)` takes off the device or out
+        of the tree, deepest first. Read-only: the caller stops the requests locking any of
+        them (on their paths) before it discards."""
+        nodes, off_device = self._stale(device_blocks)
+        return [
+            n
+            for n in reversed(nodes)
+            if n.id in off_device or (not n.blocks and not host_blocks.isdisjoint(n.host_blocks))
+        ]
+
+    def discard_copies(self, device_blocks: set[int], host_blocks: set[int]) -> None:
+        """Forget the copies a failed step may not have made: a node recording one of
+        `device_blocks` loses its device copy, and so do its device descendants (a device
+        node's parent is on the device); a node recording one of `host_blocks` loses its host
+        copy; a node left with no copy leaves the tree with its subtree. Every node in
+        `stale_nodes(...)` must be unlocked."""
+        nodes, off_device = self._stale(device_blocks)
+        for node in reversed(nodes):  # deepest first: children leave the device first
+            bad_host = not host_blocks.isdisjoint(node.host_blocks)
+            if node.parent is None or not (bad_host or node.id in off_device):
+                continue
+            assert not node.lock_ref or (node.id not in off_device and node.blocks), (
+                f"discard_copies of a locked node at [{node.start}, {node.end})"
+            )
+            self.version += 1
+            parent = node.parent
+            self._unlist(node)
+            self._unlist(parent)
+            if bad_host:
+                self._drop_host_copy(node)
+            if node.id in off_device:
+                dropped, node.blocks = node.blocks, []
+                for b in dropped:
+                    self._drop(self._refs, b)
+                self.allocator.decref(dropped)
+            if node.blocks or node.host_blocks:
+                self._relist(node)
+                self._relist(parent)
+            else:
+                self._remove_subtree(node)  # relists the parent
+
+    def _stale(self, device_blocks: set[int]) -> tuple[list[RadixNode], set[int]]:
+        """Every node, parents before children, and the ids of the device nodes that record
+        one of `device_blocks` or lie below one that does."""
+        nodes: list[RadixNode] = []
+        off_device: set[int] = set()
+        stack = [(c, False) for c in self.root.children.values()]
+        while stack:
+            node, below = stack.pop()
+            nodes.append(node)
+            off = bool(node.blocks) and (below or not device_blocks.isdisjoint(node.blocks))
+            if off:
+                off_device.add(node.id)
+            stack += [(c, off) for c in node.children.values()]
+        return nodes, off_device
+
     # ---- host tier internals -----------------------------------------------------------
 
     def _evict_to_host(self, leaf: RadixNode) -> int:
