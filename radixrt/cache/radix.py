@@ -145,28 +145,43 @@ class RadixCache:
         return table
 
     def load(self, handle: RadixNode) -> list[int] | None:
-        """Bring the host-only nodes of the (locked) path root..handle to the device: fresh
-        device blocks (allocating may evict other nodes), one SwapIn op per block; the nodes
-        keep their host copies. Returns the path's device block table, or None, changing
-        nothing, when the device cannot free enough blocks. Caller: lock `handle` first."""
+        """Bring the host-only nodes of the (locked) path root..handle to the device: a fresh
+        device block per block index they cover (allocating may evict other nodes), one
+        SwapIn op each; the nodes keep their host copies. A block index two of them share (an
+        edge ending inside a block) is loaded once, from the deeper node's host copy (it
+        holds the shallower node's positions too), and both record that device block.
+        Returns the path's device block table, or None, with the path unchanged, when the
+        device cannot free enough blocks. Caller: lock `handle` first."""
         path = self._path(handle)
         assert all(n.lock_ref > 0 for n in path), "load of an unlocked path"
+        assert self.host is not None
+        bs = self.block_size
         todo = [n for n in path if not n.blocks]
-        need = sum(len(n.host_blocks) for n in todo)
-        short = need - self.allocator.num_free
+        source: dict[int, int] = {}  # block index -> host block to load (deepest node's)
+        for node in todo:  # root side first
+            assert node.host_blocks
+            first = node.start // bs
+            for k, h in enumerate(node.host_blocks):
+                source[first + k] = h
+        short = len(source) - self.allocator.num_free
         if short > 0:
             self.evict(short)
-        if self.allocator.num_free < need:
+        if self.allocator.num_free < len(source):
             return None
+        fresh = dict(zip(source, self.allocator.allocate(len(source))))  # one ref each
+        self.host.load(list(source.values()), list(fresh.values()))
+        held: set[int] = set()  # blocks whose allocation reference a node took already
         for node in todo:  # root side first: a parent is on the device before its child
-            assert self.host is not None and node.host_blocks
             self._unlist(node)
             self._unlist(node.parent)
-            node.blocks = self.allocator.allocate(len(node.host_blocks))  # the node's refs
-            for b in node.blocks:
+            first = node.start // bs
+            node.blocks = [fresh[first + k] for k in range(len(node.host_blocks))]
+            for b in node.blocks:  # the node's references
+                if b in held:
+                    self.allocator.incref([b])
+                held.add(b)
                 self._refs[b] += 1
                 self._locked_refs[b] += 1
-            self.host.load(node.host_blocks, node.blocks)
             self._relist(node.parent)
             self._relist(node)
         return self._table(path)
@@ -400,13 +415,26 @@ class RadixCache:
         host = self.host
         assert host is not None and leaf.lock_ref == 0
         if not leaf.host_blocks:
-            host_blocks = self._host_allocate(len(leaf.blocks))  # may relist `leaf`
+            # An edge ending inside a block: a host-only child's copy of that block holds the
+            # leaf's positions there too; share it (one reference, taken before allocating
+            # may evict the child) instead of writing the block back again.
+            shared = None
+            if leaf.end % self.block_size:
+                shared = next((c.host_blocks[0] for c in leaf.children.values()), None)
+            if shared is not None:
+                host.allocator.incref([shared])
+            num_new = len(leaf.blocks) - (shared is not None)
+            host_blocks = self._host_allocate(num_new)  # may relist `leaf`
             if host_blocks is None:
+                if shared is not None:
+                    host.allocator.decref([shared])
                 host.stats.num_dropped_blocks += len(leaf.blocks)
                 return self._remove_subtree(leaf)
             self._unlist(leaf)
-            host.write_back(leaf.blocks, host_blocks)
-            leaf.host_blocks = host_blocks  # allocate gave one reference each: the node's
+            host.write_back(leaf.blocks[:num_new], host_blocks)
+            if shared is not None:
+                host_blocks.append(shared)
+            leaf.host_blocks = host_blocks  # one reference each: the node's
             for b in host_blocks:
                 self._host_refs[b] += 1
         self._unlist(leaf)
