@@ -118,3 +118,27 @@ def test_counters_count_the_ops_and_copies_are_valid(workload, overlap):
     assert s["host_kv_blocks_cached"] == core.cache.host_cached_blocks
     assert s["host_kv_blocks_free"] + s["host_kv_blocks_cached"] == s["host_kv_blocks_total"]
     assert s["host_hit_tokens"] == sum(hits.values()) > 0
+
+
+def test_host_evicts_copies_of_device_nodes_first():
+    """Host room goes first to dropping the host copy of a node that is on the device too
+    (no KV is lost), before an older host-only leaf (whose KV would be lost)."""
+    cache, alloc = tree(num_blocks=8, host_blocks=3)
+    old = list(range(4))
+    put(cache, old)
+    cache.evict(1)  # `old` is host-only now
+    both = list(range(100, 104))
+    put(cache, both)
+    cache.evict(1)
+    m = cache.match(both)
+    cache.lock(m.handle)
+    cache.load(m.handle)  # `both` is on both tiers (and newer than `old`)
+    put(cache, list(range(200, 208)))  # 2 blocks
+    assert cache.host.allocator.num_free == 1
+    cache.evict(2)  # its write-back needs 2 host blocks: one is made free
+    cache.check_integrity()
+    assert cache.host.stats.num_host_evicted_blocks == 1
+    assert not m.handle.host_blocks and m.handle.blocks  # the duplicate went
+    assert cache.match(old).num_host_tokens == 4  # the host-only KV stayed
+    cache.unlock(m.handle)
+    cache.check_integrity()

@@ -112,7 +112,7 @@ class RadixCache:
         self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
         # unlocked host-only leaves), LRU first.
-        self._host_evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        self._host_evictable = SortedKeyList(key=_host_eviction_key)
         self._refs: Counter[int] = Counter()  # device block -> nodes recording it
         self._locked_refs: Counter[int] = Counter()  # device block -> locked nodes recording it
         self._host_refs: Counter[int] = Counter()  # host block -> nodes recording it
@@ -701,7 +701,7 @@ class RadixCache:
             listed = [node.id for node in lru]
             assert len(listed) == len(set(listed)) and set(listed) == members, "candidate list"
             assert all(getattr(node, flag) for node in lru)
-            keys = [(node.last_access, node.id) for node in lru]
+            keys = [lru.key(node) for node in lru]
             assert keys == sorted(keys)
         for b, r in refs.items():
             assert self.allocator.ref_counts[b] >= r, f"block {b}: tree holds more refs"
@@ -733,6 +733,12 @@ class RadixCache:
 
     def pretty_print(self) -> None:
         print(self.format_tree())
+
+
+def _host_eviction_key(node: RadixNode) -> tuple[bool, int, int]:
+    """Host eviction order: host copies of device nodes first (dropping one loses no KV),
+    then host-only leaves; least recently used first within each."""
+    return (not node.blocks, node.last_access, node.id)
 
 
 def _common_prefix_len(key: list[int], tokens: list[int], pos: int) -> int:
