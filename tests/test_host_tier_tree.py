@@ -142,3 +142,35 @@ def test_host_evicts_copies_of_device_nodes_first():
     assert cache.match(old).num_host_tokens == 4  # the host-only KV stayed
     cache.unlock(m.handle)
     cache.check_integrity()
+
+
+def test_dropped_blocks_count_the_device_blocks_freed():
+    """The host is full of a locked entry: a leaf whose first block its parent shares is
+    dropped (that block stays with the parent), then the parent: 2 blocks freed, not 3."""
+    cache, alloc = tree(num_blocks=8, host_blocks=1)
+    pinned = list(range(100, 104))
+    put(cache, pinned)
+    cache.evict(1)
+    cache.lock(cache.match(pinned).handle)  # host-only and locked: never evicted
+    put(cache, list(range(8)))
+    split_at(cache, range(6))  # [0, 6) and [6, 8) share block 1
+    assert cache.evict(1) == 2  # the child frees nothing, then the parent frees 2
+    assert cache.host.stats.num_dropped_blocks == 2 and cache.stats.num_evicted_blocks == 1 + 2
+    assert cache.cached_blocks == 0 and cache.total_tokens == 4
+    cache.check_integrity()
+
+
+def test_leaf_larger_than_the_host_evicts_nothing_there():
+    """A leaf of more blocks than the whole host pool is dropped at once: the host keeps its
+    entries (before, making room flushed them all first)."""
+    cache, alloc = tree(num_blocks=8, host_blocks=2)
+    small = list(range(100, 104))
+    put(cache, small)
+    cache.evict(1)
+    put(cache, list(range(12)))  # 3 blocks
+    assert cache.evict(3) == 3
+    assert (
+        cache.host.stats.num_dropped_blocks == 3 and cache.host.stats.num_host_evicted_blocks == 0
+    )
+    assert cache.match(small).num_host_tokens == 4
+    cache.check_integrity()

@@ -17,11 +17,15 @@ device), so a path runs device nodes first, then host-only ones. Device eviction
 device leaves (unlocked, no child on the device) and writes their blocks back to the host
 (a SwapOut op per block; none when the node already has a host copy) instead of removing
 them; only when the host cannot make room is the leaf removed with its host-only subtree.
-The host tier evicts LRU too, for real: a host-only leaf is removed, a node on both tiers
-loses its host copy. `match` counts host-resident tokens as cached (`num_host_tokens`);
-`load(handle)` brings them into fresh device blocks (SwapIn ops). Locking covers both tiers:
-a locked host-only node is never evicted. Without a host tier the tree behaves as before
-(a long leaf's tail is trimmed first).
+The host tier evicts for real: host copies of nodes that are on the device too first (that
+loses no KV), then host-only leaves, LRU first within each; a host-only leaf leaves the tree.
+`match` counts host-resident tokens as cached (`num_host_tokens`); `load(handle)` brings them
+into fresh device blocks (SwapIn ops). A block index shared by a parent and its child (an
+edge ending inside a block) moves once: the parent's write-back shares its host-only child's
+copy of that block, and a load of both loads the deeper node's copy once for both. Locking
+covers both tiers: a locked host-only node is never evicted. After a failed step,
+`discard_copies` forgets the copies its swap ops may not have made. Without a host tier the
+tree behaves as before (a long leaf's tail is trimmed first).
 
 Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
 - match: O(d + m) plus C-level list comparisons of the edges; at most one split.
@@ -111,7 +115,7 @@ class RadixCache:
         # Device eviction candidates (unlocked non-root device leaves), LRU first.
         self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
-        # unlocked host-only leaves), LRU first.
+        # unlocked host-only leaves), in eviction order (`_host_eviction_key`).
         self._host_evictable = SortedKeyList(key=_host_eviction_key)
         self._refs: Counter[int] = Counter()  # device block -> nodes recording it
         self._locked_refs: Counter[int] = Counter()  # device block -> locked nodes recording it
@@ -428,8 +432,9 @@ class RadixCache:
             if host_blocks is None:
                 if shared is not None:
                     host.allocator.decref([shared])
-                host.stats.num_dropped_blocks += len(leaf.blocks)
-                return self._remove_subtree(leaf)
+                freed = self._remove_subtree(leaf)
+                host.stats.num_dropped_blocks += freed
+                return freed
             self._unlist(leaf)
             host.write_back(leaf.blocks[:num_new], host_blocks)
             if shared is not None:
@@ -447,8 +452,11 @@ class RadixCache:
         return self.allocator.decref(dropped)
 
     def _host_allocate(self, n: int) -> list[int] | None:
-        """`n` fresh host blocks, evicting LRU host entries for room; None if impossible."""
+        """`n` fresh host blocks, evicting host entries for room (see `_host_eviction_key`);
+        None, evicting nothing, when `n` exceeds the host pool."""
         alloc = self.host.allocator
+        if n > alloc.num_blocks:
+            return None
         while alloc.num_free < n and self._host_evictable:
             self._evict_host_one()
         return alloc.allocate(n) if alloc.num_free >= n else None

@@ -26,7 +26,8 @@ class TierStats:
     num_loaded_blocks: int = 0  # host blocks copied into fresh device blocks (SwapIn ops of
     # plans that did not fail)
     num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's LRU eviction
-    num_dropped_blocks: int = 0  # device blocks evicted without a host copy (host full)
+    num_dropped_blocks: int = 0  # device blocks freed by evicting a leaf that got no host
+    # copy (the host could not make room)
 
 
 class HostTier:
