@@ -6,6 +6,7 @@ prompt get the greedy output of an unconstrained run; both pools balance."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_host_tier_engine import check_pools
 from test_host_tier_failures import fail_once, has_swap_in
 
@@ -72,3 +73,29 @@ def test_tiny_model_failed_loading_step(make_engine, want, overlap, ran, deferre
     eng.add_request(PROMPT, GREEDY, rid="again")
     drain(eng, out)
     assert out["again"] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ran", [False, True])
+def test_gpu_failed_deferred_loading_step(make_engine, ran):
+    """On the copy stream (float32, torch attention, overlap): the failed step's loads are
+    forgotten, V and a later identical request get the unconstrained greedy output."""
+    opts = dict(device="cuda", dtype="float32", attention_backend="torch", block_size=4)
+    ref = make_engine(**opts)
+    want = {}
+    ref.add_request(PROMPT, GREEDY, rid="V")
+    drain(ref, want)
+    eng = make_engine(**opts, num_kv_blocks=32, num_host_kv_blocks=256, overlap_schedule=True)
+    history_on_host(eng)
+    eng.add_request([30 + i for i in range(8)], GREEDY, rid="A")
+    eng.step()
+    failed = fail_once(eng.core.runner, has_swap_in, ran=ran)
+    eng.add_request(PROMPT, GREEDY, rid="V")
+    out, reasons = {}, {}
+    drain(eng, out, reasons)
+    assert failed and [r.rid for r in failed[0].rows] == ["A"]
+    assert reasons["A"] is FinishReason.ERROR and out["V"] == want["V"]
+    eng.add_request(PROMPT, GREEDY, rid="again")
+    drain(eng, out)
+    assert out["again"] == want["V"]
