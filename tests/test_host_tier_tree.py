@@ -174,3 +174,25 @@ def test_leaf_larger_than_the_host_evicts_nothing_there():
     )
     assert cache.match(small).num_host_tokens == 4
     cache.check_integrity()
+
+
+def test_host_drops_the_most_recent_duplicate_first():
+    """Of two nodes on both tiers, the more recently used loses its host copy first: device
+    eviction takes the older one first, which then needs no write-back."""
+    cache, alloc = tree(num_blocks=8, host_blocks=2)
+    handles = []
+    for tokens in (list(range(4)), list(range(100, 104))):  # older, newer
+        put(cache, tokens)
+        cache.evict(1)
+        m = cache.match(tokens)
+        cache.lock(m.handle)
+        cache.load(m.handle)  # on both tiers now, locked
+        handles.append(m.handle)
+    older, newer = handles
+    put(cache, list(range(200, 204)))
+    assert cache.evict(1) == 1  # the fresh leaf's write-back needs the one host block
+    cache.check_integrity()
+    assert older.host_blocks and not newer.host_blocks and newer.blocks
+    for h in handles:
+        cache.unlock(h)
+    cache.check_integrity()

@@ -18,7 +18,7 @@ device leaves (unlocked, no child on the device) and writes their blocks back to
 (a SwapOut op per block; none when the node already has a host copy) instead of removing
 them; only when the host cannot make room is the leaf removed with its host-only subtree.
 The host tier evicts for real: host copies of nodes that are on the device too first (that
-loses no KV), then host-only leaves, LRU first within each; a host-only leaf leaves the tree.
+loses no KV; most recently used first), then host-only leaves (LRU first), which leave the tree.
 `match` counts host-resident tokens as cached (`num_host_tokens`); `load(handle)` brings them
 into fresh device blocks (SwapIn ops). A block index shared by a parent and its child (an
 edge ending inside a block) moves once: the parent's write-back shares its host-only child's

@@ -194,6 +194,9 @@ class HostTierMixin:
 
 
 def host_eviction_key(node: RadixNode) -> tuple[bool, int, int]:
-    """Host eviction order: host copies of device nodes first (dropping one loses no KV),
-    then host-only leaves; least recently used first within each."""
-    return (not node.blocks, node.last_access, node.id)
+    """Host eviction order: host copies of device nodes first (dropping one loses no KV), the
+    most recently used first (device eviction takes the least recently used, so their host
+    copies are needed soonest); then host-only leaves, least recently used first."""
+    if node.blocks:
+        return (False, -node.last_access, -node.id)
+    return (True, node.last_access, node.id)
