@@ -1,7 +1,8 @@
 """Failed steps around host-tier transfers with the tiny model (CPU, float32): a step with
 swap-ins fails before it ran anything or after it ran everything; the requests of that step
 fail, a request whose history loaded in it without a row there and later requests for the same
-prompt get the greedy output of an unconstrained run; both pools balance."""
+prompt get the greedy output of an unconstrained run; both pools balance. Also an abort while
+a request's history loads."""
 
 from __future__ import annotations
 
@@ -73,6 +74,30 @@ def test_tiny_model_failed_loading_step(make_engine, want, overlap, ran, deferre
     eng.add_request(PROMPT, GREEDY, rid="again")
     drain(eng, out)
     assert out["again"] == want
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_model_abort_of_a_deferred_load(make_engine, want, overlap):
+    """V's history loads in a step in which V has no row yet; V is aborted then: nothing
+    leaks and the same prompt reuses the loaded copy, with the unconstrained output."""
+    eng = make_engine(
+        block_size=4, num_kv_blocks=32, num_host_kv_blocks=256, overlap_schedule=overlap
+    )
+    history_on_host(eng)
+    eng.add_request([30 + i for i in range(8)], GREEDY, rid="A")
+    eng.step()
+    eng.add_request(PROMPT, GREEDY, rid="V")
+    eng.step()
+    s = eng.core.stats()
+    assert s["host_deferred_loads"] == 1 and eng.core.request("V").num_output == 0
+    eng.abort("V")
+    drain(eng, {})
+    loaded = eng.core.stats()["host_loaded_blocks"]
+    out = {}
+    eng.add_request(PROMPT, GREEDY, rid="again")
+    drain(eng, out)
+    assert out["again"] == want
+    assert eng.core.stats()["host_loaded_blocks"] == loaded, "the loaded copy was not reused"
 
 
 @pytest.mark.gpu

@@ -25,7 +25,8 @@ class TierStats:
     # plans that did not fail)
     num_loaded_blocks: int = 0  # host blocks copied into fresh device blocks (SwapIn ops of
     # plans that did not fail)
-    num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's LRU eviction
+    num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's own eviction
+    # (order: radixrt.cache.radix_host.host_eviction_key)
     num_dropped_blocks: int = 0  # device blocks freed by evicting a leaf that got no host
     # copy (the host could not make room)
 
