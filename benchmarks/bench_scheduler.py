@@ -51,6 +51,8 @@ def simulate(
         "evicted_blocks": stats["evicted_blocks"],
         "hit_rate": stats["cache_hit_rate"],
         "host_hit_tokens": stats["host_hit_tokens"],
+        "loaded_blocks": stats["host_loaded_blocks"],
+        "written_back_blocks": stats["host_written_back_blocks"],
         "wall_s": time.perf_counter() - start,
     }
 
@@ -81,6 +83,7 @@ def main() -> None:
         print(
             f"{config:>16} {r['steps']:>6} {r['computed_tokens']:>9} {r['preemptions']:>7} "
             f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f} host {r['host_hit_tokens']:>8} "
+            f"loaded {r['loaded_blocks']:>7} written back {r['written_back_blocks']:>7} "
             f"{r['wall_s']:6.1f} s"
         )
 

@@ -215,8 +215,9 @@ def test_tree_write_back_match_load_and_split():
     cache.check_integrity()
     assert cache.evict(4) == 4  # both leaves and then their parent go to the host
     ops = cache.take_swap_ops()
-    assert all(isinstance(op, SwapOut) for op in ops) and len(ops) == 5
-    assert cache.cached_blocks == 0 and cache.host_cached_blocks == 5
+    # the parent shares a child's copy of block 1 (the edges end inside it): 4 blocks, not 5
+    assert all(isinstance(op, SwapOut) for op in ops) and len(ops) == 4
+    assert cache.cached_blocks == 0 and cache.host_cached_blocks == 4
     cache.check_integrity()
     m = cache.match(list(range(9)) + [77])  # ends inside a host-only edge: splits it
     assert m.num_cached_tokens == 9 and m.num_host_tokens == 9 and m.blocks == []
@@ -225,7 +226,7 @@ def test_tree_write_back_match_load_and_split():
     table = cache.load(m.handle)
     assert len(table) == 3
     loads = cache.take_swap_ops()
-    assert [type(op) for op in loads] == [SwapIn] * len(loads)
+    assert [type(op) for op in loads] == [SwapIn] * 3  # block 1 once, for both nodes
     cache.check_integrity()
     assert cache.match(list(range(9))).num_host_tokens == 0
     cache.unlock(m.handle)

@@ -17,11 +17,16 @@ device), so a path runs device nodes first, then host-only ones. Device eviction
 device leaves (unlocked, no child on the device) and writes their blocks back to the host
 (a SwapOut op per block; none when the node already has a host copy) instead of removing
 them; only when the host cannot make room is the leaf removed with its host-only subtree.
-The host tier evicts LRU too, for real: a host-only leaf is removed, a node on both tiers
-loses its host copy. `match` counts host-resident tokens as cached (`num_host_tokens`);
-`load(handle)` brings them into fresh device blocks (SwapIn ops). Locking covers both tiers:
-a locked host-only node is never evicted. Without a host tier the tree behaves as before
-(a long leaf's tail is trimmed first).
+The host tier evicts for real: host copies of nodes that are on the device too first (that
+loses no KV; most recently used first), then host-only leaves (LRU first), which leave the tree.
+`match` counts host-resident tokens as cached (`num_host_tokens`); `load(handle)` brings them
+into fresh device blocks (SwapIn ops). A block index shared by a parent and its child (an
+edge ending inside a block) moves once: the parent's write-back shares its host-only child's
+copy of that block, and a load of both loads the deeper node's copy once for both. Locking
+covers both tiers: a locked host-only node is never evicted. After a failed step,
+`discard_copies` forgets the copies its swap ops may not have made. The host-tier methods live
+in `radixrt.cache.radix_host`. Without a host tier the tree behaves as before (a long leaf's
+tail is trimmed first).
 
 Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
 - match: O(d + m) plus C-level list comparisons of the edges; at most one split.
@@ -40,6 +45,7 @@ from collections.abc import Sequence
 from sortedcontainers import SortedKeyList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
 from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
 
@@ -86,7 +92,7 @@ class RadixNode:
         return self.blocks[pos // block_size - self.start // block_size]
 
 
-class RadixCache:
+class RadixCache(HostTierMixin):
     """Prefix cache keyed by exact token prefixes; see `radixrt.cache.base` for ownership.
 
     `evictable_blocks` counts the distinct cached device blocks that no locked node records.
@@ -111,8 +117,8 @@ class RadixCache:
         # Device eviction candidates (unlocked non-root device leaves), LRU first.
         self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
-        # unlocked host-only leaves), LRU first.
-        self._host_evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        # unlocked host-only leaves), in eviction order (`host_eviction_key`).
+        self._host_evictable = SortedKeyList(key=host_eviction_key)
         self._refs: Counter[int] = Counter()  # device block -> nodes recording it
         self._locked_refs: Counter[int] = Counter()  # device block -> locked nodes recording it
         self._host_refs: Counter[int] = Counter()  # host block -> nodes recording it
@@ -143,33 +149,6 @@ class RadixCache:
                 table.pop()  # block index shared with the parent: the deeper node wins
             table.extend(node.blocks)
         return table
-
-    def load(self, handle: RadixNode) -> list[int] | None:
-        """Bring the host-only nodes of the (locked) path root..handle to the device: fresh
-        device blocks (allocating may evict other nodes), one SwapIn op per block; the nodes
-        keep their host copies. Returns the path's device block table, or None, changing
-        nothing, when the device cannot free enough blocks. Caller: lock `handle` first."""
-        path = self._path(handle)
-        assert all(n.lock_ref > 0 for n in path), "load of an unlocked path"
-        todo = [n for n in path if not n.blocks]
-        need = sum(len(n.host_blocks) for n in todo)
-        short = need - self.allocator.num_free
-        if short > 0:
-            self.evict(short)
-        if self.allocator.num_free < need:
-            return None
-        for node in todo:  # root side first: a parent is on the device before its child
-            assert self.host is not None and node.host_blocks
-            self._unlist(node)
-            self._unlist(node.parent)
-            node.blocks = self.allocator.allocate(len(node.host_blocks))  # the node's refs
-            for b in node.blocks:
-                self._refs[b] += 1
-                self._locked_refs[b] += 1
-            self.host.load(node.host_blocks, node.blocks)
-            self._relist(node.parent)
-            self._relist(node)
-        return self._table(path)
 
     def _path(self, handle: RadixNode) -> list[RadixNode]:
         """Nodes root..handle, root excluded, root side first."""
@@ -332,61 +311,7 @@ class RadixCache:
             self._evict_host_one()
         self.stats.num_evicted_blocks += freed
 
-    # ---- host tier internals -----------------------------------------------------------
-
-    def _evict_to_host(self, leaf: RadixNode) -> int:
-        """Drop an (already unlisted) device leaf's device blocks, writing them back first
-        unless it has a host copy; with no room on the host, remove it and its host-only
-        subtree. Returns device blocks freed."""
-        host = self.host
-        assert host is not None and leaf.lock_ref == 0
-        if not leaf.host_blocks:
-            host_blocks = self._host_allocate(len(leaf.blocks))  # may relist `leaf`
-            if host_blocks is None:
-                host.stats.num_dropped_blocks += len(leaf.blocks)
-                return self._remove_subtree(leaf)
-            self._unlist(leaf)
-            host.write_back(leaf.blocks, host_blocks)
-            leaf.host_blocks = host_blocks  # allocate gave one reference each: the node's
-            for b in host_blocks:
-                self._host_refs[b] += 1
-        self._unlist(leaf)
-        self._unlist(leaf.parent)
-        dropped, leaf.blocks = leaf.blocks, []
-        for b in dropped:
-            self._drop(self._refs, b)
-        self._relist(leaf)
-        self._relist(leaf.parent)
-        return self.allocator.decref(dropped)
-
-    def _host_allocate(self, n: int) -> list[int] | None:
-        """`n` fresh host blocks, evicting LRU host entries for room; None if impossible."""
-        alloc = self.host.allocator
-        while alloc.num_free < n and self._host_evictable:
-            self._evict_host_one()
-        return alloc.allocate(n) if alloc.num_free >= n else None
-
-    def _evict_host_one(self) -> None:
-        """Evict the LRU host entry: a node on both tiers loses its host copy, a host-only
-        leaf leaves the tree."""
-        node = self._host_evictable.pop(0)
-        node.in_host_lru = False
-        if not node.blocks:
-            assert node.lock_ref == 0 and not node.children
-            parent = node.parent
-            self._unlist(parent)
-            del parent.children[node.key[0]]
-            node.parent = None
-            self._total_tokens -= len(node.key)
-            self._relist(parent)
-        self.host.stats.num_host_evicted_blocks += self._drop_host_copy(node)
-
-    def _drop_host_copy(self, node: RadixNode) -> int:
-        """Release the node's host blocks; returns host blocks freed."""
-        dropped, node.host_blocks = node.host_blocks, []
-        for b in dropped:
-            self._drop(self._host_refs, b)
-        return self.host.allocator.decref(dropped) if dropped else 0
+    # ---- removal and the candidate lists ---------------------------------------------------
 
     def _remove_subtree(self, top: RadixNode) -> int:
         """Remove an unlocked device leaf (already unlisted) and every (host-only) node below
@@ -415,13 +340,6 @@ class RadixCache:
             and node.lock_ref == 0
             and bool(node.blocks)
             and not any(c.blocks for c in node.children.values())
-        )
-
-    def _is_host_candidate(self, node: RadixNode) -> bool:
-        """A host eviction candidate: a host copy of a device node, or an unlocked host-only
-        leaf."""
-        return bool(node.host_blocks) and (
-            bool(node.blocks) or (node.lock_ref == 0 and not node.children)
         )
 
     def _unlist(self, node: RadixNode) -> None:
@@ -614,7 +532,7 @@ class RadixCache:
             listed = [node.id for node in lru]
             assert len(listed) == len(set(listed)) and set(listed) == members, "candidate list"
             assert all(getattr(node, flag) for node in lru)
-            keys = [(node.last_access, node.id) for node in lru]
+            keys = [lru.key(node) for node in lru]
             assert keys == sorted(keys)
         for b, r in refs.items():
             assert self.allocator.ref_counts[b] >= r, f"block {b}: tree holds more refs"

@@ -12,18 +12,23 @@ holds one reference per host block it records (a split inside a block adds one).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.plan import SwapIn, SwapOut
+from radixrt.plan import BlockOp, CopyBlock, SwapIn, SwapOut
 
 
 @dataclass
 class TierStats:
-    num_written_back_blocks: int = 0  # device blocks copied to the host (SwapOut ops)
-    num_loaded_blocks: int = 0  # host blocks copied into fresh device blocks (SwapIn ops)
-    num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's LRU eviction
-    num_dropped_blocks: int = 0  # device blocks evicted without a host copy (host full)
+    num_written_back_blocks: int = 0  # device blocks copied to the host (SwapOut ops of
+    # plans that did not fail)
+    num_loaded_blocks: int = 0  # host blocks copied into fresh device blocks (SwapIn ops of
+    # plans that did not fail)
+    num_host_evicted_blocks: int = 0  # host blocks freed by the host tier's own eviction
+    # (order: radixrt.cache.radix_host.host_eviction_key)
+    num_dropped_blocks: int = 0  # device blocks freed by evicting a leaf that got no host
+    # copy (the host could not make room)
 
 
 class HostTier:
@@ -56,3 +61,43 @@ class HostTier:
     @property
     def num_pending_ops(self) -> int:
         return len(self._ops)
+
+    @property
+    def pending_ops(self) -> list[SwapIn | SwapOut]:
+        """The ops queued since the last `take_ops` (a copy; they stay queued)."""
+        return list(self._ops)
+
+    def uncount(self, ops: Iterable[BlockOp]) -> None:
+        """Take the swap ops of a failed plan out of the counters."""
+        for op in ops:
+            if isinstance(op, SwapOut):
+                self.stats.num_written_back_blocks -= 1
+            elif isinstance(op, SwapIn):
+                self.stats.num_loaded_blocks -= 1
+
+
+def unmade_blocks(
+    failed_ops: Iterable[BlockOp], later_ops: Iterable[Iterable[BlockOp]]
+) -> tuple[set[int], set[int]]:
+    """Device and host blocks whose content may be wrong after a plan with `failed_ops`
+    failed (it may have run none, some or all of them): the targets of its swap-ins, copies
+    and swap-outs, and, through `later_ops` (the ops of plans made after it and of ops queued
+    since, in the order they run), the targets of ops that read such a block."""
+    device: set[int] = set()
+    host: set[int] = set()
+    for op in failed_ops:
+        if isinstance(op, SwapIn):
+            device.add(op.device_block)
+        elif isinstance(op, SwapOut):
+            host.add(op.host_block)
+        elif isinstance(op, CopyBlock):
+            device.add(op.dst)
+    for ops in later_ops:
+        for op in ops:
+            if isinstance(op, SwapIn) and op.host_block in host:
+                device.add(op.device_block)
+            elif isinstance(op, SwapOut) and op.device_block in device:
+                host.add(op.host_block)
+            elif isinstance(op, CopyBlock) and op.src in device:
+                device.add(op.dst)
+    return device, host

@@ -8,10 +8,10 @@ from typing import Any
 def host_tier_stats(cache: Any, sched_stats: Any, runner: Any) -> dict[str, float]:
     """`host_hit_tokens`: prompt tokens served from the host tier (part of cached_tokens);
     `host_deferred_loads`: admissions whose first row waited one step for their loads;
-    blocks written back / loaded / evicted from the host / dropped without a host copy (the
-    host was full); host pool usage; and, from a runner with a host pool, bytes and seconds
-    of the transfers it executed (`swap_seconds`: copy-stream time on CUDA, wall time on a
-    CPU)."""
+    blocks written back / loaded (swap ops of plans that did not fail) / evicted from the
+    host / dropped without a host copy (the host was full); host pool usage; and, from a
+    runner with a host pool, bytes and seconds of the transfers it executed (a failed step's
+    too, if it got that far; `swap_seconds`: copy-stream time on CUDA, wall time on a CPU)."""
     host = getattr(cache, "host", None)
     out: dict[str, float] = {
         "host_hit_tokens": sched_stats.num_host_hit_tokens,

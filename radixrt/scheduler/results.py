@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import math
 
-from radixrt.plan import PlanRow, StepPlan, StepResult
+from radixrt.cache.tiers import unmade_blocks
+from radixrt.plan import PlanRow, StepPlan, StepResult, SwapIn, SwapOut
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status
 
 logger = logging.getLogger("radixrt.scheduler.scheduler")
@@ -50,14 +51,36 @@ class ResultApplication:
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
         """The plan's execution failed: finish every request still in it (same incarnation)
-        with FinishReason.ERROR. Returns those requests."""
+        with FinishReason.ERROR. With host-tier swap ops in it, none of its block ops counts as
+        done (`_discard_unmade_copies`). Returns the failed requests."""
         launched = self._launched.pop(plan.step_id)
         self.stats.num_failed_steps += 1
         failed = []
         for req, epoch in zip(launched.requests, launched.epochs):
             if req.epoch == epoch and req.status is Status.RUNNING:
                 failed += self._fail(req, error)
+        if any(isinstance(op, SwapIn | SwapOut) for op in plan.block_ops):
+            self._discard_unmade_copies(plan)
         return failed
+
+    def _discard_unmade_copies(self, plan: StepPlan) -> None:
+        """The failed plan may have run none, some or all of its block ops: the blocks they
+        write, and what later plans (and ops queued since) copied from those, hold unknown
+        content. Requests holding such a device block or locking a node that loses a copy
+        are preempted (they recompute, or load again from a valid host copy); then the cache
+        forgets those copies, so no node claims KV that may never have been copied."""
+        later = [self._launched[i].block_ops for i in sorted(self._launched) if i > plan.step_id]
+        host = self.cache.host
+        later.append(self._pending_ops + host.pending_ops)  # they run next, in this order
+        device_blocks, host_blocks = unmade_blocks(plan.block_ops, later)
+        stale = {id(n) for n in self.cache.stale_nodes(device_blocks, host_blocks)}
+        for req in list(self.running):
+            if req.status is Status.RUNNING and (
+                not device_blocks.isdisjoint(req.block_table) or _on_path(req.cache_handle, stale)
+            ):
+                self._preempt(req)
+        self.cache.discard_copies(device_blocks, host_blocks)
+        host.uncount(plan.block_ops)
 
     def _fail(self, req: Request, error: Exception | str) -> list[Request]:
         """Finish `req` with FinishReason.ERROR, releasing what it holds; a member of a
@@ -239,3 +262,12 @@ class ResultApplication:
             f"free {free} + cached {num_cached} + in use {num_in_use} "
             f"!= total {self.allocator.num_blocks}"
         )
+
+
+def _on_path(handle, nodes: set[int]) -> bool:
+    """Whether a node of the radix path root..handle is in `nodes` (ids)."""
+    while handle is not None:
+        if id(handle) in nodes:
+            return True
+        handle = handle.parent
+    return False

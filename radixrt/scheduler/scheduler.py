@@ -100,6 +100,7 @@ class _Launched:
 
     requests: list[Request]
     epochs: list[int]
+    block_ops: list  # the plan's (a failed earlier plan may have left them wrong inputs)
 
 
 class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
@@ -254,9 +255,10 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         if not rows:
             self._pending_ops = [op for op in self._swaps_first(ops) if _is_swap(op)]
             return None
-        self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs])
+        ops = self._swaps_first(ops)
+        self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
         self.stats.num_steps += 1
-        return StepPlan(step_id, rows, self._swaps_first(ops))
+        return StepPlan(step_id, rows, ops)
 
     def _swaps_first(self, ops: list) -> list:
         """`ops` with the host tier's swap ops (earlier pending ones, then those the cache
