@@ -46,50 +46,9 @@ from sortedcontainers import SortedKeyList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
 from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
+from radixrt.cache.radix_node import RadixNode
 from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
-
-
-class RadixNode:
-    """One edge of the tree. Fields are read-only outside `RadixCache`."""
-
-    __slots__ = (
-        "id",
-        "key",
-        "start",
-        "blocks",
-        "host_blocks",
-        "children",
-        "parent",
-        "lock_ref",
-        "last_access",
-        "in_lru",
-        "in_host_lru",
-    )
-
-    def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
-        self.id = node_id  # unique, breaks ties between equal access times
-        self.key = key  # token ids of the edge (empty only for the root)
-        self.start = start  # absolute position of key[0]
-        self.blocks = blocks  # device block per block index start // B .. (end - 1) // B
-        # ([] when the node's KV is not on the device)
-        self.host_blocks: list[int] = []  # host copy, per block index likewise ([]: none)
-        self.children: dict[int, RadixNode] = {}  # by first token of the child's key
-        self.parent: RadixNode | None = None  # None for the root and for evicted nodes
-        self.lock_ref = 0  # lock() calls whose handle is this node or a descendant
-        self.last_access = 0  # cache clock at the last match/insert through this node
-        self.in_lru = False  # listed as a device eviction candidate
-        self.in_host_lru = False  # listed as a host eviction candidate
-
-    @property
-    def end(self) -> int:
-        """Absolute position one past the edge's last token (= depth of the node)."""
-        return self.start + len(self.key)
-
-    def block_at(self, pos: int, block_size: int) -> int:
-        """Block recorded for absolute position `pos` (start <= pos < end)."""
-        assert self.start <= pos < self.end
-        return self.blocks[pos // block_size - self.start // block_size]
 
 
 class RadixCache(HostTierMixin):

@@ -5,10 +5,7 @@ swap ops collect in the `HostTier` outbox (`radixrt.cache.tiers`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from radixrt.cache.radix import RadixNode
+from radixrt.cache.radix_node import RadixNode
 
 
 class HostTierMixin:
