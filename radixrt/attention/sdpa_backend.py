@@ -95,8 +95,15 @@ class SdpaAttentionBackend:
         pool.store(layer, batch.slot_mapping, k, v)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [blocks, B, hkv, d]
         hq, hkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group_size
+        groups = self.groups
+        if len(groups) == 1 and groups[0].token_range == (0, q.shape[0]):  # decode-only step
+            return self._decode(layer, groups[0], 0, q, k_cache, v_cache, pool)
         out = q.new_empty((q.shape[0] + 1, hq, d))  # row T: trash for padded queries
-        for i, grp in enumerate(self.groups):
+        for i, grp in enumerate(groups):
+            if grp.token_range is not None:
+                first, stop = grp.token_range
+                out[first:stop] = self._decode(layer, grp, i, q, k_cache, v_cache, pool)
+                continue
             n, ql = grp.num_pieces, grp.q_len
             keys, vals = self._gather_kv(grp, k_cache, v_cache)  # [n, hkv, kl, d]
             keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
@@ -121,3 +128,27 @@ class SdpaAttentionBackend:
                 res = res.transpose(1, 2).reshape(n * ql, hq, d)
             out.index_copy_(0, grp.out_index, res)
         return out[:-1]
+
+    def _decode(
+        self,
+        layer: int,
+        grp: AttentionGroup,
+        i: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """Group i of consecutive decode rows (`token_range`): q read in place, no scatter.
+        Returns [n, hq, d] for tokens first..stop-1."""
+        assert grp.token_range is not None
+        first, stop = grp.token_range
+        n, hkv, g, d = grp.num_pieces, self.num_kv_heads, self.group_size, self.head_dim
+        keys, vals = self._gather_kv(grp, k_cache, v_cache)  # [n, hkv, kl, d]
+        keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
+        qg = q[first:stop]
+        if not qg.is_contiguous():
+            qg = qg.contiguous()
+        return F.scaled_dot_product_attention(
+            qg.view(n, hkv, g, d), keys, vals, attn_mask=self._bias(i, q.dtype), scale=self.scale
+        ).reshape(n, self.num_heads, d)

@@ -54,6 +54,8 @@ class AttentionGroup(NamedTuple):
     out_index: torch.Tensor  # [n * q_len] int64: where each result goes; T (trash) for pads
     blocks: torch.Tensor  # [n * kv_len / block_size] int64: pool block of each key block
     mask: torch.Tensor  # [n, 1, 1 | q_len, kv_len] bool: True where the query sees the key
+    token_range: tuple[int, int] | None  # (first, stop) when the queries are exactly the
+    # tokens first..stop-1 in order, unpadded (decode rows in row order): no gather needed
 
 
 class _Pieces(NamedTuple):
@@ -133,6 +135,8 @@ def plan_attention(
             )
 
         for ids in _pack(order, pieces.q_len, kv_len, limits.max_waste, fits):
+            if is_decode:  # order within a group does not matter: rows in order, so that
+                ids = np.sort(ids)  # consecutive rows read q in place (token_range)
             groups.append(_build_group(batch, pieces, ids, qo, prefix, kvp, num_tokens))
     return groups
 
@@ -159,6 +163,8 @@ def _build_group(
     key = torch.arange(blk_pad * bs, device=dev)
     mask = (key[None, None, :] < limit[:, :, None]).unsqueeze(1)  # [n, 1, q_pad, kv_len]
     to_dev = lambda a: torch.from_numpy(a.reshape(-1)).to(dev)  # noqa: E731
+    first, n = int(q_index[0, 0]), len(ids)
+    in_order = q_pad == 1 and bool((q_index[:, 0] == np.arange(first, first + n)).all())
     return AttentionGroup(
         num_pieces=len(ids),
         q_len=q_pad,
@@ -167,4 +173,5 @@ def _build_group(
         out_index=to_dev(out_index),
         blocks=batch.kv_indices[to_dev(blk)].to(torch.int64),
         mask=mask,
+        token_range=(first, first + n) if in_order else None,
     )

@@ -54,13 +54,14 @@ class Linear(nn.Linear):
         self.row_parts = row_parts
         # (start, stop) -> oneDNN blocked copy of weight[start:stop] ((0, out): the whole)
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
+        self._full: torch.Tensor | None = None  # _packed[(0, out_features)] if made
         self._packed_version = -1  # weight._version when packed
 
     def prepack(self) -> bool:
         """Make the oneDNN-packed copies of the current weight (the whole, or `row_parts`;
         see the module docstring). Returns whether they were made (False: not a float32 CPU
         weight, or no oneDNN)."""
-        self._packed = {}
+        self._packed, self._full = {}, None
         if not can_prepack(self.weight):
             return False
         parts = self.row_parts or ((0, self.out_features),)
@@ -70,6 +71,7 @@ class Linear(nn.Linear):
                 self._packed[(start, stop)] = torch.ops.mkldnn._reorder_linear_weight(
                     w[start:stop].contiguous(), PACKED_MIN_ROWS
                 )
+        self._full = self._packed.get((0, self.out_features))
         self._packed_version = self.weight._version
         return True
 
@@ -80,6 +82,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]; the packed GEMM for >= PACKED_MIN_ROWS rows."""
+        if self._full is None or x.numel() < PACKED_MIN_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)
         return self.forward_rows(x, 0, self.out_features)
 
     def forward_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
