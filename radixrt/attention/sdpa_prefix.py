@@ -1,0 +1,103 @@
+"""Shared-prefix (cascade) decode attention for the SDPA backend: plan side.
+
+Decode rows that start with the same KV blocks (the radix cache shares a common prompt prefix
+by block reference) attend that prefix together: one SDPA call whose queries are every such
+row's query heads ([1, kv_heads, rows x group, d] against the prefix's keys, read and gathered
+once) instead of one gathered copy and one attention problem per row. Each row's remaining
+blocks go through the ordinary decode groups (`plan_attention(skip_blocks=...)`), and the two
+partial results are merged with their log-sum-exps:
+    out = (o1 * exp(l1 - m) + o2 * exp(l2 - m)) / (exp(l1 - m) + exp(l2 - m)),  m = max(l1, l2)
+(`merge_partial`). Only blocks before a row's last block are shared (the last one is the row's
+own, being written). This is FlashInfer's cascade idea, planned from the block tables alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from radixrt.attention.forward_batch import ForwardBatch
+
+MIN_ROWS = 2  # rows that must share a prefix for a prefix group
+MIN_BLOCKS = 2  # shared blocks below which a prefix group is not worth a call
+
+
+class PrefixGroup(NamedTuple):
+    """Decode rows (tokens; a decode row's token index is its row index) sharing blocks."""
+
+    num_rows: int  # m
+    rows: torch.Tensor  # [m] int64: the decode rows (ascending)
+    blocks: torch.Tensor  # [p] int64: pool blocks of the shared prefix, in order
+
+
+class PrefixPlan(NamedTuple):
+    groups: list[PrefixGroup]
+    skip_blocks: np.ndarray  # [R] int64: each row's leading blocks attended in its group
+
+
+def plan_shared_prefixes(
+    batch: ForwardBatch, min_rows: int = MIN_ROWS, min_blocks: int = MIN_BLOCKS
+) -> PrefixPlan:
+    """Prefix groups of the decode rows. Rows (their blocks before the last) are sorted as
+    block sequences, so rows sharing a prefix are neighbours; a run of neighbours shares the
+    smallest common prefix between them, and a run is split at its weakest link whenever the
+    parts save more block reads ((rows - 1) x shared blocks) than the whole (e.g. two
+    families of rows on different long prompts that share only a chat template's first
+    block). Runs with fewer than `min_rows` rows or `min_blocks` blocks are dropped."""
+    nd, dev = batch.num_decode, batch.kv_indices.device
+    skip = np.zeros(batch.num_rows, dtype=np.int64)
+    kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
+    full = kvp[1 : nd + 1] - kvp[:nd] - 1  # [nd] blocks before each row's last one
+    rows = np.flatnonzero(full >= min_blocks)
+    if rows.shape[0] < min_rows:
+        return PrefixPlan([], skip)
+    indices = batch.kv_indices.cpu().numpy()
+    depth = int(full[rows].max())
+    col = np.arange(depth)[None, :]
+    valid = col < full[rows][:, None]
+    table = np.where(valid, indices[np.where(valid, kvp[rows][:, None] + col, 0)], -1)
+    order = np.lexsort(table.T[::-1])
+    rows, table = rows[order], table[order]
+    same = (table[1:] == table[:-1]) & (table[1:] >= 0)
+    lcp = np.cumprod(same, axis=1).sum(axis=1)  # [m - 1] shared blocks of neighbours
+    groups: list[PrefixGroup] = []
+    for lo, hi, shared in _runs(lcp.tolist(), 0, len(rows) - 1, min_blocks):
+        if hi - lo + 1 < min_rows:
+            continue
+        members = np.sort(rows[lo : hi + 1])
+        skip[members] = shared
+        groups.append(
+            PrefixGroup(
+                num_rows=len(members),
+                rows=torch.from_numpy(members).to(dev),
+                blocks=torch.from_numpy(table[lo, :shared].astype(np.int64)).to(dev),
+            )
+        )
+    return PrefixPlan(groups, skip)
+
+
+def _runs(lcp: list[int], lo: int, hi: int, min_blocks: int) -> list[tuple[int, int, int]]:
+    """(first, last, shared blocks) runs of sorted rows lo..hi; see plan_shared_prefixes."""
+    if hi <= lo:
+        return []
+    k = min(range(lo, hi), key=lcp.__getitem__)  # weakest link: rows k and k + 1
+    parts = _runs(lcp, lo, k, min_blocks) + _runs(lcp, k + 1, hi, min_blocks)
+    whole = (hi - lo) * lcp[k]
+    if lcp[k] < min_blocks or sum((b - a) * n for a, b, n in parts) > whole:
+        return parts
+    return [(lo, hi, lcp[k])]
+
+
+def merge_partial(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint key sets -> over their union. o [m, h, d], l [m, h] the
+    natural log-sum-exp of each part's scaled scores (float32). Returns [m, h, d] in o1's
+    dtype."""
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    total = w1 + w2
+    out = o1.float() * (w1 / total).unsqueeze(-1) + o2.float() * (w2 / total).unsqueeze(-1)
+    return out.to(o1.dtype)
