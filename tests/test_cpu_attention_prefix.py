@@ -23,10 +23,14 @@ HEAD_DIM = 16
 
 
 def make_batch(
-    decode: list[tuple[list[int], int]], extend: list[tuple[int, int]], bs: int, seed: int
+    decode: list[tuple[list[int], int]],
+    extend: list[tuple[list[int], int, int]],
+    bs: int,
+    seed: int,
 ) -> tuple[ForwardBatch, int]:
     """Decode rows [(shared leading blocks, own context tokens after them)] then extend rows
-    [(cached, new)]; own blocks are fresh pool blocks. Returns (batch, pool blocks)."""
+    [(shared leading blocks, own cached tokens after them, new tokens)]; own blocks are fresh
+    pool blocks. Returns (batch, pool blocks)."""
     gen = torch.Generator().manual_seed(seed)
     next_block = 1 + max((b for shared, _ in decode for b in shared), default=0)
     tables, cached, new = [], [], []
@@ -37,10 +41,11 @@ def make_batch(
         next_block += nb - len(shared)
         cached.append(ctx - 1)
         new.append(1)
-    for c, n in extend:
+    for shared, own, n in extend:
+        c = len(shared) * bs + own
         nb = -(-(c + n) // bs)
-        tables.append(list(range(next_block, next_block + nb)))
-        next_block += nb
+        tables.append(shared + list(range(next_block, next_block + nb - len(shared))))
+        next_block += nb - len(shared)
         cached.append(c)
         new.append(n)
     num_blocks = next_block + 2
@@ -119,13 +124,16 @@ def run_both(batch, num_blocks, num_heads, num_kv_heads, dtype, seed, expect_gro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_extend", [False, True])
 def test_shared_prefix_matches_reference(block_size, heads, dtype, with_extend):
-    extend = [(0, 9), (3 * block_size, 5)] if with_extend else []
+    a, b = [0] + list(range(1, 13)), [0] + list(range(20, 30))
+    # from scratch, on fresh blocks, on A's prefix (+ own cached tokens), on B's, on A's part
+    extend = [([], 0, 9), ([], 3 * block_size, 5), (a, 2, 7), (b, 0, 1), (a[:10], block_size, 3)]
+    extend = extend if with_extend else []
     batch, num_blocks = make_batch(tree_rows(block_size), extend, block_size, seed=block_size)
     run_both(batch, num_blocks, *heads, dtype, seed=heads[0])
 
 
 def test_fp8_pool_with_shared_prefix():
-    batch, num_blocks = make_batch(tree_rows(4), [(0, 6)], 4, seed=3)
+    batch, num_blocks = make_batch(tree_rows(4), [([], 0, 6), (list(range(1, 13)), 1, 4)], 4, 3)
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(1, num_blocks, 4, 2, HEAD_DIM, torch.float8_e4m3fn, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(torch.float8_e4m3fn))
@@ -145,7 +153,7 @@ def test_prefix_plan_groups_families_not_the_template():
     bs = 4
     batch, _ = make_batch(tree_rows(bs), [], bs, seed=0)
     plan = plan_shared_prefixes(batch)
-    groups = {tuple(g.rows.tolist()): g.blocks.shape[0] for g in plan.groups}
+    groups = {tuple(g.tokens.tolist()): g.blocks.shape[0] for g in plan.groups}
     # A: rows 0, 3 share 13 blocks; with 1, 7 (and 8: 9 blocks before its last) 9 blocks
     # B: rows 2, 6 share 11 blocks (row 5 only 4 with them); rows 4 has only the template
     assert sum(len(r) for r in groups) <= 9
@@ -153,7 +161,7 @@ def test_prefix_plan_groups_families_not_the_template():
     assert any(set(r) >= {0, 3} for r in groups) and any(set(r) >= {2, 6} for r in groups)
     assert not any(set(r) & {0, 3} and set(r) & {2, 6} for r in groups)
     for g in plan.groups:  # a group's blocks are every member's leading blocks
-        rows = g.rows.tolist()
+        rows = g.tokens.tolist()  # decode only: a row's token is its row
         kvp = batch.kv_indptr_cpu.tolist()
         for r in rows:
             lead = batch.kv_indices[kvp[r] : kvp[r] + g.blocks.shape[0]]
@@ -162,8 +170,24 @@ def test_prefix_plan_groups_families_not_the_template():
     assert not np.any(plan.skip_blocks[[i for i in range(9) if all(i not in r for r in groups)]])
 
 
+def test_extend_rows_join_prefix_groups():
+    """Extend rows on a cached shared prefix (a new turn of a chat whose history is cached)
+    join the decode rows' group: every new token of theirs is a query of the prefix call. A
+    row sharing only half the prefix stays out (3 rows x 12 blocks save more than 4 x 6)."""
+    bs = 4
+    a = list(range(1, 13))
+    decode = [(a, 3), (a, 5)]
+    extend = [(a, 1, 6), (a[:6], 0, 3)]  # 6 new tokens on A + 1; 3 new on half of A
+    batch, num_blocks = make_batch(decode, extend, bs, seed=5)
+    plan = plan_shared_prefixes(batch)
+    assert len(plan.groups) == 1 and plan.groups[0].num_rows == 3
+    assert plan.groups[0].tokens.tolist() == list(range(8))  # 2 decode + 6 extend tokens
+    assert plan.skip_blocks.tolist() == [12, 12, 12, 0]
+    run_both(batch, num_blocks, 6, 2, torch.float32, seed=5)
+
+
 def test_no_sharing_no_groups():
-    batch, num_blocks = make_batch([([], 20), ([], 3), ([], 40)], [(0, 5)], 4, seed=1)
+    batch, num_blocks = make_batch([([], 20), ([], 3), ([], 40)], [([], 0, 5)], 4, seed=1)
     assert not plan_shared_prefixes(batch).groups
     run_both(batch, num_blocks, 8, 2, torch.float32, seed=1, expect_groups=False)
 

@@ -147,21 +147,21 @@ class SdpaAttentionBackend:
             n, ql = grp.num_pieces, grp.q_len
             keys, vals = self._gather_kv(grp.blocks, n, grp.kv_len, k_cache, v_cache)
             keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
-            qg = q.index_select(0, grp.q_index)  # [n * ql, hq, d]
-            res = F.scaled_dot_product_attention(
-                qg.view(n, ql, hq, d).transpose(1, 2),
-                keys,
-                vals,
-                attn_mask=self._bias(i, q.dtype),
-                scale=self.scale,
-                enable_gqa=g > 1,
-            )  # [n, hq, ql, d]
+            qg = q.index_select(0, grp.q_index).view(n, ql, hq, d).transpose(1, 2)
+            bias = self._bias(i, q.dtype)
+            if lse is None:
+                res = F.scaled_dot_product_attention(
+                    qg, keys, vals, attn_mask=bias, scale=self.scale, enable_gqa=g > 1
+                )  # [n, hq, ql, d]
+            else:
+                res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale)
+                lse.index_copy_(0, grp.out_index, res_lse.transpose(1, 2).reshape(n * ql, hq))
             out.index_copy_(0, grp.out_index, res.transpose(1, 2).reshape(n * ql, hq, d))
         for pg in prefixes:
             assert lse is not None
             res, res_lse = self._prefix(layer, pg, q, k_cache, v_cache, pool)
-            merged = merge_partial(out[pg.rows], lse[pg.rows], res, res_lse)
-            out.index_copy_(0, pg.rows, merged)
+            merged = merge_partial(out[pg.tokens], lse[pg.tokens], res, res_lse)
+            out.index_copy_(0, pg.tokens, merged)
         return out[:-1]
 
     def _decode(
@@ -202,17 +202,18 @@ class SdpaAttentionBackend:
         v_cache: torch.Tensor,
         pool: KVPool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prefix group's rows over their shared blocks, all query heads of a KV head in
-        one problem ([1, hkv, m * g, d]; no mask: every key is before every query).
-        Returns ([m, hq, d], log-sum-exps [m, hq] float32)."""
-        m, hkv, g, d = pg.num_rows, self.num_kv_heads, self.group_size, self.head_dim
+        """A prefix group's new tokens over their shared blocks, all query heads of a KV head
+        in one problem ([1, hkv, Q * g, d]; no mask: every key is before every query).
+        Returns ([Q, hq, d], log-sum-exps [Q, hq] float32)."""
+        hkv, g, d = self.num_kv_heads, self.group_size, self.head_dim
+        nq = pg.tokens.shape[0]
         kv_len = pg.blocks.shape[0] * pool.block_size
         keys, vals = self._gather_kv(pg.blocks, 1, kv_len, k_cache, v_cache)
         keys, vals = pool.dequantize(layer, keys, vals, q.dtype)
-        qs = q.index_select(0, pg.rows).view(m, hkv, g, d).transpose(0, 1).reshape(1, hkv, m * g, d)
-        res, res_lse = _sdpa_with_lse(qs, keys, vals, None, self.scale)
-        res = res.view(hkv, m, g, d).transpose(0, 1).reshape(m, self.num_heads, d)
-        return res, res_lse.view(hkv, m, g).transpose(0, 1).reshape(m, self.num_heads)
+        qs = q.index_select(0, pg.tokens).view(nq, hkv, g, d).transpose(0, 1)
+        res, res_lse = _sdpa_with_lse(qs.reshape(1, hkv, nq * g, d), keys, vals, None, self.scale)
+        res = res.view(hkv, nq, g, d).transpose(0, 1).reshape(nq, self.num_heads, d)
+        return res, res_lse.view(hkv, nq, g).transpose(0, 1).reshape(nq, self.num_heads)
 
 
 def _sdpa_with_lse(

@@ -112,12 +112,12 @@ def plan_attention(
 ) -> list[AttentionGroup]:
     """Groups covering every new token of `batch` exactly once (see the module docstring).
     `kv_elements_per_token` is num_kv_heads * head_dim. Index tensors are on batch's device.
-    `skip_blocks` [R] int64 (decode rows only, else 0): leading blocks of each row that the
-    groups leave out (attended apart as a shared prefix, `sdpa_prefix`); a row's groups then
-    read its blocks from there on, and its mask counts keys from there."""
+    `skip_blocks` [R] int64: leading blocks of each row that the groups leave out (attended
+    apart as a shared prefix, `sdpa_prefix`; at most the full blocks before the row's new
+    tokens); a row's groups then read its blocks from there on, its mask counts keys from
+    there."""
     bs, nd = batch.block_size, batch.num_decode
     skip = np.zeros(batch.num_rows, np.int64) if skip_blocks is None else skip_blocks
-    assert not skip[nd:].any(), "only decode rows skip blocks"
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     seq = batch.seq_lens_cpu.numpy().astype(np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)

@@ -1,14 +1,16 @@
-"""Shared-prefix (cascade) decode attention for the SDPA backend: plan side.
+"""Shared-prefix (cascade) attention for the SDPA backend: plan side.
 
-Decode rows that start with the same KV blocks (the radix cache shares a common prompt prefix
-by block reference) attend that prefix together: one SDPA call whose queries are every such
-row's query heads ([1, kv_heads, rows x group, d] against the prefix's keys, read and gathered
-once) instead of one gathered copy and one attention problem per row. Each row's remaining
-blocks go through the ordinary decode groups (`plan_attention(skip_blocks=...)`), and the two
-partial results are merged with their log-sum-exps:
+Rows that start with the same KV blocks (the radix cache shares a common prompt prefix by
+block reference) attend that prefix together: one SDPA call whose queries are every new token
+of those rows, all query heads of a KV head as one problem ([1, kv_heads, tokens x group, d]
+against the prefix's keys, read and gathered once) instead of one gathered copy and one
+attention problem per row. Each row's remaining blocks go through the ordinary groups
+(`plan_attention(skip_blocks=...)`), and the two partial results are merged with their
+log-sum-exps:
     out = (o1 * exp(l1 - m) + o2 * exp(l2 - m)) / (exp(l1 - m) + exp(l2 - m)),  m = max(l1, l2)
-(`merge_partial`). Only blocks before a row's last block are shared (the last one is the row's
-own, being written). This is FlashInfer's cascade idea, planned from the block tables alone.
+(`merge_partial`). Only full blocks before a row's new tokens are shared (decode rows: every
+block but the last, which is the row's own, being written), so every new token of a row sees
+every shared key: no mask. This is FlashInfer's cascade idea, planned from the block tables.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ MIN_BLOCKS = 2  # shared blocks below which a prefix group is not worth a call
 
 
 class PrefixGroup(NamedTuple):
-    """Decode rows (tokens; a decode row's token index is its row index) sharing blocks."""
+    """Rows sharing their leading blocks, and their new tokens (the queries)."""
 
-    num_rows: int  # m
-    rows: torch.Tensor  # [m] int64: the decode rows (ascending)
+    num_rows: int  # rows of the group (>= MIN_ROWS)
+    tokens: torch.Tensor  # [Q] int64: the rows' new tokens (indices into the step's T), sorted
     blocks: torch.Tensor  # [p] int64: pool blocks of the shared prefix, in order
 
 
@@ -40,16 +42,19 @@ class PrefixPlan(NamedTuple):
 def plan_shared_prefixes(
     batch: ForwardBatch, min_rows: int = MIN_ROWS, min_blocks: int = MIN_BLOCKS
 ) -> PrefixPlan:
-    """Prefix groups of the decode rows. Rows (their blocks before the last) are sorted as
+    """Prefix groups of the step's rows. Rows (their full blocks before their new tokens) are
+        sorted as
     block sequences, so rows sharing a prefix are neighbours; a run of neighbours shares the
-    smallest common prefix between them, and a run is split at its weakest link whenever the
-    parts save more block reads ((rows - 1) x shared blocks) than the whole (e.g. two
-    families of rows on different long prompts that share only a chat template's first
-    block). Runs with fewer than `min_rows` rows or `min_blocks` blocks are dropped."""
-    nd, dev = batch.num_decode, batch.kv_indices.device
+        smallest common prefix between them, and a run is split at its weakest link whenever the
+        parts save more block reads ((rows - 1) x shared blocks) than the whole (e.g. two
+        families of rows on different long prompts that share only a chat template's first
+        block). Runs with fewer than `min_rows` rows or `min_blocks` blocks are dropped."""
+    dev, bs = batch.kv_indices.device, batch.block_size
     skip = np.zeros(batch.num_rows, dtype=np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
-    full = kvp[1 : nd + 1] - kvp[:nd] - 1  # [nd] blocks before each row's last one
+    qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
+    cached = batch.seq_lens_cpu.numpy().astype(np.int64) - (qo[1:] - qo[:-1])
+    full = cached // bs  # [R] full blocks before each row's new tokens
     rows = np.flatnonzero(full >= min_blocks)
     if rows.shape[0] < min_rows:
         return PrefixPlan([], skip)
@@ -68,10 +73,11 @@ def plan_shared_prefixes(
             continue
         members = np.sort(rows[lo : hi + 1])
         skip[members] = shared
+        tokens = np.concatenate([np.arange(qo[r], qo[r + 1]) for r in members])
         groups.append(
             PrefixGroup(
                 num_rows=len(members),
-                rows=torch.from_numpy(members).to(dev),
+                tokens=torch.from_numpy(tokens).to(dev),
                 blocks=torch.from_numpy(table[lo, :shared].astype(np.int64)).to(dev),
             )
         )
@@ -93,8 +99,8 @@ def _runs(lcp: list[int], lo: int, hi: int, min_blocks: int) -> list[tuple[int, 
 def merge_partial(
     o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
 ) -> torch.Tensor:
-    """Attention over two disjoint key sets -> over their union. o [m, h, d], l [m, h] the
-    natural log-sum-exp of each part's scaled scores (float32). Returns [m, h, d] in o1's
+    """Attention over two disjoint key sets -> over their union. o [Q, h, d], l [Q, h] the
+    natural log-sum-exp of each part's scaled scores (float32). Returns [Q, h, d] in o1's
     dtype."""
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
