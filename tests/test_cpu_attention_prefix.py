@@ -103,7 +103,7 @@ def run_both(batch, num_blocks, num_heads, num_kv_heads, dtype, seed, expect_gro
     pool = KVPool(2, num_blocks, batch.block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     ref = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
-    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
+    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, prefix_min_saved_keys=0)
     ref.prepare(batch)
     fast.prepare(batch)
     assert bool(fast.prefix_groups) == expect_groups
@@ -137,7 +137,8 @@ def test_fp8_pool_with_shared_prefix():
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(1, num_blocks, 4, 2, HEAD_DIM, torch.float8_e4m3fn, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(torch.float8_e4m3fn))
-    ref, fast = TorchAttentionBackend(8, 2, HEAD_DIM), SdpaAttentionBackend(8, 2, HEAD_DIM)
+    ref = TorchAttentionBackend(8, 2, HEAD_DIM)
+    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, prefix_min_saved_keys=0)
     ref.prepare(batch)
     fast.prepare(batch)
     assert fast.prefix_groups
@@ -152,7 +153,7 @@ def test_prefix_plan_groups_families_not_the_template():
     prompt, nested rows inside A's), not one group over the template block."""
     bs = 4
     batch, _ = make_batch(tree_rows(bs), [], bs, seed=0)
-    plan = plan_shared_prefixes(batch)
+    plan = plan_shared_prefixes(batch, min_saved_keys=0)
     groups = {tuple(g.tokens.tolist()): g.blocks.shape[0] for g in plan.groups}
     # A: rows 0, 3 share 13 blocks; with 1, 7 (and 8: 9 blocks before its last) 9 blocks
     # B: rows 2, 6 share 11 blocks (row 5 only 4 with them); rows 4 has only the template
@@ -179,16 +180,25 @@ def test_extend_rows_join_prefix_groups():
     decode = [(a, 3), (a, 5)]
     extend = [(a, 1, 6), (a[:6], 0, 3)]  # 6 new tokens on A + 1; 3 new on half of A
     batch, num_blocks = make_batch(decode, extend, bs, seed=5)
-    plan = plan_shared_prefixes(batch)
+    plan = plan_shared_prefixes(batch, min_saved_keys=0)
     assert len(plan.groups) == 1 and plan.groups[0].num_rows == 3
     assert plan.groups[0].tokens.tolist() == list(range(8))  # 2 decode + 6 extend tokens
     assert plan.skip_blocks.tolist() == [12, 12, 12, 0]
     run_both(batch, num_blocks, 6, 2, torch.float32, seed=5)
 
 
+def test_min_saved_keys_drops_small_groups():
+    """3 rows x 13 shared blocks of 4 keys save 2 x 52 = 104 key reads: kept at 104, not 105."""
+    a = list(range(1, 14))
+    batch, _ = make_batch([(a, 3), (a, 5), (a, 1)], [], 4, seed=2)
+    assert len(plan_shared_prefixes(batch, min_saved_keys=104).groups) == 1
+    assert not plan_shared_prefixes(batch, min_saved_keys=105).groups
+    assert not plan_shared_prefixes(batch).skip_blocks.any()  # the default: far more
+
+
 def test_no_sharing_no_groups():
     batch, num_blocks = make_batch([([], 20), ([], 3), ([], 40)], [([], 0, 5)], 4, seed=1)
-    assert not plan_shared_prefixes(batch).groups
+    assert not plan_shared_prefixes(batch, min_saved_keys=0).groups
     run_both(batch, num_blocks, 8, 2, torch.float32, seed=1, expect_groups=False)
 
 

@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, AttentionGroup, PlanLimits, plan_attention
-from radixrt.attention.sdpa_prefix import PrefixGroup, merge_partial, plan_shared_prefixes
+from radixrt.attention.sdpa_prefix import (
+    MIN_SAVED_KEYS,
+    PrefixGroup,
+    merge_partial,
+    plan_shared_prefixes,
+)
 from radixrt.kv.pool import KVPool
 
 
@@ -38,9 +43,11 @@ class SdpaAttentionBackend:
         head_dim: int,
         limits: PlanLimits = DEFAULT_LIMITS,
         shared_prefix: bool = True,
+        prefix_min_saved_keys: int = MIN_SAVED_KEYS,
     ) -> None:
-        """`shared_prefix`: attend decode rows' shared prefix blocks together on a CPU
-        (`sdpa_prefix`); False (and on other devices): every row over all of its blocks."""
+        """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
+        groups saving at least `prefix_min_saved_keys` key reads); False (and on other
+        devices): every row over all of its blocks."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -53,6 +60,7 @@ class SdpaAttentionBackend:
         self._buffer: torch.Tensor | None = None  # gathered K then V of one group, reused
         self._masks: list[torch.Tensor] = []  # groups' masks as additive biases (0 / -inf)
         self.shared_prefix = shared_prefix
+        self.prefix_min_saved_keys = prefix_min_saved_keys
         self.prefix_groups: list[PrefixGroup] = []
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -61,7 +69,7 @@ class SdpaAttentionBackend:
         skip = None
         self.prefix_groups = []
         if self.shared_prefix and batch.kv_indices.device.type == "cpu":
-            plan = plan_shared_prefixes(batch)
+            plan = plan_shared_prefixes(batch, min_saved_keys=self.prefix_min_saved_keys)
             self.prefix_groups, skip = plan.groups, plan.skip_blocks
         self.groups = plan_attention(
             batch,

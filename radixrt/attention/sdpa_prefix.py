@@ -24,6 +24,11 @@ from radixrt.attention.forward_batch import ForwardBatch
 
 MIN_ROWS = 2  # rows that must share a prefix for a prefix group
 MIN_BLOCKS = 2  # shared blocks below which a prefix group is not worth a call
+# (rows - 1) x shared keys below which a group costs more (one more SDPA call, the merge) than
+# it saves (gathering and attending those keys once per row): on the tiny model (2 cores,
+# bench_serving smoke workloads at concurrency 32) 0 made multi-turn / agent attention 20-40%
+# slower, 1024-2048 kept them level and shared-prefix 40% faster.
+MIN_SAVED_KEYS = 1024
 
 
 class PrefixGroup(NamedTuple):
@@ -40,7 +45,11 @@ class PrefixPlan(NamedTuple):
 
 
 def plan_shared_prefixes(
-    batch: ForwardBatch, min_rows: int = MIN_ROWS, min_blocks: int = MIN_BLOCKS
+    batch: ForwardBatch,
+    min_rows: int = MIN_ROWS,
+    min_blocks: int = MIN_BLOCKS,
+    extend_rows: bool = True,
+    min_saved_keys: int | None = None,
 ) -> PrefixPlan:
     """Prefix groups of the step's rows. Rows (their full blocks before their new tokens) are
         sorted as
@@ -48,13 +57,17 @@ def plan_shared_prefixes(
         smallest common prefix between them, and a run is split at its weakest link whenever the
         parts save more block reads ((rows - 1) x shared blocks) than the whole (e.g. two
         families of rows on different long prompts that share only a chat template's first
-        block). Runs with fewer than `min_rows` rows or `min_blocks` blocks are dropped."""
+        block). Runs with fewer than `min_rows` rows or `min_blocks` blocks, or saving fewer than
+    `min_saved_keys` (default MIN_SAVED_KEYS) key reads, are dropped."""
     dev, bs = batch.kv_indices.device, batch.block_size
+    min_saved = MIN_SAVED_KEYS if min_saved_keys is None else min_saved_keys
     skip = np.zeros(batch.num_rows, dtype=np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     cached = batch.seq_lens_cpu.numpy().astype(np.int64) - (qo[1:] - qo[:-1])
     full = cached // bs  # [R] full blocks before each row's new tokens
+    if not extend_rows:
+        full[batch.num_decode :] = 0
     rows = np.flatnonzero(full >= min_blocks)
     if rows.shape[0] < min_rows:
         return PrefixPlan([], skip)
@@ -69,7 +82,7 @@ def plan_shared_prefixes(
     lcp = np.cumprod(same, axis=1).sum(axis=1)  # [m - 1] shared blocks of neighbours
     groups: list[PrefixGroup] = []
     for lo, hi, shared in _runs(lcp.tolist(), 0, len(rows) - 1, min_blocks):
-        if hi - lo + 1 < min_rows:
+        if hi - lo + 1 < min_rows or (hi - lo) * shared * bs < min_saved:
             continue
         members = np.sort(rows[lo : hi + 1])
         skip[members] = shared
