@@ -117,3 +117,26 @@ def test_mlp_split_gate_up_matches_fused(rows: int) -> None:
     with torch.inference_mode():
         fused = F.linear(silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
         torch.testing.assert_close(mlp(x), fused, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(5, 192), (300, 64), (7, 4, 32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_float32_equals_hf_formula_bitwise(shape, with_residual) -> None:
+    """The fused float32 path (torch rms_norm) against HF LlamaRMSNorm's formula."""
+    from radixrt.model.layers import RMSNorm
+
+    if with_residual and len(shape) == 3:
+        pytest.skip("a residual comes with 2-D hidden states only")
+    gen = torch.Generator().manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    x, res = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    with torch.inference_mode():
+        got = norm(x, res) if with_residual else norm(x)
+        h = x + res if with_residual else x
+        want = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    if with_residual:
+        assert torch.equal(got[0], want) and torch.equal(got[1], h)
+    else:
+        assert torch.equal(got, want)

@@ -69,9 +69,12 @@ def plan_shared_prefixes(
     if not extend_rows:
         full[batch.num_decode :] = 0
     rows = np.flatnonzero(full >= min_blocks)
-    if rows.shape[0] < min_rows:
+    if rows.shape[0] < min_rows or (rows.shape[0] - 1) * int(full.max()) * bs < min_saved:
         return PrefixPlan([], skip)
     indices = batch.kv_indices.cpu().numpy()
+    firsts = indices[kvp[rows]]
+    if np.unique(firsts).shape[0] == firsts.shape[0]:  # no two rows share a first block
+        return PrefixPlan([], skip)
     depth = int(full[rows].max())
     col = np.arange(depth)[None, :]
     valid = col < full[rows][:, None]
