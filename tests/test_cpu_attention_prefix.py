@@ -196,6 +196,25 @@ def test_min_saved_keys_drops_small_groups():
     assert not plan_shared_prefixes(batch).skip_blocks.any()  # the default: far more
 
 
+def test_many_rows_plan_without_recursion():
+    """2000 decode rows: families of 2-50 rows on 4 prompts, nested; the plan is linear in
+    rows (no recursion limit) and every group's blocks lead each member's table."""
+    rng = np.random.default_rng(0)
+    prompts = [[0] + list(range(100 * p + 1, 100 * p + 41)) for p in range(4)]
+    decode = []
+    for _ in range(2000):
+        pr = prompts[int(rng.integers(4))]
+        decode.append((pr[: int(rng.integers(2, len(pr) + 1))], int(rng.integers(1, 9))))
+    batch, _ = make_batch(decode, [], 4, seed=9)
+    plan = plan_shared_prefixes(batch, min_saved_keys=0)
+    assert len(plan.groups) >= 4 and sum(g.num_rows for g in plan.groups) <= 2000
+    kvp = batch.kv_indptr_cpu.tolist()
+    for g in plan.groups:
+        p = g.blocks.shape[0]
+        for r in g.tokens.tolist():
+            assert torch.equal(batch.kv_indices[kvp[r] : kvp[r] + p].long(), g.blocks)
+
+
 def test_no_sharing_no_groups():
     batch, num_blocks = make_batch([([], 20), ([], 3), ([], 40)], [([], 0, 5)], 4, seed=1)
     assert not plan_shared_prefixes(batch, min_saved_keys=0).groups

@@ -84,7 +84,7 @@ def plan_shared_prefixes(
     same = (table[1:] == table[:-1]) & (table[1:] >= 0)
     lcp = np.cumprod(same, axis=1).sum(axis=1)  # [m - 1] shared blocks of neighbours
     groups: list[PrefixGroup] = []
-    for lo, hi, shared in _runs(lcp.tolist(), 0, len(rows) - 1, min_blocks):
+    for lo, hi, shared in _runs(lcp.tolist(), min_blocks):
         if hi - lo + 1 < min_rows or (hi - lo) * shared * bs < min_saved:
             continue
         members = np.sort(rows[lo : hi + 1])
@@ -100,16 +100,46 @@ def plan_shared_prefixes(
     return PrefixPlan(groups, skip)
 
 
-def _runs(lcp: list[int], lo: int, hi: int, min_blocks: int) -> list[tuple[int, int, int]]:
-    """(first, last, shared blocks) runs of sorted rows lo..hi; see plan_shared_prefixes."""
-    if hi <= lo:
+def _runs(lcp: list[int], min_blocks: int) -> list[tuple[int, int, int]]:
+    """(first, last, shared blocks) runs of the sorted rows (see plan_shared_prefixes), given
+    `lcp[i]`, the blocks rows i and i + 1 share. Splitting every range at its weakest link is
+    the min-Cartesian tree of `lcp`: built with a stack and evaluated bottom-up, without
+    recursion, in O(rows)."""
+    n = len(lcp)
+    if n == 0:
         return []
-    k = min(range(lo, hi), key=lcp.__getitem__)  # weakest link: rows k and k + 1
-    parts = _runs(lcp, lo, k, min_blocks) + _runs(lcp, k + 1, hi, min_blocks)
-    whole = (hi - lo) * lcp[k]
-    if lcp[k] < min_blocks or sum((b - a) * n for a, b, n in parts) > whole:
-        return parts
-    return [(lo, hi, lcp[k])]
+    left, right, stack = [-1] * n, [-1] * n, []
+    for i in range(n):
+        last = -1
+        while stack and lcp[stack[-1]] > lcp[i]:
+            last = stack.pop()
+        left[i] = last
+        if stack:
+            right[stack[-1]] = i
+        stack.append(i)
+    root = stack[0]
+    order, todo = [], [root]  # parents before children
+    while todo:
+        i = todo.pop()
+        order.append(i)
+        todo.extend(c for c in (left[i], right[i]) if c >= 0)
+    lo, hi, best, whole_ok = [0] * n, [0] * n, [0] * n, [False] * n
+    for i in reversed(order):  # link i joins rows i and i + 1; its subtree spans lo..hi
+        a, b = left[i], right[i]
+        lo[i] = lo[a] if a >= 0 else i
+        hi[i] = hi[b] if b >= 0 else i + 1
+        parts = (best[a] if a >= 0 else 0) + (best[b] if b >= 0 else 0)
+        whole = (hi[i] - lo[i]) * lcp[i]  # (rows - 1) x shared blocks: reads saved
+        whole_ok[i] = lcp[i] >= min_blocks and whole >= parts
+        best[i] = whole if whole_ok[i] else parts
+    runs, todo = [], [root]
+    while todo:
+        i = todo.pop()
+        if whole_ok[i]:
+            runs.append((lo[i], hi[i], lcp[i]))
+        else:
+            todo.extend(c for c in (left[i], right[i]) if c >= 0)
+    return runs
 
 
 def merge_partial(
