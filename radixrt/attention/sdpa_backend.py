@@ -6,7 +6,13 @@ into pieces, pieces packed into a few padded groups) and every layer runs, per g
 `index_select` of the group's query tokens, one of its K blocks and one of its V blocks (into a
 reused buffer, so no fresh pages per layer), one SDPA call with an additive mask (prefix + causal
 over the new tokens, padding masked; made at the step's first layer) and one `index_copy_` of
-the results.
+the results. Decode groups list their rows in order, so a group of consecutive rows reads q in
+place and a decode-only step returns SDPA's output as it is.
+
+Shared prefixes (CPU): rows whose block tables start with the same blocks attend those blocks
+together, one SDPA call per prefix group, and their other blocks in the groups above; the two
+partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go through
+torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.

@@ -82,7 +82,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]; the packed GEMM for >= PACKED_MIN_ROWS rows."""
-        if self._full is None or x.numel() < PACKED_MIN_ROWS * self.in_features:
+        if self._full is None or x.numel() < PACKED_MIN_ROWS * self.in_features or not x.is_cpu:
             return F.linear(x, self.weight, self.bias)
         return self.forward_rows(x, 0, self.out_features)
 
@@ -93,6 +93,7 @@ class Linear(nn.Linear):
         if (
             packed is not None
             and x.numel() >= PACKED_MIN_ROWS * self.in_features
+            and x.is_cpu  # a model moved off the CPU after prepack() keeps F.linear
             and self._packed_version == self.weight._version
         ):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
