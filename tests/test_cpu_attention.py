@@ -141,6 +141,22 @@ def test_plan_covers_every_token_once():
     assert all(g.q_len <= 16 for g in groups)
     decode_groups = [g for g in groups if g.q_len == 1 and g.out_index.max() < 3]
     assert sum(g.num_pieces for g in decode_groups) == 3  # decode rows grouped apart
+    for g in groups:  # token_range: the queries are those tokens, in order, unpadded
+        if g.token_range is not None:
+            first, stop = g.token_range
+            assert g.q_len == 1 and g.q_index.tolist() == list(range(first, stop))
+            assert g.out_index.tolist() == list(range(first, stop))
+
+
+def test_decode_only_step_is_one_in_order_group():
+    """Decode rows of different lengths (the plan sorts by length to pack): one group, rows
+    in order, so the backend reads q in place and returns the SDPA result as it is."""
+    gen = torch.Generator().manual_seed(1)
+    rows = [(300, 1), (5, 1), (120, 1), (64, 1), (250, 1)]
+    batch, _ = make_batch(rows, 5, 16, gen)
+    groups = plan_attention(batch, 8, 2 * HEAD_DIM, DEFAULT_LIMITS)
+    assert len(groups) == 1 and groups[0].token_range == (0, 5)
+    run_both(rows, 5, 16, 8, 2, torch.float32, gen)
 
 
 def test_plan_memory_is_bounded():

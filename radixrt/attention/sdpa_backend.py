@@ -6,7 +6,13 @@ into pieces, pieces packed into a few padded groups) and every layer runs, per g
 `index_select` of the group's query tokens, one of its K blocks and one of its V blocks (into a
 reused buffer, so no fresh pages per layer), one SDPA call with an additive mask (prefix + causal
 over the new tokens, padding masked; made at the step's first layer) and one `index_copy_` of
-the results.
+the results. Decode groups list their rows in order, so a group of consecutive rows reads q in
+place and a decode-only step returns SDPA's output as it is.
+
+Shared prefixes (CPU): rows whose block tables start with the same blocks attend those blocks
+together, one SDPA call per prefix group, and their other blocks in the groups above; the two
+partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go through
+torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.
@@ -22,6 +28,12 @@ import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, AttentionGroup, PlanLimits, plan_attention
+from radixrt.attention.sdpa_prefix import (
+    MIN_SAVED_KEYS,
+    PrefixGroup,
+    merge_partial,
+    plan_shared_prefixes,
+)
 from radixrt.kv.pool import KVPool
 
 
@@ -31,8 +43,17 @@ class SdpaAttentionBackend:
     supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, limits: PlanLimits = DEFAULT_LIMITS
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        limits: PlanLimits = DEFAULT_LIMITS,
+        shared_prefix: bool = True,
+        prefix_min_saved_keys: int = MIN_SAVED_KEYS,
     ) -> None:
+        """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
+        groups saving at least `prefix_min_saved_keys` key reads); False (and on other
+        devices): every row over all of its blocks."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -44,12 +65,24 @@ class SdpaAttentionBackend:
         self.groups: list[AttentionGroup] = []
         self._buffer: torch.Tensor | None = None  # gathered K then V of one group, reused
         self._masks: list[torch.Tensor] = []  # groups' masks as additive biases (0 / -inf)
+        self.shared_prefix = shared_prefix
+        self.prefix_min_saved_keys = prefix_min_saved_keys
+        self.prefix_groups: list[PrefixGroup] = []
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan the step: build every group's gather indices and mask (used by all layers)."""
         self.batch = batch
+        skip = None
+        self.prefix_groups = []
+        if self.shared_prefix and batch.kv_indices.device.type == "cpu":
+            plan = plan_shared_prefixes(batch, min_saved_keys=self.prefix_min_saved_keys)
+            self.prefix_groups, skip = plan.groups, plan.skip_blocks
         self.groups = plan_attention(
-            batch, self.num_heads, self.num_kv_heads * self.head_dim, self.limits
+            batch,
+            self.num_heads,
+            self.num_kv_heads * self.head_dim,
+            self.limits,
+            skip if self.prefix_groups else None,
         )
         self._masks = []
 
@@ -66,24 +99,32 @@ class SdpaAttentionBackend:
         return self._masks[i]
 
     def _gather_kv(
-        self, grp: AttentionGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        blocks: torch.Tensor,
+        n: int,
+        kv_len: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's keys and values, [n, hkv, kv_len, d] each (views of a flat buffer that
-        every layer and step reuses: grown when a group needs more, never shrunk)."""
+        """Keys and values of `blocks` (n pieces of kv_len keys each), [n, hkv, kv_len, d] each
+        (views of a flat buffer that every layer and step reuses: grown when a call needs more,
+        never shrunk)."""
         stored = k_cache.dtype
         if stored == torch.float8_e4m3fn:  # gather the bytes: no fp8 index kernels everywhere
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        nblk = grp.blocks.shape[0]
+        nblk = blocks.shape[0]
         half = nblk * k_cache[0].numel()
         buf = self._buffer
         if buf is None or buf.numel() < 2 * half or buf.dtype != k_cache.dtype:
             buf = self._buffer = k_cache.new_empty(2 * half)
         shape = (nblk, *k_cache.shape[1:])
-        keys = torch.index_select(k_cache, 0, grp.blocks, out=buf[:half].view(shape))
-        vals = torch.index_select(v_cache, 0, grp.blocks, out=buf[half : 2 * half].view(shape))
-        n, kl, hkv, d = grp.num_pieces, grp.kv_len, self.num_kv_heads, self.head_dim
+        keys = torch.index_select(k_cache, 0, blocks, out=buf[:half].view(shape))
+        vals = torch.index_select(v_cache, 0, blocks, out=buf[half : 2 * half].view(shape))
+        hkv, d = self.num_kv_heads, self.head_dim
         keys, vals = keys.view(stored), vals.view(stored)
-        return keys.view(n, kl, hkv, d).transpose(1, 2), vals.view(n, kl, hkv, d).transpose(1, 2)
+        return keys.view(n, kv_len, hkv, d).transpose(1, 2), vals.view(n, kv_len, hkv, d).transpose(
+            1, 2
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -94,30 +135,107 @@ class SdpaAttentionBackend:
         assert batch is not None, "prepare() must run before forward()"
         pool.store(layer, batch.slot_mapping, k, v)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [blocks, B, hkv, d]
-        hq, hkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group_size
-        out = q.new_empty((q.shape[0] + 1, hq, d))  # row T: trash for padded queries
-        for i, grp in enumerate(self.groups):
+        hq, d, g = self.num_heads, self.head_dim, self.group_size
+        groups, prefixes = self.groups, self.prefix_groups
+        num_tokens = q.shape[0]
+        if len(groups) == 1 and groups[0].token_range == (0, num_tokens) and not prefixes:
+            return self._decode(layer, groups[0], 0, q, k_cache, v_cache, pool, False)[0]
+        out = q.new_empty((num_tokens + 1, hq, d))  # row T: trash for padded queries
+        # log-sum-exps of the decode rows' partial results (merged with their prefixes')
+        lse = q.new_empty((num_tokens + 1, hq), dtype=torch.float32) if prefixes else None
+        for i, grp in enumerate(groups):
+            if grp.q_len == 1:
+                res, res_lse = self._decode(
+                    layer, grp, i, q, k_cache, v_cache, pool, bool(prefixes)
+                )
+                if grp.token_range is not None:
+                    first, stop = grp.token_range
+                    out[first:stop] = res
+                    if lse is not None:
+                        lse[first:stop] = res_lse
+                else:
+                    out.index_copy_(0, grp.out_index, res)
+                    if lse is not None:
+                        lse.index_copy_(0, grp.out_index, res_lse)
+                continue
             n, ql = grp.num_pieces, grp.q_len
-            keys, vals = self._gather_kv(grp, k_cache, v_cache)  # [n, hkv, kl, d]
+            keys, vals = self._gather_kv(grp.blocks, n, grp.kv_len, k_cache, v_cache)
             keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
-            qg = q.index_select(0, grp.q_index)  # [n * ql, hq, d]
-            if ql == 1:  # decode: the heads of a KV head are its queries -> [n, hkv, g, d]
+            qg = q.index_select(0, grp.q_index).view(n, ql, hq, d).transpose(1, 2)
+            bias = self._bias(i, q.dtype)
+            if lse is None:
                 res = F.scaled_dot_product_attention(
-                    qg.view(n, hkv, g, d),
-                    keys,
-                    vals,
-                    attn_mask=self._bias(i, q.dtype),
-                    scale=self.scale,
-                ).reshape(n, hq, d)
-            else:
-                res = F.scaled_dot_product_attention(
-                    qg.view(n, ql, hq, d).transpose(1, 2),
-                    keys,
-                    vals,
-                    attn_mask=self._bias(i, q.dtype),
-                    scale=self.scale,
-                    enable_gqa=g > 1,
+                    qg, keys, vals, attn_mask=bias, scale=self.scale, enable_gqa=g > 1
                 )  # [n, hq, ql, d]
-                res = res.transpose(1, 2).reshape(n * ql, hq, d)
-            out.index_copy_(0, grp.out_index, res)
+            else:
+                res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale)
+                lse.index_copy_(0, grp.out_index, res_lse.transpose(1, 2).reshape(n * ql, hq))
+            out.index_copy_(0, grp.out_index, res.transpose(1, 2).reshape(n * ql, hq, d))
+        for pg in prefixes:
+            assert lse is not None
+            res, res_lse = self._prefix(layer, pg, q, k_cache, v_cache, pool)
+            merged = merge_partial(out[pg.tokens], lse[pg.tokens], res, res_lse)
+            out.index_copy_(0, pg.tokens, merged)
         return out[:-1]
+
+    def _decode(
+        self,
+        layer: int,
+        grp: AttentionGroup,
+        i: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pool: KVPool,
+        with_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode group i: the heads of a KV head are its queries ([n, hkv, g, d]); q read in
+        place for consecutive rows (`token_range`). Returns ([n, hq, d], with `with_lse` the
+        log-sum-exps [n, hq] float32, else None)."""
+        n, hkv, g, d = grp.num_pieces, self.num_kv_heads, self.group_size, self.head_dim
+        keys, vals = self._gather_kv(grp.blocks, n, grp.kv_len, k_cache, v_cache)
+        keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
+        if grp.token_range is not None:
+            qg = q[grp.token_range[0] : grp.token_range[1]]
+            qg = qg if qg.is_contiguous() else qg.contiguous()
+        else:
+            qg = q.index_select(0, grp.q_index)
+        qg, bias = qg.view(n, hkv, g, d), self._bias(i, q.dtype)
+        if not with_lse:
+            res = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias, scale=self.scale)
+            return res.reshape(n, self.num_heads, d), None
+        res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale)
+        return res.reshape(n, self.num_heads, d), res_lse.reshape(n, self.num_heads)
+
+    def _prefix(
+        self,
+        layer: int,
+        pg: PrefixGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pool: KVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefix group's new tokens over their shared blocks, all query heads of a KV head
+        in one problem ([1, hkv, Q * g, d]; no mask: every key is before every query).
+        Returns ([Q, hq, d], log-sum-exps [Q, hq] float32)."""
+        hkv, g, d = self.num_kv_heads, self.group_size, self.head_dim
+        nq = pg.tokens.shape[0]
+        kv_len = pg.blocks.shape[0] * pool.block_size
+        keys, vals = self._gather_kv(pg.blocks, 1, kv_len, k_cache, v_cache)
+        keys, vals = pool.dequantize(layer, keys, vals, q.dtype)
+        qs = q.index_select(0, pg.tokens).view(nq, hkv, g, d).transpose(0, 1)
+        res, res_lse = _sdpa_with_lse(qs.reshape(1, hkv, nq * g, d), keys, vals, None, self.scale)
+        res = res.view(hkv, nq, g, d).transpose(0, 1).reshape(nq, self.num_heads, d)
+        return res, res_lse.view(hkv, nq, g).transpose(0, 1).reshape(nq, self.num_heads)
+
+
+def _sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA on CPU that also returns the log-sum-exp of the scaled scores: ([B, H, L, d],
+    [B, H, L] float32), torch's CPU flash kernel."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+    )
+    return out, lse.float()

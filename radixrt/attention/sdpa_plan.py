@@ -54,6 +54,8 @@ class AttentionGroup(NamedTuple):
     out_index: torch.Tensor  # [n * q_len] int64: where each result goes; T (trash) for pads
     blocks: torch.Tensor  # [n * kv_len / block_size] int64: pool block of each key block
     mask: torch.Tensor  # [n, 1, 1 | q_len, kv_len] bool: True where the query sees the key
+    token_range: tuple[int, int] | None  # (first, stop) when the queries are exactly the
+    # tokens first..stop-1 in order, unpadded (decode rows in row order): no gather needed
 
 
 class _Pieces(NamedTuple):
@@ -102,11 +104,20 @@ def _pack(
 
 
 def plan_attention(
-    batch: ForwardBatch, num_heads: int, kv_elements_per_token: int, limits: PlanLimits
+    batch: ForwardBatch,
+    num_heads: int,
+    kv_elements_per_token: int,
+    limits: PlanLimits,
+    skip_blocks: np.ndarray | None = None,
 ) -> list[AttentionGroup]:
     """Groups covering every new token of `batch` exactly once (see the module docstring).
-    `kv_elements_per_token` is num_kv_heads * head_dim. Index tensors are on batch's device."""
-    bs, nd, num_tokens = batch.block_size, batch.num_decode, batch.num_tokens
+    `kv_elements_per_token` is num_kv_heads * head_dim. Index tensors are on batch's device.
+    `skip_blocks` [R] int64: leading blocks of each row that the groups leave out (attended
+    apart as a shared prefix, `sdpa_prefix`; at most the full blocks before the row's new
+    tokens); a row's groups then read its blocks from there on, its mask counts keys from
+    there."""
+    bs, nd = batch.block_size, batch.num_decode
+    skip = np.zeros(batch.num_rows, np.int64) if skip_blocks is None else skip_blocks
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     seq = batch.seq_lens_cpu.numpy().astype(np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
@@ -122,6 +133,7 @@ def plan_attention(
         if rows.shape[0] == 0:
             continue
         pieces = _cut_rows(rows, q_len, prefix, bs, chunk)
+        pieces = pieces._replace(kv_blocks=pieces.kv_blocks - skip[pieces.row])
         kv_len = pieces.kv_blocks * bs
         area = pieces.q_len * kv_len
         order = np.argsort(-(kv_len if is_decode else area), kind="stable")
@@ -133,7 +145,9 @@ def plan_attention(
             )
 
         for ids in _pack(order, pieces.q_len, kv_len, limits.max_waste, fits):
-            groups.append(_build_group(batch, pieces, ids, qo, prefix, kvp, num_tokens))
+            if is_decode:  # order within a group does not matter: rows in order, so that
+                ids = np.sort(ids)  # consecutive rows read q in place (token_range)
+            groups.append(_build_group(batch, pieces, ids, qo, prefix - skip * bs, kvp[:-1] + skip))
     return groups
 
 
@@ -143,22 +157,25 @@ def _build_group(
     ids: np.ndarray,
     qo: np.ndarray,
     prefix: np.ndarray,
-    kvp: np.ndarray,
-    num_tokens: int,
+    kv_start: np.ndarray,
 ) -> AttentionGroup:
-    bs, dev = batch.block_size, batch.kv_indices.device
+    """`prefix`: keys before each row's new tokens that its pieces read; `kv_start`: index
+    into kv_indices of each row's first block read (both [R], after any skipped blocks)."""
+    bs, dev, num_tokens = batch.block_size, batch.kv_indices.device, batch.num_tokens
     row, q0, n_q, n_blk = (a[ids] for a in pieces)
     q_pad, blk_pad = int(n_q.max()), int(n_blk.max())
     j = np.arange(q_pad)
     q_in_row = q0[:, None] + np.minimum(j[None, :], n_q[:, None] - 1)  # [n, q_pad]
     q_index = qo[row][:, None] + q_in_row
     out_index = np.where(j[None, :] < n_q[:, None], q_index, num_tokens)
-    blk = kvp[row][:, None] + np.minimum(np.arange(blk_pad)[None, :], n_blk[:, None] - 1)
+    blk = kv_start[row][:, None] + np.minimum(np.arange(blk_pad)[None, :], n_blk[:, None] - 1)
     # query at new-token offset t of a row with prefix p sees keys 0..p + t
     limit = torch.from_numpy(prefix[row][:, None] + q_in_row + 1).to(dev)  # [n, q_pad]
     key = torch.arange(blk_pad * bs, device=dev)
     mask = (key[None, None, :] < limit[:, :, None]).unsqueeze(1)  # [n, 1, q_pad, kv_len]
     to_dev = lambda a: torch.from_numpy(a.reshape(-1)).to(dev)  # noqa: E731
+    first, n = int(q_index[0, 0]), len(ids)
+    in_order = q_pad == 1 and bool((q_index[:, 0] == np.arange(first, first + n)).all())
     return AttentionGroup(
         num_pieces=len(ids),
         q_len=q_pad,
@@ -167,4 +184,5 @@ def _build_group(
         out_index=to_dev(out_index),
         blocks=batch.kv_indices[to_dev(blk)].to(torch.int64),
         mask=mask,
+        token_range=(first, first + n) if in_order else None,
     )

@@ -1,8 +1,9 @@
-"""Tensor-parallel layers: the same parameters (and names) as nn.Linear / nn.Embedding with
-the local shapes of a `TPShard`, plus the collective that makes their outputs whole.
+"""Tensor-parallel layers: the same parameters (and names) as `Linear` (radixrt.model.linear:
+nn.Linear + CPU prepacking) / nn.Embedding with the local shapes of a `TPShard`, plus the
+collective that makes their outputs whole.
 
-Used only when tensor_parallel_size > 1; with one rank the model keeps plain nn.Linear and
-nn.Embedding (no extra op). Column-parallel linears (qkv, gate_up) are plain nn.Linear of the
+Used only when tensor_parallel_size > 1; with one rank the model keeps plain `Linear` and
+nn.Embedding (no extra op). Column-parallel linears (qkv, gate_up) are plain `Linear` of the
 local output size: their outputs stay split (heads / features) until a row-parallel layer.
 """
 
@@ -13,9 +14,10 @@ from torch import nn
 
 from radixrt.distributed.group import TPGroup
 from radixrt.distributed.shard import TPShard
+from radixrt.model.linear import Linear
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = all_reduce(x_local @ W_local^T): input features split across ranks, no bias."""
 
     def __init__(self, in_local: int, out_features: int, group: TPGroup) -> None:
@@ -42,7 +44,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-class VocabParallelLMHead(nn.Linear):
+class VocabParallelLMHead(Linear):
     """Logits of this rank's vocabulary rows; `forward` all-gathers them into the full
     [S, vocab] on every rank (padding columns dropped)."""
 

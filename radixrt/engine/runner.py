@@ -23,6 +23,7 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.cpu_malloc import keep_freed_memory
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.draft_verify import verify_stochastic
 from radixrt.engine.inputs import StepLayout, layout_plan
@@ -70,6 +71,8 @@ class ModelRunner:
         if self.device.type == "cpu" and cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)
             logger.info("CPU: %d torch threads", cfg.cpu_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults on every step's activations (cpu_malloc)
         self.tp = tp
         start = time.perf_counter()
         shard = attn_cfg = None

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixrt.config import ModelConfig
+from radixrt.model.linear import prepack_linears
 from radixrt.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -27,9 +28,12 @@ def build_model(
     seed: int = 0,
     shard: TPShard | None = None,
     group: TPGroup | None = None,
+    prepack: bool = True,
 ) -> LlamaForCausalLM:
     """Create the model directly on `device` in `dtype` and fill its weights. With `group`
-    (tensor parallelism): this rank's `shard`, reading only its slices of the checkpoint."""
+    (tensor parallelism): this rank's `shard`, reading only its slices of the checkpoint.
+    A float32 CPU model gets oneDNN-packed copies of its linear weights
+    (`radixrt.model.linear`: used for prefill-sized inputs) unless `prepack` is False."""
     torch_dtype = DTYPES[dtype]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
@@ -48,6 +52,8 @@ def build_model(
         from radixrt.model.loader import iterate_hf_weight_slices
 
         model.load_weights(iterate_hf_weight_slices(model_path))
+    if prepack:
+        prepack_linears(model)
     return model.eval()
 
 

@@ -12,7 +12,7 @@ import functools
 import importlib.util
 import math
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,6 +62,10 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, bitwise equal to the formula below (tests/test_cpu_linear.py)
+            out = torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -102,6 +106,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
 
 
+class RopeInputs(NamedTuple):
+    """One forward's rotary inputs, made once for all layers (`RotaryEmbedding.prepare`)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor | None  # [T, 1, d/2] in the model's dtype; None on the fused CUDA path
+    sin: torch.Tensor | None  # [T, 1, d/2]
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (HF Llama/Qwen `rotate_half`) indexed by positions."""
 
@@ -115,25 +127,37 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: cos | sin halves, float32
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), False)
 
+    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> RopeInputs:
+        """The rotary inputs of `positions` [T] for activations like `x` (device, dtype):
+        cos/sin gathered here once, not in every layer (none on the fused CUDA path)."""
+        if _fast(x) is not None and self.head_dim in ROPE_HEAD_DIMS:
+            return RopeInputs(positions, None, None)
+        cos, sin = self.cos_sin[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return RopeInputs(positions, cos, sin)
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes).
-        On the fused CUDA path q and k are rotated in place (any token/head strides) and
-        returned."""
-        fi = _fast(q)
-        if fi is not None and self.head_dim in ROPE_HEAD_DIMS:
+        """q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes). On the fused CUDA
+        path (`rope.cos` is None) q and k are rotated in place (any token/head strides) and
+        returned; otherwise new contiguous tensors."""
+        if rope.cos is None:
+            fi = _flashinfer()
+            assert fi is not None
             fi.rope.apply_rope_with_cos_sin_cache_inplace(
-                positions, q, k, self.head_dim, self.cos_sin, is_neox=True
+                rope.positions, q, k, self.head_dim, self.cos_sin, is_neox=True
             )
             return q, k
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, d/2] each
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(q, rope.cos, rope.sin), _rotate(k, rope.cos, rope.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, h, d] -> x * [cos, cos] + rotate_half(x) * [sin, sin] (HF's formula, the same
+    roundings: each half is x1 * cos - x2 * sin or x2 * cos + x1 * sin), in four ops."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2).add_(x1 * sin)
+    return out

@@ -1,0 +1,105 @@
+"""`Linear`: nn.Linear with an optional oneDNN-prepacked copy of its weight for CPU float32.
+
+MKL's sgemm behind `F.linear` reaches ~70-85 GFLOP/s on one AMD EPYC core for the tiny model's
+prefill shapes; oneDNN with the weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`) runs the same GEMMs at ~100-106 GFLOP/s, but is
+slower than MKL at a few rows (per-call overhead: 5-50 GFLOP/s at 1-8 rows). So `forward` takes
+the packed path only for inputs of at least `PACKED_MIN_ROWS` rows (prefill chunks), and plain
+`F.linear` otherwise (decode). Measured in benchmarks/RESULTS.md ("CPU speed, session 4").
+
+Numerics: oneDNN sums the K products in another order than MKL, so results differ in the last
+bits (relative ~1e-6 in float32; tests/test_cpu_linear.py bounds it against `F.linear`).
+
+Contract: `prepack()` snapshots the weight; a packed copy is used only while the weight is
+unchanged (its version counter is checked on every call, and a changed weight falls back to
+`F.linear` until `prepack()` runs again). The packed copy doubles the weight's memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_MIN_ROWS = 128  # rows from which the packed oneDNN GEMM beats MKL's (see above)
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """True where a oneDNN-packed linear applies: a float32 CPU weight, oneDNN built in."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, names and state dict) plus `prepack()` for CPU float32.
+
+    `row_parts`: (start, stop) ranges of output features that `forward_rows` computes on their
+    own (e.g. gate and up of a merged gate_up weight); with them, `prepack` packs only those
+    parts (and `forward` of the whole layer stays on `F.linear`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        row_parts: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        for start, stop in row_parts:
+            if not 0 <= start < stop <= out_features:
+                raise ValueError(f"row_parts: ({start}, {stop}) is not in [0, {out_features}]")
+        self.row_parts = row_parts
+        # (start, stop) -> oneDNN blocked copy of weight[start:stop] ((0, out): the whole)
+        self._packed: dict[tuple[int, int], torch.Tensor] = {}
+        self._full: torch.Tensor | None = None  # _packed[(0, out_features)] if made
+        self._packed_version = -1  # weight._version when packed
+
+    def prepack(self) -> bool:
+        """Make the oneDNN-packed copies of the current weight (the whole, or `row_parts`;
+        see the module docstring). Returns whether they were made (False: not a float32 CPU
+        weight, or no oneDNN)."""
+        self._packed, self._full = {}, None
+        if not can_prepack(self.weight):
+            return False
+        parts = self.row_parts or ((0, self.out_features),)
+        with torch.no_grad():
+            w = self.weight.detach()
+            for start, stop in parts:
+                self._packed[(start, stop)] = torch.ops.mkldnn._reorder_linear_weight(
+                    w[start:stop].contiguous(), PACKED_MIN_ROWS
+                )
+        self._full = self._packed.get((0, self.out_features))
+        self._packed_version = self.weight._version
+        return True
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether packed copies exist and the weight is unchanged since they were made."""
+        return bool(self._packed) and self._packed_version == self.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]; the packed GEMM for >= PACKED_MIN_ROWS rows."""
+        if self._full is None or x.numel() < PACKED_MIN_ROWS * self.in_features or not x.is_cpu:
+            return F.linear(x, self.weight, self.bias)
+        return self.forward_rows(x, 0, self.out_features)
+
+    def forward_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """x [..., in] -> output features [start, stop) [..., stop - start], contiguous."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        packed = self._packed.get((start, stop))
+        if (
+            packed is not None
+            and x.numel() >= PACKED_MIN_ROWS * self.in_features
+            and x.is_cpu  # a model moved off the CPU after prepack() keeps F.linear
+            and self._packed_version == self.weight._version
+        ):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, self.weight[start:stop], bias)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """`prepack()` every `Linear` of `model`; returns how many were packed."""
+    return sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
