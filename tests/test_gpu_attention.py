@@ -227,9 +227,10 @@ def test_fused_layers_match_torch():
             qkv[:, 8 * head_dim : 10 * head_dim],
         )
         k = k.reshape(tokens, 2, head_dim)
-        ref_q, ref_k = rope(positions, q, k)
+        ref_q, ref_k = rope(rope.prepare(positions, q), q, k)
         qkv_gpu = qkv.to(dev, DTYPE)
         q_gpu = qkv_gpu[:, : 8 * head_dim].view(tokens, 8, head_dim)
         k_gpu = qkv_gpu[:, 8 * head_dim : 10 * head_dim].view(tokens, 2, head_dim)
-        out_q, out_k = rope.to(dev)(positions.to(dev), q_gpu, k_gpu)
+        rope = rope.to(dev)
+        out_q, out_k = rope(rope.prepare(positions.to(dev), q_gpu), q_gpu, k_gpu)
         assert rel_err(out_q.cpu(), ref_q) < 1e-2 and rel_err(out_k.cpu(), ref_k) < 1e-2
