@@ -31,9 +31,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
@@ -41,56 +41,19 @@ from radixrt.grammar.scheduling import GrammarScheduling
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import (
     CopyBlock,
-    PlanRow,
-    PromptLogprobs,
     StepPlan,
     SwapIn,
     SwapOut,
 )
+from radixrt.scheduler.admission import Admission
 from radixrt.scheduler.groups import GroupScheduling
-from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplication
-from radixrt.spec.base import Proposer, SpecStats
+from radixrt.scheduler.rows import RowPlanning
+from radixrt.scheduler.stats import SchedulerStats
+from radixrt.spec.base import Proposer
 
 logger = logging.getLogger(__name__)
-
-# Scanning the waiting queue past this many held-back requests stops for the step (each
-# check costs a prefix match).
-MAX_DEFERRED_PER_STEP = 64
-
-
-@dataclass
-class SchedulerStats:
-    num_requests: int = 0  # admitted for the first time
-    num_prompt_tokens: int = 0  # prompt tokens of those
-    num_cached_tokens: int = 0  # of those, served by the prefix cache
-    num_generated_tokens: int = 0
-    num_dropped_tokens: int = 0  # sampled by an overlapped step after the request finished
-    num_preemptions: int = 0
-    num_cow_copies: int = 0  # partial blocks copied on a mid-block match
-    num_inplace_appends: int = 0  # mid-block matches that could write on in the cached block
-    num_steps: int = 0
-    num_failed_requests: int = 0  # finished with FinishReason.ERROR (each one is a bug)
-    num_failed_steps: int = 0  # plans whose execution raised
-    num_prompt_tokens_computed: int = 0  # prompt positions fed to the model (recomputes too)
-    num_host_hit_tokens: int = 0  # of num_cached_tokens, loaded from the host KV tier
-    num_deferred_loads: int = 0  # admissions whose first row waited a step for host loads
-    num_forks: int = 0  # n > 1 / beam-search groups forked (again after a preemption)
-    num_fork_shared_blocks: int = 0  # full blocks children took a reference on at a fork
-    num_fork_copied_blocks: int = 0  # partial blocks copied for children at a fork
-    num_beam_shared_blocks: int = 0  # full blocks a re-parented beam took references on
-    num_beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
-    num_beam_steps: int = 0  # beam selections (one per group and generated token)
-    num_grammar_requests: int = 0  # constrained requests whose grammar compiled
-    num_grammar_errors: int = 0  # constrained requests refused (compile error or timeout)
-    num_forced_tokens: int = 0  # tokens appended by jump-forward (also in generated)
-    finish_reasons: Counter = field(default_factory=Counter)
-    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
 @dataclass
@@ -103,7 +66,7 @@ class _Launched:
     block_ops: list  # the plan's (a failed earlier plan may have left them wrong inputs)
 
 
-class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
+class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, ResultApplication):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -268,77 +231,6 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         swaps = [op for op in ops if _is_swap(op)] + self._take_swap_ops()
         return swaps + [op for op in ops if not _is_swap(op)]
 
-    def _schedulable(self, req: Request) -> bool:
-        """Running and not waiting for the host result of a step in flight."""
-        return req.status is Status.RUNNING and not req.awaiting_host_result
-
-    @staticmethod
-    def _extend_due(req: Request) -> bool:
-        """More than one token to feed (a prefill chunk), or a prompt-only request's last."""
-        return req.num_pending > 1 or (req.max_tokens == 0 and req.num_pending == 1)
-
-    def _decode_due(self, req: Request) -> bool:
-        """One token to feed, and the sample it makes may still be kept (a request whose
-        in-flight samples already reach max_tokens or the context waits for them)."""
-        return (
-            req.num_pending == 1
-            and req.num_output + req.num_inflight_samples < req.max_tokens
-            and req.seq_len < self.max_model_len
-        )
-
-    def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
-        """Decode rows and their drafts ([] without speculation)."""
-        scheduled: list[tuple[Request, list[int]]] = []
-        due = [
-            r
-            for r in sorted(self.running, key=lambda r: r.admission_seq)
-            if self._schedulable(r) and self._decode_due(r)
-        ]
-        # drafts take what the token budget leaves after one token for every decode row
-        spare = self.cfg.max_num_batched_tokens - len(due)
-        for req in due:
-            if req.status is not Status.RUNNING:
-                continue  # preempted for an earlier row's blocks
-            drafts = self._drafts(req, spare)
-            spare -= len(drafts)
-            while not self._reserve(req, 1 + len(drafts)):
-                victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
-                self._preempt(victim)
-                # a group goes as a whole, rows already picked for it too
-                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
-                if req.status is not Status.RUNNING:
-                    break
-            else:
-                scheduled.append((req, drafts))
-        return scheduled
-
-    def _drafts(self, req: Request, spare: int) -> list[int]:
-        """Draft tokens for a decode row: only with a proposer, the row's last token on the
-        host, and room for them (max_tokens, the context and `spare` tokens of the step's
-        budget). Beams never draft (their group picks one token per beam from top
-        log-probs). Rows with penalties draft: the runner penalises each position with the
-        drafts before it counted (`radixrt.engine.spec_penalties`)."""
-        if self.proposer is None or req.num_inflight_samples:
-            return []
-        if req.grammar is not None and getattr(self.proposer, "drafts_on_device", False):
-            return []  # device drafts cannot be checked against the grammar
-        if not req.reports:
-            return []
-        room = min(
-            req.max_tokens - req.num_output - 1,
-            self.max_model_len - len(req.seq_token_ids) - 1,
-            spare,
-        )
-        k = min(self.cfg.num_speculative_tokens, room)
-        if k <= 0:
-            return []
-        drafts = self.proposer.propose(req, k)[:k]
-        if req.grammar is not None and drafts:
-            drafts = self._grammar_drafts(req, drafts)
-        self.stats.spec.num_proposals += 1
-        self.stats.spec.num_proposals_with_drafts += bool(drafts)
-        return drafts
-
     def _preempt_until_reserved(self, req: Request, n: int) -> bool:
         """Nothing else runs this step and `req` (a running request with a chunk to feed,
         e.g. a jump-forward run) lacks blocks: preempt the newest other requests until it
@@ -357,178 +249,6 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         candidates = [r for r in self.running if id(r) not in taken]
         assert candidates, "a request needing a block is always preemptible itself"
         return max(candidates, key=lambda r: r.admission_seq)
-
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_pending, budget)
-        if self.cfg.long_prefill_token_threshold:
-            n = min(n, self.cfg.long_prefill_token_threshold)
-        return max(n, 0)
-
-    def _match(self, req: Request) -> MatchResult:
-        """The request's cached prefix this step: matched once, again only if the cache
-        evicted something since (which may invalidate the earlier result)."""
-        if self._matches_version != self.cache.version:
-            self._matches.clear()
-            self._matches_version = self.cache.version
-        m = self._matches.get(req)
-        if m is None:
-            m = self._matches[req] = self.cache.match(req.seq_token_ids[: self._match_limit(req)])
-        return m
-
-    @staticmethod
-    def _match_limit(req: Request) -> int:
-        # The last token is always recomputed (its logits are sampled), but by a fork
-        # parent (it samples nothing); with prompt log-probs, so is every token from
-        # logprob_start_len - 1 on.
-        limit = len(req.seq_token_ids) - (0 if req.group is not None else 1)
-        if req.params.prompt_logprobs:
-            limit = min(limit, req.params.logprob_start_len - 1)
-        return limit
-
-    def _admit(self, budget: int, extend: list[tuple[Request, int]], ops: list) -> int:
-        order = order_waiting(
-            self.waiting, self.cfg.policy, self._match, self.cfg.aging_tokens_per_step
-        )
-        # Cache-aware policies hold back a request whose uncached prefix another request is
-        # computing right now: next step it finds that prefix in the cache instead.
-        computing = [r for r in self.running if r.num_pending > 1]
-        dedup = self.cfg.policy != "fcfs"
-        skipped = 0
-        for req in order:
-            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
-                break
-            group_slots = req.group.num_slots if req.group is not None else 1
-            if group_slots > len(self._free_slots):
-                break
-            if req.grammar_ticket is not None:  # grammar-pending: its compile runs
-                continue
-            if dedup and computing and self._shares_uncached_prefix(req, computing):
-                skipped += 1
-                if skipped >= MAX_DEFERRED_PER_STEP:
-                    break
-                continue
-            n = self._try_start(req, ops, budget)
-            if n is None:
-                break
-            if req.group is not None:
-                req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = req.num_computed
-                self.stats.num_host_hit_tokens += req.num_host_cached_tokens
-                # a group's parent holds the prompt but its last token
-                prompt_len = req.prompt_len + (1 if req.group is not None else 0)
-                self.stats.num_requests += 1
-                self.stats.num_prompt_tokens += prompt_len
-                self.stats.num_cached_tokens += req.num_computed
-                self.cache.stats.record_lookup(prompt_len, req.num_computed)
-            self.waiting.remove(req)
-            req.status = Status.RUNNING
-            self._admissions += 1
-            req.admission_seq = self._admissions
-            self.running.append(req)
-            if n == 0:  # a fork parent with its whole prefix cached
-                req.group.ready = True
-                continue
-            if req.num_host_cached_tokens and (extend or budget < self.cfg.max_num_batched_tokens):
-                # Its blocks load from the host tier in this step (SwapIn ops): its first row
-                # comes with the next plan, so this step's other rows need not wait for the
-                # transfer (see radixrt.kv.host_pool).
-                self.stats.num_deferred_loads += 1
-                continue
-            extend.append((req, n))
-            computing.append(req)
-            budget -= n
-        return budget
-
-    def _try_start(self, req: Request, ops: list, budget: int) -> int | None:
-        """Start `req` and reserve its first chunk; returns the chunk, or None holding nothing.
-        When nothing else runs and its locked cached path (with the blocks of every branch on
-        it, which a host tier keeps and loads) leaves too few blocks, retry with shorter
-        cached prefixes (the path's node boundaries, then none): otherwise the request could
-        never run."""
-        shorter: list[int] | None = None
-        while True:
-            num_ops = len(ops)
-            if self._start(req, ops):
-                n = self._chunk(req, budget)
-                if self._reserve(req, n) and (not shorter or self._can_finish(req)):
-                    return n
-                del ops[num_ops:]
-                self._release(req)
-            if self.running:
-                return None
-            if shorter is None:
-                m = self._match(req)
-                if m.num_cached_tokens == 0:
-                    return None
-                node, shorter = m.handle, [0]
-                while getattr(node, "parent", None) is not None:  # radix: node boundaries
-                    shorter.insert(1, node.start)
-                    node = node.parent
-                shorter = sorted(set(shorter) - {m.num_cached_tokens})
-            if not shorter:
-                return None
-            self._match(req)  # brings the per-step match table up to the cache version
-            self._matches[req] = self.cache.match(req.seq_token_ids[: shorter.pop()])
-
-    def _can_finish(self, req: Request) -> bool:
-        """Whether the blocks free or evictable now cover the rest of `req` (all its tokens to
-        come), so that a retry with a shorter prefix does not just preempt it again."""
-        total = math.ceil(
-            (len(req.seq_token_ids) + req.max_tokens - req.num_output) / self.block_size
-        )
-        return self.allocator.num_free + self.cache.evictable_blocks >= total - len(req.block_table)
-
-    def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
-        cached = self._match(req).num_cached_tokens
-        return any(
-            common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
-            >= IN_BATCH_PREFIX_THRESHOLD
-            for other in computing
-        )
-
-    def _start(self, req: Request, ops: list) -> bool:
-        """Lock the cached prefix and take its blocks (a partial last block is written on in
-        place when nothing else can see past its matched tokens, else copied: a CopyBlock
-        op). Returns False, holding nothing, when blocks are short."""
-        bs = self.block_size
-        m = self._match(req)
-        self.cache.lock(m.handle)
-        req.cache_handle = m.handle
-        req.slot = self._free_slots.pop()
-        req.num_host_cached_tokens = m.num_host_tokens
-        if m.num_host_tokens:  # host tier: load the host-resident tail of the match
-            table = self.cache.load(m.handle)
-            if table is None:
-                self._release(req)
-                return False
-            m = m._replace(blocks=table, num_host_tokens=0)
-        req.num_table_sent = 0
-        if req.params.prompt_logprobs:
-            req.prompt_logprobs = []
-        full, partial = divmod(m.num_cached_tokens, bs)
-        shared = m.blocks[:full]
-        self.allocator.incref(shared)
-        req.block_table = list(shared)
-        if partial:
-            last = m.blocks[full]
-            if self.allocator.ref_counts[last] == 1:
-                # Only the cache node that ends the match records this block (a second
-                # node, e.g. after a split, or any request would hold another reference),
-                # so nothing lives past the matched tokens: append in place, no copy.
-                self.allocator.incref([last])
-                req.block_table.append(last)
-                self.stats.num_inplace_appends += 1
-            else:
-                copy = self._allocate(1)
-                if copy is None:
-                    self._release(req)
-                    return False
-                ops.append(CopyBlock(last, copy[0], partial))
-                self.stats.num_cow_copies += 1
-                req.block_table += copy
-        req.num_computed = req.num_kv_done = m.num_cached_tokens
-        return True
 
     def _allocate(self, n: int) -> list[int] | None:
         short = n - self.allocator.num_free
@@ -593,52 +313,6 @@ class Scheduler(GroupScheduling, GrammarScheduling, ResultApplication):
         seq.epoch += 1
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-
-    def _plan_row(self, req: Request, n: int, drafts: Sequence[int] = ()) -> PlanRow:
-        """The row of `req` feeding its next `n` tokens (the last len(drafts) of them
-        drafts); marks them computed and the sample in flight."""
-        start, seq = req.num_computed, req.seq_token_ids
-        p = req.params
-        reads_last = req.num_inflight_samples > 0
-        assert not reads_last or (n == 1 and start == len(seq)), "one in-flight sample at most"
-        k = len(drafts)
-        samples = start + n - k == req.seq_len and req.max_tokens > 0
-        row = PlanRow(
-            rid=req.rid,
-            slot=req.slot,
-            start=start,
-            num_tokens=n,
-            input_ids=[] if reads_last else seq[start : start + n - k] + list(drafts),
-            reads_last_sample=reads_last,
-            table_start=req.num_table_sent,
-            new_blocks=req.block_table[req.num_table_sent :],
-            sample_offsets=list(range(n - 1 - k, n)) if samples else [],
-            num_draft_tokens=k,
-            drafts_on_device=k > 0 and getattr(self.proposer, "drafts_on_device", False),
-            params=p,
-            num_output_before=req.num_output + req.num_inflight_samples,
-        )
-        req.num_table_sent = len(req.block_table)
-        if p.has_penalties:
-            row.history, row.prompt_len = list(seq), req.prompt_len
-        # Penalties need the whole output on the host; so does the proposer, to draft, and
-        # beam search, to pick the next beams.
-        is_beam = req.group is not None and req.group.beam is not None and req.reports is False
-        row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
-        if req.grammar is not None and samples:  # the next mask needs this step's token
-            row.token_bitmask = self._grammar_masks(req, drafts)
-            row.needs_host_result = True
-        self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
-        if p.prompt_logprobs:
-            lo = max(start, p.logprob_start_len - 1)
-            hi = min(start + n, req.prompt_len - 1)
-            if hi > lo:
-                row.prompt_logprobs = PromptLogprobs(lo - start, seq[lo + 1 : hi + 1])
-        req.num_computed += n
-        if samples:
-            req.num_inflight_samples += 1
-        req.awaiting_host_result = row.needs_host_result
-        return row
 
 
 def _is_swap(op: object) -> bool:
