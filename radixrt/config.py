@@ -268,8 +268,7 @@ class EngineConfig:
     enable_cuda_graph: bool = False
     overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
     # torch threads on a CPU device (set by the runner; None: leave torch's setting). Resolved
-    # default: half the cores, at least 1 (OpenMP threads that share a core with other work
-    # spin: on 2 busy cores 2 threads made a tiny-model decode step 8x slower than 1)
+    # default: `default_cpu_threads()`, the cores not busy at start-up
     cpu_threads: int | None = None
     # gc.freeze() once the engine is built, gc.unfreeze() at shutdown: Python's full
     # collections otherwise rescan the model, graphs and modules every ~80 busy steps, a
@@ -320,6 +319,21 @@ class EngineConfig:
             )
 
 
+def default_cpu_threads() -> int:
+    """Torch threads for an in-process CPU engine: the usable cores minus those busy at
+    start-up (the 1-minute load average, rounded), at least 1. OpenMP threads that share a
+    core with other work spin: on 2 busy cores 2 threads made a tiny-model decode step 8x
+    slower than 1; on 2 idle cores 2 threads ran the 32 x (128 in / 32 out) workload 1.4x
+    faster than 1 (benchmarks/RESULTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:  # no load average on this platform: half the cores
+        busy = cores // 2
+    return max(1, min(cores, cores - busy))
+
+
 def resolve_config(
     model_path: str,
     device: str = "auto",
@@ -361,7 +375,7 @@ def resolve_config(
     top.setdefault("enable_cuda_graph", device.startswith("cuda"))
     top.setdefault("overlap_schedule", device.startswith("cuda"))
     if device == "cpu":
-        top.setdefault("cpu_threads", max(1, (os.cpu_count() or 1) // 2))
+        top.setdefault("cpu_threads", default_cpu_threads())
     cache = CacheConfig(**sub["cache"])
     if sub["scheduler"].get("policy", "auto") == "auto":
         sub["scheduler"]["policy"] = "lpm" if cache.prefix_cache == "radix" else "fcfs"

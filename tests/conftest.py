@@ -14,6 +14,25 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_cpu_threads():
+    """Every CPU engine of the run gets the same thread count (the default depends on the
+    machine's load at start-up, and engines compared with each other must sum in the same
+    order): half the cores, as the default was before it became load-aware."""
+    import radixrt.config
+
+    real = radixrt.config.default_cpu_threads
+    radixrt.config.default_cpu_threads = lambda: max(1, (os.cpu_count() or 1) // 2)
+    yield real
+    radixrt.config.default_cpu_threads = real
+
+
+@pytest.fixture
+def real_default_cpu_threads(_fixed_cpu_threads):
+    """radixrt.config.default_cpu_threads itself (the run pins a fixed one)."""
+    return _fixed_cpu_threads
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
