@@ -21,11 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import reference_batch
 from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, PlanLimits
 from radixrt.attention.torch_backend import TorchAttentionBackend
-from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 
 BLOCK_SIZE = 16
@@ -68,27 +67,7 @@ def make_batch(rows: list[tuple[int, int]], num_decode: int, gen: torch.Generato
     ends = torch.cumsum(nblocks, 0).tolist()
     for r, (nb, end) in enumerate(zip(nblocks.tolist(), ends)):
         table[r, :nb] = perm[end - nb : end]
-    qo = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    qo[1:] = torch.cumsum(new, 0)
-    t = int(qo[-1])
-    kv = build_kv_metadata_reference(table, seq_lens, BLOCK_SIZE)
-    tok = build_token_metadata_reference(table, cached, new, qo, t, BLOCK_SIZE)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(t, dtype=torch.int64),
-        positions=tok.positions,
-        slot_mapping=tok.slot_mapping,
-        qo_indptr=qo,
-        kv_indptr=kv.kv_indptr,
-        kv_indices=kv.kv_indices,
-        kv_last_page_len=kv.kv_last_page_len,
-        seq_lens=seq_lens,
-        logits_indices=(qo[1:] - 1).long(),
-        num_decode=num_decode,
-        qo_indptr_cpu=qo,
-        seq_lens_cpu=seq_lens,
-        kv_indptr_cpu=kv.kv_indptr,
-        block_size=BLOCK_SIZE,
-    )
+    batch = reference_batch(table, cached, new, num_decode, BLOCK_SIZE)
     return batch, num_blocks
 
 

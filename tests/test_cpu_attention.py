@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch, reference_batch
 from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, PlanLimits, plan_attention
 from radixrt.attention.torch_backend import TorchAttentionBackend
-from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 
 HEAD_DIM, NUM_LAYERS = 16, 2
@@ -37,27 +36,7 @@ def make_batch(
     for r, nb in enumerate(nblocks.tolist()):
         table[r, :nb] = perm[used : used + nb]
         used += nb
-    qo_indptr = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(new, 0)
-    num_tokens = int(qo_indptr[-1])
-    kv = build_kv_metadata_reference(table, seq_lens, block_size)
-    tok = build_token_metadata_reference(table, cached, new, qo_indptr, num_tokens, block_size)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-        positions=tok.positions,
-        slot_mapping=tok.slot_mapping,
-        qo_indptr=qo_indptr,
-        kv_indptr=kv.kv_indptr,
-        kv_indices=kv.kv_indices,
-        kv_last_page_len=kv.kv_last_page_len,
-        seq_lens=seq_lens,
-        logits_indices=(qo_indptr[1:] - 1).long(),
-        num_decode=num_decode,
-        qo_indptr_cpu=qo_indptr,
-        seq_lens_cpu=seq_lens,
-        kv_indptr_cpu=kv.kv_indptr,
-        block_size=block_size,
-    )
+    batch = reference_batch(table, cached, new, num_decode, block_size)
     return batch, num_blocks
 
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch, reference_batch
 from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 from radixrt.attention.sdpa_prefix import merge_partial, plan_shared_prefixes
 from radixrt.attention.torch_backend import TorchAttentionBackend
-from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 
 HEAD_DIM = 16
@@ -56,28 +55,7 @@ def make_batch(
         table[r, : len(t)] = perm[torch.tensor(t, dtype=torch.int64)]
     cached_t = torch.tensor(cached, dtype=torch.int32)
     new_t = torch.tensor(new, dtype=torch.int32)
-    seq_lens = cached_t + new_t
-    qo = torch.zeros(len(tables) + 1, dtype=torch.int32)
-    qo[1:] = torch.cumsum(new_t, 0)
-    num_tokens = int(qo[-1])
-    kv = build_kv_metadata_reference(table, seq_lens, bs)
-    tok = build_token_metadata_reference(table, cached_t, new_t, qo, num_tokens, bs)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-        positions=tok.positions,
-        slot_mapping=tok.slot_mapping,
-        qo_indptr=qo,
-        kv_indptr=kv.kv_indptr,
-        kv_indices=kv.kv_indices,
-        kv_last_page_len=kv.kv_last_page_len,
-        seq_lens=seq_lens,
-        logits_indices=(qo[1:] - 1).long(),
-        num_decode=len(decode),
-        qo_indptr_cpu=qo,
-        seq_lens_cpu=seq_lens,
-        kv_indptr_cpu=kv.kv_indptr,
-        block_size=bs,
-    )
+    batch = reference_batch(table, cached_t, new_t, len(decode), bs)
     return batch, num_blocks
 
 

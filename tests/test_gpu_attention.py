@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixrt.attention.flashinfer_backend import kv_head_dim
-from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.attention.forward_batch import ForwardBatch, reference_batch
 from radixrt.config import ModelConfig
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, decode_buckets, decode_metadata
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
@@ -106,28 +106,7 @@ def make_batch(
     for r, nb in enumerate(nblocks.tolist()):
         table[r, :nb] = perm[used : used + nb]
         used += nb
-    qo_indptr = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(new, 0)
-    num_tokens = int(qo_indptr[-1])
-    kv = build_kv_metadata_reference(table, seq_lens, block_size)
-    tok = build_token_metadata_reference(table, cached, new, qo_indptr, num_tokens, block_size)
-    dev = torch.device("cuda")
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
-        positions=tok.positions.to(dev),
-        slot_mapping=tok.slot_mapping.to(dev),
-        qo_indptr=qo_indptr.to(dev),
-        kv_indptr=kv.kv_indptr.to(dev),
-        kv_indices=kv.kv_indices.to(dev),
-        kv_last_page_len=kv.kv_last_page_len.to(dev),
-        seq_lens=seq_lens.to(dev),
-        logits_indices=(qo_indptr[1:] - 1).long().to(dev),
-        num_decode=num_decode,
-        qo_indptr_cpu=qo_indptr,
-        seq_lens_cpu=seq_lens,
-        kv_indptr_cpu=kv.kv_indptr,
-        block_size=block_size,
-    )
+    batch = reference_batch(table, cached, new, num_decode, block_size, "cuda")
     return batch, num_blocks
 
 

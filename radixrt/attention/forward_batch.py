@@ -45,3 +45,41 @@ class ForwardBatch:
     def num_decode_tokens(self) -> int:
         """Decode rows come first, one token each."""
         return self.num_decode
+
+
+def reference_batch(
+    table: torch.Tensor,  # [R, >= blocks used] int32 cpu: each row's block table
+    cached: torch.Tensor,  # [R] int32 cpu: tokens already in each row's KV
+    new: torch.Tensor,  # [R] int32 cpu: new tokens of each row (decode rows first: 1 each)
+    num_decode: int,
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """The ForwardBatch of these rows, built with the reference metadata builders (tests and
+    benchmarks: the oracle the runner's fast builders are checked against). Input ids are 0;
+    every row's last token is sampled."""
+    from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
+
+    seq_lens = cached + new
+    qo = torch.zeros(len(new) + 1, dtype=torch.int32)
+    qo[1:] = torch.cumsum(new, 0)
+    num_tokens = int(qo[-1])
+    kv = build_kv_metadata_reference(table, seq_lens, block_size)
+    tok = build_token_metadata_reference(table, cached, new, qo, num_tokens, block_size)
+    dev = torch.device(device)
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+        positions=tok.positions.to(dev),
+        slot_mapping=tok.slot_mapping.to(dev),
+        qo_indptr=qo.to(dev),
+        kv_indptr=kv.kv_indptr.to(dev),
+        kv_indices=kv.kv_indices.to(dev),
+        kv_last_page_len=kv.kv_last_page_len.to(dev),
+        seq_lens=seq_lens.to(dev),
+        logits_indices=(qo[1:] - 1).long().to(dev),
+        num_decode=num_decode,
+        qo_indptr_cpu=qo,
+        seq_lens_cpu=seq_lens,
+        kv_indptr_cpu=kv.kv_indptr,
+        block_size=block_size,
+    )
