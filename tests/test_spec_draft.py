@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from test_spec_engine import TEXTS, greedy, outputs, seeded
+from test_spec_engine import TEXTS, greedy, last_deltas, outputs, seeded
 
 from radixrt import SamplingParams
 
@@ -87,12 +87,7 @@ def test_sampling_with_draft(make_engine, tiny_model_dir, tiny_random_model_dir)
         SamplingParams(max_tokens=12, temperature=1.0, top_k=20, min_p=0.02, ignore_eos=True)
         for _ in prompts
     ]
-    rids = [other.add_request(p, sp) for p, sp in zip(prompts, params)]
-    last = {}
-    while other.core.has_work:
-        for delta, _ in other.step():
-            last[delta.rid] = delta
-    other.check_integrity()
+    rids, last = last_deltas(other, prompts, params)
     s = other.stats()
     assert all(last[r].num_output_tokens == 12 for r in rids)
     assert sum(last[r].num_draft_tokens for r in rids) == s["spec_draft_tokens"] > 0

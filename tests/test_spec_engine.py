@@ -37,6 +37,17 @@ def outputs(engine, params) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
+def last_deltas(engine, prompts, params) -> tuple[list[str], dict]:
+    """Add the requests, step until done; (their ids, each request's last delta)."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    last = {}
+    while engine.core.has_work:
+        for delta, _ in engine.step():
+            last[delta.rid] = delta
+    engine.check_integrity()
+    return rids, last
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     from radixrt import Engine
@@ -90,12 +101,7 @@ def test_radix_rerun_accepts_everything(make_engine, reference):
         assert outputs(engine, params) == reference[kind]
         first = engine.stats()
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        last = {}
-        while engine.core.has_work:
-            for delta, _ in engine.step():
-                last[delta.rid] = delta
-        engine.check_integrity()
+        rids, last = last_deltas(engine, prompts, params)
         s = engine.stats()
         drafted = s["spec_draft_tokens"] - first["spec_draft_tokens"]
         accepted = s["spec_accepted_tokens"] - first["spec_accepted_tokens"]
