@@ -1,74 +1,121 @@
 """Incremental detokenization with stop strings.
 
-Decoding token by token breaks multi-byte characters and merged tokens; this keeps a
-window of already-emitted tokens and only emits text once it no longer ends in an
-incomplete character (U+FFFD). Text that could be the start of a stop string is held
-back until it is decided.
+Decoding token by token breaks multi-byte characters and merged tokens. Two decoders:
+`ByteDecoder` (a per-token byte table and an incremental UTF-8 decoder, for tokenizers
+`TokenBytes.build` can read: byte-level and byte-fallback BPE) and `WindowDecoder` (any
+tokenizer: decodes a window of already-emitted tokens and only emits text once it no
+longer ends in an incomplete character, U+FFFD). Text that could be the start of a stop
+string is held back until it is decided.
 
-Cost per `add`: decoding the few tokens of the window, and searching only the text not
-yet returned (the held-back tail, shorter than the longest stop string, plus the new
-text): O(number of stop strings x (longest stop string + new text)), independent of how
-long the output already is. A stop string cannot start in text already returned (that
-text was returned because no stop string could start there).
+Cost per `add`: a table lookup per token (or decoding the window's few tokens), and
+searching only the text not yet returned (the held-back tail, shorter than the longest
+stop string, plus the new text): O(number of stop strings x (longest stop string + new
+text)), independent of how long the output already is. A stop string cannot start in
+text already returned (that text was returned because no stop string could start there).
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
+
+from radixrt.token_bytes import TokenBytes
 
 CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for the first tokens' spacing
 
 
-class IncrementalDetokenizer:
-    def __init__(
-        self,
-        tokenizer: Any,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        context_ids: Sequence[int] = (),
-    ) -> None:
+class WindowDecoder:
+    """Text of a token stream by decoding windows with the tokenizer: a window of
+    already-emitted tokens gives the next token's spacing, and text is only emitted once it
+    no longer ends in an incomplete character (U+FFFD). Works with any tokenizer; two small
+    decodes per token."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, context_ids: Sequence[int]):
         self.tokenizer = tokenizer
-        self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens
         # ids[prefix_offset:read_offset] were decoded already (they give the next token's
         # spacing); ids[read_offset:] wait for a complete character
         self.ids: list[int] = list(context_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.pending = ""  # decoded text not returned yet (may start a stop string)
-        self.stopped = False  # a stop string was found (nothing more is returned)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def decode(self, new_ids: Sequence[int], final: bool) -> str:
+        out = []
+        for tok in new_ids:
+            self.ids.append(tok)
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                out.append(full[len(prefix) :])
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+        if final and self.read_offset < len(self.ids):  # flush an incomplete tail
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            out.append(self._decode(self.ids[self.prefix_offset :])[len(prefix) :])
+            self.read_offset = len(self.ids)
+        del self.ids[: self.prefix_offset]  # keep only the decode window
+        self.read_offset -= self.prefix_offset
+        self.prefix_offset = 0
+        return "".join(out)
+
+
+class ByteDecoder:
+    """Text of a token stream from a per-token byte table and an incremental UTF-8
+    decoder: O(new tokens) per call, and the joined output equals the tokenizer's decode of
+    the whole stream. The decoder is primed with the prompt's last tokens, so a character
+    the prompt's last token starts and the output completes comes out with the output."""
+
+    def __init__(
+        self, token_bytes: TokenBytes, skip_special_tokens: bool, context_ids: Sequence[int]
+    ):
+        self.token_bytes = token_bytes
+        self.skip_special_tokens = skip_special_tokens
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.utf8.decode(token_bytes.join(list(context_ids[-CONTEXT_TOKENS:]), skip_special_tokens))
+
+    def decode(self, new_ids: Sequence[int], final: bool) -> str:
+        data = self.token_bytes.join(new_ids, self.skip_special_tokens)
+        return self.utf8.decode(data, final)
+
+
+class IncrementalDetokenizer:
+    """Streamed text of one output with its stop strings. Decodes with `token_bytes`
+    (`TokenBytes.build(tokenizer)`, built once per tokenizer) when given, else by windows."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        context_ids: Sequence[int] = (),
+        token_bytes: TokenBytes | None = None,
+    ) -> None:
+        self.stop = tuple(stop)
+        self.decoder: WindowDecoder | ByteDecoder = (
+            WindowDecoder(tokenizer, skip_special_tokens, context_ids)
+            if token_bytes is None
+            else ByteDecoder(token_bytes, skip_special_tokens, context_ids)
+        )
+        self.pending = ""  # decoded text not returned yet (may start a stop string)
+        self.stopped = False  # a stop string was found (nothing more is returned)
 
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Feed newly generated ids; return the text that is now safe to emit (with
         `final`, everything left, up to a stop string)."""
         if self.stopped:
             return ""
-        for tok in new_ids:
-            self.ids.append(tok)
-            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.pending += full[len(prefix) :]
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
-        if final and self.read_offset < len(self.ids):  # flush an incomplete tail
-            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            self.pending += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
-            self.read_offset = len(self.ids)
-        del self.ids[: self.prefix_offset]  # keep only the decode window
-        self.read_offset -= self.prefix_offset
-        self.prefix_offset = 0
+        text = self.decoder.decode(new_ids, final)
+        if not self.stop:
+            return text
+        self.pending += text
         return self._release(final)
 
     def _release(self, final: bool) -> str:
         text = self.pending
-        if not self.stop:
-            self.pending = ""
-            return text
         hits = [i for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
             self.stopped = True

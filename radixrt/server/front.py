@@ -36,7 +36,8 @@ from radixrt.server.messages import (
 )
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
-from radixrt.server.request_state import BeamResult, Delta, Generation, RequestState
+from radixrt.server.request_state import BeamResult, Delta, Generation, Outbox, RequestState
+from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Front:
         model_name: str = "default",
     ) -> None:
         self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
+        self.token_bytes: TokenBytes | None = None  # the tokenizer's byte table, if any
         self.to_scheduler = to_scheduler
         self.from_scheduler = from_scheduler
         self.metrics = metrics
@@ -100,8 +102,12 @@ class Front:
                 if not st.finished:
                     self._fail(st, self.unavailable_error())
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
+    def set_tokenizer(self, tokenizer: Any, token_bytes: TokenBytes | None = None) -> None:
+        """Serve with `tokenizer`; `token_bytes` (`TokenBytes.build(tokenizer)`, built off
+        the event loop: it decodes the vocabulary once) makes detokenization a table
+        lookup per token, without it windows of tokens are decoded."""
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self._check_ready()
 
     def unavailable_error(self) -> ApiError:
@@ -143,7 +149,7 @@ class Front:
         if client_rid is not None and client_rid in self.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
-        events: asyncio.Queue = asyncio.Queue()
+        events = Outbox()
         groups: dict[str, list[RequestState]] = {}
         messages: list[ToScheduler] = []
         for i, (ids, max_tokens) in enumerate(prepared):
@@ -195,13 +201,15 @@ class Front:
         num_choices: int,
         ids: list[int],
         max_tokens: int,
-        events: asyncio.Queue,
+        events: Outbox,
         client_rid: str | None,
     ) -> RequestState:
         """The front's state of output `index` of the HTTP request: choice `choice` of the
         scheduler request `rid` (its own detokenizer and stop strings)."""
         params = spec.params(max_tokens, choice=index % spec.n)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, ids)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, ids, self.token_bytes
+        )
         beam = spec.beam_width is not None
         return RequestState(
             rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
@@ -365,7 +373,7 @@ class Front:
         if reason is not None and st.stop_seen:
             reason = "stop"
         if text or new_ids or final:
-            st.events.put_nowait((st, Delta(text, list(new_ids), new_lps, reason, new_top)))
+            st.events.put(st, Delta(text, list(new_ids), new_lps, reason, new_top))
         if final:
             self._finish(st, reason)
 
@@ -386,7 +394,7 @@ class Front:
         if st.beams:
             st.output_ids, st.text = st.beams[0].output_ids, st.beams[0].text
         self.metrics.generated_tokens.inc(sum(len(b.output_ids) for b in st.beams))
-        st.events.put_nowait((st, Delta(st.text, list(st.output_ids), [], out.finish_reason)))
+        st.events.put(st, Delta(st.text, list(st.output_ids), [], out.finish_reason))
         self._finish(st, out.finish_reason)
 
     def _finish(self, st: RequestState, reason: str) -> None:
@@ -400,7 +408,7 @@ class Front:
         st.error = error
         self._forget(st)
         self.metrics.requests.labels(finish_reason="error").inc()
-        st.events.put_nowait((st, error))
+        st.events.put(st, error)
 
     def _forget(self, st: RequestState) -> None:
         """Drop the front's state of a finished or failed request (every path ends here)."""

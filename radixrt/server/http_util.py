@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -72,38 +72,35 @@ async def sse_response(
     opening: Callable[[], list[dict]] = list,
     closing: Callable[[], list[dict]] = list,
 ) -> web.StreamResponse:
-    """Stream `chunks(state, delta)` per event as SSE, then `closing()` and [DONE].
-    The first event is awaited before the headers go out, so a request refused by the
-    scheduler still gets its HTTP 400; a failure later ends the stream with an error event."""
-    events = gen.stream()
-    first = await anext(events)  # ApiError -> plain error response
+    """Stream `chunks(state, delta)` per delta as SSE, then `closing()` and [DONE]: one
+    write per batch of the generation (per scheduler step, or fewer when behind), never one
+    per token. The first batch is awaited before the headers go out, so a request refused
+    by the scheduler still gets its HTTP 400; a failure later ends the stream with an error
+    event."""
+    batches = gen.batches()
+    first = await anext(batches, [])  # ApiError -> plain error response
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
 
-    async def all_events() -> AsyncIterator[tuple[RequestState, Delta]]:
-        yield first
-        async for ev in events:
-            yield ev
+    def events(batch: list[tuple[RequestState, Delta]]) -> bytes:
+        return b"".join(sse_event(c) for st, d in batch for c in chunks(st, d))
 
     try:
         await resp.prepare(request)
-        for chunk in opening():
-            await write_event(resp, chunk)
+        await resp.write(b"".join(map(sse_event, opening())) + events(first))
         try:
-            async for st, delta in all_events():
-                for chunk in chunks(st, delta):
-                    await write_event(resp, chunk)
-            for chunk in closing():
-                await write_event(resp, chunk)
+            async for batch in batches:
+                await resp.write(events(batch))
+            tail = b"".join(map(sse_event, closing()))
         except ApiError as e:
-            await write_event(resp, e.body())
-        await resp.write(b"data: [DONE]\n\n")
+            tail = sse_event(e.body())
+        await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:  # the client left; `async with gen` aborts what is left
         logger.info("client disconnected mid-stream: %s", request.path)
     return resp
 
 
-async def write_event(resp: web.StreamResponse, obj: Any) -> None:
-    await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"

@@ -46,7 +46,7 @@ class RequestState:
     prompt_ids: list[int]
     params: SamplingParams  # this choice's (n = 1, seed + choice)
     detok: IncrementalDetokenizer
-    events: asyncio.Queue  # shared by the HTTP request: (state, Delta | ApiError)
+    events: Outbox  # shared by the HTTP request: (state, Delta | ApiError)
     client_rid: str | None  # the client's rid (opaque): echoed back, /abort takes it
     choice: int = 0  # the child index inside its scheduler request (0..n-1)
     num_choices: int = 1  # n of its scheduler request (1 for a beam search)
@@ -79,13 +79,53 @@ class RequestState:
         return len(self.output_ids)
 
 
+class Outbox:
+    """The events of one HTTP call's outputs, (state, Delta | ApiError), in order. The
+    front puts every output of a scheduler step; the handler, woken once, takes all that is
+    pending: one wake-up and one write per HTTP call per step however many outputs it has,
+    and fewer, larger writes (not a burst of small ones) when the handler falls behind."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[RequestState, Delta | ApiError]] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, st: RequestState, item: Delta | ApiError) -> None:
+        self._items.append((st, item))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[tuple[RequestState, Delta | ApiError]]:
+        """Everything put since the last take (waits for at least one event)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def merge_deltas(deltas: list[Delta]) -> Delta:
+    """One delta with the text, tokens and log-probs of consecutive deltas of one output."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return Delta(
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        [lp for d in deltas for lp in d.logprobs],
+        deltas[-1].finish_reason,
+        [top for d in deltas for top in d.top_logprobs],
+    )
+
+
 class Generation:
     """The requests of one HTTP call. Use as `async with`; exiting aborts unfinished ones."""
 
     def __init__(
         self,
         states: list[RequestState],
-        events: asyncio.Queue,
+        events: Outbox,
         abort: Callable[[list[RequestState]], None],
     ) -> None:
         self.states = states  # in index order
@@ -100,23 +140,34 @@ class Generation:
         if unfinished:
             self._abort(unfinished)
 
-    async def next_event(self) -> tuple[RequestState, Delta]:
-        """The next delta of any of the requests. Raises the ApiError of a failed one."""
-        st, item = await self._events.get()
-        if isinstance(item, ApiError):
-            raise item
-        return st, item
-
-    async def stream(self) -> AsyncIterator[tuple[RequestState, Delta]]:
+    async def batches(self) -> AsyncIterator[list[tuple[RequestState, Delta]]]:
+        """What arrived since the last batch: one delta per output that has new output
+        (several steps' deltas merged), outputs in the order their deltas came. Raises the
+        ApiError of a failed output (after a batch with the deltas that came before it)."""
         remaining = len(self.states)
         while remaining:
-            st, delta = await self.next_event()
-            if delta.finish_reason is not None:
-                remaining -= 1
-            yield st, delta
+            pending: dict[RequestState, list[Delta]] = {}
+            error = None
+            for st, item in await self._events.take():
+                if isinstance(item, ApiError):
+                    error = item
+                    break
+                pending.setdefault(st, []).append(item)
+            batch = [(st, merge_deltas(ds)) for st, ds in pending.items()]
+            remaining -= sum(1 for _, d in batch if d.finish_reason is not None)
+            if batch:
+                yield batch
+            if error is not None:
+                raise error
+
+    async def stream(self) -> AsyncIterator[tuple[RequestState, Delta]]:
+        """The batches' deltas one by one."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
     async def wait(self) -> list[RequestState]:
         """Wait until every request finished; returns them in index order."""
-        async for _ in self.stream():
+        async for _ in self.batches():
             pass
         return self.states
