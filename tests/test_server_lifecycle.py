@@ -143,3 +143,21 @@ def test_front_death_takes_scheduler_down(servers):
     srv.proc.wait(5)
     assert wait_dead(sched, 5), "scheduler process orphaned after the front died"
     assert srv.ipc_dirs() == []  # removed once the scheduler was Ready
+
+
+def test_event_loop_choice():
+    """auto takes uvloop when it is installed; asyncio is asyncio's default loop; a name
+    not listed is refused with what is allowed."""
+    from radixrt.server.launch import ServeConfig, event_loop_factory
+
+    assert event_loop_factory("asyncio") is None
+    try:
+        import uvloop
+    except ImportError:
+        assert event_loop_factory("auto") is None
+        with pytest.raises(ValueError, match="needs the uvloop package"):
+            event_loop_factory("uvloop")
+    else:
+        assert event_loop_factory("auto") is uvloop.new_event_loop
+    with pytest.raises(ValueError, match="event_loop must be one of"):
+        ServeConfig(model="m", event_loop="trio")
