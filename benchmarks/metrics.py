@@ -46,6 +46,7 @@ class DriverResult:
     duration_s: float  # first submission to last token (or to the timeout)
     kv: KVStats
     complete: bool  # False when the run hit its timeout (the rest was aborted)
+    client_cpu_s: float | None = None  # the HTTP client's process CPU time over the run
 
 
 def percentiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
@@ -93,6 +94,12 @@ def summarize(result: DriverResult) -> dict[str, object]:
         "swap_bytes": kv.swap_bytes,
         "swap_seconds": kv.swap_seconds,
         "mean_step_ms": 1000 * result.duration_s / kv.steps if kv.steps else None,
+        # what receiving and parsing the streams cost the client (None: in-process engine)
+        "client_cpu_us_per_token": (
+            1e6 * result.client_cpu_s / output
+            if result.client_cpu_s is not None and output
+            else None
+        ),
     }
 
 
