@@ -301,12 +301,16 @@ class Front:
 
     def _dispatch(self, msg: FromScheduler) -> None:
         if isinstance(msg, TokenBatchOut):
+            states = self.states
+            new_tokens = 0
             for out in msg.outputs:
-                group = self.states.get(out.parent_rid or out.rid)
+                group = states.get(out.parent_rid or out.rid)
                 if group is not None and not group[out.index].finished:
-                    self._on_output(group[out.index], out)
+                    new_tokens += self._on_output(group[out.index], out)
+            if new_tokens:
+                self.metrics.generated_tokens.inc(new_tokens)
             for err in msg.errors:
-                group = self.states.get(err.parent_rid or err.rid)
+                group = states.get(err.parent_rid or err.rid)
                 if group is None:
                     continue
                 kind = "server_error" if err.status >= 500 else "invalid_request_error"
@@ -337,16 +341,23 @@ class Front:
             self.metrics.ready.set(1)
             self.ready_event.set()
 
-    def _on_output(self, st: RequestState, out: TokenOut) -> None:
+    def _on_output(self, st: RequestState, out: TokenOut) -> int:
+        """One step's output of one choice: its text so far, stop strings, the delta for
+        its HTTP handler. Returns how many tokens it generated (for the step's counter)."""
         st.num_cached_tokens = out.num_cached_tokens
         st.num_draft_tokens, st.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         final = out.finish_reason is not None
         if st.beam:
-            self._on_beams(st, out)
-            return
+            return self._on_beams(st, out)
         if final and st.params.prompt_logprobs:
             st.prompt_logprobs = list(out.prompt_logprobs)
-        new_ids: Sequence[int] = [] if st.stop_seen else out.new_ids
+        if st.stop_seen:  # the text is complete: what comes until the abort lands is dropped
+            new_ids: Sequence[int] = []
+            new_lps: list[float] = []
+            new_top: list[list[tuple[int, float]]] = []
+        else:  # the decoded message's own lists: nothing else holds them
+            new_ids, new_lps = out.new_ids, out.new_logprobs
+            new_top = [list(map(tuple, top)) for top in out.new_top_logprobs]
         if new_ids:
             now = time.perf_counter()
             if st.last_token_at is None:
@@ -354,12 +365,11 @@ class Front:
             else:
                 self.metrics.itl.observe(now - st.last_token_at)
             st.last_token_at = now
-            self.metrics.generated_tokens.inc(len(new_ids))
-        st.output_ids.extend(new_ids)
-        new_lps = list(out.new_logprobs) if not st.stop_seen else []
-        st.logprobs.extend(new_lps)
-        new_top = [list(map(tuple, top)) for top in out.new_top_logprobs] if new_lps else []
-        st.top_logprobs.extend(new_top)
+            st.output_ids += new_ids
+            if new_lps:
+                st.logprobs += new_lps
+            if new_top:
+                st.top_logprobs += new_top
         text = st.detok.add(new_ids, final=final)
         st.text += text
         if st.detok.stopped and not st.stop_seen:
@@ -376,8 +386,9 @@ class Front:
             st.events.put(st, Delta(text, list(new_ids), new_lps, reason, new_top))
         if final:
             self._finish(st, reason)
+        return len(new_ids)
 
-    def _on_beams(self, st: RequestState, out: TokenOut) -> None:
+    def _on_beams(self, st: RequestState, out: TokenOut) -> int:
         """A beam search's only output: its sequences, best first ([] when aborted)."""
         assert out.finish_reason is not None, "a beam search reports once, at its end"
         skip = st.params.skip_special_tokens
@@ -393,9 +404,9 @@ class Front:
         ]
         if st.beams:
             st.output_ids, st.text = st.beams[0].output_ids, st.beams[0].text
-        self.metrics.generated_tokens.inc(sum(len(b.output_ids) for b in st.beams))
         st.events.put(st, Delta(st.text, list(st.output_ids), [], out.finish_reason))
         self._finish(st, out.finish_reason)
+        return sum(len(b.output_ids) for b in st.beams)
 
     def _finish(self, st: RequestState, reason: str) -> None:
         st.finish_reason = reason
