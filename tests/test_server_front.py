@@ -71,7 +71,7 @@ def out(rid: str, ids: list[int], reason: str | None = None) -> TokenOut:
 
 
 def batch(outputs=(), errors=()) -> TokenBatchOut:
-    from radixrt.server.front import initial_snapshot
+    from radixrt.server.front_outputs import initial_snapshot
 
     return TokenBatchOut(list(outputs), list(errors), initial_snapshot(READY))
 
