@@ -273,6 +273,7 @@ def _one_line(r: dict) -> str:
         f"evicted {r['evicted_blocks']}, preempted {r['preemptions']}"
         + (f", host hits {r['host_hit_tokens']}" if r.get("host_hit_tokens") else "")
         + f", ITL p50/p99 {r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.1f} ms"
+        + f" (after admission {r['itl_after_admission_ms']['p99']:.1f})"
         + (
             f", client {r['client_cpu_us_per_token']:.1f} us CPU/token"
             if r.get("client_cpu_us_per_token")

@@ -65,6 +65,12 @@ def summarize(result: DriverResult) -> dict[str, object]:
     cached = sum(r.cached_tokens for r in recs)
     output = sum(r.output_tokens for r in recs)
     itl = [b - a for r in recs for a, b in zip(r.token_times, r.token_times[1:])]
+    # once every call has its first token no prompt is prefilled any more (unless calls
+    # arrive later): the decode-only inter-token latency, apart from admission's steps
+    admitted = max((r.first_token for r in recs), default=0.0)
+    itl_steady = [
+        b - a for r in recs for a, b in zip(r.token_times, r.token_times[1:]) if a >= admitted
+    ]
     kv = result.kv
     return {
         "complete": result.complete,
@@ -80,6 +86,7 @@ def summarize(result: DriverResult) -> dict[str, object]:
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_ms": percentiles([r.first_token - r.submit for r in recs]),
         "itl_ms": percentiles(itl),
+        "itl_after_admission_ms": percentiles(itl_steady),
         "e2e_ms": percentiles([r.end - r.submit for r in recs]),
         "kv_blocks_total": kv.blocks_total,
         "peak_kv_blocks_used": kv.peak_blocks_used,
