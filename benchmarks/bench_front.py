@@ -1,0 +1,211 @@
+"""Front capacity: how many streamed tokens/s the HTTP front sustains, and what one costs.
+
+    python -m benchmarks.bench_front                 # sweep step rates at 256 streams
+    python -m benchmarks.bench_front --quick         # a 20-second check
+    python -m benchmarks.bench_front --profile       # + the front's per-token cost breakdown
+    python -m benchmarks.bench_front --streams 64,128,256 --interval-ms 10   # sweep streams
+
+The REAL front and HTTP app (radixrt.server.launch.serve) run in their own process, pinned
+to one core (--front-cpu), with a FAKE scheduler process that speaks the real protocol and
+emits one real text token per running stream every step interval (no model). REAL aiohttp
+clients in --clients processes stream POST /generate (or /v1/completions) and time every
+SSE event. Per configuration (N streams, step interval): offered tok/s (N / interval),
+what the fake scheduler emitted, what the clients received (achieved), ITL per token (an
+event carrying k tokens: one gap, then k - 1 zero gaps, as bench_serving counts) and per
+event, against the interval; the CPU per token of the front (its own process counters,
+all threads), of the clients and of the fake scheduler; and how long the front was
+runnable but waiting for a CPU (other processes on its core: a noisy machine). A run is
+"sustained" when ITL p99 <= 2x the interval and achieved >= 90% of offered. Every token
+is checked: it arrived, in order, exactly once (ids and text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+
+from benchmarks.front_results import ProfileResult, RunConfig, RunResult
+
+DEFAULT_RATES = (4000, 8000, 12000, 16000, 20000, 25000, 32000, 40000)  # offered tok/s
+QUICK_RATES = (2000, 4000, 8000)
+MIN_TOKENS = 32  # per stream, whatever the duration
+MAX_FAILS = 2  # the sweep stops after this many configurations in a row not sustained
+
+
+def sweep_configs(args: argparse.Namespace) -> list[RunConfig]:
+    """The sweep: step rates at a fixed stream count, or stream counts at a fixed interval.
+    Each configuration runs about --duration seconds (at least MIN_TOKENS per stream)."""
+
+    def config(streams: int, interval_s: float) -> RunConfig:
+        tokens = max(MIN_TOKENS, round(args.duration / interval_s))
+        stop = tuple(f"\x00never{i}" for i in range(args.stop_strings))
+        return RunConfig(streams, interval_s, tokens, args.route, args.parse, stop)
+
+    if args.interval_ms is not None:
+        return [config(n, args.interval_ms / 1000) for n in args.streams]
+    (n,) = args.streams
+    return [config(n, n / rate) for rate in args.rates]
+
+
+def run_sweep(rig, configs: list[RunConfig], keep_going: bool) -> list[RunResult]:
+    results: list[RunResult] = []
+    fails = 0
+    for config in configs:
+        r = rig.run(config)
+        results.append(r)
+        print(row(r), flush=True)
+        if r.errors:
+            raise RuntimeError(f"tokens lost or wrong: {r.errors[:5]}")
+        fails = 0 if r.sustained else fails + 1
+        if fails >= MAX_FAILS and not keep_going:
+            break
+    return results
+
+
+HEADER = (
+    "| streams | interval ms | offered tok/s | sched tok/s | achieved tok/s "
+    "| ITL/token p50 / p95 / p99 ms | ITL/event p99 ms | front µs/tok | front CPU % "
+    "| front wait % | clients µs/tok | sustained |"
+)
+SEPARATOR = "|" + "---|" * (HEADER.count("|") - 1)
+
+
+def row(r: RunResult) -> str:
+    c, t = r.config, r.itl_token_ms
+    wait = 100 * r.front_wait_s / r.wall_s if r.wall_s else 0.0
+    return (
+        f"| {c.streams} | {1000 * c.interval_s:.2f} | {c.offered_tok_s:,.0f} "
+        f"| {r.scheduler_tok_s:,.0f} | {r.achieved_tok_s:,.0f} "
+        f"| {t.p50:.1f} / {t.p95:.1f} / {t.p99:.1f} | {r.itl_event_ms.p99:.1f} "
+        f"| {r.front_us_per_token:.1f} | {100 * r.front_util:.0f} | {wait:.0f} "
+        f"| {r.client_us_per_token:.1f} | {'yes' if r.sustained else 'no'} |"
+    )
+
+
+def print_profile(p: ProfileResult, top: int) -> None:
+    b = p.baseline
+    print(
+        f"\nfront cost per token, {b.config.streams} streams at "
+        f"{1000 * b.config.interval_s:.2f} ms ({b.config.offered_tok_s:,.0f} tok/s offered): "
+        f"{b.front_us_per_token:.1f} µs/token of front CPU unprofiled (all threads), "
+        f"split by the profile's self-time shares (main thread; profiled "
+        f"{sum(v for g, v in p.profiled_us_per_token().items() if 'idle' not in g):.1f} "
+        f"µs/token busy)"
+    )
+    print("| group | µs/token | share |")
+    print("|---|---|---|")
+    shares, costs = p.shares(), p.us_per_token()
+    for g in shares:
+        print(f"| {g} | {costs[g]:.1f} | {100 * shares[g]:.0f}% |")
+    if top:
+        n = max(1, p.run.tokens_received)
+        for g, items in p.top.items():
+            print(f"  {g}:")
+            for name, seconds in items[:top]:
+                print(f"    {1e6 * seconds / n:8.2f} µs/token (profiled)  {name}")
+
+
+def best_sustained(results: list[RunResult]) -> RunResult | None:
+    ok = [r for r in results if r.sustained]
+    return max(ok, key=lambda r: r.achieved_tok_s) if ok else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="tokenizer dir (default: the tiny model)")
+    p.add_argument("--streams", default=None, help="N, or a comma list with --interval-ms")
+    p.add_argument("--rates", default=None, help="offered tok/s to sweep (comma list)")
+    p.add_argument("--interval-ms", type=float, default=None, help="sweep streams at this")
+    p.add_argument("--duration", type=float, default=2.5, help="seconds per configuration")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--route", default="/generate", choices=["/generate", "/v1/completions"])
+    p.add_argument("--parse", default="chunks", choices=["chunks", "lines"])
+    p.add_argument("--stop-strings", type=int, default=0, help="never-matching stop strings")
+    p.add_argument("--front-cpu", type=int, default=0, help="the front's core (-1: no pinning)")
+    p.add_argument("--keep-going", action="store_true", help="run every configuration")
+    p.add_argument("--quick", action="store_true", help="64 streams, 3 rates, 1 s each")
+    p.add_argument("--profile", action="store_true", help="then profile one configuration")
+    p.add_argument("--profile-rate", type=float, default=8000, help="its offered tok/s")
+    p.add_argument("--profile-top", type=int, default=0, help="top functions per group")
+    p.add_argument("--json", default=None, help="write every result to this file")
+    args = p.parse_args()
+    default_streams = "64" if args.quick else "256"
+    args.streams = [int(x) for x in (args.streams or default_streams).split(",")]
+    if args.interval_ms is None and len(args.streams) != 1:
+        p.error("--streams takes a list only with --interval-ms (a streams sweep)")
+    rates = QUICK_RATES if args.quick else DEFAULT_RATES
+    args.rates = [float(x) for x in args.rates.split(",")] if args.rates else rates
+    if args.quick:
+        args.duration = min(args.duration, 1.0)
+
+    from benchmarks.front_fake_scheduler import token_source
+    from benchmarks.front_rig import FrontRig
+    from radixrt.server.tokenizer import load_tokenizer
+
+    if args.model is None:
+        from radixrt.model.tiny import ensure_tiny_model
+
+        args.model = ensure_tiny_model()
+    tokenizer = load_tokenizer(args.model)
+    source = token_source(tokenizer)
+    cores = sorted(os.sched_getaffinity(0))
+    front_cpus = others = None
+    if args.front_cpu >= 0 and len(cores) > 1:
+        front_cpus = (args.front_cpu,)
+        others = tuple(c for c in cores if c != args.front_cpu)
+    load0 = os.getloadavg()
+    print(
+        f"# bench_front: {platform.node()}, {len(cores)} cores, front on {front_cpus or 'any'}, "
+        f"fake scheduler + {args.clients} client processes on {others or 'any'}; "
+        f"route {args.route}, client parse {args.parse}; load average {load0[0]:.2f}",
+        flush=True,
+    )
+    configs = sweep_configs(args)
+    t0 = time.perf_counter()
+    with FrontRig(
+        args.model, source, len(tokenizer), args.clients, front_cpus, others, args.profile,
+        decode=tokenizer.decode,
+    ) as rig:  # fmt: skip
+        warm = configs[0]
+        rig.run(RunConfig(warm.streams, 0.02, MIN_TOKENS, warm.route, warm.parse, warm.stop))
+        print(HEADER)
+        print(SEPARATOR)
+        results = run_sweep(rig, configs, args.keep_going)
+        prof = None
+        if args.profile:
+            n = configs[0].streams
+            interval = n / args.profile_rate
+            tokens = max(MIN_TOKENS, round(args.duration / interval))
+            c = configs[0]
+            prof = rig.profile(RunConfig(n, interval, tokens, c.route, c.parse, c.stop))
+    load1 = os.getloadavg()
+    print(f"\n# {time.perf_counter() - t0:.0f} s; load average {load1[0]:.2f} at the end")
+    if prof is not None:
+        print_profile(prof, args.profile_top)
+    best = best_sustained(results)
+    print("\n" + HEADER)
+    print(SEPARATOR)
+    for r in results:
+        print(row(r))
+    if best is None:
+        print("\nno configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
+    else:
+        print(
+            f"\nhighest sustained: {best.achieved_tok_s:,.0f} tok/s ({best.config.streams} "
+            f"streams, {1000 * best.config.interval_s:.2f} ms steps, ITL p99 "
+            f"{best.itl_token_ms.p99:.1f} ms)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            out = {"results": [asdict(r) for r in results]}
+            if prof is not None:
+                out["profile_us_per_token"] = prof.us_per_token()
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
