@@ -14,7 +14,8 @@ what the fake scheduler emitted, what the clients received (achieved), ITL per t
 event carrying k tokens: one gap, then k - 1 zero gaps, as bench_serving counts) and per
 event, against the interval; the CPU per token of the front (its own process counters,
 all threads), of the clients and of the fake scheduler; and how long the front was
-runnable but waiting for a CPU (other processes on its core: a noisy machine). A run is
+runnable but waiting for a CPU (other processes on its core: a noisy machine), and its
+garbage collector's longest pause. A run is
 "sustained" when ITL p99 <= 2x the interval and achieved >= 90% of offered. Every token
 is checked: it arrived, in order, exactly once (ids and text).
 """
@@ -69,19 +70,20 @@ def run_sweep(rig, configs: list[RunConfig], keep_going: bool) -> list[RunResult
 HEADER = (
     "| streams | interval ms | offered tok/s | sched tok/s | achieved tok/s "
     "| ITL/token p50 / p95 / p99 ms | ITL/event p99 ms | front µs/tok | front CPU % "
-    "| front wait % | clients µs/tok | sustained |"
+    "| front wait % | front GC max ms (gen2 n) | clients µs/tok | sustained |"
 )
 SEPARATOR = "|" + "---|" * (HEADER.count("|") - 1)
 
 
 def row(r: RunResult) -> str:
     c, t = r.config, r.itl_token_ms
-    wait = 100 * r.front_wait_s / r.wall_s if r.wall_s else 0.0
+    wait = 100 * r.front.wait_s / r.wall_s if r.wall_s else 0.0
+    gc = f"{1000 * r.front.gc_max_pause_s:.0f} ({r.front.gc_collections[2]})"
     return (
         f"| {c.streams} | {1000 * c.interval_s:.2f} | {c.offered_tok_s:,.0f} "
         f"| {r.scheduler_tok_s:,.0f} | {r.achieved_tok_s:,.0f} "
         f"| {t.p50:.1f} / {t.p95:.1f} / {t.p99:.1f} | {r.itl_event_ms.p99:.1f} "
-        f"| {r.front_us_per_token:.1f} | {100 * r.front_util:.0f} | {wait:.0f} "
+        f"| {r.front_us_per_token:.1f} | {100 * r.front_util:.0f} | {wait:.0f} | {gc} "
         f"| {r.client_us_per_token:.1f} | {'yes' if r.sustained else 'no'} |"
     )
 
@@ -126,6 +128,12 @@ def main() -> None:
     p.add_argument("--parse", default="chunks", choices=["chunks", "lines"])
     p.add_argument("--stop-strings", type=int, default=0, help="never-matching stop strings")
     p.add_argument("--front-cpu", type=int, default=0, help="the front's core (-1: no pinning)")
+    p.add_argument(
+        "--front-gc",
+        default="as-is",
+        choices=["as-is", "freeze", "off"],
+        help="before the sweep: gc.freeze() or gc.disable() in the front (an experiment)",
+    )
     p.add_argument("--keep-going", action="store_true", help="run every configuration")
     p.add_argument("--quick", action="store_true", help="64 streams, 3 rates, 1 s each")
     p.add_argument("--profile", action="store_true", help="then profile one configuration")
@@ -161,7 +169,8 @@ def main() -> None:
     print(
         f"# bench_front: {platform.node()}, {len(cores)} cores, front on {front_cpus or 'any'}, "
         f"fake scheduler + {args.clients} client processes on {others or 'any'}; "
-        f"route {args.route}, client parse {args.parse}; load average {load0[0]:.2f}",
+        f"route {args.route}, client parse {args.parse}, front GC {args.front_gc}; "
+        f"load average {load0[0]:.2f}",
         flush=True,
     )
     configs = sweep_configs(args)
@@ -170,6 +179,8 @@ def main() -> None:
         args.model, source, len(tokenizer), args.clients, front_cpus, others, args.profile,
         decode=tokenizer.decode,
     ) as rig:  # fmt: skip
+        if args.front_gc != "as-is":
+            rig.front_gc(args.front_gc)
         warm = configs[0]
         rig.run(RunConfig(warm.streams, 0.02, MIN_TOKENS, warm.route, warm.parse, warm.stop))
         print(HEADER)
@@ -191,11 +202,16 @@ def main() -> None:
     print(SEPARATOR)
     for r in results:
         print(row(r))
+    top = max(results, key=lambda r: r.achieved_tok_s)
+    print(
+        f"\nhighest achieved: {top.achieved_tok_s:,.0f} tok/s ({top.config.streams} streams, "
+        f"{1000 * top.config.interval_s:.2f} ms steps, ITL p99 {top.itl_token_ms.p99:.1f} ms)"
+    )
     if best is None:
-        print("\nno configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
+        print("no configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
     else:
         print(
-            f"\nhighest sustained: {best.achieved_tok_s:,.0f} tok/s ({best.config.streams} "
+            f"highest sustained: {best.achieved_tok_s:,.0f} tok/s ({best.config.streams} "
             f"streams, {1000 * best.config.interval_s:.2f} ms steps, ITL p99 "
             f"{best.itl_token_ms.p99:.1f} ms)"
         )

@@ -5,16 +5,26 @@ of benchmarks.front_fake_scheduler in place of the real one.
 Optional: pinned to given CPUs (before any thread starts, so the ZMQ I/O thread and the
 tokenizer's threads are pinned too), and a cProfile window that the parent opens with
 SIGUSR1 and closes with SIGUSR2 (the stats go to `profile_path`, written atomically).
+
+A control thread (blocked on its pipe, so it costs nothing while the front runs) answers
+"stats" with `FrontStats` (this process's own CPU clock, getrusage, and its garbage
+collector's pauses, timed by gc.callbacks) and applies "gc_freeze" / "gc_off" (what a
+fixed front might do, to measure it before it is written).
 """
 
 from __future__ import annotations
 
 import cProfile
 import functools
+import gc
 import logging
 import os
+import resource
 import signal
+import threading
+import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from benchmarks.front_fake_scheduler import FakeSchedulerArgs, start_fake_scheduler
 
@@ -26,6 +36,37 @@ class FrontArgs:
     scheduler: FakeSchedulerArgs
     cpus: tuple[int, ...] | None = None  # sched_setaffinity of the front (None: any)
     profile_path: str | None = None  # arm the SIGUSR1/SIGUSR2 cProfile window
+    control: Connection | None = None  # the control thread's end of a pipe
+
+
+@dataclass(frozen=True)
+class FrontStats:
+    """Cumulative since the front started, except `gc_max_pause_s`."""
+
+    cpu_s: float  # getrusage(RUSAGE_SELF): user + system, every thread
+    gc_collections: tuple[int, int, int]  # per generation
+    gc_pause_s: float  # total time in the collector
+    gc_max_pause_s: float  # the longest pause since the previous "stats"
+
+
+class _GcTimer:
+    """Times every collection (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.pause_s = 0.0
+        self.max_pause_s = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._start
+        self.collections[info["generation"]] += 1
+        self.pause_s += pause
+        self.max_pause_s = max(self.max_pause_s, pause)
 
 
 def front_main(args: FrontArgs) -> None:
@@ -34,11 +75,37 @@ def front_main(args: FrontArgs) -> None:
     logging.basicConfig(level="WARNING", format="%(asctime)s front %(levelname)s %(message)s")
     if args.profile_path is not None:
         _arm_profiler(args.profile_path)
+    if args.control is not None:
+        threading.Thread(
+            target=_serve_control, args=(args.control, _GcTimer()), name="bench-control",
+            daemon=True,
+        ).start()  # fmt: skip
     from radixrt.server.launch import ServeConfig, serve
 
     cfg = ServeConfig(model=args.model, port=args.port, device="cpu", dtype="float32")
     code = serve(cfg, start_scheduler=functools.partial(start_fake_scheduler, args.scheduler))
     raise SystemExit(code)
+
+
+def _serve_control(conn: Connection, timer: _GcTimer) -> None:
+    while True:
+        try:
+            op = conn.recv()
+        except EOFError:
+            return
+        if op == "stats":
+            ru, c = resource.getrusage(resource.RUSAGE_SELF), timer.collections
+            cpu = ru.ru_utime + ru.ru_stime
+            stats = FrontStats(cpu, (c[0], c[1], c[2]), timer.pause_s, timer.max_pause_s)
+            timer.max_pause_s = 0.0
+            conn.send(stats)
+        elif op == "gc_freeze":
+            gc.freeze()  # what exists now is never collected (nor scanned) again
+            conn.send(None)
+        else:
+            assert op == "gc_off", op
+            gc.disable()
+            conn.send(None)
 
 
 def _arm_profiler(path: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from benchmarks.front_clients import PARSERS, ROUTES, ClientResult, StreamResult
 from benchmarks.front_fake_scheduler import TokenSource
+from benchmarks.front_process import FrontStats
 from benchmarks.front_profile import IDLE
 
 
@@ -56,6 +57,23 @@ class Percentiles:
 
 
 @dataclass(frozen=True)
+class FrontDelta:
+    """The front process during one run."""
+
+    cpu_s: float  # its own CPU clock (getrusage in the front: every thread)
+    wait_s: float  # its threads runnable but not running (other processes on its core)
+    gc_collections: tuple[int, int, int]  # per generation
+    gc_pause_s: float  # total time in its garbage collector
+    gc_max_pause_s: float  # the longest collection
+
+    @staticmethod
+    def between(before: FrontStats, after: FrontStats, wait_s: float) -> FrontDelta:
+        gens = tuple(b - a for a, b in zip(before.gc_collections, after.gc_collections))
+        pause = after.gc_pause_s - before.gc_pause_s
+        return FrontDelta(after.cpu_s - before.cpu_s, wait_s, gens, pause, after.gc_max_pause_s)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class RunResult:
     config: RunConfig
     clients: int  # client processes
@@ -72,8 +90,7 @@ class RunResult:
     itl_event_ms: Percentiles
     step_gap_ms: Percentiles  # the fake scheduler's own step-to-step gaps
     wall_s: float  # first step - interval .. last arrival
-    front_cpu_s: float  # the front process (all its threads), while the clients ran
-    front_wait_s: float  # the front's threads runnable but not running (other processes)
+    front: FrontDelta  # the front process while the clients ran
     client_cpu_s: float  # all client processes together
     client_max_util: float  # the busiest client process: CPU / wall
     scheduler_cpu_s: float
@@ -81,7 +98,7 @@ class RunResult:
 
     @property
     def front_us_per_token(self) -> float:
-        return 1e6 * self.front_cpu_s / max(1, self.tokens_received)
+        return 1e6 * self.front.cpu_s / max(1, self.tokens_received)
 
     @property
     def client_us_per_token(self) -> float:
@@ -89,7 +106,7 @@ class RunResult:
 
     @property
     def front_util(self) -> float:
-        return self.front_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+        return self.front.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def sustained(self) -> bool:
@@ -129,8 +146,7 @@ def summarize(
     config: RunConfig,
     results: list[ClientResult],
     stats: dict[str, Any],
-    front_cpu_s: float,
-    front_wait_s: float,
+    front: FrontDelta,
     source: TokenSource,
     decode: Callable[[list[int]], str] | None = None,
 ) -> RunResult:
@@ -164,8 +180,7 @@ def summarize(
         itl_event_ms=Percentiles.of(np.concatenate(event_gaps)),
         step_gap_ms=Percentiles.of(np.diff(step_times)),
         wall_s=float(wall),
-        front_cpu_s=front_cpu_s,
-        front_wait_s=front_wait_s,
+        front=front,
         client_cpu_s=sum(r.cpu_s for r in results),
         client_max_util=max(r.cpu_s / r.wall_s for r in results if r.wall_s > 0),
         scheduler_cpu_s=float(stats["cpu_s"]),

@@ -26,9 +26,9 @@ import zmq
 
 from benchmarks.front_clients import ClientJob, ClientResult, client_main
 from benchmarks.front_fake_scheduler import FakeSchedulerArgs, TokenSource
-from benchmarks.front_process import FrontArgs, front_main
+from benchmarks.front_process import FrontArgs, FrontStats, front_main
 from benchmarks.front_profile import group_profile, top_functions
-from benchmarks.front_results import ProfileResult, RunConfig, RunResult, summarize
+from benchmarks.front_results import FrontDelta, ProfileResult, RunConfig, RunResult, summarize
 
 READY_TIMEOUT_S = 120.0
 CONTROL_TIMEOUT_MS = 10_000
@@ -61,8 +61,9 @@ class FrontRig:
         self.url = f"http://127.0.0.1:{self.port}"
         control_addr = f"ipc://{self.tmpdir}/control"
         sched = FakeSchedulerArgs(source, vocab_size, control_addr, other_cpus)
-        args = FrontArgs(model, self.port, sched, front_cpus, self.profile_path)
         ctx = multiprocessing.get_context("spawn")
+        self.front_conn, front_end = ctx.Pipe()
+        args = FrontArgs(model, self.port, sched, front_cpus, self.profile_path, front_end)
         self.front = ctx.Process(target=front_main, args=(args,), name="bench-front")
         self.front.start()
         self.conns = []
@@ -115,7 +116,7 @@ class FrontRig:
         """One measured run: N streams of max_tokens tokens at the step interval."""
         self._ask({"op": "configure", "interval_s": config.interval_s, "streams": config.streams})
         parts = [list(range(config.streams))[k :: len(self.conns)] for k in range(len(self.conns))]
-        cpu0, wait0 = proc_cpu_s(self.front.pid), proc_wait_s(self.front.pid)
+        before, wait0 = self.front_stats(), proc_wait_s(self.front.pid)
         for conn, streams in zip(self.conns, parts):
             prompts = [self.source.prompt_ids(i) for i in streams]
             conn.send(
@@ -125,10 +126,21 @@ class FrontRig:
                 )
             )  # fmt: skip
         results: list[ClientResult] = [conn.recv() for conn in self.conns]
-        front_cpu = proc_cpu_s(self.front.pid) - cpu0
-        front_wait = proc_wait_s(self.front.pid) - wait0
+        after, front_wait = self.front_stats(), proc_wait_s(self.front.pid) - wait0
         stats = self._ask({"op": "stats"})
-        return summarize(config, results, stats, front_cpu, front_wait, self.source, self.decode)
+        front = FrontDelta.between(before, after, front_wait)
+        return summarize(config, results, stats, front, self.source, self.decode)
+
+    def front_stats(self) -> FrontStats:
+        self.front_conn.send("stats")
+        return self.front_conn.recv()
+
+    def front_gc(self, mode: str) -> None:
+        """ "freeze" (gc.freeze() now, after start-up) or "off" (gc.disable()) in the front."""
+        if mode not in ("freeze", "off"):
+            raise ValueError(f"gc mode {mode!r}: must be 'freeze' or 'off'")
+        self.front_conn.send(f"gc_{mode}")
+        self.front_conn.recv()
 
     def profile(self, config: RunConfig) -> ProfileResult:
         """`run(config)` without, then with the front's cProfile window open around it."""
@@ -164,14 +176,6 @@ class FrontRig:
         self.control.close()
         self.zmq.term()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid`, all its threads (Linux /proc: the
-    counters os.times() reads inside the process)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proc_wait_s(pid: int) -> float:

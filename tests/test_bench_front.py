@@ -61,9 +61,11 @@ def test_every_token_arrives_in_order_exactly_once(rig, route, parse, stop):
         assert r.events <= r.tokens_received
     assert 0 < r.achieved_tok_s <= r.scheduler_tok_s <= config.offered_tok_s
     assert r.itl_token_ms.p50 <= r.itl_token_ms.p95 <= r.itl_token_ms.p99
-    assert r.front_cpu_s > 0 and r.client_cpu_s > 0 and r.scheduler_cpu_s > 0
-    assert r.front_wait_s >= 0
-    assert r.front_us_per_token == pytest.approx(1e6 * r.front_cpu_s / r.tokens_received)
+    assert r.front.cpu_s > 0 and r.client_cpu_s > 0 and r.scheduler_cpu_s > 0
+    assert r.front.wait_s >= 0
+    assert r.front.gc_pause_s >= r.front.gc_max_pause_s >= 0
+    assert min(r.front.gc_collections) >= 0
+    assert r.front_us_per_token == pytest.approx(1e6 * r.front.cpu_s / r.tokens_received)
 
 
 def test_profile_groups_add_up(rig):
