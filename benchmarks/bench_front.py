@@ -34,6 +34,7 @@ from benchmarks.front_results import ProfileResult, RunConfig, RunResult
 DEFAULT_RATES = (4000, 8000, 12000, 16000, 20000, 25000, 32000, 40000)  # offered tok/s
 QUICK_RATES = (2000, 4000, 8000)
 MIN_TOKENS = 32  # per stream, whatever the duration
+NOISY_WAIT = 0.10  # a run whose front waited this fraction of its wall time for a CPU
 MAX_FAILS = 2  # the sweep stops after this many configurations in a row not sustained
 
 
@@ -70,7 +71,7 @@ def run_sweep(rig, configs: list[RunConfig], keep_going: bool) -> list[RunResult
 HEADER = (
     "| streams | interval ms | offered tok/s | sched tok/s | achieved tok/s "
     "| ITL/token p50 / p95 / p99 ms | ITL/event p99 ms | front µs/tok | front CPU % "
-    "| front wait % | front GC max ms (gen2 n) | clients µs/tok | sustained |"
+    "| front wait % | front GC max ms (gen2 n) | clients µs/tok (max CPU %) | sustained |"
 )
 SEPARATOR = "|" + "---|" * (HEADER.count("|") - 1)
 
@@ -84,7 +85,8 @@ def row(r: RunResult) -> str:
         f"| {r.scheduler_tok_s:,.0f} | {r.achieved_tok_s:,.0f} "
         f"| {t.p50:.1f} / {t.p95:.1f} / {t.p99:.1f} | {r.itl_event_ms.p99:.1f} "
         f"| {r.front_us_per_token:.1f} | {100 * r.front_util:.0f} | {wait:.0f} | {gc} "
-        f"| {r.client_us_per_token:.1f} | {'yes' if r.sustained else 'no'} |"
+        f"| {r.client_us_per_token:.1f} ({100 * r.client_max_util:.0f}) "
+        f"| {'yes' if r.sustained else 'no'} |"
     )
 
 
@@ -207,6 +209,12 @@ def main() -> None:
         f"\nhighest achieved: {top.achieved_tok_s:,.0f} tok/s ({top.config.streams} streams, "
         f"{1000 * top.config.interval_s:.2f} ms steps, ITL p99 {top.itl_token_ms.p99:.1f} ms)"
     )
+    noisy = [r for r in results if r.front.wait_s > NOISY_WAIT * r.wall_s]
+    if noisy:
+        print(
+            f"note: in {len(noisy)} of {len(results)} runs the front waited over "
+            f"{100 * NOISY_WAIT:.0f}% of the time for its core (other processes): noisy numbers"
+        )
     if best is None:
         print("no configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
     else:
