@@ -37,6 +37,7 @@ class FrontArgs:
     cpus: tuple[int, ...] | None = None  # sched_setaffinity of the front (None: any)
     profile_path: str | None = None  # arm the SIGUSR1/SIGUSR2 cProfile window
     control: Connection | None = None  # the control thread's end of a pipe
+    event_loop: str = "auto"  # ServeConfig.event_loop: auto (uvloop when installed) | ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def front_main(args: FrontArgs) -> None:
         ).start()  # fmt: skip
     from radixrt.server.launch import ServeConfig, serve
 
-    cfg = ServeConfig(model=args.model, port=args.port, device="cpu", dtype="float32")
+    cfg = ServeConfig(
+        model=args.model, port=args.port, device="cpu", dtype="float32", event_loop=args.event_loop
+    )
     code = serve(cfg, start_scheduler=functools.partial(start_fake_scheduler, args.scheduler))
     raise SystemExit(code)
 

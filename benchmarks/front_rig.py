@@ -50,6 +50,7 @@ class FrontRig:
         other_cpus: tuple[int, ...] | None = None,
         profile: bool = False,
         decode: Callable[[list[int]], str] | None = None,
+        event_loop: str = "auto",
     ) -> None:
         if clients < 1:
             raise ValueError(f"clients={clients}: need at least 1 client process")
@@ -63,7 +64,9 @@ class FrontRig:
         sched = FakeSchedulerArgs(source, vocab_size, control_addr, other_cpus)
         ctx = multiprocessing.get_context("spawn")
         self.front_conn, front_end = ctx.Pipe()
-        args = FrontArgs(model, self.port, sched, front_cpus, self.profile_path, front_end)
+        args = FrontArgs(
+            model, self.port, sched, front_cpus, self.profile_path, front_end, event_loop
+        )
         self.front = ctx.Process(target=front_main, args=(args,), name="bench-front")
         self.front.start()
         self.conns = []
