@@ -83,9 +83,9 @@ def front_main(args: FrontArgs) -> None:
         ).start()  # fmt: skip
     from radixrt.server.launch import ServeConfig, serve
 
-    cfg = ServeConfig(
-        model=args.model, port=args.port, device="cpu", dtype="float32", event_loop=args.event_loop
-    )
+    # event_loop only when asked: a front from before the option still runs (A/B runs)
+    loop = {} if args.event_loop == "auto" else {"event_loop": args.event_loop}
+    cfg = ServeConfig(model=args.model, port=args.port, device="cpu", dtype="float32", **loop)
     code = serve(cfg, start_scheduler=functools.partial(start_fake_scheduler, args.scheduler))
     raise SystemExit(code)
 
