@@ -14,7 +14,8 @@ what the fake scheduler emitted, what the clients received (achieved), ITL per t
 event carrying k tokens: one gap, then k - 1 zero gaps, as bench_serving counts) and per
 event, against the interval; the CPU per token of the front (its own process counters,
 all threads), of the clients and of the fake scheduler; and how long the front was
-runnable but waiting for a CPU (other processes on its core: a noisy machine), and its
+runnable but waiting for its core (other processes: a noisy machine, or its own other
+threads, the ZMQ I/O thread, on the one core), and its
 garbage collector's longest pause. A run is
 "sustained" when ITL p99 <= 2x the interval and achieved >= 90% of offered. Every token
 is checked: it arrived, in order, exactly once (ids and text).
@@ -221,7 +222,8 @@ def main() -> None:
     if noisy:
         print(
             f"note: in {len(noisy)} of {len(results)} runs the front waited over "
-            f"{100 * NOISY_WAIT:.0f}% of the time for its core (other processes): noisy numbers"
+            f"{100 * NOISY_WAIT:.0f}% of the time for its core (other processes, or its own "
+            "ZMQ I/O thread): if the others, noisy numbers"
         )
     if best is None:
         print("no configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")

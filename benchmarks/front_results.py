@@ -61,7 +61,7 @@ class FrontDelta:
     """The front process during one run."""
 
     cpu_s: float  # its own CPU clock (getrusage in the front: every thread)
-    wait_s: float  # its threads runnable but not running (other processes on its core)
+    wait_s: float  # its threads runnable but not running (other processes, or each other)
     gc_collections: tuple[int, int, int]  # per generation
     gc_pause_s: float  # total time in its garbage collector
     gc_max_pause_s: float  # the longest collection
