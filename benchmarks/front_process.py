@@ -94,7 +94,8 @@ def _serve_control(conn: Connection, timer: _GcTimer) -> None:
     while True:
         try:
             op = conn.recv()
-        except EOFError:
+        except EOFError:  # the benchmark process is gone: stop serving, as on SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         if op == "stats":
             ru, c = resource.getrusage(resource.RUSAGE_SELF), timer.collections
