@@ -4,6 +4,7 @@
     python -m benchmarks.bench_front --quick         # a 20-second check
     python -m benchmarks.bench_front --profile       # + the front's per-token cost breakdown
     python -m benchmarks.bench_front --streams 64,128,256 --interval-ms 10   # sweep streams
+    python -m benchmarks.bench_front --compare /path/to/other/checkout       # A/B, interleaved
 
 The REAL front and HTTP app (radixrt.server.launch.serve) run in their own process, pinned
 to one core (--front-cpu), with a FAKE scheduler process that speaks the real protocol and
@@ -24,13 +25,17 @@ is checked: it arrived, in order, exactly once (ids and text).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from benchmarks.front_results import ProfileResult, RunConfig, RunResult
+if TYPE_CHECKING:  # radixrt is imported in main() only: a process spawned from here
+    # imports this module first, and may run another checkout's radixrt (--compare)
+    from benchmarks.front_results import ProfileResult, RunConfig, RunResult
 
 DEFAULT_RATES = (4000, 8000, 12000, 16000, 20000, 25000, 32000, 40000)  # offered tok/s
 QUICK_RATES = (2000, 4000, 8000)
@@ -43,6 +48,8 @@ def sweep_configs(args: argparse.Namespace) -> list[RunConfig]:
     """The sweep: step rates at a fixed stream count, or stream counts at a fixed interval.
     Each configuration runs about --duration seconds (at least MIN_TOKENS per stream)."""
 
+    from benchmarks.front_results import RunConfig
+
     def config(streams: int, interval_s: float) -> RunConfig:
         tokens = max(MIN_TOKENS, round(args.duration / interval_s))
         stop = tuple(f"\x00never{i}" for i in range(args.stop_strings))
@@ -54,17 +61,20 @@ def sweep_configs(args: argparse.Namespace) -> list[RunConfig]:
     return [config(n, n / rate) for rate in args.rates]
 
 
-def run_sweep(rig, configs: list[RunConfig], keep_going: bool) -> list[RunResult]:
-    results: list[RunResult] = []
-    fails = 0
+def run_sweep(rigs: dict, configs: list[RunConfig], keep_going: bool) -> dict[str, list]:
+    """Every configuration on every rig in turn (A, B, A, B, ... with --compare); stops
+    once every rig missed MAX_FAILS configurations in a row (unless keep_going)."""
+    results: dict[str, list[RunResult]] = {label: [] for label in rigs}
+    fails = dict.fromkeys(rigs, 0)
     for config in configs:
-        r = rig.run(config)
-        results.append(r)
-        print(row(r), flush=True)
-        if r.errors:
-            raise RuntimeError(f"tokens lost or wrong: {r.errors[:5]}")
-        fails = 0 if r.sustained else fails + 1
-        if fails >= MAX_FAILS and not keep_going:
+        for label, rig in rigs.items():
+            r = rig.run(config)
+            results[label].append(r)
+            print(row(r, label), flush=True)
+            if r.errors:
+                raise RuntimeError(f"{label}: tokens lost or wrong: {r.errors[:5]}")
+            fails[label] = 0 if r.sustained else fails[label] + 1
+        if min(fails.values()) >= MAX_FAILS and not keep_going:
             break
     return results
 
@@ -77,11 +87,19 @@ HEADER = (
 SEPARATOR = "|" + "---|" * (HEADER.count("|") - 1)
 
 
-def row(r: RunResult) -> str:
+def header(labels: bool) -> str:
+    return ("| front " if labels else "") + HEADER
+
+
+def separator(labels: bool) -> str:
+    return ("|---" if labels else "") + SEPARATOR
+
+
+def row(r: RunResult, label: str = "") -> str:
     c, t = r.config, r.itl_token_ms
     wait = 100 * r.front.wait_s / r.wall_s if r.wall_s else 0.0
     gc = f"{1000 * r.front.gc_max_pause_s:.0f} ({r.front.gc_collections[2]})"
-    return (
+    return (("| " + label + " ") if label else "") + (
         f"| {c.streams} | {1000 * c.interval_s:.2f} | {c.offered_tok_s:,.0f} "
         f"| {r.scheduler_tok_s:,.0f} | {r.achieved_tok_s:,.0f} "
         f"| {t.p50:.1f} / {t.p95:.1f} / {t.p99:.1f} | {r.itl_event_ms.p99:.1f} "
@@ -91,10 +109,10 @@ def row(r: RunResult) -> str:
     )
 
 
-def print_profile(p: ProfileResult, top: int) -> None:
+def print_profile(p: ProfileResult, top: int, label: str = "") -> None:
     b = p.baseline
     print(
-        f"\nfront cost per token, {b.config.streams} streams at "
+        f"\n{label + ': ' if label else ''}front cost per token, {b.config.streams} streams at "
         f"{1000 * b.config.interval_s:.2f} ms ({b.config.offered_tok_s:,.0f} tok/s offered): "
         f"{b.front_us_per_token:.1f} µs/token of front CPU unprofiled (all threads), "
         f"split by the profile's self-time shares (main thread; profiled "
@@ -150,6 +168,12 @@ def main() -> None:
     p.add_argument("--profile-rate", type=float, default=8000, help="its offered tok/s")
     p.add_argument("--profile-top", type=int, default=0, help="top functions per group")
     p.add_argument("--json", default=None, help="write every result to this file")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="DIR",
+        help="A/B: also run the front of the radixrt checkout DIR, interleaved (A, B, A, ...)",
+    )
     args = p.parse_args()
     default_streams = "64" if args.quick else "256"
     args.streams = [int(x) for x in (args.streams or default_streams).split(",")]
@@ -161,6 +185,7 @@ def main() -> None:
         args.duration = min(args.duration, 1.0)
 
     from benchmarks.front_fake_scheduler import token_source
+    from benchmarks.front_results import RunConfig
     from benchmarks.front_rig import FrontRig
     from radixrt.server.tokenizer import load_tokenizer
 
@@ -184,61 +209,84 @@ def main() -> None:
         f"load average {load0[0]:.2f}",
         flush=True,
     )
+    code_dirs: dict[str, str | None] = {"": None}
+    if args.compare:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code_dirs = {"A": None, "B": args.compare}
+        print(f"# A: the front of {here}; B: the front of {os.path.abspath(args.compare)}")
+    labels = bool(args.compare)
     configs = sweep_configs(args)
     t0 = time.perf_counter()
-    with FrontRig(
-        args.model, source, len(tokenizer), args.clients, front_cpus, others, args.profile,
-        decode=tokenizer.decode, event_loop=args.event_loop,
-    ) as rig:  # fmt: skip
-        if args.front_gc != "as-is":
-            rig.front_gc(args.front_gc)
-        warm = configs[0]
-        rig.run(RunConfig(warm.streams, 0.02, MIN_TOKENS, warm.route, warm.parse, warm.stop))
-        print(HEADER)
-        print(SEPARATOR)
-        results = run_sweep(rig, configs, args.keep_going)
-        prof = None
-        if args.profile:
-            n = configs[0].streams
-            interval = n / args.profile_rate
-            tokens = max(MIN_TOKENS, round(args.duration / interval))
+    profiles: dict[str, ProfileResult] = {}
+    with contextlib.ExitStack() as stack:
+        rigs = {}
+        for label, code_dir in code_dirs.items():
+            rig = FrontRig(
+                args.model, source, len(tokenizer), args.clients, front_cpus, others,
+                args.profile, decode=tokenizer.decode, event_loop=args.event_loop,
+                code_dir=code_dir,
+            )  # fmt: skip
+            rigs[label] = stack.enter_context(rig)
+        for rig in rigs.values():
+            if args.front_gc != "as-is":
+                rig.front_gc(args.front_gc)
             c = configs[0]
-            prof = rig.profile(RunConfig(n, interval, tokens, c.route, c.parse, c.stop))
+            rig.run(RunConfig(c.streams, 0.02, MIN_TOKENS, c.route, c.parse, c.stop))  # warm-up
+        print(header(labels))
+        print(separator(labels))
+        results = run_sweep(rigs, configs, args.keep_going)
+        if args.profile:
+            c = configs[0]
+            interval = c.streams / args.profile_rate
+            tokens = max(MIN_TOKENS, round(args.duration / interval))
+            config = RunConfig(c.streams, interval, tokens, c.route, c.parse, c.stop)
+            profiles = {label: rig.profile(config) for label, rig in rigs.items()}
     load1 = os.getloadavg()
     print(f"\n# {time.perf_counter() - t0:.0f} s; load average {load1[0]:.2f} at the end")
-    if prof is not None:
-        print_profile(prof, args.profile_top)
-    best = best_sustained(results)
-    print("\n" + HEADER)
-    print(SEPARATOR)
-    for r in results:
-        print(row(r))
+    for label, prof in profiles.items():
+        print_profile(prof, args.profile_top, label)
+    print("\n" + header(labels))
+    print(separator(labels))
+    for i in range(max(len(rs) for rs in results.values())):
+        for label, rs in results.items():
+            if i < len(rs):
+                print(row(rs[i], label))
+    print()
+    for label, rs in results.items():
+        print_summary(rs, label)
+    if args.json:
+        with open(args.json, "w") as f:
+            out = {
+                "results": {label: [asdict(r) for r in rs] for label, rs in results.items()},
+                "profile_us_per_token": {k: p.us_per_token() for k, p in profiles.items()},
+            }
+            json.dump(out, f, indent=1)
+
+
+def print_summary(results: list[RunResult], label: str) -> None:
+    lead = f"{label}: " if label else ""
     top = max(results, key=lambda r: r.achieved_tok_s)
     print(
-        f"\nhighest achieved: {top.achieved_tok_s:,.0f} tok/s ({top.config.streams} streams, "
-        f"{1000 * top.config.interval_s:.2f} ms steps, ITL p99 {top.itl_token_ms.p99:.1f} ms)"
+        f"{lead}highest achieved: {top.achieved_tok_s:,.0f} tok/s ({top.config.streams} "
+        f"streams, {1000 * top.config.interval_s:.2f} ms steps, ITL p99 "
+        f"{top.itl_token_ms.p99:.1f} ms)"
     )
     noisy = [r for r in results if r.front.wait_s > NOISY_WAIT * r.wall_s]
     if noisy:
         print(
-            f"note: in {len(noisy)} of {len(results)} runs the front waited over "
+            f"{lead}note: in {len(noisy)} of {len(results)} runs the front waited over "
             f"{100 * NOISY_WAIT:.0f}% of the time for its core (other processes, or its own "
             "ZMQ I/O thread): if the others, noisy numbers"
         )
+    best = best_sustained(results)
     if best is None:
-        print("no configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
+        print(f"{lead}no configuration was sustained (ITL p99 <= 2x interval, >= 90% of offered)")
     else:
         print(
-            f"highest sustained: {best.achieved_tok_s:,.0f} tok/s ({best.config.streams} "
+            f"{lead}highest sustained: {best.achieved_tok_s:,.0f} tok/s ({best.config.streams} "
             f"streams, {1000 * best.config.interval_s:.2f} ms steps, ITL p99 "
             f"{best.itl_token_ms.p99:.1f} ms)"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            out = {"results": [asdict(r) for r in results]}
-            if prof is not None:
-                out["profile_us_per_token"] = prof.us_per_token()
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ statistics: {"op": "configure", "interval_s", "streams"} and {"op": "stats"}.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import os
+import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from benchmarks.front_boot import boot
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.messages import (
     AbortRequest,
@@ -96,6 +99,7 @@ class FakeSchedulerArgs:
     vocab_size: int
     control_addr: str  # ipc:// address this process binds its REP control socket at
     cpus: tuple[int, ...] | None = None  # sched_setaffinity (None: inherit the front's)
+    code_dir: str | None = None  # the checkout whose radixrt it runs (None: this one's)
     in_addr: str = ""  # front -> scheduler (set by start_fake_scheduler)
     out_addr: str = ""  # scheduler -> front
     parent_pid: int = 0
@@ -105,12 +109,15 @@ def start_fake_scheduler(
     args: FakeSchedulerArgs, cfg: object, eos: list[int], to_scheduler: Channel, from_scheduler
 ) -> multiprocessing.process.BaseProcess:
     """A `radixrt.server.launch.SchedulerStarter` (bind `args` with functools.partial)."""
-    full = FakeSchedulerArgs(
-        args.source, args.vocab_size, args.control_addr, args.cpus,
-        to_scheduler.addr, from_scheduler.addr, os.getpid(),
-    )  # fmt: skip
+    full = dataclasses.replace(
+        args, in_addr=to_scheduler.addr, out_addr=from_scheduler.addr, parent_pid=os.getpid()
+    )
+    target = "benchmarks.front_fake_scheduler:fake_scheduler_main"
     proc = multiprocessing.get_context("spawn").Process(
-        target=fake_scheduler_main, args=(full,), name="fake-scheduler", daemon=True
+        target=boot,
+        args=(args.code_dir, target, pickle.dumps((full,))),
+        name="fake-scheduler",
+        daemon=True,
     )
     proc.start()
     return proc

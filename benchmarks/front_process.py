@@ -36,7 +36,6 @@ class FrontArgs:
     scheduler: FakeSchedulerArgs
     cpus: tuple[int, ...] | None = None  # sched_setaffinity of the front (None: any)
     profile_path: str | None = None  # arm the SIGUSR1/SIGUSR2 cProfile window
-    control: Connection | None = None  # the control thread's end of a pipe
     event_loop: str = "auto"  # ServeConfig.event_loop: auto (uvloop when installed) | ...
 
 
@@ -70,15 +69,16 @@ class _GcTimer:
         self.max_pause_s = max(self.max_pause_s, pause)
 
 
-def front_main(args: FrontArgs) -> None:
+def front_main(args: FrontArgs, control: Connection | None = None) -> None:
+    """Serve until SIGTERM; `control`: the control thread's end of a pipe."""
     if args.cpus is not None:
         os.sched_setaffinity(0, args.cpus)
     logging.basicConfig(level="WARNING", format="%(asctime)s front %(levelname)s %(message)s")
     if args.profile_path is not None:
         _arm_profiler(args.profile_path)
-    if args.control is not None:
+    if control is not None:
         threading.Thread(
-            target=_serve_control, args=(args.control, _GcTimer()), name="bench-control",
+            target=_serve_control, args=(control, _GcTimer()), name="bench-control",
             daemon=True,
         ).start()  # fmt: skip
     from radixrt.server.launch import ServeConfig, serve

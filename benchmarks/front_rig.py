@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -24,9 +25,10 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from benchmarks.front_boot import boot
 from benchmarks.front_clients import ClientJob, ClientResult, client_main
 from benchmarks.front_fake_scheduler import FakeSchedulerArgs, TokenSource
-from benchmarks.front_process import FrontArgs, FrontStats, front_main
+from benchmarks.front_process import FrontArgs, FrontStats
 from benchmarks.front_profile import group_profile, top_functions
 from benchmarks.front_results import FrontDelta, ProfileResult, RunConfig, RunResult, summarize
 
@@ -38,7 +40,8 @@ PROFILE_WAIT_S = 30.0
 class FrontRig:
     """The front process (+ its fake scheduler) and `clients` client processes. Use as a
     context manager. `front_cpus` / `other_cpus` pin the front, and the fake scheduler and
-    the clients (None: no pinning)."""
+    the clients (None: no pinning). `code_dir`: the front and the fake scheduler run that
+    checkout's radixrt (None: this one's)."""
 
     def __init__(
         self,
@@ -51,6 +54,7 @@ class FrontRig:
         profile: bool = False,
         decode: Callable[[list[int]], str] | None = None,
         event_loop: str = "auto",
+        code_dir: str | None = None,
     ) -> None:
         if clients < 1:
             raise ValueError(f"clients={clients}: need at least 1 client process")
@@ -61,13 +65,16 @@ class FrontRig:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         control_addr = f"ipc://{self.tmpdir}/control"
-        sched = FakeSchedulerArgs(source, vocab_size, control_addr, other_cpus)
+        sched = FakeSchedulerArgs(source, vocab_size, control_addr, other_cpus, code_dir)
         ctx = multiprocessing.get_context("spawn")
         self.front_conn, front_end = ctx.Pipe()
-        args = FrontArgs(
-            model, self.port, sched, front_cpus, self.profile_path, front_end, event_loop
+        args = FrontArgs(model, self.port, sched, front_cpus, self.profile_path, event_loop)
+        payload = pickle.dumps((args,))
+        self.front = ctx.Process(
+            target=boot,
+            args=(code_dir, "benchmarks.front_process:front_main", payload, front_end),
+            name="bench-front",
         )
-        self.front = ctx.Process(target=front_main, args=(args,), name="bench-front")
         self.front.start()
         self.conns = []
         self.client_procs = []

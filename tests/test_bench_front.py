@@ -4,8 +4,11 @@ order, exactly once (ids and text), and the reported numbers add up. No timing a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from benchmarks.front_boot import use_radixrt_from
 from benchmarks.front_fake_scheduler import token_source
 from benchmarks.front_profile import GROUPS, IDLE, group_of
 from benchmarks.front_results import RunConfig
@@ -108,3 +111,18 @@ def test_run_config_rejects_bad_values(kw, field):
     args = {"streams": 4, "interval_s": 0.01, "max_tokens": 8, **kw}
     with pytest.raises(ValueError, match=field):
         RunConfig(**args)
+
+
+def test_a_front_of_another_checkout(tokenizer, tmp_path):
+    """--compare: the front and the fake scheduler run the radixrt of a given checkout (here
+    this one, through the same boot path)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = token_source(tokenizer)
+    with FrontRig(
+        ensure_tiny_model(), source, len(tokenizer), clients=1, decode=tokenizer.decode,
+        code_dir=repo,
+    ) as rig:  # fmt: skip
+        r = rig.run(RunConfig(4, INTERVAL_S, 8))
+    assert r.errors == [] and r.tokens_received == 32
+    with pytest.raises(RuntimeError, match="imported from"):
+        use_radixrt_from(str(tmp_path))  # this process imported radixrt from elsewhere
