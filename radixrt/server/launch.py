@@ -82,6 +82,13 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
     return uvloop.new_event_loop
 
 
+# starts the scheduler process: (config, EOS ids, front->scheduler, scheduler->front) -> process
+SchedulerStarter = Callable[
+    [ServeConfig, list[int], Channel[ToScheduler], Channel[FromScheduler]],
+    multiprocessing.process.BaseProcess,
+]
+
+
 def add_serve_command(
     subparsers: argparse._SubParsersAction,
     add_engine_args: Callable[[argparse.ArgumentParser], None],
@@ -142,12 +149,13 @@ def add_serve_command(
     p.set_defaults(func=run)
 
 
-def serve(cfg: ServeConfig) -> int:
+def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit code (1: it could not start:
     the port is taken, the model dir or an option is bad, or the scheduler process failed
     before it was ready). Order: listen first (a taken port fails at once, and /health
     answers 503 "loading" from then on), check the model dir, load the tokenizer, start
-    the scheduler process; serve once it is Ready."""
+    the scheduler process; serve once it is Ready. `start_scheduler` replaces the real
+    scheduler process (benchmarks.bench_front serves the real front with a fake one)."""
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:
@@ -171,8 +179,9 @@ def serve(cfg: ServeConfig) -> int:
         ctx, f"ipc://{ipc_dir}/from_scheduler", MsgpackCodec(FromScheduler), push=False, bind=True
     )
     try:
+        start = start_scheduler or _start_scheduler
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve_http(cfg, sock, ipc_dir, to_scheduler, from_scheduler))
+            return runner.run(_serve_http(cfg, sock, ipc_dir, to_scheduler, from_scheduler, start))
     finally:
         to_scheduler.close()
         from_scheduler.close()
@@ -220,6 +229,7 @@ async def _serve_http(
     ipc_dir: str,
     to_scheduler: Channel[ToScheduler],
     from_scheduler: Channel[FromScheduler],
+    start_scheduler: SchedulerStarter,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -250,7 +260,7 @@ async def _serve_http(
             return 1
         tokenizer, token_bytes = loaded
         eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
-        proc = _start_scheduler(cfg, eos, to_scheduler, from_scheduler)
+        proc = start_scheduler(cfg, eos, to_scheduler, from_scheduler)
 
         def on_child_exit() -> None:
             loop.remove_reader(proc.sentinel)
