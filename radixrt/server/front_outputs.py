@@ -43,10 +43,11 @@ class FrontOutputs:
         if isinstance(msg, TokenBatchOut):
             states = self.states
             new_tokens = 0
+            now = time.perf_counter()  # one arrival time for the step's outputs
             for out in msg.outputs:
                 group = states.get(out.parent_rid or out.rid)
                 if group is not None and not group[out.index].finished:
-                    new_tokens += self._on_output(group[out.index], out)
+                    new_tokens += self._on_output(group[out.index], out, now)
             if new_tokens:
                 self.metrics.generated_tokens.inc(new_tokens)
             for err in msg.errors:
@@ -81,9 +82,10 @@ class FrontOutputs:
             self.metrics.ready.set(1)
             self.ready_event.set()
 
-    def _on_output(self, st: RequestState, out: TokenOut) -> int:
-        """One step's output of one choice: its text so far, stop strings, the delta for
-        its HTTP handler. Returns how many tokens it generated (for the step's counter)."""
+    def _on_output(self, st: RequestState, out: TokenOut, now: float) -> int:
+        """One step's output of one choice (arrived at `now`): its text so far, stop
+        strings, the delta for its HTTP handler. Returns how many tokens it generated (for
+        the step's counter)."""
         st.num_cached_tokens = out.num_cached_tokens
         st.num_draft_tokens, st.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         final = out.finish_reason is not None
@@ -99,7 +101,6 @@ class FrontOutputs:
             new_ids, new_lps = out.new_ids, out.new_logprobs
             new_top = [list(map(tuple, top)) for top in out.new_top_logprobs]
         if new_ids:
-            now = time.perf_counter()
             if st.last_token_at is None:
                 self.metrics.ttft.observe(now - st.created)
             else:
@@ -111,7 +112,8 @@ class FrontOutputs:
             if new_top:
                 st.top_logprobs += new_top
         text = st.detok.add(new_ids, final=final)
-        st.text += text
+        if text:
+            st.text_parts.append(text)
         if st.detok.stopped and not st.stop_seen:
             # A stop string: the text is complete. The scheduler ends the request with
             # reason "stop" and its final TokenOut (with prompt log-probs) finishes it here.

@@ -55,7 +55,7 @@ class RequestState:
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)  # the text so far, as it came
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -69,6 +69,17 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (joined on demand: appending a step's text stays O(new))."""
+        if len(self.text_parts) > 1:
+            self.text_parts = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.text_parts = [value]
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,9 +157,14 @@ class Generation:
         ApiError of a failed output (after a batch with the deltas that came before it)."""
         remaining = len(self.states)
         while remaining:
+            items = await self._events.take()
+            if len(items) == 1 and isinstance(items[0][1], Delta):  # one output, one step
+                remaining -= items[0][1].finish_reason is not None
+                yield items  # type: ignore[misc]  # (state, Delta), checked above
+                continue
             pending: dict[RequestState, list[Delta]] = {}
             error = None
-            for st, item in await self._events.take():
+            for st, item in items:
                 if isinstance(item, ApiError):
                     error = item
                     break
