@@ -15,7 +15,9 @@ partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go
 torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
-heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.
+heads sharing a KV head become that head's queries; on a CPU a group of 3 mod 4 heads gets one
+zero query more, which the flash kernel runs faster: `decode_group`); an extend group uses SDPA's
+`enable_gqa`.
 Padding and memory are bounded by `PlanLimits` (see sdpa_plan). Numerics: SDPA in the input
 dtype (float32 on CPU; bfloat16 accumulates in float32 inside the kernel). An fp8 pool is
 gathered as stored (1 byte an element) and dequantized to q's dtype (`KVPool.dequantize`).
