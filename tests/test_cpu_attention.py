@@ -2,7 +2,8 @@
 
 Random mixed batches on CPU: decode rows over cached contexts, extend rows from scratch or on a
 cached prefix (single-token chunks included), an empty decode or extend part; blocks scattered
-over the pool; block sizes 1/4/16, GQA ratios 1/2/4, float32 and bfloat16. Small plan limits
+over the pool; block sizes 1/4/16, GQA ratios 1/2/4 and 3/7 (decode queries padded to 4/8),
+float32 and bfloat16. Small plan limits
 force query chunking and many groups; the plan's memory bounds are checked on a large batch.
 """
 
@@ -86,7 +87,7 @@ def run_both(
 
 @pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (6, 2), (14, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_matches_reference(kind, block_size, heads, dtype):
     seed = ["decode", "extend", "mixed"].index(kind) * 100 + block_size * 10 + heads[1]

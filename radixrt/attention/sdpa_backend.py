@@ -15,7 +15,9 @@ partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go
 torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
-heads sharing a KV head become that head's queries); an extend group uses SDPA's `enable_gqa`.
+heads sharing a KV head become that head's queries; on a CPU a group of 3 mod 4 heads gets one
+zero query more, which the flash kernel runs faster: `decode_group`); an extend group uses SDPA's
+`enable_gqa`.
 Padding and memory are bounded by `PlanLimits` (see sdpa_plan). Numerics: SDPA in the input
 dtype (float32 on CPU; bfloat16 accumulates in float32 inside the kernel). An fp8 pool is
 gathered as stored (1 byte an element) and dequantized to q's dtype (`KVPool.dequantize`).
@@ -59,6 +61,10 @@ class SdpaAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
+        # decode queries per KV head as SDPA sees them: one zero query more when that makes a
+        # multiple of 4 (CPU flash kernel, 32 rows x 160 keys, 2 KV heads: 0.28 ms at 3 queries,
+        # 0.17 at 4; 7 -> 8 also gains; 2, 5, 6 do not: benchmarks/RESULTS.md, session 5)
+        self.decode_group = self.group_size + (1 if self.group_size % 4 == 3 else 0)
         self.scale = head_dim**-0.5
         self.limits = limits
         self.batch: ForwardBatch | None = None
@@ -201,11 +207,15 @@ class SdpaAttentionBackend:
         else:
             qg = q.index_select(0, grp.q_index)
         qg, bias = qg.view(n, hkv, g, d), self._bias(i, q.dtype)
+        if self.decode_group > g and q.is_cpu:  # zero queries more: results dropped
+            qg = F.pad(qg, (0, 0, 0, self.decode_group - g))
         if not with_lse:
             res = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias, scale=self.scale)
-            return res.reshape(n, self.num_heads, d), None
+            return res[:, :, :g].reshape(n, self.num_heads, d), None
         res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale)
-        return res.reshape(n, self.num_heads, d), res_lse.reshape(n, self.num_heads)
+        return res[:, :, :g].reshape(n, self.num_heads, d), res_lse[:, :, :g].reshape(
+            n, self.num_heads
+        )
 
     def _prefix(
         self,

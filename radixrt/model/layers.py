@@ -110,8 +110,9 @@ class RopeInputs(NamedTuple):
     """One forward's rotary inputs, made once for all layers (`RotaryEmbedding.prepare`)."""
 
     positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor | None  # [T, 1, d/2] in the model's dtype; None on the fused CUDA path
-    sin: torch.Tensor | None  # [T, 1, d/2]
+    cos: torch.Tensor | None  # [T, 1, d] (cos | cos) in the model's dtype; None on the fused
+    # CUDA path
+    sin: torch.Tensor | None  # [T, 1, d] (-sin | sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -133,14 +134,18 @@ class RotaryEmbedding(nn.Module):
         if _fast(x) is not None and self.head_dim in ROPE_HEAD_DIMS:
             return RopeInputs(positions, None, None)
         cos, sin = self.cos_sin[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return RopeInputs(positions, cos, sin)
+        full = torch.cat([cos, cos, -sin, sin], dim=-1)  # [T, 1, 2d]
+        return RopeInputs(positions, full[..., : self.head_dim], full[..., self.head_dim :])
 
     def forward(
         self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes). On the fused CUDA
         path (`rope.cos` is None) q and k are rotated in place (any token/head strides) and
-        returned; otherwise new contiguous tensors."""
+        returned; otherwise new tensors: when k's heads follow q's in one buffer (views of a
+        merged qkv output) both are rotated at once and returned as the two parts of one
+        [T, hq + hkv, d] tensor (heads and last dim contiguous, tokens hq + hkv heads apart),
+        else each contiguous."""
         if rope.cos is None:
             fi = _flashinfer()
             assert fi is not None
@@ -148,16 +153,35 @@ class RotaryEmbedding(nn.Module):
                 rope.positions, q, k, self.head_dim, self.cos_sin, is_neox=True
             )
             return q, k
+        qk = _joint(q, k)
+        if qk is not None:
+            out = _rotate(qk, rope.cos, rope.sin)
+            return out[:, : q.shape[1]], out[:, q.shape[1] :]
         return _rotate(q, rope.cos, rope.sin), _rotate(k, rope.cos, rope.sin)
+
+
+def _joint(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, hq + hkv, d] view when k's heads follow q's in memory (a merged
+    qkv output), else None."""
+    t, hq, d = q.shape
+    if (
+        q.stride() != k.stride()
+        or q.stride()[1:] != (d, 1)
+        or q.dtype != k.dtype
+        or k.data_ptr() != q.data_ptr() + hq * d * q.element_size()
+    ):
+        return None
+    return q.as_strided((t, hq + k.shape[1], d), q.stride())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, h, d] -> x * [cos, cos] + rotate_half(x) * [sin, sin] (HF's formula, the same
-    roundings: each half is x1 * cos - x2 * sin or x2 * cos + x1 * sin), in four ops."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2).add_(x1 * sin)
-    return out
+    roundings: each half is x1 * cos - x2 * sin or x2 * cos + x1 * sin; here as
+    x * (cos | cos) + (x2 | x1) * (-sin | sin), negation being exact), in four ops over
+    whole heads. `cos`, `sin`: [T, 1, d] as `RotaryEmbedding.prepare` makes them."""
+    t, h, d = x.shape
+    out = torch.mul(x, cos)
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d) if x.stride(1) == d else None
+    if swapped is None:  # heads not contiguous: flip a copy
+        swapped = x.contiguous().view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return out.add_(swapped.mul_(sin))

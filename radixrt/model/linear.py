@@ -2,10 +2,14 @@
 
 MKL's sgemm behind `F.linear` reaches ~70-85 GFLOP/s on one AMD EPYC core for the tiny model's
 prefill shapes; oneDNN with the weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`) runs the same GEMMs at ~100-106 GFLOP/s, but is
-slower than MKL at a few rows (per-call overhead: 5-50 GFLOP/s at 1-8 rows). So `forward` takes
-the packed path only for inputs of at least `PACKED_MIN_ROWS` rows (prefill chunks), and plain
-`F.linear` otherwise (decode). Measured in benchmarks/RESULTS.md ("CPU speed, session 4").
+(`torch.ops.mkldnn._reorder_linear_weight`) runs the same GEMMs at ~100-106 GFLOP/s. In a model
+forward the weights stream from L3 (the tiny model's 7.8 MB of linears do not fit a 1 MB L2), and
+there the blocked layout also wins for decode batches: the tiny model's 21 decode GEMMs in a row
+took 1.52 vs 1.83 ms at 32 rows, 0.90 vs 0.94 at 16, 0.65 vs 0.65 at 8, but 0.44 vs 0.24 ms at
+one row (oneDNN's per-call overhead; with one hot weight, as session 4 measured, it is also slower
+at 2-8 rows). So `forward` takes the packed path for inputs of at least `PACKED_MIN_ROWS` rows,
+and plain `F.linear` below. Measured in benchmarks/RESULTS.md ("CPU speed, session 4" and
+"Session 5").
 
 Numerics: oneDNN sums the K products in another order than MKL, so results differ in the last
 bits (relative ~1e-6 in float32; tests/test_cpu_linear.py bounds it against `F.linear`).
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_MIN_ROWS = 128  # rows from which the packed oneDNN GEMM beats MKL's (see above)
+PACKED_MIN_ROWS = 8  # rows from which the packed oneDNN GEMM beats MKL's (see above)
+PACK_HINT_ROWS = 128  # batch-size hint of oneDNN's weight reorder (the layout is the same)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -69,7 +74,7 @@ class Linear(nn.Linear):
             w = self.weight.detach()
             for start, stop in parts:
                 self._packed[(start, stop)] = torch.ops.mkldnn._reorder_linear_weight(
-                    w[start:stop].contiguous(), PACKED_MIN_ROWS
+                    w[start:stop].contiguous(), PACK_HINT_ROWS
                 )
         self._full = self._packed.get((0, self.out_features))
         self._packed_version = self.weight._version
