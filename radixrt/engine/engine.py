@@ -14,6 +14,7 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.request import FinishReason, fork_rid
+from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.core = EngineCore(cfg, model_config, sorted(eos))
+        self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode by windows
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     config = property(lambda self: self.core.config)
@@ -109,7 +111,11 @@ class Engine:
         rid = self.core.add_request(prompt_ids, params, rid)
         for r in [rid] if params.n == 1 else [fork_rid(rid, i) for i in range(params.n)]:
             self._detok[r] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.skip_special_tokens, list(prompt_ids)
+                self.tokenizer,
+                params.stop,
+                params.skip_special_tokens,
+                list(prompt_ids),
+                self._token_bytes,
             )
         return rid
 
