@@ -399,3 +399,20 @@ def test_freeze_gc_freezes_startup_objects_until_shutdown():
     finally:
         core.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_shared_prefix_in_flight_is_computed_once(overlap):
+    """Requests that arrive together and share a long uncached prefix: the first computes
+    it, the others wait until its result put the prefix in the tree (with overlap that is
+    one step after its last chunk was planned), so every other prompt finds it cached."""
+    shared = list(range(100, 164))  # 64 tokens: past IN_BATCH_PREFIX_THRESHOLD
+    reqs = [shared + [600 + i, 700 + i] for i in range(6)]
+    core, runner = make_core(overlap=overlap, num_kv_blocks=128)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = run(core, reqs, [sp] * len(reqs))
+    assert out == expected(reqs, [4] * len(reqs))
+    stats = core.scheduler.stats
+    # the last prompt token is always recomputed; the shared part is cached for all but one
+    assert stats.num_cached_tokens == (len(reqs) - 1) * len(shared)
+    assert runner.overlapped() == overlap

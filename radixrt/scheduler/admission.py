@@ -51,8 +51,11 @@ class Admission:
             self.waiting, self.cfg.policy, self._match, self.cfg.aging_tokens_per_step
         )
         # Cache-aware policies hold back a request whose uncached prefix another request is
-        # computing right now: next step it finds that prefix in the cache instead.
-        computing = [r for r in self.running if r.num_pending > 1]
+        # computing right now: once that result is in, it finds the prefix in the cache. A
+        # prompt computes until its last chunk's result is applied (that inserts it in the
+        # tree), not until that chunk is planned: with overlap the next step is planned
+        # while the chunk runs, and a request let in then would compute the prefix again.
+        computing = [r for r in self.running if r.num_kv_done < r.prompt_len]
         dedup = self.cfg.policy != "fcfs"
         skipped = 0
         for req in order:
