@@ -49,13 +49,9 @@ class TokenBytes:
 
     def join(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool) -> bytes:
         table, n = self.table, len(self.table)
-        if len(ids) == 1:  # a decode step's one token
-            t = ids[0]
-            ok = 0 <= t < n and not (skip_special_tokens and t in self.special)
-            return table[t] if ok else b""
         if skip_special_tokens and self.special:
             special = self.special
-            return b"".join(table[t] for t in ids if t < n and t not in special)
+            return b"".join(table[t] for t in ids if 0 <= t < n and t not in special)
         return b"".join(table[t] for t in ids if 0 <= t < n)
 
     @classmethod

@@ -157,14 +157,9 @@ class Generation:
         ApiError of a failed output (after a batch with the deltas that came before it)."""
         remaining = len(self.states)
         while remaining:
-            items = await self._events.take()
-            if len(items) == 1 and isinstance(items[0][1], Delta):  # one output, one step
-                remaining -= items[0][1].finish_reason is not None
-                yield items  # type: ignore[misc]  # (state, Delta), checked above
-                continue
             pending: dict[RequestState, list[Delta]] = {}
             error = None
-            for st, item in items:
+            for st, item in await self._events.take():
                 if isinstance(item, ApiError):
                     error = item
                     break
@@ -175,12 +170,6 @@ class Generation:
                 yield batch
             if error is not None:
                 raise error
-
-    async def stream(self) -> AsyncIterator[tuple[RequestState, Delta]]:
-        """The batches' deltas one by one."""
-        async for batch in self.batches():
-            for event in batch:
-                yield event
 
     async def wait(self) -> list[RequestState]:
         """Wait until every request finished; returns them in index order."""
