@@ -60,6 +60,20 @@ def tiny_random_model_dir() -> str:
     return ensure_tiny_model(random=True)
 
 
+@pytest.fixture(scope="session")
+def native_kernel():
+    """The native CPU decode kernel. Skips only where no C compiler exists; where one does,
+    a kernel that does not build fails the test."""
+    from radixrt.kernels.native import find_compiler
+    from radixrt.kernels.paged_decode_cpu import load_paged_decode
+
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the native CPU kernel cannot be built")
+    kernel = load_paged_decode()
+    assert kernel is not None, "a C compiler exists but the native kernel did not build"
+    return kernel
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread: on a shared, oversubscribed CPU two threads can be 10x slower."""

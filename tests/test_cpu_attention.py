@@ -64,13 +64,15 @@ def run_both(
     dtype: torch.dtype,
     gen: torch.Generator,
     limits: PlanLimits = DEFAULT_LIMITS,
+    native: bool = False,
 ) -> None:
-    """Every layer: the SDPA backend's output equals the reference's on the same pool."""
+    """Every layer: the SDPA backend's output equals the reference's on the same pool
+    (`native`: decode rows through the native kernel)."""
     batch, num_blocks = make_batch(rows, num_decode, block_size, gen)
     pool = KVPool(NUM_LAYERS, num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))  # stale cached context
     ref = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
-    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, limits)
+    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, limits, native_decode=native)
     ref.prepare(batch)
     fast.prepare(batch)
     t = batch.num_tokens
@@ -94,6 +96,28 @@ def test_sdpa_matches_reference(kind, block_size, heads, dtype):
     gen = torch.Generator().manual_seed(seed)
     rows, num_decode = random_rows(kind, gen)
     run_both(rows, num_decode, block_size, *heads, dtype, gen)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2), (14, 2)])
+def test_native_decode_matches_reference(kind, block_size, heads, native_kernel):
+    """Decode rows through the native kernel, extend rows through the groups."""
+    seed = 7 + ["decode", "mixed"].index(kind) * 100 + block_size * 10 + heads[0]
+    gen = torch.Generator().manual_seed(seed)
+    rows, num_decode = random_rows(kind, gen)
+    run_both(rows, num_decode, block_size, *heads, torch.float32, gen, native=True)
+
+
+def test_native_decode_plans_only_extend_rows(native_kernel):
+    gen = torch.Generator().manual_seed(3)
+    rows = [(100, 1), (5, 1), (0, 40), (64, 9)]
+    batch, _ = make_batch(rows, 2, 4, gen)
+    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True)
+    fast.prepare(batch)
+    covered = torch.cat([g.out_index for g in fast.groups])
+    assert sorted(covered[covered < batch.num_tokens].tolist()) == list(range(2, 51))
+    assert [g.causal for g in fast.groups] == [True, False]  # (0, 40), then (64 cached, 9 new)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -38,7 +38,11 @@ def _create(
     if kind == "torch":
         from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 
-        return SdpaAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        # decode rows through the native CPU kernel where it applies (float32 pool on a CPU)
+        native = device.type == "cpu" and (kv_dtype or dtype) == dtype == torch.float32
+        return SdpaAttentionBackend(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, native_decode=native
+        )
     if kind == "torch-reference":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 

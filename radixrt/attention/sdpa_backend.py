@@ -14,6 +14,15 @@ together, one SDPA call per prefix group, and their other blocks in the groups a
 partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go through
 torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
+Decode rows on a CPU with a float32 pool (`native_decode`): the native kernel
+(`radixrt.kernels.paged_decode_cpu`) attends every decode row over its blocks in place, one
+call per layer, with no gathered copy; only extend rows are then planned into groups (and
+into prefix groups). Where the kernel cannot be built (no C compiler) decode rows take the
+SDPA groups as before.
+
+Extend groups whose pieces all start at key 0 (a fresh prompt's whole rows) run SDPA's own
+causal mask (`is_causal`, which skips the masked half) instead of an additive mask.
+
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries; on a CPU a group of 3 mod 4 heads gets one
 zero query more, which the flash kernel runs faster: `decode_group`); an extend group uses SDPA's
@@ -36,6 +45,7 @@ from radixrt.attention.sdpa_prefix import (
     merge_partial,
     plan_shared_prefixes,
 )
+from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel, load_paged_decode
 from radixrt.kv.pool import KVPool
 
 
@@ -52,10 +62,13 @@ class SdpaAttentionBackend:
         limits: PlanLimits = DEFAULT_LIMITS,
         shared_prefix: bool = True,
         prefix_min_saved_keys: int = MIN_SAVED_KEYS,
+        native_decode: bool = False,
     ) -> None:
         """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
         groups saving at least `prefix_min_saved_keys` key reads); False (and on other
-        devices): every row over all of its blocks."""
+        devices): every row over all of its blocks. `native_decode`: decode rows of CPU
+        batches through the native kernel (the pool must then be float32; see the module
+        docstring)."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -74,14 +87,28 @@ class SdpaAttentionBackend:
         self.shared_prefix = shared_prefix
         self.prefix_min_saved_keys = prefix_min_saved_keys
         self.prefix_groups: list[PrefixGroup] = []
+        self.native_decode = native_decode
+        self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs decode
+        self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # block_start, kv_len
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan the step: build every group's gather indices and mask (used by all layers)."""
         self.batch = batch
         skip = None
         self.prefix_groups = []
-        if self.shared_prefix and batch.kv_indices.device.type == "cpu":
-            plan = plan_shared_prefixes(batch, min_saved_keys=self.prefix_min_saved_keys)
+        on_cpu = batch.kv_indices.device.type == "cpu"
+        nd = batch.num_decode
+        self._native = load_paged_decode() if self.native_decode and on_cpu and nd else None
+        self._native_rows = None
+        if self._native is not None:
+            block_start = batch.kv_indptr_cpu[:nd].to(torch.int64)
+            self._native_rows = (block_start, batch.seq_lens_cpu[:nd].contiguous())
+        if self.shared_prefix and on_cpu:
+            plan = plan_shared_prefixes(
+                batch,
+                min_saved_keys=self.prefix_min_saved_keys,
+                decode_rows=self._native is None,
+            )
             self.prefix_groups, skip = plan.groups, plan.skip_blocks
         self.groups = plan_attention(
             batch,
@@ -89,12 +116,13 @@ class SdpaAttentionBackend:
             self.num_kv_heads * self.head_dim,
             self.limits,
             skip if self.prefix_groups else None,
+            decode_rows=self._native is None,
         )
         self._masks = []
 
     def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA
-        would convert a boolean mask on every call)."""
+        would convert a boolean mask on every call); empty for a causal group."""
         if not self._masks or self._masks[0].dtype != dtype:
             self._masks = [
                 torch.zeros(g.mask.shape, dtype=dtype, device=g.mask.device).masked_fill_(
@@ -146,7 +174,13 @@ class SdpaAttentionBackend:
         num_tokens = q.shape[0]
         if len(groups) == 1 and groups[0].token_range == (0, num_tokens) and not prefixes:
             return self._decode(layer, groups[0], 0, q, k_cache, v_cache, pool, False)[0]
+        if self._native is not None and not groups:  # decode rows only
+            out = q.new_empty((num_tokens, hq, d))
+            self._native_decode(q, k_cache, v_cache, out)
+            return out
         out = q.new_empty((num_tokens + 1, hq, d))  # row T: trash for padded queries
+        if self._native is not None:
+            self._native_decode(q, k_cache, v_cache, out)
         # log-sum-exps of the decode rows' partial results (merged with their prefixes')
         lse = q.new_empty((num_tokens + 1, hq), dtype=torch.float32) if prefixes else None
         for i, grp in enumerate(groups):
@@ -168,13 +202,19 @@ class SdpaAttentionBackend:
             keys, vals = self._gather_kv(grp.blocks, n, grp.kv_len, k_cache, v_cache)
             keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
             qg = q.index_select(0, grp.q_index).view(n, ql, hq, d).transpose(1, 2)
-            bias = self._bias(i, q.dtype)
+            bias = None if grp.causal else self._bias(i, q.dtype)
             if lse is None:
                 res = F.scaled_dot_product_attention(
-                    qg, keys, vals, attn_mask=bias, scale=self.scale, enable_gqa=g > 1
+                    qg,
+                    keys,
+                    vals,
+                    attn_mask=bias,
+                    is_causal=grp.causal,
+                    scale=self.scale,
+                    enable_gqa=g > 1,
                 )  # [n, hq, ql, d]
             else:
-                res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale)
+                res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale, grp.causal)
                 lse.index_copy_(0, grp.out_index, res_lse.transpose(1, 2).reshape(n * ql, hq))
             out.index_copy_(0, grp.out_index, res.transpose(1, 2).reshape(n * ql, hq, d))
         for pg in prefixes:
@@ -183,6 +223,23 @@ class SdpaAttentionBackend:
             merged = merge_partial(out[pg.tokens], lse[pg.tokens], res, res_lse)
             out.index_copy_(0, pg.tokens, merged)
         return out[:-1]
+
+    def _native_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The decode rows (tokens 0..nd-1) through the native kernel, into out[:nd]."""
+        assert self._native is not None and self._native_rows is not None and self.batch
+        if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+            raise ValueError(
+                f"native_decode needs a float32 model and KV pool, got {q.dtype} / "
+                f"{k_cache.dtype}; build the backend with native_decode=False"
+            )
+        block_start, kv_len = self._native_rows
+        nd = block_start.shape[0]
+        self._native(
+            q[:nd], k_cache, v_cache, self.batch.kv_indices, block_start, kv_len, self.scale,
+            out[:nd],
+        )  # fmt: skip
 
     def _decode(
         self,
@@ -241,11 +298,16 @@ class SdpaAttentionBackend:
 
 
 def _sdpa_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA on CPU that also returns the log-sum-exp of the scaled scores: ([B, H, L, d],
     [B, H, L] float32), torch's CPU flash kernel."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
     )
     return out, lse.float()

@@ -54,8 +54,11 @@ class AttentionGroup(NamedTuple):
     out_index: torch.Tensor  # [n * q_len] int64: where each result goes; T (trash) for pads
     blocks: torch.Tensor  # [n * kv_len / block_size] int64: pool block of each key block
     mask: torch.Tensor  # [n, 1, 1 | q_len, kv_len] bool: True where the query sees the key
+    # (empty for a causal group)
     token_range: tuple[int, int] | None  # (first, stop) when the queries are exactly the
     # tokens first..stop-1 in order, unpadded (decode rows in row order): no gather needed
+    causal: bool  # every piece starts at key 0 with its first query (a fresh prompt's whole
+    # row): SDPA's top-left causal mask is exact for its real queries (`mask` unused)
 
 
 class _Pieces(NamedTuple):
@@ -109,13 +112,14 @@ def plan_attention(
     kv_elements_per_token: int,
     limits: PlanLimits,
     skip_blocks: np.ndarray | None = None,
+    decode_rows: bool = True,
 ) -> list[AttentionGroup]:
     """Groups covering every new token of `batch` exactly once (see the module docstring).
     `kv_elements_per_token` is num_kv_heads * head_dim. Index tensors are on batch's device.
     `skip_blocks` [R] int64: leading blocks of each row that the groups leave out (attended
     apart as a shared prefix, `sdpa_prefix`; at most the full blocks before the row's new
     tokens); a row's groups then read its blocks from there on, its mask counts keys from
-    there."""
+    there. `decode_rows=False`: the groups leave the decode rows out (attended elsewhere)."""
     bs, nd = batch.block_size, batch.num_decode
     skip = np.zeros(batch.num_rows, np.int64) if skip_blocks is None else skip_blocks
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
@@ -130,7 +134,7 @@ def plan_attention(
     all_rows = np.arange(batch.num_rows, dtype=np.int64)
     groups: list[AttentionGroup] = []
     for rows, is_decode in ((all_rows[:nd], True), (all_rows[nd:], False)):
-        if rows.shape[0] == 0:
+        if rows.shape[0] == 0 or (is_decode and not decode_rows):
             continue
         pieces = _cut_rows(rows, q_len, prefix, bs, chunk)
         pieces = pieces._replace(kv_blocks=pieces.kv_blocks - skip[pieces.row])
@@ -169,13 +173,18 @@ def _build_group(
     q_index = qo[row][:, None] + q_in_row
     out_index = np.where(j[None, :] < n_q[:, None], q_index, num_tokens)
     blk = kv_start[row][:, None] + np.minimum(np.arange(blk_pad)[None, :], n_blk[:, None] - 1)
-    # query at new-token offset t of a row with prefix p sees keys 0..p + t
-    limit = torch.from_numpy(prefix[row][:, None] + q_in_row + 1).to(dev)  # [n, q_pad]
-    key = torch.arange(blk_pad * bs, device=dev)
-    mask = (key[None, None, :] < limit[:, :, None]).unsqueeze(1)  # [n, 1, q_pad, kv_len]
     to_dev = lambda a: torch.from_numpy(a.reshape(-1)).to(dev)  # noqa: E731
     first, n = int(q_index[0, 0]), len(ids)
     in_order = q_pad == 1 and bool((q_index[:, 0] == np.arange(first, first + n)).all())
+    # A piece's real query t (< its q_len) sees keys 0..t exactly when it starts at key 0;
+    # padded keys (>= its q_len) are then seen only by padded queries.
+    causal = q_pad > 1 and bool((prefix[row] + q0 == 0).all())
+    if causal:
+        mask = torch.empty((0, 1, 1, 0), dtype=torch.bool, device=dev)
+    else:  # query at new-token offset t of a row with prefix p sees keys 0..p + t
+        limit = torch.from_numpy(prefix[row][:, None] + q_in_row + 1).to(dev)  # [n, q_pad]
+        key = torch.arange(blk_pad * bs, device=dev)
+        mask = (key[None, None, :] < limit[:, :, None]).unsqueeze(1)  # [n, 1, q_pad, kv_len]
     return AttentionGroup(
         num_pieces=len(ids),
         q_len=q_pad,
@@ -185,4 +194,5 @@ def _build_group(
         blocks=batch.kv_indices[to_dev(blk)].to(torch.int64),
         mask=mask,
         token_range=(first, first + n) if in_order else None,
+        causal=causal,
     )

@@ -1,0 +1,114 @@
+"""Native CPU kernels: C sources in kernels/csrc, compiled on first use and loaded with ctypes.
+
+`load_library(name)` compiles `csrc/<name>.c` with the system C compiler (`$CC`, else cc, gcc
+or clang on PATH) into `~/.cache/radixrt/native/<name>-<key>.so`, the key a hash of the
+source, the compiler's version, the flags and the CPU (so a cache shared by two kinds of
+machine keeps one library per kind), atomically (a temp file renamed into place: processes
+that build at once each get a whole library). It returns None, after logging why once, when
+no compiler is found, the build fails, or RADIXRT_NATIVE_KERNELS=0; callers then use their
+torch path. Flags: -O3 and the host's vector ISA (-march=native, -mcpu=native on Arm;
+retried without it), -fopenmp-simd (the sources' `omp simd` loops; no OpenMP runtime),
+-pthread. No Python headers and no torch headers: a build takes well under a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=c11")
+DISABLE_ENV = "RADIXRT_NATIVE_KERNELS"  # "0": never build or load (the torch paths run)
+
+
+def cache_dir() -> Path:
+    return Path(os.path.expanduser("~/.cache/radixrt/native"))
+
+
+def find_compiler() -> str | None:
+    """The C compiler to use: $CC if set, else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    for cc in ("cc", "gcc", "clang"):
+        path = shutil.which(cc)
+        if path:
+            return path
+    return None
+
+
+def _arch_flags() -> tuple[str, ...]:
+    return ("-mcpu=native",) if platform.machine() in ("arm64", "aarch64") else ("-march=native",)
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on beyond the source: the CPU's model and features."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler_version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def _build(cc: str, source: Path, target: Path, defines: tuple[str, ...]) -> str | None:
+    """Compile `source` into `target` (atomically); returns None, or the compiler's error."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    error = ""
+    for arch in (_arch_flags(), ()):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *BASE_FLAGS, *arch, *(f"-D{d}" for d in defines), str(source), "-o", tmp]
+        cmd.append("-lm")
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if res.returncode == 0:
+                os.replace(tmp, target)
+                return None
+            error = res.stderr.strip()[-2000:]
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return error
+
+
+@functools.cache
+def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.c`, built if needed; None (logged once) if it cannot be.
+    `defines`: preprocessor macros (-D) the source reads (tests: RADIXRT_PORTABLE)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("native kernels off (%s=0): %s uses the torch path", DISABLE_ENV, name)
+        return None
+    source = SOURCES / f"{name}.c"
+    cc = find_compiler()
+    if cc is None:
+        logger.warning("no C compiler found (set CC): %s uses the slower torch path", name)
+        return None
+    key = hashlib.sha256(
+        "\0".join(
+            [source.read_text(), _compiler_version(cc), " ".join(BASE_FLAGS + defines)]
+            + [_cpu_signature()]
+        ).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        error = _build(cc, source, target, defines)
+        if error is not None:
+            logger.warning("building %s failed, using the torch path:\n%s", source, error)
+            return None
+        logger.info("built %s", target)
+    return ctypes.CDLL(str(target))
