@@ -64,15 +64,23 @@ def run_both(
     dtype: torch.dtype,
     gen: torch.Generator,
     limits: PlanLimits = DEFAULT_LIMITS,
-    native: bool = False,
+    native: int | None = None,
 ) -> None:
     """Every layer: the SDPA backend's output equals the reference's on the same pool
-    (`native`: decode rows through the native kernel)."""
+    (`native`: decode rows and extend rows of at most that many new tokens through the
+    native kernel)."""
     batch, num_blocks = make_batch(rows, num_decode, block_size, gen)
     pool = KVPool(NUM_LAYERS, num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))  # stale cached context
     ref = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
-    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, limits, native_decode=native)
+    fast = SdpaAttentionBackend(
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM,
+        limits,
+        native_decode=native is not None,
+        native_max_extend_pairs=native or 0,
+    )
     ref.prepare(batch)
     fast.prepare(batch)
     t = batch.num_tokens
@@ -101,23 +109,33 @@ def test_sdpa_matches_reference(kind, block_size, heads, dtype):
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2), (14, 2)])
-def test_native_decode_matches_reference(kind, block_size, heads, native_kernel):
-    """Decode rows through the native kernel, extend rows through the groups."""
-    seed = 7 + ["decode", "mixed"].index(kind) * 100 + block_size * 10 + heads[0]
+@pytest.mark.parametrize("max_extend", [0, 2000, 10**6])
+def test_native_rows_match_reference(kind, block_size, heads, max_extend, native_kernel):
+    """Decode rows (and extend rows of <= max_extend (query, key) pairs: none, some, all)
+    through the native kernel, the other rows through the groups."""
+    seed = 7 + ["decode", "mixed"].index(kind) * 100 + block_size * 10 + heads[0] + max_extend
     gen = torch.Generator().manual_seed(seed)
     rows, num_decode = random_rows(kind, gen)
-    run_both(rows, num_decode, block_size, *heads, torch.float32, gen, native=True)
+    run_both(rows, num_decode, block_size, *heads, torch.float32, gen, native=max_extend)
 
 
-def test_native_decode_plans_only_extend_rows(native_kernel):
+def test_native_plan_splits_rows(native_kernel):
     gen = torch.Generator().manual_seed(3)
-    rows = [(100, 1), (5, 1), (0, 40), (64, 9)]
+    rows = [(100, 1), (5, 1), (0, 40), (64, 9)]  # tokens 0, 1 | 2..41 | 42..50
+    # pairs of the extend rows: 40 * 41 / 2 = 820 (> 700), 9 * 64 + 9 * 10 / 2 = 621
     batch, _ = make_batch(rows, 2, 4, gen)
-    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True)
+    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=700)
     fast.prepare(batch)
+    plan = fast.native_plan
+    assert plan.rows.tolist() == [True, True, False, True]
+    assert plan.token_index.tolist() == [0, 1, *range(42, 51)]
+    assert plan.kv_len.tolist() == [101, 6, *range(65, 74)]  # causal within the extend row
     covered = torch.cat([g.out_index for g in fast.groups])
-    assert sorted(covered[covered < batch.num_tokens].tolist()) == list(range(2, 51))
-    assert [g.causal for g in fast.groups] == [True, False]  # (0, 40), then (64 cached, 9 new)
+    assert sorted(covered[covered < batch.num_tokens].tolist()) == list(range(2, 42))
+    assert [g.causal for g in fast.groups] == [True]  # the fresh row (0 cached, 40 new)
+    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=0)
+    fast.prepare(batch)
+    assert fast.native_plan.token_index is None and fast.native_plan.num_queries == 2
 
 
 @pytest.mark.parametrize("seed", range(4))

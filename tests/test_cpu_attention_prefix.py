@@ -76,12 +76,21 @@ def tree_rows(bs: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_both(batch, num_blocks, num_heads, num_kv_heads, dtype, seed, expect_groups=True):
+def run_both(
+    batch, num_blocks, num_heads, num_kv_heads, dtype, seed, expect_groups=True, native=None
+):
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(2, num_blocks, batch.block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     ref = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
-    fast = SdpaAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, prefix_min_saved_keys=0)
+    fast = SdpaAttentionBackend(
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM,
+        prefix_min_saved_keys=0,
+        native_decode=native is not None,
+        native_max_extend_pairs=native or 0,
+    )
     ref.prepare(batch)
     fast.prepare(batch)
     assert bool(fast.prefix_groups) == expect_groups
@@ -108,6 +117,16 @@ def test_shared_prefix_matches_reference(block_size, heads, dtype, with_extend):
     extend = extend if with_extend else []
     batch, num_blocks = make_batch(tree_rows(block_size), extend, block_size, seed=block_size)
     run_both(batch, num_blocks, *heads, dtype, seed=heads[0])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_shared_prefix_with_native_rows(block_size, native_kernel):
+    """Decode rows and the smallest extends through the native kernel; the larger extend rows
+    on A's prefix still form a prefix group."""
+    a, b = [0] + list(range(1, 13)), [0] + list(range(20, 30))
+    extend = [([], 0, 9), (a, 2, 7), (b, 0, 1), (a[:10], block_size, 3), (a, 0, 2)]
+    batch, num_blocks = make_batch(tree_rows(block_size), extend, block_size, seed=block_size)
+    run_both(batch, num_blocks, 8, 2, torch.float32, seed=5, native=12)
 
 
 def test_fp8_pool_with_shared_prefix():

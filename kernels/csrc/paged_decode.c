@@ -139,6 +139,7 @@ static void attend_row_avx2(const DecodeArgs *a, int64_t qi, float *s) {
     const int32_t *blocks = a->kv_indices + a->block_start[qi];
     float *out = a->out + qi * a->out_stride;
     const int nqh = hkv * g; /* query heads; head i = h * g + j reads kv head h */
+    float *inv_sum = s + (int64_t)nqh * a->max_kv_len; /* scratch: scores, then 1 / sums */
     for (int b = 0, t0 = 0; b < nblk; b++, t0 += bs) {
         const float *kb = a->k_cache + blocks[b] * blk_stride;
         /* the next block's keys and this block's values: without, 1.4x slower on cold KV */
@@ -171,25 +172,40 @@ static void attend_row_avx2(const DecodeArgs *a, int64_t qi, float *s) {
             total += sj[t];
         }
         if (a->lse) a->lse[qi * nqh + i] = m + logf(total);
-        const float inv = 1.0f / total;
+        inv_sum[i] = 1.0f / total;
+    }
+    /* out_i = sum_t p_i[t] v_t * inv_sum_i: two query heads of a kv head at a time, 32 output
+     * dims (4 registers) at a time, so 8 independent accumulators hide the FMA latency and
+     * each value vector loaded serves both heads. */
+    for (int i = 0, two; i < nqh; i += 1 + two) {
+        two = i + 1 < nqh && (i + 1) / g == i / g;
+        const float *p0 = s + (int64_t)i * len, *p1 = two ? p0 + len : p0;
         const int64_t h_off = (int64_t)(i / g) * d;
-        for (int c = 0; c < d; c += 32) { /* 32 output dims (4 registers) at a time */
+        for (int c = 0; c < d; c += 32) {
             const int w = d - c < 32 ? (d - c) / 8 : 4;
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                             _mm256_setzero_ps()};
+            __m256 acc0[4], acc1[4];
+            for (int u = 0; u < 4; u++) acc0[u] = acc1[u] = _mm256_setzero_ps();
             for (int b = 0, t0 = 0; b < nblk; b++, t0 += bs) {
                 const float *vb = a->v_cache + blocks[b] * blk_stride + h_off + c;
                 const int nt = len - t0 < bs ? len - t0 : bs;
                 for (int o = 0; o < nt; o++) {
-                    const __m256 p = _mm256_set1_ps(sj[t0 + o]);
+                    const __m256 w0 = _mm256_set1_ps(p0[t0 + o]), w1 = _mm256_set1_ps(p1[t0 + o]);
                     const float *v = vb + o * ts;
-                    for (int u = 0; u < w; u++)
-                        acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), acc[u]);
+                    for (int u = 0; u < w; u++) {
+                        const __m256 vv = _mm256_loadu_ps(v + 8 * u);
+                        acc0[u] = _mm256_fmadd_ps(w0, vv, acc0[u]);
+                        acc1[u] = _mm256_fmadd_ps(w1, vv, acc1[u]);
+                    }
                 }
             }
-            const __m256 iv = _mm256_set1_ps(inv);
+            const __m256 iv0 = _mm256_set1_ps(inv_sum[i]);
             for (int u = 0; u < w; u++)
-                _mm256_storeu_ps(out + i * d + c + 8 * u, _mm256_mul_ps(acc[u], iv));
+                _mm256_storeu_ps(out + i * d + c + 8 * u, _mm256_mul_ps(acc0[u], iv0));
+            if (two) {
+                const __m256 iv1 = _mm256_set1_ps(inv_sum[i + 1]);
+                for (int u = 0; u < w; u++)
+                    _mm256_storeu_ps(out + (i + 1) * d + c + 8 * u, _mm256_mul_ps(acc1[u], iv1));
+            }
         }
     }
 }
@@ -262,7 +278,7 @@ static void attend(const DecodeArgs *a, int64_t item, float *s) {
 static void *run_items(void *arg) {
     DecodeArgs *a = (DecodeArgs *)arg;
     const size_t heads = (size_t)a->group * (size_t)a->kv_heads;
-    float *s = (float *)malloc(sizeof(float) * heads * (size_t)a->max_kv_len);
+    float *s = (float *)malloc(sizeof(float) * heads * ((size_t)a->max_kv_len + 1));
     if (s == NULL) {
         a->status = 1;
         return NULL;

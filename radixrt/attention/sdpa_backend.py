@@ -15,10 +15,11 @@ partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go
 torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
 Decode rows on a CPU with a float32 pool (`native_decode`): the native kernel
-(`radixrt.kernels.paged_decode_cpu`) attends every decode row over its blocks in place, one
-call per layer, with no gathered copy; only extend rows are then planned into groups (and
-into prefix groups). Where the kernel cannot be built (no C compiler) decode rows take the
-SDPA groups as before.
+(`radixrt.kernels.paged_decode_cpu`) attends every decode row, and every small extend row
+(`native_max_extend_pairs`; one query per token, causal), over its blocks in place, one
+call per layer, with no gathered copy (`native_rows`); only the other rows are then planned into
+groups (and prefix groups). Where the kernel cannot be built (no C compiler) every row takes the
+SDPA groups.
 
 Extend groups whose pieces all start at key 0 (a fresh prompt's whole rows) run SDPA's own
 causal mask (`is_causal`, which skips the masked half) instead of an additive mask.
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.attention.native_rows import NativePlan, plan_native
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, AttentionGroup, PlanLimits, plan_attention
 from radixrt.attention.sdpa_prefix import (
     MIN_SAVED_KEYS,
@@ -47,6 +49,13 @@ from radixrt.attention.sdpa_prefix import (
 )
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel, load_paged_decode
 from radixrt.kv.pool import KVPool
+
+# Extend rows of at most this many (query, key) pairs go through the native kernel (see
+# native_rows). 8 such rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA
+# groups: on a 400-key prefix 4 new tokens (1.6k pairs) 0.54 vs 0.95 ms, 16 (6.5k) 2.04 vs
+# 2.27, 32 (13k) 3.70 vs 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23,
+# 128 (8.3k) 2.21 vs 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
+NATIVE_MAX_EXTEND_PAIRS = 8192
 
 
 class SdpaAttentionBackend:
@@ -63,12 +72,13 @@ class SdpaAttentionBackend:
         shared_prefix: bool = True,
         prefix_min_saved_keys: int = MIN_SAVED_KEYS,
         native_decode: bool = False,
+        native_max_extend_pairs: int = NATIVE_MAX_EXTEND_PAIRS,
     ) -> None:
         """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
         groups saving at least `prefix_min_saved_keys` key reads); False (and on other
-        devices): every row over all of its blocks. `native_decode`: decode rows of CPU
-        batches through the native kernel (the pool must then be float32; see the module
-        docstring)."""
+        devices): every row over all of its blocks. `native_decode`: decode rows (and extend
+        rows of at most `native_max_extend_pairs` (query, key) pairs) of CPU batches through
+        the native kernel (the pool must then be float32; see the module docstring)."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -88,8 +98,9 @@ class SdpaAttentionBackend:
         self.prefix_min_saved_keys = prefix_min_saved_keys
         self.prefix_groups: list[PrefixGroup] = []
         self.native_decode = native_decode
-        self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs decode
-        self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # block_start, kv_len
+        self.native_max_extend_pairs = native_max_extend_pairs
+        self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs rows
+        self.native_plan: NativePlan | None = None  # the rows it runs
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan the step: build every group's gather indices and mask (used by all layers)."""
@@ -97,17 +108,15 @@ class SdpaAttentionBackend:
         skip = None
         self.prefix_groups = []
         on_cpu = batch.kv_indices.device.type == "cpu"
-        nd = batch.num_decode
-        self._native = load_paged_decode() if self.native_decode and on_cpu and nd else None
-        self._native_rows = None
-        if self._native is not None:
-            block_start = batch.kv_indptr_cpu[:nd].to(torch.int64)
-            self._native_rows = (block_start, batch.seq_lens_cpu[:nd].contiguous())
+        kernel = load_paged_decode() if self.native_decode and on_cpu else None
+        self.native_plan = None
+        if kernel is not None:
+            self.native_plan = plan_native(batch, self.native_max_extend_pairs)
+        self._native = kernel if self.native_plan is not None else None
+        leave_out = None if self.native_plan is None else self.native_plan.rows
         if self.shared_prefix and on_cpu:
             plan = plan_shared_prefixes(
-                batch,
-                min_saved_keys=self.prefix_min_saved_keys,
-                decode_rows=self._native is None,
+                batch, min_saved_keys=self.prefix_min_saved_keys, leave_out=leave_out
             )
             self.prefix_groups, skip = plan.groups, plan.skip_blocks
         self.groups = plan_attention(
@@ -116,7 +125,7 @@ class SdpaAttentionBackend:
             self.num_kv_heads * self.head_dim,
             self.limits,
             skip if self.prefix_groups else None,
-            decode_rows=self._native is None,
+            leave_out=leave_out,
         )
         self._masks = []
 
@@ -174,13 +183,13 @@ class SdpaAttentionBackend:
         num_tokens = q.shape[0]
         if len(groups) == 1 and groups[0].token_range == (0, num_tokens) and not prefixes:
             return self._decode(layer, groups[0], 0, q, k_cache, v_cache, pool, False)[0]
-        if self._native is not None and not groups:  # decode rows only
+        if self._native is not None and not groups:  # every row through the kernel
             out = q.new_empty((num_tokens, hq, d))
-            self._native_decode(q, k_cache, v_cache, out)
+            self._native_rows(q, k_cache, v_cache, out)
             return out
         out = q.new_empty((num_tokens + 1, hq, d))  # row T: trash for padded queries
         if self._native is not None:
-            self._native_decode(q, k_cache, v_cache, out)
+            self._native_rows(q, k_cache, v_cache, out)
         # log-sum-exps of the decode rows' partial results (merged with their prefixes')
         lse = q.new_empty((num_tokens + 1, hq), dtype=torch.float32) if prefixes else None
         for i, grp in enumerate(groups):
@@ -224,22 +233,25 @@ class SdpaAttentionBackend:
             out.index_copy_(0, pg.tokens, merged)
         return out[:-1]
 
-    def _native_decode(
+    def _native_rows(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """The decode rows (tokens 0..nd-1) through the native kernel, into out[:nd]."""
-        assert self._native is not None and self._native_rows is not None and self.batch
+        """The native plan's queries through the kernel, into their rows of `out`."""
+        plan, kernel, batch = self.native_plan, self._native, self.batch
+        assert plan is not None and kernel is not None and batch is not None
         if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
             raise ValueError(
                 f"native_decode needs a float32 model and KV pool, got {q.dtype} / "
                 f"{k_cache.dtype}; build the backend with native_decode=False"
             )
-        block_start, kv_len = self._native_rows
-        nd = block_start.shape[0]
-        self._native(
-            q[:nd], k_cache, v_cache, self.batch.kv_indices, block_start, kv_len, self.scale,
-            out[:nd],
-        )  # fmt: skip
+        m, index = plan.num_queries, plan.token_index
+        args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, self.scale)
+        if index is None:
+            kernel(q[:m], *args, out[:m])
+            return
+        res = q.new_empty((m, *q.shape[1:]))
+        kernel(q.index_select(0, index), *args, res)
+        out.index_copy_(0, index, res)
 
     def _decode(
         self,

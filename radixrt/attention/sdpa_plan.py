@@ -112,14 +112,14 @@ def plan_attention(
     kv_elements_per_token: int,
     limits: PlanLimits,
     skip_blocks: np.ndarray | None = None,
-    decode_rows: bool = True,
+    leave_out: np.ndarray | None = None,
 ) -> list[AttentionGroup]:
     """Groups covering every new token of `batch` exactly once (see the module docstring).
     `kv_elements_per_token` is num_kv_heads * head_dim. Index tensors are on batch's device.
     `skip_blocks` [R] int64: leading blocks of each row that the groups leave out (attended
     apart as a shared prefix, `sdpa_prefix`; at most the full blocks before the row's new
     tokens); a row's groups then read its blocks from there on, its mask counts keys from
-    there. `decode_rows=False`: the groups leave the decode rows out (attended elsewhere)."""
+    there. `leave_out` [R] bool: rows the groups leave out (attended elsewhere)."""
     bs, nd = batch.block_size, batch.num_decode
     skip = np.zeros(batch.num_rows, np.int64) if skip_blocks is None else skip_blocks
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
@@ -134,7 +134,9 @@ def plan_attention(
     all_rows = np.arange(batch.num_rows, dtype=np.int64)
     groups: list[AttentionGroup] = []
     for rows, is_decode in ((all_rows[:nd], True), (all_rows[nd:], False)):
-        if rows.shape[0] == 0 or (is_decode and not decode_rows):
+        if leave_out is not None:
+            rows = rows[~leave_out[rows]]
+        if rows.shape[0] == 0:
             continue
         pieces = _cut_rows(rows, q_len, prefix, bs, chunk)
         pieces = pieces._replace(kv_blocks=pieces.kv_blocks - skip[pieces.row])

@@ -50,7 +50,7 @@ def plan_shared_prefixes(
     min_blocks: int = MIN_BLOCKS,
     extend_rows: bool = True,
     min_saved_keys: int | None = None,
-    decode_rows: bool = True,
+    leave_out: np.ndarray | None = None,
 ) -> PrefixPlan:
     """Prefix groups of the step's rows. Rows (their full blocks before their new tokens) are
         sorted as
@@ -59,8 +59,8 @@ def plan_shared_prefixes(
         parts save more block reads ((rows - 1) x shared blocks) than the whole (e.g. two
         families of rows on different long prompts that share only a chat template's first
         block). Runs with fewer than `min_rows` rows or `min_blocks` blocks, or saving fewer than
-    `min_saved_keys` (default MIN_SAVED_KEYS) key reads, are dropped. `extend_rows=False` /
-    `decode_rows=False` leave those rows out of every group."""
+    `min_saved_keys` (default MIN_SAVED_KEYS) key reads, are dropped. `extend_rows=False` leaves
+    the extend rows out of every group, `leave_out` [R] bool the rows it marks."""
     dev, bs = batch.kv_indices.device, batch.block_size
     min_saved = MIN_SAVED_KEYS if min_saved_keys is None else min_saved_keys
     skip = np.zeros(batch.num_rows, dtype=np.int64)
@@ -70,8 +70,8 @@ def plan_shared_prefixes(
     full = cached // bs  # [R] full blocks before each row's new tokens
     if not extend_rows:
         full[batch.num_decode :] = 0
-    if not decode_rows:
-        full[: batch.num_decode] = 0
+    if leave_out is not None:
+        full[leave_out] = 0
     rows = np.flatnonzero(full >= min_blocks)
     if rows.shape[0] < min_rows or (rows.shape[0] - 1) * int(full.max()) * bs < min_saved:
         return PrefixPlan([], skip)

@@ -1,0 +1,57 @@
+"""Which rows of a CPU step the native kernel attends, and its per-query inputs.
+
+The kernel (`radixrt.kernels.paged_decode_cpu`) attends single queries over the paged KV in
+place. A decode row is one query over its whole row; an extend row of t new tokens is t queries,
+query i over the row's first prefix + i + 1 keys (causal), each reading its row's keys again.
+That beats gathering K/V and a padded SDPA call while a row's (query, key) pairs are few: a
+short prompt, a few new tokens over a cached prefix (a chat turn, a question after a shared
+system prompt); larger extends go to SDPA, whose blocked kernel does them faster
+(`max_extend_pairs`; sdpa_backend.NATIVE_MAX_EXTEND_PAIRS gives the measurement).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from radixrt.attention.forward_batch import ForwardBatch
+
+
+class NativePlan(NamedTuple):
+    rows: np.ndarray  # [R] bool: rows the kernel attends (the others go to the SDPA groups)
+    num_queries: int  # m: their new tokens
+    token_index: torch.Tensor | None  # [m] int64: those tokens in the step's T, in order;
+    # None when they are exactly tokens 0..m-1 (read and written in place)
+    block_start: torch.Tensor  # [m] int64: index into kv_indices of each query's row's blocks
+    kv_len: torch.Tensor  # [m] int32: keys each query attends
+
+
+def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None:
+    """The kernel's share of `batch`: every decode row and every extend row whose queries
+    attend at most `max_extend_pairs` (query, key) pairs in all; None if that is no row."""
+    qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
+    seq = batch.seq_lens_cpu.numpy().astype(np.int64)
+    kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
+    q_len = qo[1:] - qo[:-1]
+    pairs = q_len * (seq - q_len) + q_len * (q_len + 1) // 2  # sum over t of prefix + t + 1
+    rows = pairs <= max_extend_pairs
+    rows[: batch.num_decode] = True
+    sel = np.flatnonzero(rows)
+    if sel.shape[0] == 0:
+        return None
+    lens = q_len[sel]
+    m = int(lens.sum())
+    tok_row = np.repeat(sel, lens)
+    offset = np.arange(m) - np.repeat(np.cumsum(lens) - lens, lens)  # within the row's new
+    token = qo[tok_row] + offset
+    kv_len = (seq - q_len)[tok_row] + offset + 1
+    in_place = bool(token[-1] == m - 1)  # tokens are increasing: 0..m-1 iff the last is m-1
+    return NativePlan(
+        rows=rows,
+        num_queries=m,
+        token_index=None if in_place else torch.from_numpy(token),
+        block_start=torch.from_numpy(kvp[tok_row]),
+        kv_len=torch.from_numpy(kv_len.astype(np.int32)),
+    )
