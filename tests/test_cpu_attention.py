@@ -166,8 +166,20 @@ def test_plan_covers_every_token_once():
     for g in groups:  # token_range: the queries are those tokens, in order, unpadded
         if g.token_range is not None:
             first, stop = g.token_range
-            assert g.q_len == 1 and g.q_index.tolist() == list(range(first, stop))
+            assert g.q_index.tolist() == list(range(first, stop))
             assert g.out_index.tolist() == list(range(first, stop))
+
+
+def test_equal_fresh_rows_are_one_in_place_causal_group():
+    """A batch of fresh prompts of one length (a benchmark's prefill): one causal group whose
+    queries are the step's tokens in order (no gather of q, no scatter of results)."""
+    gen = torch.Generator().manual_seed(2)
+    rows = [(0, 24)] * 5
+    batch, _ = make_batch(rows, 0, 4, gen)
+    groups = plan_attention(batch, 8, 2 * HEAD_DIM, DEFAULT_LIMITS)
+    assert len(groups) == 1 and groups[0].token_range == (0, 120) and groups[0].causal
+    run_both(rows, 0, 4, 8, 2, torch.float32, gen)
+    run_both(rows + [(30, 1)], 0, 4, 8, 2, torch.float32, gen)  # + a row that is not in it
 
 
 def test_decode_only_step_is_one_in_order_group():

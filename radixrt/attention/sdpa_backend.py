@@ -181,8 +181,9 @@ class SdpaAttentionBackend:
         hq, d, g = self.num_heads, self.head_dim, self.group_size
         groups, prefixes = self.groups, self.prefix_groups
         num_tokens = q.shape[0]
-        if len(groups) == 1 and groups[0].token_range == (0, num_tokens) and not prefixes:
-            return self._decode(layer, groups[0], 0, q, k_cache, v_cache, pool, False)[0]
+        only = groups[0] if len(groups) == 1 and not prefixes and self._native is None else None
+        if only is not None and only.q_len == 1 and only.token_range == (0, num_tokens):
+            return self._decode(layer, only, 0, q, k_cache, v_cache, pool, False)[0]
         if self._native is not None and not groups:  # every row through the kernel
             out = q.new_empty((num_tokens, hq, d))
             self._native_rows(q, k_cache, v_cache, out)
@@ -207,10 +208,11 @@ class SdpaAttentionBackend:
                     if lse is not None:
                         lse.index_copy_(0, grp.out_index, res_lse)
                 continue
-            n, ql = grp.num_pieces, grp.q_len
+            n, ql, span = grp.num_pieces, grp.q_len, grp.token_range
             keys, vals = self._gather_kv(grp.blocks, n, grp.kv_len, k_cache, v_cache)
             keys, vals = pool.dequantize(layer, keys, vals, q.dtype)  # fp8: x the scales
-            qg = q.index_select(0, grp.q_index).view(n, ql, hq, d).transpose(1, 2)
+            qg = q[span[0] : span[1]] if span is not None else q.index_select(0, grp.q_index)
+            qg = qg.view(n, ql, hq, d).transpose(1, 2)
             bias = None if grp.causal else self._bias(i, q.dtype)
             if lse is None:
                 res = F.scaled_dot_product_attention(
@@ -224,8 +226,18 @@ class SdpaAttentionBackend:
                 )  # [n, hq, ql, d]
             else:
                 res, res_lse = _sdpa_with_lse(qg, keys, vals, bias, self.scale, grp.causal)
-                lse.index_copy_(0, grp.out_index, res_lse.transpose(1, 2).reshape(n * ql, hq))
-            out.index_copy_(0, grp.out_index, res.transpose(1, 2).reshape(n * ql, hq, d))
+                res_lse = res_lse.transpose(1, 2)  # [n, ql, hq]
+                if span is not None:
+                    lse[span[0] : span[1]].view(n, ql, hq).copy_(res_lse)
+                else:
+                    lse.index_copy_(0, grp.out_index, res_lse.reshape(n * ql, hq))
+            res = res.transpose(1, 2)  # [n, ql, hq, d]
+            if span is not None:  # the group's queries are these tokens, in order
+                if span == (0, num_tokens) and only is not None:
+                    return res.reshape(num_tokens, hq, d)
+                out[span[0] : span[1]].view(n, ql, hq, d).copy_(res)
+            else:
+                out.index_copy_(0, grp.out_index, res.reshape(n * ql, hq, d))
         for pg in prefixes:
             assert lse is not None
             res, res_lse = self._prefix(layer, pg, q, k_cache, v_cache, pool)

@@ -55,8 +55,9 @@ class AttentionGroup(NamedTuple):
     blocks: torch.Tensor  # [n * kv_len / block_size] int64: pool block of each key block
     mask: torch.Tensor  # [n, 1, 1 | q_len, kv_len] bool: True where the query sees the key
     # (empty for a causal group)
-    token_range: tuple[int, int] | None  # (first, stop) when the queries are exactly the
-    # tokens first..stop-1 in order, unpadded (decode rows in row order): no gather needed
+    token_range: tuple[int, int] | None  # (first, stop) when the padded queries are exactly
+    # the tokens first..stop-1 in order, none padded (decode rows in row order; whole extend
+    # rows of one length, in order): q read and results written in place, no index ops
     causal: bool  # every piece starts at key 0 with its first query (a fresh prompt's whole
     # row): SDPA's top-left causal mask is exact for its real queries (`mask` unused)
 
@@ -151,8 +152,8 @@ def plan_attention(
             )
 
         for ids in _pack(order, pieces.q_len, kv_len, limits.max_waste, fits):
-            if is_decode:  # order within a group does not matter: rows in order, so that
-                ids = np.sort(ids)  # consecutive rows read q in place (token_range)
+            # order within a group does not matter: rows in order, so that consecutive
+            ids = np.sort(ids)  # rows read q and write results in place (token_range)
             groups.append(_build_group(batch, pieces, ids, qo, prefix - skip * bs, kvp[:-1] + skip))
     return groups
 
@@ -177,7 +178,8 @@ def _build_group(
     blk = kv_start[row][:, None] + np.minimum(np.arange(blk_pad)[None, :], n_blk[:, None] - 1)
     to_dev = lambda a: torch.from_numpy(a.reshape(-1)).to(dev)  # noqa: E731
     first, n = int(q_index[0, 0]), len(ids)
-    in_order = q_pad == 1 and bool((q_index[:, 0] == np.arange(first, first + n)).all())
+    flat = q_index.reshape(-1)
+    in_order = bool((n_q == q_pad).all() and (flat == np.arange(first, first + n * q_pad)).all())
     # A piece's real query t (< its q_len) sees keys 0..t exactly when it starts at key 0;
     # padded keys (>= its q_len) are then seen only by padded queries.
     causal = q_pad > 1 and bool((prefix[row] + q0 == 0).all())
@@ -195,6 +197,6 @@ def _build_group(
         out_index=to_dev(out_index),
         blocks=batch.kv_indices[to_dev(blk)].to(torch.int64),
         mask=mask,
-        token_range=(first, first + n) if in_order else None,
+        token_range=(first, first + n * q_pad) if in_order else None,
         causal=causal,
     )
