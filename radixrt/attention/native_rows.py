@@ -31,6 +31,14 @@ class NativePlan(NamedTuple):
 def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None:
     """The kernel's share of `batch`: every decode row and every extend row whose queries
     attend at most `max_extend_pairs` (query, key) pairs in all; None if that is no row."""
+    if batch.num_decode == batch.num_rows:  # decode rows only: one query per row, in order
+        return NativePlan(
+            rows=np.ones(batch.num_rows, dtype=bool),
+            num_queries=batch.num_rows,
+            token_index=None,
+            block_start=batch.kv_indptr_cpu[:-1].to(torch.int64),
+            kv_len=batch.seq_lens_cpu.contiguous(),
+        )
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     seq = batch.seq_lens_cpu.numpy().astype(np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)

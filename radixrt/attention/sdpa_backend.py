@@ -107,6 +107,7 @@ class SdpaAttentionBackend:
         self.batch = batch
         skip = None
         self.prefix_groups = []
+        self._masks = []
         on_cpu = batch.kv_indices.device.type == "cpu"
         kernel = load_paged_decode() if self.native_decode and on_cpu else None
         self.native_plan = None
@@ -114,6 +115,9 @@ class SdpaAttentionBackend:
             self.native_plan = plan_native(batch, self.native_max_extend_pairs)
         self._native = kernel if self.native_plan is not None else None
         leave_out = None if self.native_plan is None else self.native_plan.rows
+        if leave_out is not None and leave_out.all():  # every row through the kernel
+            self.groups = []
+            return
         if self.shared_prefix and on_cpu:
             plan = plan_shared_prefixes(
                 batch, min_saved_keys=self.prefix_min_saved_keys, leave_out=leave_out
@@ -127,7 +131,6 @@ class SdpaAttentionBackend:
             skip if self.prefix_groups else None,
             leave_out=leave_out,
         )
-        self._masks = []
 
     def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA
