@@ -6,9 +6,10 @@ source, the compiler's version, the flags and the CPU (so a cache shared by two 
 machine keeps one library per kind), atomically (a temp file renamed into place: processes
 that build at once each get a whole library). It returns None, after logging why once, when
 no compiler is found, the build fails, or RADIXRT_NATIVE_KERNELS=0; callers then use their
-torch path. Flags: -O3 and the host's vector ISA (-march=native, -mcpu=native on Arm;
-retried without it), -fopenmp-simd (the sources' `omp simd` loops; no OpenMP runtime),
--pthread. No Python headers and no torch headers: a build takes well under a second.
+torch path. Flags: -O3, the host's vector ISA (-march=native, -mcpu=native on Arm) and -fopenmp
+(parallel regions on the OpenMP runtime torch has loaded), retried without -fopenmp and then
+without the ISA flag; -fopenmp-simd (the sources' `omp simd` loops), -pthread. No Python
+headers and no torch headers: a build takes well under a second.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _build(cc: str, source: Path, target: Path, defines: tuple[str, ...]) -> str
     """Compile `source` into `target` (atomically); returns None, or the compiler's error."""
     target.parent.mkdir(parents=True, exist_ok=True)
     error = ""
-    for arch in (_arch_flags(), ()):
+    for arch in ((*_arch_flags(), "-fopenmp"), _arch_flags(), ()):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         cmd = [cc, *BASE_FLAGS, *arch, *(f"-D{d}" for d in defines), str(source), "-o", tmp]

@@ -62,16 +62,24 @@ def test_portable_path_matches_reference(native_kernel, head_dim):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-6)
 
 
-def test_strided_output_and_threads(native_kernel):
-    """Results written through a strided view (rows of a larger buffer) and with 2 and 5
-    threads (more threads than work items too) equal the one-thread results."""
+@pytest.mark.parametrize("threading", ["openmp", "pthreads"])
+def test_strided_output_and_threads(native_kernel, threading):
+    """Results written through a strided view (rows of a larger buffer) and with 2, 5 and 64
+    threads (more threads than work items too) equal the one-thread results, on OpenMP and
+    on per-call threads (a build without OpenMP)."""
+    from radixrt.kernels.native import load_library
+    from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
+
+    kernel = native_kernel
+    if threading == "pthreads":
+        kernel = PagedDecodeKernel(load_library("paged_decode", ("RADIXRT_NO_OPENMP",)))
     gen = torch.Generator().manual_seed(5)
     q, kc, vc, idx, start, lens = _case(gen, 3, 16, 2, 3, 32)
     one = torch.empty(3, 6, 32)
-    native_kernel(q, kc, vc, idx, start, lens, 0.2, one)
+    kernel(q, kc, vc, idx, start, lens, 0.2, one)
     for threads in (2, 5, 64):
         big = torch.zeros(3, 2, 6, 32)
-        native_kernel(q, kc, vc, idx, start, lens, 0.2, big[:, 1], num_threads=threads)
+        kernel(q, kc, vc, idx, start, lens, 0.2, big[:, 1], num_threads=threads)
         assert torch.equal(big[:, 1], one) and not big[:, 0].any()
 
 

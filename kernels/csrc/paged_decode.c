@@ -15,11 +15,16 @@
  * block's keys and the current block's values while a block is scored: decode reads KV that
  * the step's weights have pushed out of the caches (tiny Llama, 32 rows x 150 keys, a layer:
  * 290 us with it, 380-445 us without; 120-140 us when the KV is in cache).
- * Threads (num_threads > 1) split the queries; each call starts and joins its own, which
- * costs more than it saves below a few hundred microseconds of work.
+ * Threads (num_threads > 1) split the queries: on the OpenMP runtime when built with -fopenmp
+ * (torch's pool; see the parallel region), else threads started and joined per call (which
+ * costs more than it saves below a few hundred microseconds of work).
  */
 #include <math.h>
 #include <pthread.h>
+#if defined(_OPENMP) && !defined(RADIXRT_NO_OPENMP)
+#define USE_OPENMP 1
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -330,12 +335,28 @@ int radixrt_paged_decode_f32(const float *q, const float *k_cache, const float *
         a->item_end = items * (t + 1) / nt;
         a->status = 0;
     }
+#ifdef USE_OPENMP
+    /* OpenMP: torch's own runtime where torch is loaded (it ships libgomp.so.1, the soname a
+     * gcc -fopenmp build asks for), so these are torch's pooled, spinning threads. Only
+     * omp_get_thread_num and a plain parallel region: the oldest libgomp ABI. */
+    (void)threads;
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();
+            for (int u = t; u < nt; u += n) run_items(&args[u]);
+        }
+    } else {
+        run_items(&args[0]);
+    }
+#else
     int started = 1; /* threads 1..started-1 run; the caller's thread runs the rest */
     while (started < nt && pthread_create(&threads[started], NULL, run_items, &args[started]) == 0)
         started++;
     run_items(&args[0]);
     for (int t = started; t < nt; t++) run_items(&args[t]);
     for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
+#endif
     for (int t = 0; t < nt; t++)
         if (args[t].status) return args[t].status;
     return 0;

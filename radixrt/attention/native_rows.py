@@ -26,6 +26,7 @@ class NativePlan(NamedTuple):
     # None when they are exactly tokens 0..m-1 (read and written in place)
     block_start: torch.Tensor  # [m] int64: index into kv_indices of each query's row's blocks
     kv_len: torch.Tensor  # [m] int32: keys each query attends
+    num_pairs: int  # (query, key) pairs in all: the sum of kv_len
 
 
 def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None:
@@ -38,6 +39,7 @@ def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None
             token_index=None,
             block_start=batch.kv_indptr_cpu[:-1].to(torch.int64),
             kv_len=batch.seq_lens_cpu.contiguous(),
+            num_pairs=int(batch.seq_lens_cpu.sum()),
         )
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     seq = batch.seq_lens_cpu.numpy().astype(np.int64)
@@ -62,4 +64,5 @@ def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None
         token_index=None if in_place else torch.from_numpy(token),
         block_start=torch.from_numpy(kvp[tok_row]),
         kv_len=torch.from_numpy(kv_len.astype(np.int32)),
+        num_pairs=int(kv_len.sum()),
     )

@@ -56,6 +56,10 @@ from radixrt.kv.pool import KVPool
 # 2.27, 32 (13k) 3.70 vs 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23,
 # 128 (8.3k) 2.21 vs 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
 NATIVE_MAX_EXTEND_PAIRS = 8192
+# Steps with at least this many (query, key) pairs split the kernel's queries over torch's
+# threads (its OpenMP region runs on torch's own pool). Tiny Llama, 32 decode rows x ~150
+# keys, 2 threads, decode step medians: 4.8-7.0 ms threaded vs 6.2-8.5 ms on one thread.
+NATIVE_MIN_PAIRS_THREADED = 4096
 
 
 class SdpaAttentionBackend:
@@ -261,13 +265,12 @@ class SdpaAttentionBackend:
             )
         m, index = plan.num_queries, plan.token_index
         args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, self.scale)
-        # One thread: the kernel's own threads (started per call) made 2-thread decode steps
-        # slower here (tiny Llama, 32 rows: 7.5 -> 10 ms median on the 2-core box).
+        threads = torch.get_num_threads() if plan.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
         if index is None:
-            kernel(q[:m], *args, out[:m])
+            kernel(q[:m], *args, out[:m], num_threads=threads)
             return
         res = q.new_empty((m, *q.shape[1:]))
-        kernel(q.index_select(0, index), *args, res)
+        kernel(q.index_select(0, index), *args, res, num_threads=threads)
         out.index_copy_(0, index, res)
 
     def _decode(
