@@ -6,7 +6,7 @@ query i over the row's first prefix + i + 1 keys (causal), each reading its row'
 That beats gathering K/V and a padded SDPA call while a row's (query, key) pairs are few: a
 short prompt, a few new tokens over a cached prefix (a chat turn, a question after a shared
 system prompt); larger extends go to SDPA, whose blocked kernel does them faster
-(`max_extend_pairs`; sdpa_backend.NATIVE_MAX_EXTEND_PAIRS gives the measurement).
+(`max_extend_pairs`; NATIVE_MAX_EXTEND_PAIRS gives the measurement).
 """
 
 from __future__ import annotations
@@ -17,6 +17,18 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
+
+# Extend rows of at most this many (query, key) pairs go through the native kernel (see
+# native_rows). 8 such rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA
+# groups: on a 400-key prefix 4 new tokens (1.6k pairs) 0.54 vs 0.95 ms, 16 (6.5k) 2.04 vs
+# 2.27, 32 (13k) 3.70 vs 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23,
+# 128 (8.3k) 2.21 vs 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
+NATIVE_MAX_EXTEND_PAIRS = 8192
+# Steps with at least this many (query, key) pairs split the kernel's queries over torch's
+# threads (its OpenMP region runs on torch's own pool). Tiny Llama, 32 decode rows x ~150
+# keys, 2 threads, decode step medians: 4.8-7.0 ms threaded vs 6.2-8.5 ms on one thread.
+NATIVE_MIN_PAIRS_THREADED = 4096
 
 
 class NativePlan(NamedTuple):
@@ -66,3 +78,32 @@ def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None
         kv_len=torch.from_numpy(kv_len.astype(np.int32)),
         num_pairs=int(kv_len.sum()),
     )
+
+
+def attend_native(
+    kernel: PagedDecodeKernel,
+    plan: NativePlan,
+    batch: ForwardBatch,
+    q: torch.Tensor,  # [T, hq, d] float32 cpu (rows may be strided)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, hkv, d] float32 cpu: this layer's
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,  # [>= T, hq, d] float32: the plan's tokens are written
+) -> None:
+    """The plan's queries through the kernel, into their rows of `out` (in place when they are
+    tokens 0..m-1, else gathered and scattered). Raises ValueError for a non-float32 model or
+    pool (the backend must then be built without native_decode)."""
+    if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+        raise ValueError(
+            f"native_decode needs a float32 model and KV pool, got {q.dtype} / "
+            f"{k_cache.dtype}; build the backend with native_decode=False"
+        )
+    m, index = plan.num_queries, plan.token_index
+    args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, scale)
+    threads = torch.get_num_threads() if plan.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
+    if index is None:
+        kernel(q[:m], *args, out[:m], num_threads=threads)
+        return
+    res = q.new_empty((m, *q.shape[1:]))
+    kernel(q.index_select(0, index), *args, res, num_threads=threads)
+    out.index_copy_(0, index, res)

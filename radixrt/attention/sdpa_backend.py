@@ -39,7 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.attention.native_rows import NativePlan, plan_native
+from radixrt.attention.native_rows import (
+    NATIVE_MAX_EXTEND_PAIRS,
+    NativePlan,
+    attend_native,
+    plan_native,
+)
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, AttentionGroup, PlanLimits, plan_attention
 from radixrt.attention.sdpa_prefix import (
     MIN_SAVED_KEYS,
@@ -49,17 +54,6 @@ from radixrt.attention.sdpa_prefix import (
 )
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel, load_paged_decode
 from radixrt.kv.pool import KVPool
-
-# Extend rows of at most this many (query, key) pairs go through the native kernel (see
-# native_rows). 8 such rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA
-# groups: on a 400-key prefix 4 new tokens (1.6k pairs) 0.54 vs 0.95 ms, 16 (6.5k) 2.04 vs
-# 2.27, 32 (13k) 3.70 vs 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23,
-# 128 (8.3k) 2.21 vs 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
-NATIVE_MAX_EXTEND_PAIRS = 8192
-# Steps with at least this many (query, key) pairs split the kernel's queries over torch's
-# threads (its OpenMP region runs on torch's own pool). Tiny Llama, 32 decode rows x ~150
-# keys, 2 threads, decode step medians: 4.8-7.0 ms threaded vs 6.2-8.5 ms on one thread.
-NATIVE_MIN_PAIRS_THREADED = 4096
 
 
 class SdpaAttentionBackend:
@@ -193,11 +187,11 @@ class SdpaAttentionBackend:
             return self._decode(layer, only, 0, q, k_cache, v_cache, pool, False)[0]
         if self._native is not None and not groups:  # every row through the kernel
             out = q.new_empty((num_tokens, hq, d))
-            self._native_rows(q, k_cache, v_cache, out)
+            self._attend_native(q, k_cache, v_cache, out)
             return out
         out = q.new_empty((num_tokens + 1, hq, d))  # row T: trash for padded queries
         if self._native is not None:
-            self._native_rows(q, k_cache, v_cache, out)
+            self._attend_native(q, k_cache, v_cache, out)
         # log-sum-exps of the decode rows' partial results (merged with their prefixes')
         lse = q.new_empty((num_tokens + 1, hq), dtype=torch.float32) if prefixes else None
         for i, grp in enumerate(groups):
@@ -252,26 +246,13 @@ class SdpaAttentionBackend:
             out.index_copy_(0, pg.tokens, merged)
         return out[:-1]
 
-    def _native_rows(
+    def _attend_native(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """The native plan's queries through the kernel, into their rows of `out`."""
-        plan, kernel, batch = self.native_plan, self._native, self.batch
-        assert plan is not None and kernel is not None and batch is not None
-        if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
-            raise ValueError(
-                f"native_decode needs a float32 model and KV pool, got {q.dtype} / "
-                f"{k_cache.dtype}; build the backend with native_decode=False"
-            )
-        m, index = plan.num_queries, plan.token_index
-        args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, self.scale)
-        threads = torch.get_num_threads() if plan.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
-        if index is None:
-            kernel(q[:m], *args, out[:m], num_threads=threads)
-            return
-        res = q.new_empty((m, *q.shape[1:]))
-        kernel(q.index_select(0, index), *args, res, num_threads=threads)
-        out.index_copy_(0, index, res)
+        assert self._native is not None and self.native_plan is not None and self.batch
+        attend_native(
+            self._native, self.native_plan, self.batch, q, k_cache, v_cache, self.scale, out
+        )
 
     def _decode(
         self,
