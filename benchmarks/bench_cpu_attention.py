@@ -1,4 +1,6 @@
-"""CPU attention: the exact reference ("torch-reference") vs the SDPA backend ("torch").
+"""CPU attention: the exact reference ("torch-reference") vs the SDPA backend ("torch"), with
+the native kernel for decode and small extend rows off ("sdpa") and on ("native", what
+attention_backend="torch" runs on a CPU with a float32 pool; see attention/native_rows).
 
 Times one step (`prepare` + `forward` of `--layers` layers: store K/V + attend) and the layers
 alone (per layer: their time / layers) on representative batches over a random KV pool, float32,
@@ -25,6 +27,7 @@ from radixrt.attention.forward_batch import reference_batch
 from radixrt.attention.sdpa_backend import SdpaAttentionBackend
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, PlanLimits
 from radixrt.attention.torch_backend import TorchAttentionBackend
+from radixrt.kernels.paged_decode_cpu import load_paged_decode
 from radixrt.kv.pool import KVPool
 
 BLOCK_SIZE = 16
@@ -95,10 +98,13 @@ def bench_case(
         for _ in range(layers)
     ]
     result, outs = {}, {}
-    for name, backend in (
+    backends = [
         ("reference", TorchAttentionBackend(hq, hkv, d)),
         ("sdpa", SdpaAttentionBackend(hq, hkv, d, limits)),
-    ):
+    ]
+    if load_paged_decode() is not None:
+        backends.append(("native", SdpaAttentionBackend(hq, hkv, d, limits, native_decode=True)))
+    for name, backend in backends:
 
         def layers_fwd(backend=backend) -> list[torch.Tensor]:
             return [backend.forward(i, *qkv[i], pool) for i in range(layers)]
@@ -108,11 +114,12 @@ def bench_case(
             return layers_fwd(backend)
 
         outs[name] = step()
-        runs = repeats if name == "sdpa" else ref_repeats
+        runs = ref_repeats if name == "reference" else repeats
         per_layer = tuple(ms / layers for ms in timed(layers_fwd, runs))
         result[name] = (per_layer, timed(step, runs))
-    for a, b in zip(outs["reference"], outs["sdpa"]):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for name in outs:
+        for a, b in zip(outs["reference"], outs[name]):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     return result
 
 
@@ -176,9 +183,10 @@ def main() -> None:
         f"block size {BLOCK_SIZE}, {args.layers} layers/step, max_waste {args.max_waste}; "
         "ms: median (min)"
     )
-    cols = "ref ms/layer | sdpa ms/layer | x | ref ms/step | sdpa ms/step | x"
+    cols = "ref ms/layer | sdpa ms/layer | native ms/layer | ref/sdpa | sdpa/native"
+    cols += " | ref ms/step | sdpa ms/step | native ms/step"
     print(f"| shape | batch | threads | {cols} |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     limits = DEFAULT_LIMITS._replace(max_waste=args.max_waste)
     fmt = lambda mm: f"{mm[1]:.2f} ({mm[0]:.2f})"  # noqa: E731
     for threads in (int(x) for x in args.threads.split(",")):
@@ -192,10 +200,12 @@ def main() -> None:
                     rows, nd, shape, args.layers, args.repeats, args.ref_repeats, limits, gen
                 )
                 (ref_l, ref_s), (fast_l, fast_s) = r["reference"], r["sdpa"]
+                nat_l, nat_s = r.get("native", ((float("nan"),) * 2,) * 2)
                 print(
                     f"| {shape_name} | {case_name} | {torch.get_num_threads()} "
-                    f"| {fmt(ref_l)} | {fmt(fast_l)} | {ref_l[1] / fast_l[1]:.1f} "
-                    f"| {fmt(ref_s)} | {fmt(fast_s)} | {ref_s[1] / fast_s[1]:.1f} |",
+                    f"| {fmt(ref_l)} | {fmt(fast_l)} | {fmt(nat_l)} | {ref_l[1] / fast_l[1]:.1f}"
+                    f" | {fast_l[1] / nat_l[1]:.2f} | {fmt(ref_s)} | {fmt(fast_s)} "
+                    f"| {fmt(nat_s)} |",
                     flush=True,
                 )
 
