@@ -54,7 +54,7 @@ static inline void prefetch_range(const float *p, int64_t bytes) {
 }
 
 static inline float exp_nonpos(float x) {
-    /* e^x for x <= 0 (x < -87 gives 0). */
+    /* e^x for x <= 0; below -87 it returns e^-87 (~1.6e-38: nothing beside the max's 1). */
     x = x < -87.0f ? -87.0f : x;
     float fx = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
@@ -110,7 +110,7 @@ static inline __m256 hsum8x8(const __m256 *a) {
                          _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* Scores of query qv against keys k, k + ts, ... (n keys): s[o] = scale * q . k_o. */
+/* Scores of query q against the n keys k, k + ts, k + 2 ts, ...: s[o] = scale * q . k_o. */
 static inline void scores_avx2(const float *q, const float *k, int64_t ts, int n, int d,
                                float scale, float *s) {
     int o = 0;
