@@ -400,3 +400,26 @@ def test_vectorized_metadata_matches_reference(block_size, num_rows):
     _assert_kv_metadata_equal(
         build_kv_metadata_vectorized(table, _int32(lens, "cpu"), block_size), expected_kv
     )
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_rows", [0, 1, 4, 9])
+def test_host_metadata_matches_reference(block_size, num_rows):
+    """The numpy versions (the runner's on non-CUDA devices) equal the references, dtypes
+    included, on rows with 0..many new tokens."""
+    from radixrt.kernels.block_table_host import build_kv_metadata_host, build_token_metadata_host
+
+    gen = torch.Generator().manual_seed(num_rows * 10 + block_size + 2)
+    max_blocks = 6
+    table = _random_table(gen, num_rows, max_blocks)
+    start_pos, num_new, qo_indptr = _token_batch(gen, num_rows, max_blocks, block_size)
+    args = tuple(_int32(a, "cpu") for a in (start_pos, num_new, qo_indptr))
+    expected = build_token_metadata_reference(table, *args, qo_indptr[-1], block_size)
+    got = build_token_metadata_host(table.numpy(), *(a.numpy() for a in args), block_size)
+    for name, a, b in zip(got._fields, got, expected):
+        assert a.dtype == torch.int64 and torch.equal(a, b), name
+    lens = _int32(_seq_lens(gen, num_rows, max_blocks, block_size), "cpu")
+    expected_kv = build_kv_metadata_reference(table, lens, block_size)
+    _assert_kv_metadata_equal(
+        build_kv_metadata_host(table.numpy(), lens.numpy(), block_size), expected_kv
+    )

