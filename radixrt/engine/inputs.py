@@ -41,6 +41,14 @@ class StepLayout:
 
 
 def layout_plan(plan: StepPlan) -> StepLayout:
+    """The host layout of `plan` (reads the plan, mutates nothing)."""
+    decode = _decode_layout(plan)
+    return decode if decode is not None else general_layout(plan)
+
+
+def general_layout(plan: StepPlan) -> StepLayout:
+    """`layout_plan` for any plan (one pass per row and sample; tests compare the decode
+    fast path with it)."""
     rows = plan.rows
     num_rows = len(rows)
     starts = np.fromiter((r.start for r in rows), dtype=np.int32, count=num_rows)
@@ -97,4 +105,45 @@ def layout_plan(plan: StepPlan) -> StepLayout:
         score_tokens=np.asarray(score_tokens, dtype=np.int64),
         score_targets=np.asarray(score_targets, dtype=np.int64),
         score_rows=score_rows,
+    )
+
+
+def _decode_layout(plan: StepPlan) -> StepLayout | None:
+    """`layout_plan` of a plain decode step (every row feeds one token and samples it, none
+    scores prompt tokens) in a few passes over the rows; None for any other plan."""
+    rows = plan.rows
+    for r in rows:
+        if (
+            r.num_tokens != 1
+            or r.sample_offsets != [0]
+            or r.prompt_logprobs is not None
+            or len(r.input_ids) != 1 - r.reads_last_sample
+        ):
+            return None
+    num_rows = len(rows)
+    index = np.arange(num_rows, dtype=np.int64)
+    reads = [i for i, r in enumerate(rows) if r.reads_last_sample]
+    read_tokens = np.asarray(reads, dtype=np.int64)
+    return StepLayout(
+        num_decode=num_rows,
+        starts=np.fromiter((r.start for r in rows), dtype=np.int32, count=num_rows),
+        num_new=np.ones(num_rows, dtype=np.int32),
+        qo_indptr=np.arange(num_rows + 1, dtype=np.int32),
+        slots=np.fromiter((r.slot for r in rows), dtype=np.int64, count=num_rows),
+        host_ids=np.fromiter(
+            (0 if r.reads_last_sample else r.input_ids[0] for r in rows),
+            dtype=np.int64,
+            count=num_rows,
+        ),
+        last_read_tokens=read_tokens,
+        last_read_slots=np.asarray([rows[i].slot for i in reads], dtype=np.int64),
+        sample_tokens=index,
+        sample_rows=index.copy(),
+        sample_params=[r.params for r in rows],
+        seed_offsets=[r.num_output_before for r in rows],
+        row_first_sample=index.copy(),
+        num_samples=np.ones(num_rows, dtype=np.int64),
+        score_tokens=np.zeros(0, dtype=np.int64),
+        score_targets=np.zeros(0, dtype=np.int64),
+        score_rows=[],
     )
