@@ -309,10 +309,14 @@ class ModelRunner(RowSampling):
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
             return None, None
-        index = np.concatenate([layout.sample_tokens, layout.score_tokens])
-        logits = self.model.compute_logits(
-            hidden[torch.from_numpy(index).to(dev, non_blocking=True)]
-        )
+        if num_p == 0 and num_s == hidden.shape[0]:
+            # every token sampled (sample_tokens ascend, so they are 0..T-1): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            index = np.concatenate([layout.sample_tokens, layout.score_tokens])
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(index).to(dev, non_blocking=True)]
+            )
         scores = None
         if num_p:
             targets = torch.from_numpy(layout.score_targets).to(dev, non_blocking=True).unsqueeze(1)
