@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.kernels.block_table_host import build_host_metadata
 from radixrt.plan import StepPlan
 from radixrt.sampling import SamplingParams
 
@@ -146,4 +149,53 @@ def _decode_layout(plan: StepPlan) -> StepLayout | None:
         score_tokens=np.zeros(0, dtype=np.int64),
         score_targets=np.zeros(0, dtype=np.int64),
         score_rows=[],
+    )
+
+
+def host_forward_batch(
+    layout: StepLayout,
+    block_tables: np.ndarray,  # [slots, max_blocks] int32: the runner's block tables
+    block_size: int,
+    device: torch.device,
+    input_ids: torch.Tensor,  # [T] int64 on `device`: the step's inputs
+) -> ForwardBatch:
+    """The runner's ForwardBatch off CUDA, its metadata from `build_host_metadata` (few array
+    ops: they run with cold caches between forwards). On a CPU the tensors share the numpy
+    arrays' memory (no copies; kv_indptr / seq_lens / qo_indptr are the *_cpu tensors
+    themselves); on another device they are copies."""
+    m = build_host_metadata(
+        block_tables,
+        layout.slots,
+        layout.starts,
+        layout.num_new,
+        layout.qo_indptr,
+        block_size,
+        layout.num_decode,
+    )
+    qo_cpu, seq_lens_cpu = torch.from_numpy(layout.qo_indptr), torch.from_numpy(m.seq_lens)
+    kv_indptr_cpu = torch.from_numpy(m.kv_indptr)
+    if device.type == "cpu":
+        wrap = torch.from_numpy
+        qo, kv_indptr, seq_lens = qo_cpu, kv_indptr_cpu, seq_lens_cpu
+    else:
+
+        def wrap(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        qo, kv_indptr, seq_lens = map(wrap, (layout.qo_indptr, m.kv_indptr, m.seq_lens))
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=wrap(m.positions),
+        slot_mapping=wrap(m.slot_mapping),
+        qo_indptr=qo,
+        kv_indptr=kv_indptr,
+        kv_indices=wrap(m.kv_indices),
+        kv_last_page_len=wrap(m.kv_last_page_len),
+        seq_lens=seq_lens,
+        logits_indices=wrap(layout.sample_tokens),
+        num_decode=layout.num_decode,
+        qo_indptr_cpu=qo_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+        kv_indptr_cpu=kv_indptr_cpu,
+        block_size=block_size,
     )

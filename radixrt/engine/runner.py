@@ -25,11 +25,9 @@ from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cpu_malloc import keep_freed_memory
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
-from radixrt.engine.inputs import StepLayout, layout_plan
+from radixrt.engine.inputs import StepLayout, host_forward_batch, layout_plan
 from radixrt.engine.result import PendingResult
 from radixrt.engine.row_sampling import RowSampling
-from radixrt.kernels import KVMetadata, TokenMetadata
-from radixrt.kernels.block_table_host import build_kv_metadata_host, build_token_metadata_host
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
@@ -328,31 +326,26 @@ class ModelRunner(RowSampling):
         """The step's ForwardBatch: inputs copied to the device, device-resident last samples
         gathered in, attention metadata built from the slots' block tables."""
         bs, dev = self.block_size, self.device
-        seq_lens = layout.starts + layout.num_new
-        nblocks = (seq_lens + bs - 1) // bs
-        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-        np.cumsum(nblocks, out=kv_indptr[1:])
-        tables = self.block_tables[layout.slots, : int(nblocks.max())]
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         input_ids = to_dev(layout.host_ids)
         if len(layout.last_read_tokens):
             input_ids[to_dev(layout.last_read_tokens)] = self.last_tokens[
                 to_dev(layout.last_read_slots)
             ]
-        seq_lens_d, qo_d = to_dev(seq_lens), to_dev(layout.qo_indptr)
-        if self._is_cuda:
-            from radixrt.kernels import build_kv_metadata, build_token_metadata
+        if not self._is_cuda:
+            return host_forward_batch(layout, self.block_tables, bs, dev, input_ids)
+        from radixrt.kernels import build_kv_metadata, build_token_metadata
 
-            tables_d, start_d, new_d = map(to_dev, (tables, layout.starts, layout.num_new))
-            kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
-            tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
-        else:  # numpy on the host (cheaper than torch ops on these small arrays), then copied
-            on_dev = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
-            kv = KVMetadata(*map(on_dev, build_kv_metadata_host(tables, seq_lens, bs)))
-            tok = build_token_metadata_host(
-                tables, layout.starts, layout.num_new, layout.qo_indptr, bs
-            )
-            tok = TokenMetadata(*map(on_dev, tok))
+        seq_lens = layout.starts + layout.num_new
+        nblocks = (seq_lens + bs - 1) // bs
+        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(nblocks, out=kv_indptr[1:])
+        tables = self.block_tables[layout.slots, : int(nblocks.max())]
+        tables_d, seq_lens_d, start_d, new_d, qo_d = map(
+            to_dev, (tables, seq_lens, layout.starts, layout.num_new, layout.qo_indptr)
+        )
+        kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
+        tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
         return ForwardBatch(
             input_ids=input_ids,
             positions=tok.positions,
