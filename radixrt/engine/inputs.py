@@ -19,6 +19,9 @@ from radixrt.sampling import SamplingParams
 
 @dataclass
 class StepLayout:
+    """A step's host layout. Read-only once made: arrays may be shared between fields (and
+    the step's tensors on a CPU)."""
+
     num_decode: int  # leading rows with one new token
     starts: np.ndarray  # [R] int32: position of each row's first new token
     num_new: np.ndarray  # [R] int32: new tokens per row
@@ -37,6 +40,7 @@ class StepLayout:
     score_tokens: np.ndarray  # [P] int64: flat token index of each prompt token scored
     score_targets: np.ndarray  # [P] int64: the prompt token it scores
     score_rows: list[tuple[int, int, int]]  # (row, first index into score arrays, count)
+    one_sample_per_row: bool  # every row samples once: sample i is row i's (a decode step)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +74,7 @@ def general_layout(plan: StepPlan) -> StepLayout:
     score_tokens: list[int] = []
     score_targets: list[int] = []
     score_rows: list[tuple[int, int, int]] = []
+    one_each = True
     for i, r in enumerate(rows):
         base = int(qo[i])
         if r.reads_last_sample:
@@ -80,6 +85,7 @@ def general_layout(plan: StepPlan) -> StepLayout:
         assert len(ids) == qo[i + 1], f"row {r.rid}: input ids do not match num_tokens"
         first[i] = len(sample_tokens)
         counts[i] = len(r.sample_offsets)
+        one_each = one_each and len(r.sample_offsets) == 1
         for j, off in enumerate(r.sample_offsets):
             sample_tokens.append(base + off)
             sample_rows.append(i)
@@ -108,6 +114,7 @@ def general_layout(plan: StepPlan) -> StepLayout:
         score_tokens=np.asarray(score_tokens, dtype=np.int64),
         score_targets=np.asarray(score_targets, dtype=np.int64),
         score_rows=score_rows,
+        one_sample_per_row=one_each,
     )
 
 
@@ -124,13 +131,14 @@ def _decode_layout(plan: StepPlan) -> StepLayout | None:
         ):
             return None
     num_rows = len(rows)
-    index = np.arange(num_rows, dtype=np.int64)
+    index = np.arange(num_rows, dtype=np.int64)  # sample i is row i's, at token i
+    ones = np.ones(num_rows, dtype=np.int32)
     reads = [i for i, r in enumerate(rows) if r.reads_last_sample]
-    read_tokens = np.asarray(reads, dtype=np.int64)
+    empty = index[:0]
     return StepLayout(
         num_decode=num_rows,
         starts=np.fromiter((r.start for r in rows), dtype=np.int32, count=num_rows),
-        num_new=np.ones(num_rows, dtype=np.int32),
+        num_new=ones,
         qo_indptr=np.arange(num_rows + 1, dtype=np.int32),
         slots=np.fromiter((r.slot for r in rows), dtype=np.int64, count=num_rows),
         host_ids=np.fromiter(
@@ -138,17 +146,20 @@ def _decode_layout(plan: StepPlan) -> StepLayout | None:
             dtype=np.int64,
             count=num_rows,
         ),
-        last_read_tokens=read_tokens,
-        last_read_slots=np.asarray([rows[i].slot for i in reads], dtype=np.int64),
+        last_read_tokens=np.asarray(reads, dtype=np.int64) if reads else empty,
+        last_read_slots=np.asarray([rows[i].slot for i in reads], dtype=np.int64)
+        if reads
+        else empty,
         sample_tokens=index,
-        sample_rows=index.copy(),
+        sample_rows=index,
         sample_params=[r.params for r in rows],
         seed_offsets=[r.num_output_before for r in rows],
-        row_first_sample=index.copy(),
-        num_samples=np.ones(num_rows, dtype=np.int64),
-        score_tokens=np.zeros(0, dtype=np.int64),
-        score_targets=np.zeros(0, dtype=np.int64),
+        row_first_sample=index,
+        num_samples=ones.astype(np.int64),
+        score_tokens=empty,
+        score_targets=empty,
         score_rows=[],
+        one_sample_per_row=True,
     )
 
 

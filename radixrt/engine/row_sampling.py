@@ -93,12 +93,14 @@ class RowSampling:
         are skipped: their last accepted sample is known once the result is on the host, and
         their next step feeds it from there."""
         dev = self.device
-        samples = layout.num_samples
-        if not drafting and len(tokens) == len(samples) and samples.all():
-            # one sample per row (a decode step): row i's sample is tokens[i]
+        if layout.one_sample_per_row and not drafting:  # row i's sample is tokens[i]
+            if dev.type == "cpu":  # one numpy op (cheaper than three torch ops here)
+                self.last_tokens.numpy()[layout.slots] = tokens.numpy()
+                return
             slots = torch.from_numpy(layout.slots).to(dev, non_blocking=True)
             self.last_tokens.index_copy_(0, slots, tokens)
             return
+        samples = layout.num_samples
         last = layout.row_first_sample + samples - 1  # [R]: the row's last sample
         skip = set(drafting)
         keep = [i for i in np.flatnonzero(samples).tolist() if i not in skip]
