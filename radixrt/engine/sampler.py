@@ -104,10 +104,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of [S, V] logits -> [S] int64 on logits' device: the first index of
     each row's maximum (a NaN counts as the maximum), as `torch.argmax`. On a CPU, float32,
     numpy's argmax: 6 us at [32, 2048] where torch's CPU argmax takes 58 us (one thread)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(
-            logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False)
-        )
+    if logits.is_cpu and logits.dtype == torch.float32:
+        host = (logits.detach() if logits.requires_grad else logits).numpy()
+        return torch.from_numpy(host.argmax(axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
 
 
