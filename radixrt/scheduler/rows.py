@@ -29,15 +29,17 @@ class RowPlanning:
     @staticmethod
     def _extend_due(req: Request) -> bool:
         """More than one token to feed (a prefill chunk), or a prompt-only request's last."""
-        return req.num_pending > 1 or (req.max_tokens == 0 and req.num_pending == 1)
+        pending = req.num_pending
+        return pending > 1 or (req.max_tokens == 0 and pending == 1)
 
     def _decode_due(self, req: Request) -> bool:
         """One token to feed, and the sample it makes may still be kept (a request whose
         in-flight samples already reach max_tokens or the context waits for them)."""
+        seq_len = req.seq_len  # (the properties once: this runs per running request a step)
         return (
-            req.num_pending == 1
-            and req.num_output + req.num_inflight_samples < req.max_tokens
-            and req.seq_len < self.max_model_len
+            seq_len - req.num_computed == 1  # num_pending
+            and seq_len - req.prompt_len < req.max_tokens  # num_output + in-flight samples
+            and seq_len < self.max_model_len
         )
 
     def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
