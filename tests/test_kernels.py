@@ -400,3 +400,43 @@ def test_vectorized_metadata_matches_reference(block_size, num_rows):
     _assert_kv_metadata_equal(
         build_kv_metadata_vectorized(table, _int32(lens, "cpu"), block_size), expected_kv
     )
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_rows", [0, 1, 4, 9])
+@pytest.mark.parametrize("decode", [False, True])
+def test_host_metadata_matches_reference(block_size, num_rows, decode):
+    """The numpy version (the runner's off CUDA) equals the references, dtypes included: rows
+    with 0..many new tokens, or (decode) one token each, the rows' tables picked by slot."""
+    from radixrt.kernels.block_table_host import build_host_metadata
+
+    gen = torch.Generator().manual_seed(num_rows * 10 + block_size + 2)
+    max_blocks = 6
+    table = _random_table(gen, num_rows, max_blocks)
+    start_pos, num_new, qo_indptr = _token_batch(gen, num_rows, max_blocks, block_size)
+    if decode:
+        start_pos = [min(s, max_blocks * block_size - 1) for s in start_pos]
+        num_new, qo_indptr = [1] * num_rows, list(range(num_rows + 1))
+    # a row always has KV after the step (an empty row here: a cached token)
+    start_pos = [max(s, 1 - n) for s, n in zip(start_pos, num_new)]
+    args = tuple(_int32(a, "cpu") for a in (start_pos, num_new, qo_indptr))
+    expected = build_token_metadata_reference(table, *args, qo_indptr[-1], block_size)
+    seq_lens = args[0] + args[1]
+    expected_kv = build_kv_metadata_reference(table, seq_lens, block_size)
+    # the runner's tables hold more slots than rows: rows read theirs by slot
+    slots = torch.randperm(num_rows + 3, generator=gen)[:num_rows]
+    all_tables = torch.zeros(num_rows + 3, max_blocks + 2, dtype=torch.int32)
+    all_tables[slots, :max_blocks] = table
+    got = build_host_metadata(
+        all_tables.numpy(),
+        slots.numpy(),
+        *(a.numpy() for a in args),
+        block_size,
+        num_decode=num_rows if decode else 0,
+    )
+    for name, b in zip(expected._fields, expected):
+        a = torch.from_numpy(getattr(got, name))
+        assert a.dtype == torch.int64 and torch.equal(a, b), name
+    kv = [torch.from_numpy(getattr(got, f)) for f in expected_kv._fields]
+    _assert_kv_metadata_equal(type(expected_kv)(*kv), expected_kv)
+    assert torch.equal(torch.from_numpy(got.seq_lens), seq_lens)  # int32 both

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.engine.sampler import apply_penalties, sample
+from radixrt.engine.sampler import _argmax, apply_penalties, sample
 
 VOCAB = 50
 
@@ -130,3 +130,17 @@ def test_output_logprobs_are_log_softmax(make_engine):
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"invalid {field}="):
         SamplingParams(**kwargs)
+
+
+def test_cpu_argmax_equals_torch_argmax():
+    """The numpy argmax the CPU sampler uses picks what torch.argmax picks: the first
+    maximum on ties, a NaN over any number, row 0 of an all -inf row; strided input too."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 300, generator=gen)
+    logits[1, [5, 17]] = 50.0  # a tie
+    logits[2, [40, 7]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 100:] = float("inf")
+    for x in (logits, logits[::2], logits[:, 1:], logits.t().contiguous().t()):
+        got = _argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))

@@ -78,6 +78,16 @@ class PendingResult:
 def assemble(plan: StepPlan, layout: StepLayout, out: StepOutputs) -> StepResult:
     """Per-row lists from the flat host outputs."""
     num_rows = len(plan.rows)
+    if layout.one_sample_per_row and out.tokens is not None and _tokens_only(out):
+        # a plain decode step: sample i is row i's only token
+        empty = [[] for _ in range(3 * num_rows)]
+        return StepResult(
+            plan.step_id,
+            [[t] for t in out.tokens.tolist()],
+            empty[:num_rows],
+            empty[num_rows : 2 * num_rows],
+            empty[2 * num_rows :],
+        )
     tokens: list[list[int]] = [[] for _ in range(num_rows)]
     logprobs: list[list[float]] = [[] for _ in range(num_rows)]
     top: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_rows)]
@@ -115,3 +125,13 @@ def assemble(plan: StepPlan, layout: StepLayout, out: StepOutputs) -> StepResult
         for i, start, count in layout.score_rows:
             scores[i] = flat_scores[start : start + count]
     return StepResult(plan.step_id, tokens, logprobs, top, scores)
+
+
+def _tokens_only(out: StepOutputs) -> bool:
+    """No log-probs, top log-probs, accepted-draft counts or prompt scores came back."""
+    return (
+        out.logprobs is None
+        and out.top_ids is None
+        and out.num_accepted is None
+        and out.prompt_logprobs is None
+    )

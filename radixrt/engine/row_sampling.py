@@ -43,7 +43,14 @@ class RowSampling:
         if logits is None:
             return out
         params = layout.sample_params
-        if any(p.has_penalties for p in params):
+        penalties = bias = want_logprobs = False
+        top_k = 0
+        for p in params:  # one pass over the samples' parameters
+            penalties = penalties or p.has_penalties
+            bias = bias or bool(p.logit_bias)
+            want_logprobs = want_logprobs or p.logprobs
+            top_k = max(top_k, p.top_logprobs)
+        if penalties:
             rows = [plan.rows[i] for i in layout.sample_rows.tolist()]
             apply_penalties(
                 logits,
@@ -51,22 +58,22 @@ class RowSampling:
                 [r.history[: r.prompt_len] if r.history else [] for r in rows],
                 penalty_output_ids(plan, layout, drafted),  # + drafts before each position
             )
-        if any(p.logit_bias for p in params):
+        if bias:
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
-        masked = [i for i, r in enumerate(plan.rows) if r.token_bitmask is not None]
+        masked, drafting = [], []
+        for i, r in enumerate(plan.rows):
+            if r.token_bitmask is not None:
+                masked.append(i)
+            if r.num_draft_tokens:
+                drafting.append(i)
         if masked:  # structured output: before temperature / top-k / top-p
             self._apply_grammar_masks(plan, layout, logits, masked)
-        want_logprobs = any(p.logprobs for p in params)
-        top_k = max(p.top_logprobs for p in params)
         sampled = sample(
             logits, params, layout.seed_offsets, want_logprobs, top_k, generator=self._generator
         )
         tokens = sampled.token_ids
         out.tokens, out.logprobs = tokens, sampled.logprobs
         out.top_ids, out.top_logprobs = sampled.top_ids, sampled.top_logprobs
-        dev = self.device
-        last = layout.row_first_sample + layout.num_samples - 1  # [R]: the row's last sample
-        drafting = [i for i, r in enumerate(plan.rows) if r.num_draft_tokens]
         if drafting:
             out.num_accepted = self._verify(plan, layout, tokens, drafting, drafted)
         if drafted is not None:
@@ -76,14 +83,31 @@ class RowSampling:
             if stochastic and want_logprobs:  # rejection replaced some tokens
                 lps = torch.log_softmax(logits, dim=-1)
                 out.logprobs = lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        keep = [
-            i for i, r in enumerate(plan.rows) if layout.num_samples[i] and not r.num_draft_tokens
-        ]
+        self._keep_last_samples(layout, tokens, drafting)
+        return out
+
+    def _keep_last_samples(
+        self, layout: StepLayout, tokens: torch.Tensor, drafting: list[int]
+    ) -> None:
+        """Each sampling row's last sample into its slot of `last_tokens`. Rows with drafts
+        are skipped: their last accepted sample is known once the result is on the host, and
+        their next step feeds it from there."""
+        dev = self.device
+        if layout.one_sample_per_row and not drafting:  # row i's sample is tokens[i]
+            if dev.type == "cpu":  # one numpy op (cheaper than three torch ops here)
+                self.last_tokens.numpy()[layout.slots] = tokens.numpy()
+                return
+            slots = torch.from_numpy(layout.slots).to(dev, non_blocking=True)
+            self.last_tokens.index_copy_(0, slots, tokens)
+            return
+        samples = layout.num_samples
+        last = layout.row_first_sample + samples - 1  # [R]: the row's last sample
+        skip = set(drafting)
+        keep = [i for i in np.flatnonzero(samples).tolist() if i not in skip]
         if keep:
             slots = torch.from_numpy(layout.slots[keep]).to(dev, non_blocking=True)
             src = torch.from_numpy(last[keep]).to(dev, non_blocking=True)
             self.last_tokens.index_copy_(0, slots, tokens[src])
-        return out
 
     @staticmethod
     def _apply_grammar_masks(

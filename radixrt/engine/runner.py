@@ -25,7 +25,7 @@ from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cpu_malloc import keep_freed_memory
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
-from radixrt.engine.inputs import StepLayout, layout_plan
+from radixrt.engine.inputs import StepLayout, host_forward_batch, layout_plan
 from radixrt.engine.result import PendingResult
 from radixrt.engine.row_sampling import RowSampling
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
@@ -307,10 +307,14 @@ class ModelRunner(RowSampling):
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
             return None, None
-        index = np.concatenate([layout.sample_tokens, layout.score_tokens])
-        logits = self.model.compute_logits(
-            hidden[torch.from_numpy(index).to(dev, non_blocking=True)]
-        )
+        if num_p == 0 and num_s == hidden.shape[0]:
+            # every token sampled (sample_tokens ascend, so they are 0..T-1): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            index = np.concatenate([layout.sample_tokens, layout.score_tokens])
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(index).to(dev, non_blocking=True)]
+            )
         scores = None
         if num_p:
             targets = torch.from_numpy(layout.score_targets).to(dev, non_blocking=True).unsqueeze(1)
@@ -322,29 +326,25 @@ class ModelRunner(RowSampling):
         """The step's ForwardBatch: inputs copied to the device, device-resident last samples
         gathered in, attention metadata built from the slots' block tables."""
         bs, dev = self.block_size, self.device
-        seq_lens = layout.starts + layout.num_new
-        nblocks = (seq_lens + bs - 1) // bs
-        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-        np.cumsum(nblocks, out=kv_indptr[1:])
-        tables = self.block_tables[layout.slots, : int(nblocks.max())]
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        tables_d, seq_lens_d, start_d, new_d, qo_d = map(
-            to_dev, (tables, seq_lens, layout.starts, layout.num_new, layout.qo_indptr)
-        )
         input_ids = to_dev(layout.host_ids)
         if len(layout.last_read_tokens):
             input_ids[to_dev(layout.last_read_tokens)] = self.last_tokens[
                 to_dev(layout.last_read_slots)
             ]
-        if self._is_cuda:
-            from radixrt.kernels import build_kv_metadata, build_token_metadata
+        if not self._is_cuda:
+            return host_forward_batch(layout, self.block_tables, bs, dev, input_ids)
+        from radixrt.kernels import build_kv_metadata, build_token_metadata
 
-            kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
-        else:
-            from radixrt.kernels import build_kv_metadata_vectorized
-            from radixrt.kernels import build_token_metadata_vectorized as build_token_metadata
-
-            kv = build_kv_metadata_vectorized(tables_d, seq_lens_d, bs)
+        seq_lens = layout.starts + layout.num_new
+        nblocks = (seq_lens + bs - 1) // bs
+        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(nblocks, out=kv_indptr[1:])
+        tables = self.block_tables[layout.slots, : int(nblocks.max())]
+        tables_d, seq_lens_d, start_d, new_d, qo_d = map(
+            to_dev, (tables, seq_lens, layout.starts, layout.num_new, layout.qo_indptr)
+        )
+        kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
         tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
         return ForwardBatch(
             input_ids=input_ids,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from radixrt.sampling import SamplingParams
@@ -81,7 +82,7 @@ def sample(
     logprobs = top_ids = top_lps = None
     if want_logprobs or top_logprobs:
         logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = _argmax(logits)
     if all(p.greedy for p in params):
         tokens = greedy_tokens
     else:
@@ -89,7 +90,7 @@ def sample(
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
         probs = _filter(probs, params)
         noise = _exponential_noise(probs.shape, params, seed_offsets, device, generator)
-        sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max equivalent: p / Exp(1)
+        sampled = _argmax(probs / noise)  # Gumbel-max equivalent: p / Exp(1)
         is_greedy = _on(device, [p.greedy for p in params])
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     if want_logprobs:
@@ -97,6 +98,16 @@ def sample(
     if top_logprobs:
         top_lps, top_ids = logprobs_all.topk(min(top_logprobs, logits.shape[1]), dim=-1)
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [S, V] logits -> [S] int64 on logits' device: the first index of
+    each row's maximum (a NaN counts as the maximum), as `torch.argmax`. On a CPU, float32,
+    numpy's argmax: 6 us at [32, 2048] where torch's CPU argmax takes 58 us (one thread)."""
+    if logits.is_cpu and logits.dtype == torch.float32:
+        host = (logits.detach() if logits.requires_grad else logits).numpy()
+        return torch.from_numpy(host.argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -57,9 +57,10 @@ class Linear(nn.Linear):
             if not 0 <= start < stop <= out_features:
                 raise ValueError(f"row_parts: ({start}, {stop}) is not in [0, {out_features}]")
         self.row_parts = row_parts
-        # (start, stop) -> oneDNN blocked copy of weight[start:stop] ((0, out): the whole)
-        self._packed: dict[tuple[int, int], torch.Tensor] = {}
-        self._full: torch.Tensor | None = None  # _packed[(0, out_features)] if made
+        # (start, stop) -> (oneDNN blocked copy of weight[start:stop], bias[start:stop] or
+        # None) ((0, out): the whole)
+        self._packed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._full: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the whole's
         self._packed_version = -1  # weight._version when packed
 
     def prepack(self) -> bool:
@@ -73,9 +74,11 @@ class Linear(nn.Linear):
         with torch.no_grad():
             w = self.weight.detach()
             for start, stop in parts:
-                self._packed[(start, stop)] = torch.ops.mkldnn._reorder_linear_weight(
+                packed = torch.ops.mkldnn._reorder_linear_weight(
                     w[start:stop].contiguous(), PACK_HINT_ROWS
                 )
+                bias = None if self.bias is None else self.bias[start:stop]  # a view
+                self._packed[(start, stop)] = (packed, bias)
         self._full = self._packed.get((0, self.out_features))
         self._packed_version = self.weight._version
         return True
@@ -87,13 +90,15 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]; the packed GEMM for >= PACKED_MIN_ROWS rows."""
-        if self._full is None or x.numel() < PACKED_MIN_ROWS * self.in_features or not x.is_cpu:
+        full = self._full
+        if full is None or x.numel() < PACKED_MIN_ROWS * self.in_features or not x.is_cpu:
             return F.linear(x, self.weight, self.bias)
-        return self.forward_rows(x, 0, self.out_features)
+        if self._packed_version != self.weight._version:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, full[0], full[1], "none", [], "")
 
     def forward_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """x [..., in] -> output features [start, stop) [..., stop - start], contiguous."""
-        bias = None if self.bias is None else self.bias[start:stop]
         packed = self._packed.get((start, stop))
         if (
             packed is not None
@@ -101,7 +106,8 @@ class Linear(nn.Linear):
             and x.is_cpu  # a model moved off the CPU after prepack() keeps F.linear
             and self._packed_version == self.weight._version
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, packed[0], packed[1], "none", [], "")
+        bias = None if self.bias is None else self.bias[start:stop]
         return F.linear(x, self.weight[start:stop], bias)
 
 

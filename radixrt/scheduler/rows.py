@@ -10,9 +10,12 @@ them computed and the sample in flight.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from radixrt.plan import PlanRow, PromptLogprobs
 from radixrt.scheduler.request import Request, Status
+
+_ADMISSION_ORDER = attrgetter("admission_seq")
 
 
 class RowPlanning:
@@ -26,15 +29,17 @@ class RowPlanning:
     @staticmethod
     def _extend_due(req: Request) -> bool:
         """More than one token to feed (a prefill chunk), or a prompt-only request's last."""
-        return req.num_pending > 1 or (req.max_tokens == 0 and req.num_pending == 1)
+        pending = req.num_pending
+        return pending > 1 or (req.max_tokens == 0 and pending == 1)
 
     def _decode_due(self, req: Request) -> bool:
         """One token to feed, and the sample it makes may still be kept (a request whose
         in-flight samples already reach max_tokens or the context waits for them)."""
+        seq_len = req.seq_len  # (the properties once: this runs per running request a step)
         return (
-            req.num_pending == 1
-            and req.num_output + req.num_inflight_samples < req.max_tokens
-            and req.seq_len < self.max_model_len
+            seq_len - req.num_computed == 1  # num_pending
+            and seq_len - req.prompt_len < req.max_tokens  # num_output + in-flight samples
+            and seq_len < self.max_model_len
         )
 
     def _schedule_decode(self) -> list[tuple[Request, list[int]]]:
@@ -42,7 +47,7 @@ class RowPlanning:
         scheduled: list[tuple[Request, list[int]]] = []
         due = [
             r
-            for r in sorted(self.running, key=lambda r: r.admission_seq)
+            for r in sorted(self.running, key=_ADMISSION_ORDER)
             if self._schedulable(r) and self._decode_due(r)
         ]
         # drafts take what the token budget leaves after one token for every decode row
@@ -105,12 +110,16 @@ class RowPlanning:
         assert not reads_last or (n == 1 and start == len(seq)), "one in-flight sample at most"
         k = len(drafts)
         samples = start + n - k == req.seq_len and req.max_tokens > 0
+        if reads_last:
+            input_ids = []
+        else:
+            input_ids = seq[start : start + n - k] + list(drafts) if k else seq[start : start + n]
         row = PlanRow(
             rid=req.rid,
             slot=req.slot,
             start=start,
             num_tokens=n,
-            input_ids=[] if reads_last else seq[start : start + n - k] + list(drafts),
+            input_ids=input_ids,
             reads_last_sample=reads_last,
             table_start=req.num_table_sent,
             new_blocks=req.block_table[req.num_table_sent :],
@@ -121,16 +130,18 @@ class RowPlanning:
             num_output_before=req.num_output + req.num_inflight_samples,
         )
         req.num_table_sent = len(req.block_table)
-        if p.has_penalties:
+        penalties = p.has_penalties
+        if penalties:
             row.history, row.prompt_len = list(seq), req.prompt_len
         # Penalties need the whole output on the host; so does the proposer, to draft, and
         # beam search, to pick the next beams.
         is_beam = req.group is not None and req.group.beam is not None and req.reports is False
-        row.needs_host_result = p.has_penalties or self.proposer is not None or is_beam
+        row.needs_host_result = penalties or self.proposer is not None or is_beam
         if req.grammar is not None and samples:  # the next mask needs this step's token
             row.token_bitmask = self._grammar_masks(req, drafts)
             row.needs_host_result = True
-        self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.prompt_len) - start)
+        if start < req.prompt_len:
+            self.stats.num_prompt_tokens_computed += min(start + n, req.prompt_len) - start
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
             hi = min(start + n, req.prompt_len - 1)
