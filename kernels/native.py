@@ -1,15 +1,17 @@
 """Native CPU kernels: C sources in kernels/csrc, compiled on first use and loaded with ctypes.
 
 `load_library(name)` compiles `csrc/<name>.c` with the system C compiler (`$CC`, else cc, gcc
-or clang on PATH) into `~/.cache/radixrt/native/<name>-<key>.so`, the key a hash of the
-source, the compiler's version, the flags and the CPU (so a cache shared by two kinds of
-machine keeps one library per kind), atomically (a temp file renamed into place: processes
-that build at once each get a whole library). It returns None, after logging why once, when
-no compiler is found, the build fails, or RADIXRT_NATIVE_KERNELS=0; callers then use their
-torch path. Flags: -O3, the host's vector ISA (-march=native, -mcpu=native on Arm) and -fopenmp
-(parallel regions on the OpenMP runtime torch has loaded), retried without -fopenmp and then
-without the ISA flag; -fopenmp-simd (the sources' `omp simd` loops), -pthread. No Python
-headers and no torch headers: a build takes well under a second.
+or clang on PATH) into `~/.cache/radixrt/native/<name>-<key>.so` (`$RADIXRT_NATIVE_CACHE`
+moves it), the key a hash of the source, the compiler's version, the flags and the CPU (so a
+cache shared by two kinds of machine keeps one library per kind), atomically (a temp file
+renamed into place: processes that build at once each get a whole library). It returns None,
+after logging why once, when no compiler is found, the build fails, the cache cannot be
+written, or RADIXRT_NATIVE_KERNELS=0; callers then use their torch path.
+
+Flags: -O3, the host's vector ISA (-march=native, -mcpu=native on Arm) and -fopenmp (parallel
+regions on the OpenMP runtime torch has loaded), retried without -fopenmp and then without the
+ISA flag; -fopenmp-simd (the sources' `omp simd` loops), -pthread. No Python headers and no
+torch headers: a build takes well under a second.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=c11"
 DISABLE_ENV = "RADIXRT_NATIVE_KERNELS"  # "0": never build or load (the torch paths run)
 
 
+CACHE_ENV = "RADIXRT_NATIVE_CACHE"  # where built libraries go (default ~/.cache/radixrt/native)
+
+
 def cache_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/radixrt/native"))
+    return Path(os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/radixrt/native"))
 
 
 def find_compiler() -> str | None:
@@ -99,13 +104,21 @@ def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None
     if cc is None:
         logger.warning("no C compiler found (set CC): %s uses the slower torch path", name)
         return None
+    try:
+        return _load(cc, source, defines)
+    except (OSError, subprocess.SubprocessError) as e:  # read-only cache, a hung compiler, ...
+        logger.warning("native kernel %s unavailable (%s): using the torch path", name, e)
+        return None
+
+
+def _load(cc: str, source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
     key = hashlib.sha256(
         "\0".join(
             [source.read_text(), _compiler_version(cc), " ".join(BASE_FLAGS + defines)]
             + [_cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         error = _build(cc, source, target, defines)
         if error is not None:

@@ -108,7 +108,7 @@ def test_library_is_cached_per_source(native_kernel, tmp_path, monkeypatch):
     """A fresh cache dir gets one library; loading again reuses it (no rebuild)."""
     from radixrt.kernels import native
 
-    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     native.load_library.cache_clear()
     try:
         assert native.load_library("paged_decode") is not None
@@ -129,5 +129,21 @@ def test_disabled_by_environment(monkeypatch):
     native.load_library.cache_clear()
     try:
         assert native.load_library("paged_decode") is None
+    finally:
+        native.load_library.cache_clear()
+
+
+def test_unwritable_cache_falls_back(native_kernel, tmp_path, monkeypatch, caplog):
+    """A cache dir that cannot be created: None and a warning (the torch path runs), no
+    exception into the step."""
+    from radixrt.kernels import native
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "native"))  # under a regular file
+    native.load_library.cache_clear()
+    try:
+        assert native.load_library("paged_decode") is None
+        assert "unavailable" in caplog.text
     finally:
         native.load_library.cache_clear()

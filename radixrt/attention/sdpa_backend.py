@@ -96,6 +96,8 @@ class SdpaAttentionBackend:
         self.prefix_min_saved_keys = prefix_min_saved_keys
         self.prefix_groups: list[PrefixGroup] = []
         self.native_decode = native_decode
+        if native_decode:
+            load_paged_decode()  # build it now (start-up), not in the first request's step
         self.native_max_extend_pairs = native_max_extend_pairs
         self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs rows
         self.native_plan: NativePlan | None = None  # the rows it runs
