@@ -13,10 +13,8 @@ from .block_table import (
     TokenMetadata,
     build_kv_metadata,
     build_kv_metadata_reference,
-    build_kv_metadata_vectorized,
     build_token_metadata,
     build_token_metadata_reference,
-    build_token_metadata_vectorized,
 )
 from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
 from .store_kv import store_kv, store_kv_reference
@@ -28,10 +26,8 @@ __all__ = [
     "TokenMetadata",
     "build_kv_metadata",
     "build_kv_metadata_reference",
-    "build_kv_metadata_vectorized",
     "build_token_metadata",
     "build_token_metadata_reference",
-    "build_token_metadata_vectorized",
     "rmsnorm",
     "rmsnorm_reference",
     "store_kv",

@@ -143,39 +143,6 @@ def build_token_metadata(
     return TokenMetadata(positions, slot_mapping)
 
 
-def build_kv_metadata_vectorized(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-) -> KVMetadata:
-    """`build_kv_metadata` in a few torch ops (no loop over rows, no checks: the "must"s of
-    `build_kv_metadata` hold for the caller); what the runner uses on CPU devices."""
-    num_blocks = (seq_lens.long() + block_size - 1) // block_size  # [R]
-    indptr = torch.zeros(num_blocks.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    torch.cumsum(num_blocks, 0, out=indptr[1:])
-    used = torch.arange(block_tables.shape[1], device=seq_lens.device) < num_blocks[:, None]
-    last = (seq_lens.long() - (num_blocks - 1) * block_size).to(torch.int32)
-    return KVMetadata(indptr, block_tables[used], last)  # row-major: rows' blocks in order
-
-
-def build_token_metadata_vectorized(
-    block_tables: torch.Tensor,
-    start_pos: torch.Tensor,
-    num_new: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    num_tokens: int,
-    block_size: int,
-) -> TokenMetadata:
-    """`build_token_metadata` in a few torch ops (no loop over rows, no checks); what the
-    runner uses on CPU devices."""
-    dev = block_tables.device
-    rows = torch.repeat_interleave(
-        torch.arange(num_new.shape[0], device=dev), num_new.long(), output_size=num_tokens
-    )  # [T]: the row of each new token
-    offset = torch.arange(num_tokens, device=dev) - qo_indptr.long()[rows]
-    positions = start_pos.long()[rows] + offset
-    blocks = block_tables[rows, positions // block_size].long()
-    return TokenMetadata(positions, blocks * block_size + positions % block_size)
-
-
 def build_kv_metadata_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -1,7 +1,7 @@
 """Attention metadata built on the host with numpy: what the runner uses on non-CUDA devices.
 
-The same results as `build_kv_metadata_vectorized` / `build_token_metadata_vectorized` (and
-their references), from numpy arrays, in as few array ops as possible: between two forwards of
+The same results as `build_kv_metadata` / `build_token_metadata` (Triton, CUDA) and their
+references, from numpy arrays, in as few array ops as possible: between two forwards of
 a CPU decode step the caches are cold (the forward streams the weights and the KV), and there
 every numpy or torch call costs 5-20 us, a torch op more than a numpy op. No checks (the
 "must"s of `radixrt.kernels.build_kv_metadata` / `build_token_metadata` hold for the caller).

@@ -41,6 +41,7 @@ class PagedDecodeKernel:
         scale: float,
         out: torch.Tensor,  # [n, hq, d] float32 cpu, written; rows may be strided
         lse: torch.Tensor | None = None,  # [n, hq] float32 contiguous: natural log-sum-exp
+        # (to merge with another key set's partial result; the backend does not ask for it)
         num_threads: int = 1,
     ) -> None:
         """Query head i of token t attends kv head i // (hq / hkv) over keys 0..kv_len[t]-1

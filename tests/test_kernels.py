@@ -27,10 +27,8 @@ from radixrt.kernels import (
     HAS_TRITON,
     build_kv_metadata,
     build_kv_metadata_reference,
-    build_kv_metadata_vectorized,
     build_token_metadata,
     build_token_metadata_reference,
-    build_token_metadata_vectorized,
     rmsnorm,
     rmsnorm_reference,
     store_kv,
@@ -379,27 +377,6 @@ except ImportError as e:
 else:
     raise AssertionError("store_kv ran without triton")
 """)
-
-
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("num_rows", [0, 1, 4, 9])
-def test_vectorized_metadata_matches_reference(block_size, num_rows):
-    """The CPU runner's loop-free versions equal the references (token and KV metadata)."""
-    gen = torch.Generator().manual_seed(num_rows * 10 + block_size + 1)
-    max_blocks = 6
-    table = _random_table(gen, num_rows, max_blocks)
-    start_pos, num_new, qo_indptr = _token_batch(gen, num_rows, max_blocks, block_size)
-    args = tuple(_int32(a, "cpu") for a in (start_pos, num_new, qo_indptr))
-    num_tokens = qo_indptr[-1]
-    expected = build_token_metadata_reference(table, *args, num_tokens, block_size)
-    got = build_token_metadata_vectorized(table, *args, num_tokens, block_size)
-    for name, a, b in zip(got._fields, got, expected):
-        assert a.dtype == torch.int64 and torch.equal(a, b), name
-    lens = _seq_lens(gen, num_rows, max_blocks, block_size)
-    expected_kv = build_kv_metadata_reference(table, _int32(lens, "cpu"), block_size)
-    _assert_kv_metadata_equal(
-        build_kv_metadata_vectorized(table, _int32(lens, "cpu"), block_size), expected_kv
-    )
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -19,11 +19,11 @@ import torch
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
 
-# Extend rows of at most this many (query, key) pairs go through the native kernel (see
-# native_rows). 8 such rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA
-# groups: on a 400-key prefix 4 new tokens (1.6k pairs) 0.54 vs 0.95 ms, 16 (6.5k) 2.04 vs
-# 2.27, 32 (13k) 3.70 vs 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23,
-# 128 (8.3k) 2.21 vs 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
+# Extend rows of at most this many (query, key) pairs go through the native kernel. 8 such
+# rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA groups: on a 400-key
+# prefix 4 new tokens (1.6k pairs) 0.54 vs 0.95 ms, 16 (6.5k) 2.04 vs 2.27, 32 (13k) 3.70 vs
+# 3.14, 64 (28k) 6.79 vs 5.47; fresh rows of 64 (2.1k) 0.79 vs 1.23, 128 (8.3k) 2.21 vs
+# 3.42; on 2000 keys 32 new (65k) 14.7 vs 11.4.
 NATIVE_MAX_EXTEND_PAIRS = 8192
 # Steps with at least this many (query, key) pairs split the kernel's queries over torch's
 # threads (its OpenMP region runs on torch's own pool). Tiny Llama, 32 decode rows x ~150

@@ -22,7 +22,9 @@ groups (and prefix groups). Where the kernel cannot be built (no C compiler) eve
 SDPA groups.
 
 Extend groups whose pieces all start at key 0 (a fresh prompt's whole rows) run SDPA's own
-causal mask (`is_causal`, which skips the masked half) instead of an additive mask.
+causal mask (`is_causal`) instead of an additive one: no mask to build at the first layer or
+read in every call (torch's CPU flash kernel took as long either way at 128 keys, a little less
+with `is_causal` at 512).
 
 GQA without repeated K/V: a decode group attends q viewed as [n, kv_heads, group, d] (the query
 heads sharing a KV head become that head's queries; on a CPU a group of 3 mod 4 heads gets one
