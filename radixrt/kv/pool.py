@@ -10,15 +10,22 @@ K and one V scale per layer (`KVScales`): `store` writes `clamp(x / scale, +-448
 and a reader dequantizes with `dequantize` (torch backends) or passes the scales to its
 kernel (FlashInfer). fp8 elements are 1 byte, so the same memory holds twice the tokens of
 bf16 (`bytes_per_block`).
+
+A float32 CPU pool stores steps of at least NATIVE_STORE_MIN_TOKENS tokens with the native
+`store_kv` (radixrt.kernels.cpu_ops: one pass, no index_copy_ dispatch; 4096 tokens of the
+tiny model's layer 530 -> 117 us); below that ctypes' per-call cost (~5 us) is more than
+index_copy_'s two calls (32 tokens: 8.2 vs 10.8 us).
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixrt.kernels.cpu_ops import load_cpu_ops
 from radixrt.kv.scales import FP8_E4M3_MAX, KVScales
 
 FP8_DTYPE = torch.float8_e4m3fn
+NATIVE_STORE_MIN_TOKENS = 256  # see the module docstring
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -72,6 +79,7 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+        self._native_store = self.kv.device.type == "cpu" and dtype == torch.float32
 
     @property
     def dtype(self) -> torch.dtype:
@@ -137,6 +145,11 @@ class KVPool:
         """Write new tokens' K/V (quantized as `quantize`). slots: [T] int64;
         k, v: [T, kv_heads, head_dim]. Mutates the pool."""
         flat = self.kv[layer].view(2, -1, self.num_kv_heads, self.head_dim)
+        if k.shape[0] >= NATIVE_STORE_MIN_TOKENS and self._native_store:
+            ops = load_cpu_ops()
+            if ops is not None and k.dtype == v.dtype == torch.float32:
+                ops.store_kv(k, v, slots, flat[0], flat[1])
+                return
         kq, vq = self.quantize(layer, k, v)
         if self.is_fp8:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
             flat, kq, vq = flat.view(torch.uint8), kq.view(torch.uint8), vq.view(torch.uint8)
