@@ -83,7 +83,13 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(inter, cfg.hidden_size, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda or not self.gate_up_proj.is_packed or x.shape[0] < PACKED_MIN_ROWS:
+        gate_up = self.gate_up_proj
+        if (
+            x.is_cuda
+            or not gate_up.is_packed
+            or x.shape[0] < PACKED_MIN_ROWS
+            or gate_up.takes_small(x)
+        ):
             # one GEMM (FlashInfer's silu_and_mul reads its halves; on CPU, few rows)
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         # CPU, many rows: the packed gate and up GEMMs apart, so that silu and mul run on
