@@ -2,8 +2,9 @@
 
 `load_library(name)` compiles `csrc/<name>.c` with the system C compiler (`$CC`, else cc, gcc
 or clang on PATH) into `~/.cache/radixrt/native/<name>-<key>.so` (`$RADIXRT_NATIVE_CACHE`
-moves it), the key a hash of the source, the compiler's version, the flags and the CPU (so a
-cache shared by two kinds of machine keeps one library per kind), atomically (a temp file
+moves it), the key a hash of the source (and the shared csrc/*.h headers), the compiler's
+version, the flags and the CPU (so a cache shared by two kinds of machine keeps one library per
+kind), atomically (a temp file
 renamed into place: processes that build at once each get a whole library). It returns None,
 after logging why once, when no compiler is found, the build fails, the cache cannot be
 written, or RADIXRT_NATIVE_KERNELS=0; callers then use their torch path.
@@ -111,10 +112,15 @@ def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None
         return None
 
 
+def _headers() -> list[str]:
+    """The shared headers' texts (csrc/*.h, which sources include): part of every key."""
+    return [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
+
+
 def _load(cc: str, source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), _compiler_version(cc), " ".join(BASE_FLAGS + defines)]
+            [source.read_text(), *_headers(), _compiler_version(cc), " ".join(BASE_FLAGS + defines)]
             + [_cpu_signature()]
         ).encode()
     ).hexdigest()[:16]

@@ -156,3 +156,29 @@ def test_rope_layer_native_path_in_place(ops: CpuOps) -> None:
     with torch.inference_mode():
         got_q, got_k = rope(rope.prepare(positions[:5], qc), qc.clone(), kc.clone())
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 4096])
+def test_silu_mul_matches_torch(ops: CpuOps, rows: int) -> None:
+    inter = 517  # not a multiple of 8: the scalar tail too
+    x = torch.randn(rows, 2 * inter) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    gate, up = x[:, :inter], x[:, inter:]  # strided halves of one gate_up output
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(ops.silu_mul(gate, up), want, rtol=1e-6, atol=1e-6)
+    g = gate.contiguous()
+    assert ops.silu_mul(g, up, g) is g  # in place
+    torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+
+
+def test_mlp_activation_layers_native_path(ops: CpuOps) -> None:
+    from radixrt.model.layers import silu_and_mul, silu_mul_
+
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        want = silu_and_mul(x)
+    with torch.inference_mode():
+        torch.testing.assert_close(silu_and_mul(x), want, rtol=1e-6, atol=1e-6)
+        gate = x[:, :32].contiguous()
+        assert silu_mul_(gate, x[:, 32:]) is gate
+        torch.testing.assert_close(gate, want, rtol=1e-6, atol=1e-6)

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vexp.h"
+
 typedef struct {
     const float *q;            /* query t at q + t * q_stride: [kv_heads, group, head_dim] */
     const float *k_cache;      /* [num_blocks, block_size, kv_heads, head_dim] */
@@ -53,47 +55,9 @@ static inline void prefetch_range(const float *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
-static inline float exp_nonpos(float x) {
-    /* e^x for x <= 0; below -87 it returns e^-87 (~1.6e-38: nothing beside the max's 1). */
-    x = x < -87.0f ? -87.0f : x;
-    float fx = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    int32_t n = (int32_t)fx;
-    union { int32_t i; float f; } two_n;
-    two_n.i = (n + 127) << 23;
-    return y * two_n.f;
-}
-
-
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXRT_PORTABLE)
 #include <immintrin.h>
 #define HAVE_AVX2 1
-
-static inline __m256 exp_nonpos8(__m256 x) {
-    /* exp_nonpos on 8 lanes */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
 
 static inline float hsum8(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -11,10 +11,10 @@ and a reader dequantizes with `dequantize` (torch backends) or passes the scales
 kernel (FlashInfer). fp8 elements are 1 byte, so the same memory holds twice the tokens of
 bf16 (`bytes_per_block`).
 
-A float32 CPU pool stores steps of at least NATIVE_STORE_MIN_TOKENS tokens with the native
-`store_kv` (radixrt.kernels.cpu_ops: one pass, no index_copy_ dispatch; 4096 tokens of the
-tiny model's layer 530 -> 117 us); below that ctypes' per-call cost (~5 us) is more than
-index_copy_'s two calls (32 tokens: 8.2 vs 10.8 us).
+A float32 CPU pool stores new K/V with the native `store_kv` (radixrt.kernels.cpu_ops: one
+pass for K and V; 4096 tokens of the tiny model's layer 530 -> 117 us; at 32 tokens it is
+8.2 vs 10.8 us warm, but in a decode step, where the pool is cold, the two index_copy_ took
+~16 us each).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from radixrt.kernels.cpu_ops import load_cpu_ops
 from radixrt.kv.scales import FP8_E4M3_MAX, KVScales
 
 FP8_DTYPE = torch.float8_e4m3fn
-NATIVE_STORE_MIN_TOKENS = 256  # see the module docstring
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -80,6 +79,11 @@ class KVPool:
             device=device,
         )
         self._native_store = self.kv.device.type == "cpu" and dtype == torch.float32
+        # per-layer views, made once (a decode step would otherwise make ~5 a layer)
+        self._k = [self.kv[i, 0] for i in range(num_layers)]
+        self._v = [self.kv[i, 1] for i in range(num_layers)]
+        self._k_flat = [k.view(-1, num_kv_heads, head_dim) for k in self._k]
+        self._v_flat = [v.view(-1, num_kv_heads, head_dim) for v in self._v]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,10 +108,10 @@ class KVPool:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * elt
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 0]  # [num_blocks, block_size, kv_heads, head_dim] storage dtype
+        return self._k[layer]  # [num_blocks, block_size, kv_heads, head_dim] storage dtype
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self._v[layer]
 
     def k_scale(self, layer: int) -> float:
         return self.scales.k[layer]
@@ -144,17 +148,18 @@ class KVPool:
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V (quantized as `quantize`). slots: [T] int64;
         k, v: [T, kv_heads, head_dim]. Mutates the pool."""
-        flat = self.kv[layer].view(2, -1, self.num_kv_heads, self.head_dim)
-        if k.shape[0] >= NATIVE_STORE_MIN_TOKENS and self._native_store:
+        k_flat, v_flat = self._k_flat[layer], self._v_flat[layer]
+        if self._native_store and k.dtype == v.dtype == torch.float32:
             ops = load_cpu_ops()
-            if ops is not None and k.dtype == v.dtype == torch.float32:
-                ops.store_kv(k, v, slots, flat[0], flat[1])
+            if ops is not None:
+                ops.store_kv(k, v, slots, k_flat, v_flat)
                 return
         kq, vq = self.quantize(layer, k, v)
         if self.is_fp8:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
-            flat, kq, vq = flat.view(torch.uint8), kq.view(torch.uint8), vq.view(torch.uint8)
-        flat[0].index_copy_(0, slots, kq)
-        flat[1].index_copy_(0, slots, vq)
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            kq, vq = kq.view(torch.uint8), vq.view(torch.uint8)
+        k_flat.index_copy_(0, slots, kq)
+        v_flat.index_copy_(0, slots, vq)
 
     def copy_prefix(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """Copy-on-write: the first `num_tokens` tokens of a block, every layer, K and V

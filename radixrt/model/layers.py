@@ -108,8 +108,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     fi = _fast(x)
     if fi is not None and x.is_contiguous() and x.shape[-1] * x.element_size() % 16 == 0:
         return fi.activation.silu_and_mul(x)
+    inter = x.shape[-1] // 2
+    ops = _cpu_ops(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+    if ops is not None:
+        return ops.silu_mul(x[:, :inter], x[:, inter:])
     gate, up = x.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [T, I], written into gate (which is returned)."""
+    ops = _cpu_ops(gate) if gate.dim() == 2 and gate.stride(-1) == 1 else None
+    if ops is not None and up.stride(-1) == 1 and up.dtype == gate.dtype:
+        return ops.silu_mul(gate, up, gate)
+    return nn.functional.silu(gate, inplace=True).mul_(up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

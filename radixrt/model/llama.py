@@ -18,7 +18,7 @@ from radixrt.config import ModelConfig
 from radixrt.distributed.shard import TPShard
 from radixrt.kv.pool import KVPool
 from radixrt.model.kv_scales import is_kv_scale_name
-from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul
+from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class MLP(nn.Module):
         # 2.9 vs 0.9 ms at 4096 x 512)
         gate = self.gate_up_proj.forward_rows(x, 0, self.inter)
         up = self.gate_up_proj.forward_rows(x, self.inter, 2 * self.inter)
-        return self.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(silu_mul_(gate, up))
 
 
 def _row_linear(in_local: int, out_features: int, group: TPGroup | None) -> Linear:
