@@ -2,7 +2,7 @@
 
 `load_library(name)` compiles `csrc/<name>.c` with the system C compiler (`$CC`, else cc, gcc
 or clang on PATH) into `~/.cache/radixrt/native/<name>-<key>.so` (`$RADIXRT_NATIVE_CACHE`
-moves it), the key a hash of the source (and the shared csrc/*.h headers), the compiler's
+moves it), the key a hash of the source (and of every csrc file it may include), the compiler's
 version, the flags and the CPU (so a cache shared by two kinds of machine keeps one library per
 kind), atomically (a temp file
 renamed into place: processes that build at once each get a whole library). It returns None,
@@ -113,8 +113,9 @@ def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None
 
 
 def _headers() -> list[str]:
-    """The shared headers' texts (csrc/*.h, which sources include): part of every key."""
-    return [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
+    """The texts of every csrc file (sources include headers and other sources): part of
+    every library's key."""
+    return [f.read_text() for f in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")])]
 
 
 def _load(cc: str, source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:

@@ -134,6 +134,14 @@ class SdpaAttentionBackend:
             leave_out=leave_out,
         )
 
+    def native_decode_plan(self) -> NativePlan | None:
+        """After `prepare`: the native kernel's plan when it attends every row of the step
+        (e.g. a decode-only CPU step), else None. A model may then run the step's forward in
+        one native call (radixrt.model.cpu_decode) instead of calling `forward` per layer."""
+        if self._native is None or self.groups or self.prefix_groups:
+            return None
+        return self.native_plan
+
     def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA
         would convert a boolean mask on every call); empty for a causal group."""

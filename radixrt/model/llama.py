@@ -17,6 +17,8 @@ from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
 from radixrt.distributed.shard import TPShard
 from radixrt.kv.pool import KVPool
+from radixrt.model import cpu_decode
+from radixrt.model.cpu_decode import CpuDecode
 from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
@@ -158,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         assert (shard is None or shard.size == 1) == (group is None)
         self.cfg = cfg
+        self.group = group
         self.shard = shard = shard or TPShard.of(cfg, 0, 1)
         self.rope = rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
@@ -176,9 +179,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelLMHead(shard, cfg.hidden_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # decode steps on a CPU in one native call (radixrt.model.cpu_decode) where it applies;
+        # False: always layer by layer (tests compare the two)
+        self.cpu_decode = True
+        self._cpu_decode: tuple[KVPool, CpuDecode | None] | None = None  # (pool, built)
+        self._cpu_decode_applies = False  # CpuDecode.applies for that pool
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         """Runs every new token of `batch`; returns hidden states [T, hidden] (normed)."""
+        native_plan = getattr(backend, "native_decode_plan", None)
+        if self.cpu_decode and native_plan is not None:
+            plan = native_plan()
+            if cpu_decode.takes(batch, plan):
+                fast = self._native_decode(pool)
+                if fast is not None:
+                    return fast.forward(batch, plan)
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.prepare(batch.positions, x)  # cos/sin gathered once for all layers
         residual = None
@@ -186,6 +201,23 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, backend, pool)
         x, _ = self.norm(x, residual)
         return x
+
+    def _native_decode(self, pool: KVPool) -> CpuDecode | None:
+        """The native decode forward over `pool`, or None where it does not apply: built
+        once, and again when the pool changes or a weight was replaced or repacked since."""
+        built = self._cpu_decode
+        if built is None or built[0] is not pool:
+            applies = CpuDecode.applies(self, pool)
+            built = self._cpu_decode = (pool, CpuDecode.build(self, pool) if applies else None)
+            self._cpu_decode_applies = applies
+        fast = built[1]
+        if fast is not None and fast.valid(pool):
+            return fast
+        if not self._cpu_decode_applies:
+            return None
+        fast = CpuDecode.build(self, pool)  # None while a weight is not packed
+        self._cpu_decode = (pool, fast)
+        return fast
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
