@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=c11"
 DISABLE_ENV = "RADIXRT_NATIVE_KERNELS"  # "0": never build or load (the torch paths run)
 
 
+# every library a CPU float32 forward loads (what `prebuild` compiles when an engine starts)
+CPU_LIBRARIES = ("paged_decode", "cpu_ops", "gemm_small", "llama_decode")
 CACHE_ENV = "RADIXRT_NATIVE_CACHE"  # where built libraries go (default ~/.cache/radixrt/native)
 
 
@@ -57,6 +60,7 @@ def _arch_flags() -> tuple[str, ...]:
     return ("-mcpu=native",) if platform.machine() in ("arm64", "aarch64") else ("-march=native",)
 
 
+@functools.cache
 def _cpu_signature() -> str:
     """What the compiled code depends on beyond the source: the CPU's model and features."""
     try:
@@ -67,6 +71,7 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+@functools.cache
 def _compiler_version(cc: str) -> str:
     out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     return out.stdout.splitlines()[0] if out.stdout else ""
@@ -112,20 +117,49 @@ def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None
         return None
 
 
+def prebuild(names: tuple[str, ...]) -> None:
+    """Compile the libraries of `names` that are not in the cache yet, all at once (one
+    compiler process each, in parallel), so that the `load_library` calls that follow find
+    them built: a CPU engine's first start builds its five kernels in about the time of the
+    largest. Does nothing where `load_library` would not build (no compiler, disabled);
+    failures are left for `load_library` to report."""
+    cc = find_compiler()
+    if cc is None or os.environ.get(DISABLE_ENV, "1") == "0":
+        return
+    jobs = []
+    for name in names:
+        try:
+            source = SOURCES / f"{name}.c"
+            target = _target(cc, source, ())
+            if not target.exists():
+                jobs.append(threading.Thread(target=_build, args=(cc, source, target, ())))
+        except (OSError, subprocess.SubprocessError):
+            return
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+
+
 def _headers() -> list[str]:
     """The texts of every csrc file (sources include headers and other sources): part of
     every library's key."""
     return [f.read_text() for f in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")])]
 
 
-def _load(cc: str, source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
+def _target(cc: str, source: Path, defines: tuple[str, ...]) -> Path:
+    """Where the library built from `source` with `defines` by `cc` is cached."""
     key = hashlib.sha256(
         "\0".join(
             [source.read_text(), *_headers(), _compiler_version(cc), " ".join(BASE_FLAGS + defines)]
             + [_cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
+def _load(cc: str, source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    target = _target(cc, source, defines)
     if not target.exists():
         error = _build(cc, source, target, defines)
         if error is not None:

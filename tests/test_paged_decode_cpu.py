@@ -122,6 +122,25 @@ def test_library_is_cached_per_source(native_kernel, tmp_path, monkeypatch):
         native.load_library.cache_clear()
 
 
+def test_prebuild_compiles_in_parallel_then_loads_reuse(native_kernel, tmp_path, monkeypatch):
+    from radixrt.kernels import native
+
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    native.load_library.cache_clear()
+    try:
+        native.prebuild(native.CPU_LIBRARIES)
+        built = {p.name.split("-")[0]: p for p in tmp_path.glob("*.so")}
+        assert set(built) == set(native.CPU_LIBRARIES)
+        mtimes = {name: p.stat().st_mtime_ns for name, p in built.items()}
+        for name in native.CPU_LIBRARIES:
+            assert native.load_library(name) is not None
+        assert {name: p.stat().st_mtime_ns for name, p in built.items()} == mtimes
+        native.prebuild(native.CPU_LIBRARIES)  # all cached: nothing rebuilt
+        assert len(list(tmp_path.glob("*.so"))) == len(built)
+    finally:
+        native.load_library.cache_clear()
+
+
 def test_disabled_by_environment(monkeypatch):
     from radixrt.kernels import native
 

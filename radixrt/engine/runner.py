@@ -28,6 +28,7 @@ from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.inputs import StepLayout, host_forward_batch, layout_plan
 from radixrt.engine.result import PendingResult
 from radixrt.engine.row_sampling import RowSampling
+from radixrt.kernels.native import CPU_LIBRARIES, prebuild
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
@@ -71,6 +72,7 @@ class ModelRunner(RowSampling):
             logger.info("CPU: %d torch threads", cfg.cpu_threads)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults on every step's activations (cpu_malloc)
+            prebuild(CPU_LIBRARIES)  # the native kernels, compiled at once on a first start
         self.tp = tp
         start = time.perf_counter()
         shard = attn_cfg = None
