@@ -114,3 +114,15 @@ def test_not_taken_where_it_does_not_apply(native_kernel, make_engine, monkeypat
     engine = make_engine(prefix_cache="none", max_running_requests=SMALL_MAX_ROWS + 8)
     _greedy(engine, _prompts(engine, SMALL_MAX_ROWS + 5), n=3)  # decode steps of 69 rows
     assert calls[0] == 0
+
+
+def test_replaced_parameter_rebuilds(native_kernel, make_engine) -> None:
+    engine = make_engine(prefix_cache="none")
+    model, pool = engine.core.runner.model, engine.core.runner.pool
+    with torch.inference_mode():
+        first = model._native_decode(pool)
+        assert first is not None and first.valid(pool)
+        model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
+        assert not first.valid(pool)
+        second = model._native_decode(pool)
+    assert second is not None and second is not first and second.valid(pool)

@@ -123,17 +123,14 @@ class CpuDecode:
             model.rope.rope_table.data_ptr(), layers, PARALLEL_MIN_MACS,
             NATIVE_MIN_PAIRS_THREADED, PARALLEL_MIN_ELEMENTS,
         )  # fmt: skip
-        # what the pointers point into, and the versions that make them current
-        self._linears = [(lin, lin._small, lin.weight._version) for lin in linears]
-        self._tensors = [
-            (owner, name, getattr(owner, name))
-            for owner, name in [
-                (model.embed_tokens, "weight"),
-                (model.norm, "weight"),
-                (model.rope, "rope_table"),
-                *((n, "weight") for layer in model.layers for n in _norms(layer)),
-            ]
-        ]
+        # what the pointers point into: (the owner's parameter or buffer dict, name, tensor,
+        # version or None), checked through the dicts (no nn.Module.__getattr__ per step)
+        watch = [(lin._parameters, "weight", lin.weight, lin.weight._version) for lin in linears]
+        watch += [(model.rope._buffers, "rope_table", model.rope.rope_table, None)]
+        owners = [model.embed_tokens, model.norm, *(n for ly in model.layers for n in _norms(ly))]
+        watch += [(m._parameters, "weight", m.weight, None) for m in owners]
+        self._watch = watch
+        self._linears = [(lin, lin._small) for lin in linears]
         self._pool_kv = pool.kv
         self._scratch = torch.empty(0)
         per_row = 3 * cfg.hidden_size + (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim
@@ -168,13 +165,17 @@ class CpuDecode:
         return None if lib is None else CpuDecode(model, pool, lib)
 
     def valid(self, pool: KVPool) -> bool:
-        """Whether every pointer the C side holds is still the model's and pool's memory."""
+        """Whether every pointer the C side holds is still the model's and pool's memory, and
+        every packed copy current (~10 us)."""
         if pool is not self.pool or pool.kv is not self._pool_kv:
             return False
-        for lin, small, version in self._linears:
-            if lin._small is not small or lin.weight._version != version:
+        for lin, small in self._linears:
+            if lin._small is not small:
                 return False
-        return all(getattr(owner, name) is t for owner, name, t in self._tensors)
+        for owner, name, t, version in self._watch:
+            if owner.get(name) is not t or (version is not None and t._version != version):
+                return False
+        return True
 
     def forward(self, batch: ForwardBatch, plan: NativePlan) -> torch.Tensor:
         """The final hidden states [T, hidden] (normed) of a decode-only batch."""
