@@ -1,0 +1,477 @@
+/* Causal attention of extend rows over the paged KV pool, read in place (CPU, float32).
+ *
+ * Built and loaded by radixrt.kernels.native (ctypes); the Python side is
+ * radixrt.kernels.paged_extend_cpu, which states the contract. Row r has kv_len[r] keys,
+ * read block by block from kv_indices[block_start[r] ...] of a pool laid out [num_blocks,
+ * block_size, kv_heads, head_dim], and q_len[r] queries (its last q_len[r] tokens) at rows
+ * q_start[r] ... of q; query i attends keys 0 .. kv_len - q_len + i. Query head j reads kv
+ * head j / group (GQA).
+ *
+ * Work item: (row, kv head, chunk of queries). An item copies its keys (up to the chunk's
+ * last query's bound) transposed into a scratch [head_dim][keys], then walks the chunk in
+ * tiles of query vectors (query x the group's heads, query-major): scores of up to 6 query
+ * vectors against 16 keys at a time (12 accumulators; each key row of the transpose loaded
+ * once per 6 query vectors, each query element broadcast), up to the group's causal bound
+ * only (fully masked 16-key runs are skipped); softmax per query vector (max, exp, sum;
+ * Cephes-style exp, relative error < 2e-7); then P @ V with 3 query vectors x 32 output dims
+ * (12 accumulators), V read from the pool in place. Accumulation in float32.
+ *
+ * Two implementations: AVX2+FMA for head_dim a multiple of 8, and portable C (any CPU and
+ * head_dim, loops the compiler vectorises). Threads (num_threads > 1) split the items into
+ * contiguous runs of about equal cost (queries x keys); on the OpenMP runtime when built
+ * with -fopenmp (torch's pool, as in paged_decode.c), else threads started per call.
+ */
+#include <math.h>
+#include <pthread.h>
+#if defined(_OPENMP) && !defined(RADIXRT_NO_OPENMP)
+#define USE_OPENMP 1
+#include <omp.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+#define TILE_VECS 24   /* query vectors a tile aims at (scores scratch: TILE_VECS x keys) */
+#define CHUNK_QUERIES 64 /* queries per work item (so causal rows split into several) */
+#define MAX_GROUP 64   /* query heads per kv head */
+#define MAX_VECS (TILE_VECS > MAX_GROUP ? TILE_VECS : MAX_GROUP) /* query vectors a tile has */
+
+typedef struct {
+    const float *q;             /* query token t at q + t * q_stride: [kv_heads, group, d] */
+    const float *k_cache;       /* [num_blocks, block_size, kv_heads, head_dim] */
+    const float *v_cache;       /* same layout */
+    const int32_t *kv_indices;  /* pool blocks, concatenated block tables */
+    const int64_t *block_start; /* [R] index into kv_indices of the row's first block */
+    const int32_t *kv_len;      /* [R] keys of the row (>= q_len) */
+    const int64_t *q_start;     /* [R] the row's first query token */
+    const int32_t *q_len;       /* [R] queries of the row (>= 1) */
+    float *out;                 /* token t's result at out + t * out_stride, as q */
+    float *lse;                 /* [T, kv_heads * group] natural log-sum-exp, or NULL */
+    int64_t q_stride, out_stride;
+    int kv_heads, group, head_dim, block_size, tile_queries;
+    float scale;
+    int64_t ldk_max;            /* scratch row length: max keys rounded up to 16 */
+    const int64_t *items;       /* item i: row << 32 | kv head << 24 | chunk (see main) */
+    int64_t item_begin, item_end;
+    int status;                 /* 0 ok, 1 out of memory */
+} ExtendArgs;
+
+static inline float exp_nonpos(float x) {
+    /* e^x for x <= 0; below -87 it returns e^-87 (~1.6e-38: nothing beside the max's 1). */
+    x = x < -87.0f ? -87.0f : x;
+    float fx = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t n = (int32_t)fx;
+    union { int32_t i; float f; } two_n;
+    two_n.i = (n + 127) << 23;
+    return y * two_n.f;
+}
+
+/* Copy keys [0, nk) of kv head h of a row into kt[i * ldk + t] (transposed), zero-padding
+ * columns nk .. round16(nk) - 1. */
+static void transpose_keys(const ExtendArgs *a, const int32_t *blocks, int h, int nk, float *kt,
+                           int64_t ldk) {
+    const int d = a->head_dim, bs = a->block_size;
+    const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+    for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
+        const float *kb = a->k_cache + blocks[b] * blk_stride + (int64_t)h * d;
+        const int nt = nk - t0 < bs ? nk - t0 : bs;
+        for (int o = 0; o < nt; o++) {
+            const float *k = kb + o * ts;
+            float *dst = kt + t0 + o;
+            for (int i = 0; i < d; i++) dst[i * ldk] = k[i];
+        }
+    }
+    const int pad = ((nk + 15) & ~15) - nk;
+    if (pad)
+        for (int i = 0; i < d; i++) memset(kt + i * ldk + nk, 0, sizeof(float) * (size_t)pad);
+}
+
+/* Softmax of scores s[0, bound) in place (p = e^(s - max), unnormalised); zero s[bound, end).
+ * Returns the sum; *max_out the max. */
+static float softmax_row(float *s, int bound, int end, float *max_out);
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXRT_PORTABLE)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+static inline __m256 exp_nonpos8(__m256 x) {
+    /* exp_nonpos on 8 lanes */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static float softmax_row(float *s, int bound, int end, float *max_out) {
+    int t = 0;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= bound; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    float m = hmax8(mv);
+    for (; t < bound; t++) m = s[t] > m ? s[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= bound; t += 8) {
+        const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum8(sum);
+    for (; t < bound; t++) {
+        s[t] = exp_nonpos(s[t] - m);
+        total += s[t];
+    }
+    for (; t < end; t++) s[t] = 0.0f;
+    *max_out = m;
+    return total;
+}
+
+/* s[r * lds + t] = scale * q_r . k_t for R query vectors qp[r], keys t in [0, nk16) (a
+ * multiple of 16) of the transpose kt [d][ldk]. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const int R, const float *const *qp, const float *kt, int64_t ldk, int d, int nk16,
+    float scale, float *s, int64_t lds) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int k0 = 0; k0 < nk16; k0 += 16) {
+        __m256 acc0[6], acc1[6];
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+        const float *kp = kt + k0;
+        for (int i = 0; i < d; i++, kp += ldk) {
+            const __m256 ka = _mm256_loadu_ps(kp), kb = _mm256_loadu_ps(kp + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 qb = _mm256_broadcast_ss(qp[r] + i);
+                acc0[r] = _mm256_fmadd_ps(qb, ka, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(qb, kb, acc1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(s + r * lds + k0, _mm256_mul_ps(acc0[r], sc));
+            _mm256_storeu_ps(s + r * lds + k0 + 8, _mm256_mul_ps(acc1[r], sc));
+        }
+    }
+}
+
+static void scores_dispatch(int R, const float *const *qp, const float *kt, int64_t ldk, int d,
+                            int nk16, float scale, float *s, int64_t lds) {
+    switch (R) {
+    case 1: scores_avx2(1, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    case 2: scores_avx2(2, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    case 3: scores_avx2(3, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    case 4: scores_avx2(4, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    case 5: scores_avx2(5, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    default: scores_avx2(6, qp, kt, ldk, d, nk16, scale, s, lds); break;
+    }
+}
+
+/* acc_r[c .. c + 8W) = sum_{t < nk} p_r[t] v_t[c ...] for R query vectors, V of kv head h
+ * read from the pool through the row's blocks; stored times inv[r] into op[r] + c. */
+static inline __attribute__((always_inline)) void pv_avx2(
+    const int R, const int W, const ExtendArgs *a, const int32_t *blocks, int h, int c,
+    const float *const *pp, int nk, const float *inv, float *const *op) {
+    const int d = a->head_dim, bs = a->block_size;
+    const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < W; u++) acc[r][u] = _mm256_setzero_ps();
+    for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
+        const float *v = a->v_cache + blocks[b] * blk_stride + (int64_t)h * d + c;
+        const int nt = nk - t0 < bs ? nk - t0 : bs;
+        for (int o = 0; o < nt; o++, v += ts) {
+            __m256 w[3];
+            for (int r = 0; r < R; r++) w[r] = _mm256_broadcast_ss(pp[r] + t0 + o);
+            for (int u = 0; u < W; u++) {
+                const __m256 vv = _mm256_loadu_ps(v + 8 * u);
+                for (int r = 0; r < R; r++) acc[r][u] = _mm256_fmadd_ps(w[r], vv, acc[r][u]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 iv = _mm256_set1_ps(inv[r]);
+        for (int u = 0; u < W; u++)
+            _mm256_storeu_ps(op[r] + c + 8 * u, _mm256_mul_ps(acc[r][u], iv));
+    }
+}
+
+#define PV_CASE(R)                                                                         \
+    switch (W) {                                                                           \
+    case 1: pv_avx2(R, 1, a, blocks, h, c, pp, nk, inv, op); break;                        \
+    case 2: pv_avx2(R, 2, a, blocks, h, c, pp, nk, inv, op); break;                        \
+    case 3: pv_avx2(R, 3, a, blocks, h, c, pp, nk, inv, op); break;                        \
+    default: pv_avx2(R, 4, a, blocks, h, c, pp, nk, inv, op); break;                       \
+    }
+
+static void pv_dispatch(int R, int W, const ExtendArgs *a, const int32_t *blocks, int h, int c,
+                        const float *const *pp, int nk, const float *inv, float *const *op) {
+    if (R == 1) {
+        PV_CASE(1)
+    } else if (R == 2) {
+        PV_CASE(2)
+    } else {
+        PV_CASE(3)
+    }
+}
+#else
+static float softmax_row(float *s, int bound, int end, float *max_out) {
+    float m = s[0];
+    for (int t = 1; t < bound; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < bound; t++) {
+        const float e = exp_nonpos(s[t] - m);
+        s[t] = e;
+        sum += e;
+    }
+    for (int t = bound; t < end; t++) s[t] = 0.0f;
+    *max_out = m;
+    return sum;
+}
+#endif
+
+/* Query vector v of a tile starting at query qa (query-major: v = (qi - qa) * group + j). */
+static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
+    const int r = (int)(item >> 32), h = (int)((item >> 24) & 0xff);
+    const int chunk = (int)(item & 0xffffff);
+    const int g = a->group, d = a->head_dim, hq = a->kv_heads * g;
+    const int qlen = a->q_len[r], prefix = a->kv_len[r] - qlen;
+    const int qa0 = chunk * CHUNK_QUERIES;
+    const int qb0 = qa0 + CHUNK_QUERIES < qlen ? qa0 + CHUNK_QUERIES : qlen;
+    const int32_t *blocks = a->kv_indices + a->block_start[r];
+    const int nk_item = prefix + qb0; /* keys the chunk's last query attends */
+    const int64_t ldk = a->ldk_max;
+    const int64_t tok0 = a->q_start[r];
+    transpose_keys(a, blocks, h, nk_item, kt, ldk);
+    const int tq = a->tile_queries;
+    for (int qa = qa0; qa < qb0; qa += tq) {
+        const int qb = qa + tq < qb0 ? qa + tq : qb0;
+        const int nv = (qb - qa) * g;
+        const int tile_nk = prefix + qb; /* the tile's largest bound */
+        const float *qp[MAX_VECS];
+        float *op[MAX_VECS];
+        float inv[MAX_VECS];
+        for (int v = 0; v < nv; v++) {
+            const int64_t tok = tok0 + qa + v / g, head = (int64_t)h * g + v % g;
+            qp[v] = a->q + tok * a->q_stride + head * d;
+            op[v] = a->out + tok * a->out_stride + head * d;
+        }
+        /* scores, up to each group's causal bound */
+#ifdef HAVE_AVX2
+        if (d % 8 == 0) {
+            for (int v0 = 0; v0 < nv; v0 += 6) {
+                const int R = nv - v0 < 6 ? nv - v0 : 6;
+                const int bound = prefix + qa + (v0 + R - 1) / g + 1;
+                scores_dispatch(R, qp + v0, kt, ldk, d, (bound + 15) & ~15, a->scale,
+                                s + (int64_t)v0 * ldk, ldk);
+            }
+        } else
+#endif
+        {
+            for (int v = 0; v < nv; v++) {
+                const int bound = prefix + qa + v / g + 1;
+                float *sv = s + (int64_t)v * ldk;
+                const float *qv = qp[v];
+                memset(sv, 0, sizeof(float) * (size_t)bound);
+                for (int i = 0; i < d; i++) {
+                    const float qi = qv[i] * a->scale;
+                    const float *kr = kt + i * ldk;
+#pragma omp simd
+                    for (int t = 0; t < bound; t++) sv[t] += qi * kr[t];
+                }
+            }
+        }
+        /* softmax per query vector; masked keys up to the tile's bound get p = 0 */
+        for (int v = 0; v < nv; v++) {
+            const int bound = prefix + qa + v / g + 1;
+            float m;
+            const float total = softmax_row(s + (int64_t)v * ldk, bound, tile_nk, &m);
+            inv[v] = 1.0f / total;
+            if (a->lse) a->lse[(tok0 + qa + v / g) * hq + (int64_t)h * g + v % g] = m + logf(total);
+        }
+        /* P @ V */
+        const float *pp[MAX_VECS];
+        for (int v = 0; v < nv; v++) pp[v] = s + (int64_t)v * ldk;
+#ifdef HAVE_AVX2
+        if (d % 8 == 0) {
+            for (int v0 = 0; v0 < nv; v0 += 3) {
+                const int R = nv - v0 < 3 ? nv - v0 : 3;
+                const int nk = prefix + qa + (v0 + R - 1) / g + 1;
+                for (int c = 0; c < d; c += 32) {
+                    const int W = d - c < 32 ? (d - c) / 8 : 4;
+                    pv_dispatch(R, W, a, blocks, h, c, pp + v0, nk, inv + v0, op + v0);
+                }
+            }
+            continue;
+        }
+#endif
+        {
+            const int bs = a->block_size;
+            const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+            for (int v = 0; v < nv; v++) {
+                const int nk = prefix + qa + v / g + 1;
+                float *o = op[v];
+                const float *p = pp[v];
+                for (int i = 0; i < d; i++) o[i] = 0.0f;
+                for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
+                    const float *vb = a->v_cache + blocks[b] * blk_stride + (int64_t)h * d;
+                    const int nt = nk - t0 < bs ? nk - t0 : bs;
+                    for (int u = 0; u < nt; u++) {
+                        const float w = p[t0 + u];
+                        const float *vr = vb + u * ts;
+#pragma omp simd
+                        for (int i = 0; i < d; i++) o[i] += w * vr[i];
+                    }
+                }
+                const float w = inv[v];
+#pragma omp simd
+                for (int i = 0; i < d; i++) o[i] *= w;
+            }
+        }
+    }
+}
+
+static void *run_items(void *arg) {
+    ExtendArgs *a = (ExtendArgs *)arg;
+    if (a->item_begin >= a->item_end) {
+        a->status = 0;
+        return NULL;
+    }
+    const size_t ldk = (size_t)a->ldk_max, nv = (size_t)a->tile_queries * (size_t)a->group;
+    float *kt = (float *)malloc(sizeof(float) * ldk * ((size_t)a->head_dim + nv));
+    if (kt == NULL) {
+        a->status = 1;
+        return NULL;
+    }
+    float *s = kt + ldk * (size_t)a->head_dim;
+    for (int64_t it = a->item_begin; it < a->item_end; it++) run_item(a, a->items[it], kt, s);
+    free(kt);
+    a->status = 0;
+    return NULL;
+}
+
+/* Returns 0 on success, 1 out of memory, 2 bad arguments. */
+int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *kv_indices, const int64_t *block_start,
+                             const int32_t *kv_len, const int64_t *q_start, const int32_t *q_len,
+                             float *out, float *lse, int64_t num_rows, int64_t num_tokens,
+                             int64_t num_indices, int64_t num_blocks, int64_t q_stride,
+                             int64_t out_stride, int kv_heads, int group, int head_dim,
+                             int block_size, float scale, int num_threads) {
+    if (num_rows < 0 || num_tokens < 0 || kv_heads < 1 || kv_heads > 255 || group < 1 ||
+        group > MAX_GROUP || head_dim < 1 || block_size < 1 || num_rows > INT32_MAX)
+        return 2;
+    int max_len = 1;
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int ql = q_len[r], kl = kv_len[r];
+        if (ql < 1 || kl < ql || q_start[r] < 0 || q_start[r] > num_tokens - ql) return 2;
+        const int64_t nblk = (kl + block_size - 1) / block_size;
+        if (block_start[r] < 0 || block_start[r] > num_indices - nblk) return 2;
+        for (int64_t b = 0; b < nblk; b++) {
+            const int32_t blk = kv_indices[block_start[r] + b];
+            if (blk < 0 || blk >= num_blocks) return 2;
+        }
+        if (kl > max_len) max_len = kl;
+        num_items += (int64_t)kv_heads * ((ql + CHUNK_QUERIES - 1) / CHUNK_QUERIES);
+    }
+    if (num_items == 0) return 0;
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)num_items);
+    if (items == NULL) return 1;
+    int64_t *cost = items + num_items; /* cumulative cost (queries x keys) through item i */
+    int64_t n = 0, total = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int ql = q_len[r], prefix = kv_len[r] - ql;
+        for (int c = 0; c * CHUNK_QUERIES < ql; c++) {
+            const int qa = c * CHUNK_QUERIES;
+            const int qb = qa + CHUNK_QUERIES < ql ? qa + CHUNK_QUERIES : ql;
+            /* keys attended by the chunk's queries, plus the transpose and per-query work */
+            const int64_t w = (int64_t)(qb - qa) * (prefix + (qa + qb + 1) / 2 + 16) + prefix + qb;
+            for (int h = 0; h < kv_heads; h++) {
+                items[n] = r << 32 | (int64_t)h << 24 | c;
+                total += w;
+                cost[n++] = total;
+            }
+        }
+    }
+    int nt = num_threads < 1 ? 1 : num_threads;
+    if (nt > MAX_THREADS) nt = MAX_THREADS;
+    if (num_items < nt) nt = (int)num_items;
+    ExtendArgs args[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int64_t begin = 0;
+    for (int t = 0; t < nt; t++) {
+        ExtendArgs *a = &args[t];
+        a->q = q; a->k_cache = k_cache; a->v_cache = v_cache; a->kv_indices = kv_indices;
+        a->block_start = block_start; a->kv_len = kv_len; a->q_start = q_start;
+        a->q_len = q_len; a->out = out; a->lse = lse; a->q_stride = q_stride;
+        a->out_stride = out_stride; a->kv_heads = kv_heads; a->group = group;
+        a->head_dim = head_dim; a->block_size = block_size; a->scale = scale;
+        a->tile_queries = group >= TILE_VECS ? 1 : TILE_VECS / group;
+        a->ldk_max = ((int64_t)max_len + 15) & ~(int64_t)15;
+        a->items = items;
+        /* thread t takes the items whose cumulative cost ends in (total t/nt, total (t+1)/nt] */
+        int64_t end = begin;
+        const int64_t limit = t == nt - 1 ? total : total * (t + 1) / nt;
+        while (end < num_items && cost[end] <= limit) end++;
+        if (end == begin && end < num_items && t == nt - 1) end = num_items;
+        a->item_begin = begin;
+        a->item_end = end;
+        begin = end;
+        a->status = 0;
+    }
+#ifdef USE_OPENMP
+    /* OpenMP: torch's own runtime where torch is loaded (see paged_decode.c). */
+    (void)threads;
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const int t = omp_get_thread_num(), m = omp_get_num_threads();
+            for (int u = t; u < nt; u += m) run_items(&args[u]);
+        }
+    } else {
+        run_items(&args[0]);
+    }
+#else
+    int started = 1; /* threads 1..started-1 run; the caller's thread runs the rest */
+    while (started < nt && pthread_create(&threads[started], NULL, run_items, &args[started]) == 0)
+        started++;
+    run_items(&args[0]);
+    for (int t = started; t < nt; t++) run_items(&args[t]);
+    for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
+#endif
+    free(items);
+    for (int t = 0; t < nt; t++)
+        if (args[t].status) return args[t].status;
+    return 0;
+}
