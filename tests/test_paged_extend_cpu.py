@@ -118,9 +118,11 @@ def test_threads_match_one_thread(extend_kernel, threading):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])
-def test_portable_path_matches_reference(head_dim):
-    """The portable C path (what CPUs without AVX2 run) on head dims the vector path takes."""
-    kernel = _variant("RADIXRT_PORTABLE")
+@pytest.mark.parametrize("variant", ["RADIXRT_PORTABLE", "RADIXRT_AVX2_TILES"])
+def test_other_builds_match_reference(head_dim, variant):
+    """The portable C path (what CPUs without AVX2 run) on head dims the vector path takes, and
+    the register tiles for 16 vector registers (AVX2 without AVX-512VL's 32)."""
+    kernel = _variant(variant)
     gen = torch.Generator().manual_seed(head_dim + 1)
     args, tokens = _case(gen, MIXED + [(150, 80)], 4, 2, 3, head_dim)
     _check(kernel, args, tokens, head_dim**-0.5)

@@ -136,93 +136,202 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* transpose_keys for head_dim a multiple of 8: 8 keys x 8 dims at a time (8 loads, an 8x8
+ * register transpose, 8 stores); keys past nk read as zeros. */
+static void transpose_keys_avx2(const ExtendArgs *a, const int32_t *blocks, int h, int nk,
+                                float *kt, int64_t ldk) {
+    const int d = a->head_dim, bs = a->block_size;
+    const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+    static const float zeros[8] = {0};
+    const int nk16 = (nk + 15) & ~15;
+    for (int t0 = 0; t0 < nk16; t0 += 8) {
+        const float *kp[8];
+        for (int u = 0; u < 8; u++) {
+            const int t = t0 + u;
+            kp[u] = t < nk ? a->k_cache + blocks[t / bs] * blk_stride + (t % bs) * ts + h * d
+                           : NULL;
+        }
+        for (int i = 0; i < d; i += 8) {
+            __m256 r[8];
+            for (int u = 0; u < 8; u++) r[u] = _mm256_loadu_ps(kp[u] ? kp[u] + i : zeros);
+            const __m256 t0a = _mm256_unpacklo_ps(r[0], r[1]), t1a = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 t2a = _mm256_unpacklo_ps(r[2], r[3]), t3a = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 t4a = _mm256_unpacklo_ps(r[4], r[5]), t5a = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 t6a = _mm256_unpacklo_ps(r[6], r[7]), t7a = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 u0 = _mm256_shuffle_ps(t0a, t2a, 0x44), u1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1a, t3a, 0x44), u3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4a, t6a, 0x44), u5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5a, t7a, 0x44), u7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
+            float *dst = kt + (int64_t)i * ldk + t0;
+            _mm256_storeu_ps(dst + 0 * ldk, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(dst + 1 * ldk, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(dst + 2 * ldk, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(dst + 3 * ldk, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(dst + 4 * ldk, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(dst + 5 * ldk, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(dst + 6 * ldk, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(dst + 7 * ldk, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    }
+}
+
 static float softmax_row(float *s, int bound, int end, float *max_out) {
+    /* s has room (and finite values) up to bound rounded up to 8: the tail is one vector */
+    const int full = bound & ~7, tail = bound - full;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lane));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mv = ninf;
     int t = 0;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (; t + 8 <= bound; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    float m = hmax8(mv);
-    for (; t < bound; t++) m = s[t] > m ? s[t] : m;
+    for (; t < full; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    if (tail) mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t), keep));
+    const float m = hmax8(mv);
     const __m256 mb = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= bound; t += 8) {
+    for (t = 0; t < full; t += 8) {
         const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
         _mm256_storeu_ps(s + t, e);
         sum = _mm256_add_ps(sum, e);
     }
-    float total = hsum8(sum);
-    for (; t < bound; t++) {
-        s[t] = exp_nonpos(s[t] - m);
-        total += s[t];
+    if (tail) {
+        const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-100.0f),
+                                          _mm256_sub_ps(_mm256_loadu_ps(s + t), mb), keep);
+        const __m256 e = _mm256_and_ps(exp_nonpos8(x), keep);
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+        t += 8;
     }
+    for (; t + 8 <= end; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
     for (; t < end; t++) s[t] = 0.0f;
     *max_out = m;
-    return total;
+    return hsum8(sum);
 }
 
-/* s[r * lds + t] = scale * q_r . k_t for R query vectors qp[r], keys t in [0, nk16) (a
- * multiple of 16) of the transpose kt [d][ldk]. */
+/* Query vectors a scores pass takes: 12 x 2 accumulators where there are 32 vector registers
+ * (AVX-512VL), else 6 x 2. */
+#if defined(__AVX512VL__) && !defined(RADIXRT_AVX2_TILES)
+#define SC_VECS 12
+#else
+#define SC_VECS 6
+#endif
+
+/* s[r * lds + t] = scale * q_r . k_t for R query vectors qp[r], keys t in [0, nk8) (a
+ * multiple of 8) of the transpose kt [d][ldk] (16 keys at a time, then 8). Accumulators are named variables (not an
+ * array, which gcc keeps on the stack across the loop), dead ones removed for constant R. */
+#define SC_FMA(r)                                                                          \
+    if (R > r) {                                                                           \
+        const __m256 qb = _mm256_broadcast_ss(qp[r] + i);                                  \
+        x##r = _mm256_fmadd_ps(qb, ka, x##r);                                              \
+        y##r = _mm256_fmadd_ps(qb, kb, y##r);                                              \
+    }
+#define SC_STORE(r)                                                                        \
+    if (R > r) {                                                                           \
+        _mm256_storeu_ps(s + r * lds + k0, _mm256_mul_ps(x##r, sc));                       \
+        _mm256_storeu_ps(s + r * lds + k0 + 8, _mm256_mul_ps(y##r, sc));                   \
+    }
+#define SC_FMA8(r)                                                                         \
+    if (R > r) x##r = _mm256_fmadd_ps(_mm256_broadcast_ss(qp[r] + i), ka, x##r);
+#define SC_STORE8(r)                                                                       \
+    if (R > r) _mm256_storeu_ps(s + r * lds + k0, _mm256_mul_ps(x##r, sc));
 static inline __attribute__((always_inline)) void scores_avx2(
-    const int R, const float *const *qp, const float *kt, int64_t ldk, int d, int nk16,
+    const int R, const float *const *qp, const float *kt, int64_t ldk, int d, int nk8,
     float scale, float *s, int64_t lds) {
     const __m256 sc = _mm256_set1_ps(scale);
+    const int nk16 = nk8 & ~15;
     for (int k0 = 0; k0 < nk16; k0 += 16) {
-        __m256 acc0[6], acc1[6];
-        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+        __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
+        __m256 x6 = x0, x7 = x0, x8 = x0, x9 = x0, x10 = x0, x11 = x0;
+        __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0, y4 = x0, y5 = x0;
+        __m256 y6 = x0, y7 = x0, y8 = x0, y9 = x0, y10 = x0, y11 = x0;
         const float *kp = kt + k0;
         for (int i = 0; i < d; i++, kp += ldk) {
             const __m256 ka = _mm256_loadu_ps(kp), kb = _mm256_loadu_ps(kp + 8);
-            for (int r = 0; r < R; r++) {
-                const __m256 qb = _mm256_broadcast_ss(qp[r] + i);
-                acc0[r] = _mm256_fmadd_ps(qb, ka, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(qb, kb, acc1[r]);
-            }
+            SC_FMA(0) SC_FMA(1) SC_FMA(2) SC_FMA(3) SC_FMA(4) SC_FMA(5)
+            SC_FMA(6) SC_FMA(7) SC_FMA(8) SC_FMA(9) SC_FMA(10) SC_FMA(11)
         }
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(s + r * lds + k0, _mm256_mul_ps(acc0[r], sc));
-            _mm256_storeu_ps(s + r * lds + k0 + 8, _mm256_mul_ps(acc1[r], sc));
+        SC_STORE(0) SC_STORE(1) SC_STORE(2) SC_STORE(3) SC_STORE(4) SC_STORE(5)
+        SC_STORE(6) SC_STORE(7) SC_STORE(8) SC_STORE(9) SC_STORE(10) SC_STORE(11)
+    }
+    if (nk8 > nk16) { /* 8 more keys */
+        const int k0 = nk16;
+        __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
+        __m256 x6 = x0, x7 = x0, x8 = x0, x9 = x0, x10 = x0, x11 = x0;
+        const float *kp = kt + k0;
+        for (int i = 0; i < d; i++, kp += ldk) {
+            const __m256 ka = _mm256_loadu_ps(kp);
+            SC_FMA8(0) SC_FMA8(1) SC_FMA8(2) SC_FMA8(3) SC_FMA8(4) SC_FMA8(5)
+            SC_FMA8(6) SC_FMA8(7) SC_FMA8(8) SC_FMA8(9) SC_FMA8(10) SC_FMA8(11)
         }
+        SC_STORE8(0) SC_STORE8(1) SC_STORE8(2) SC_STORE8(3) SC_STORE8(4) SC_STORE8(5)
+        SC_STORE8(6) SC_STORE8(7) SC_STORE8(8) SC_STORE8(9) SC_STORE8(10) SC_STORE8(11)
     }
 }
 
 static void scores_dispatch(int R, const float *const *qp, const float *kt, int64_t ldk, int d,
-                            int nk16, float scale, float *s, int64_t lds) {
+                            int nk8, float scale, float *s, int64_t lds) {
+#define SC_CASE(n)                                                                         \
+    case n: scores_avx2(n, qp, kt, ldk, d, nk8, scale, s, lds); break;
     switch (R) {
-    case 1: scores_avx2(1, qp, kt, ldk, d, nk16, scale, s, lds); break;
-    case 2: scores_avx2(2, qp, kt, ldk, d, nk16, scale, s, lds); break;
-    case 3: scores_avx2(3, qp, kt, ldk, d, nk16, scale, s, lds); break;
-    case 4: scores_avx2(4, qp, kt, ldk, d, nk16, scale, s, lds); break;
-    case 5: scores_avx2(5, qp, kt, ldk, d, nk16, scale, s, lds); break;
-    default: scores_avx2(6, qp, kt, ldk, d, nk16, scale, s, lds); break;
+        SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4) SC_CASE(5)
+#if SC_VECS > 6
+        SC_CASE(6) SC_CASE(7) SC_CASE(8) SC_CASE(9) SC_CASE(10) SC_CASE(11)
+    default: scores_avx2(12, qp, kt, ldk, d, nk8, scale, s, lds); break;
+#else
+    default: scores_avx2(6, qp, kt, ldk, d, nk8, scale, s, lds); break;
+#endif
     }
 }
 
+/* Query vectors a P @ V pass takes: 6 x 4 accumulators where there are 32 vector registers
+ * (AVX-512VL), else 3 x 4 (16 registers). */
+#if defined(__AVX512VL__) && !defined(RADIXRT_AVX2_TILES)
+#define PV_VECS 6
+#else
+#define PV_VECS 3
+#endif
+
 /* acc_r[c .. c + 8W) = sum_{t < nk} p_r[t] v_t[c ...] for R query vectors, V of kv head h
- * read from the pool through the row's blocks; stored times inv[r] into op[r] + c. */
+ * read from the pool through the row's blocks; stored times inv[r] into op[r] + c. Named
+ * accumulators a<r><u> (not an array, which gcc keeps on the stack across the loop), the
+ * dead ones removed for constant R and W. */
+#define PV_R(r)                                                                            \
+    if (R > r) {                                                                           \
+        const __m256 w = _mm256_broadcast_ss(p##r + t);                                    \
+        if (W > 0) a##r##0 = _mm256_fmadd_ps(w, v0, a##r##0);                              \
+        if (W > 1) a##r##1 = _mm256_fmadd_ps(w, v1, a##r##1);                              \
+        if (W > 2) a##r##2 = _mm256_fmadd_ps(w, v2, a##r##2);                              \
+        if (W > 3) a##r##3 = _mm256_fmadd_ps(w, v3, a##r##3);                              \
+    }
+#define PV_ST(r)                                                                           \
+    if (R > r) {                                                                           \
+        const __m256 iv = _mm256_set1_ps(inv[r]);                                          \
+        if (W > 0) _mm256_storeu_ps(op[r] + c, _mm256_mul_ps(a##r##0, iv));                \
+        if (W > 1) _mm256_storeu_ps(op[r] + c + 8, _mm256_mul_ps(a##r##1, iv));            \
+        if (W > 2) _mm256_storeu_ps(op[r] + c + 16, _mm256_mul_ps(a##r##2, iv));           \
+        if (W > 3) _mm256_storeu_ps(op[r] + c + 24, _mm256_mul_ps(a##r##3, iv));           \
+    }
+#define PV_DECL(r) __m256 a##r##0 = z, a##r##1 = z, a##r##2 = z, a##r##3 = z;
 static inline __attribute__((always_inline)) void pv_avx2(
     const int R, const int W, const ExtendArgs *a, const int32_t *blocks, int h, int c,
     const float *const *pp, int nk, const float *inv, float *const *op) {
     const int d = a->head_dim, bs = a->block_size;
     const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
-    __m256 acc[3][4];
-    for (int r = 0; r < R; r++)
-        for (int u = 0; u < W; u++) acc[r][u] = _mm256_setzero_ps();
+    const __m256 z = _mm256_setzero_ps();
+    PV_DECL(0) PV_DECL(1) PV_DECL(2) PV_DECL(3) PV_DECL(4) PV_DECL(5)
+    const float *p0 = pp[0], *p1 = pp[R > 1 ? 1 : 0], *p2 = pp[R > 2 ? 2 : 0];
+    const float *p3 = pp[R > 3 ? 3 : 0], *p4 = pp[R > 4 ? 4 : 0], *p5 = pp[R > 5 ? 5 : 0];
     for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
         const float *v = a->v_cache + blocks[b] * blk_stride + (int64_t)h * d + c;
         const int nt = nk - t0 < bs ? nk - t0 : bs;
-        for (int o = 0; o < nt; o++, v += ts) {
-            __m256 w[3];
-            for (int r = 0; r < R; r++) w[r] = _mm256_broadcast_ss(pp[r] + t0 + o);
-            for (int u = 0; u < W; u++) {
-                const __m256 vv = _mm256_loadu_ps(v + 8 * u);
-                for (int r = 0; r < R; r++) acc[r][u] = _mm256_fmadd_ps(w[r], vv, acc[r][u]);
-            }
+        for (int t = t0; t < t0 + nt; t++, v += ts) {
+            const __m256 v0 = _mm256_loadu_ps(v);
+            const __m256 v1 = W > 1 ? _mm256_loadu_ps(v + 8) : z;
+            const __m256 v2 = W > 2 ? _mm256_loadu_ps(v + 16) : z;
+            const __m256 v3 = W > 3 ? _mm256_loadu_ps(v + 24) : z;
+            PV_R(0) PV_R(1) PV_R(2) PV_R(3) PV_R(4) PV_R(5)
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 iv = _mm256_set1_ps(inv[r]);
-        for (int u = 0; u < W; u++)
-            _mm256_storeu_ps(op[r] + c + 8 * u, _mm256_mul_ps(acc[r][u], iv));
-    }
+    PV_ST(0) PV_ST(1) PV_ST(2) PV_ST(3) PV_ST(4) PV_ST(5)
 }
 
 #define PV_CASE(R)                                                                         \
@@ -235,12 +344,17 @@ static inline __attribute__((always_inline)) void pv_avx2(
 
 static void pv_dispatch(int R, int W, const ExtendArgs *a, const int32_t *blocks, int h, int c,
                         const float *const *pp, int nk, const float *inv, float *const *op) {
-    if (R == 1) {
-        PV_CASE(1)
-    } else if (R == 2) {
-        PV_CASE(2)
-    } else {
-        PV_CASE(3)
+    switch (R) {
+    case 1: PV_CASE(1) break;
+    case 2: PV_CASE(2) break;
+#if PV_VECS > 3
+    case 3: PV_CASE(3) break;
+    case 4: PV_CASE(4) break;
+    case 5: PV_CASE(5) break;
+    default: PV_CASE(6) break;
+#else
+    default: PV_CASE(3) break;
+#endif
     }
 }
 #else
@@ -272,7 +386,12 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
     const int nk_item = prefix + qb0; /* keys the chunk's last query attends */
     const int64_t ldk = a->ldk_max;
     const int64_t tok0 = a->q_start[r];
-    transpose_keys(a, blocks, h, nk_item, kt, ldk);
+#ifdef HAVE_AVX2
+    if (d % 8 == 0)
+        transpose_keys_avx2(a, blocks, h, nk_item, kt, ldk);
+    else
+#endif
+        transpose_keys(a, blocks, h, nk_item, kt, ldk);
     const int tq = a->tile_queries;
     for (int qa = qa0; qa < qb0; qa += tq) {
         const int qb = qa + tq < qb0 ? qa + tq : qb0;
@@ -289,10 +408,10 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         /* scores, up to each group's causal bound */
 #ifdef HAVE_AVX2
         if (d % 8 == 0) {
-            for (int v0 = 0; v0 < nv; v0 += 6) {
-                const int R = nv - v0 < 6 ? nv - v0 : 6;
+            for (int v0 = 0; v0 < nv; v0 += SC_VECS) {
+                const int R = nv - v0 < SC_VECS ? nv - v0 : SC_VECS;
                 const int bound = prefix + qa + (v0 + R - 1) / g + 1;
-                scores_dispatch(R, qp + v0, kt, ldk, d, (bound + 15) & ~15, a->scale,
+                scores_dispatch(R, qp + v0, kt, ldk, d, (bound + 7) & ~7, a->scale,
                                 s + (int64_t)v0 * ldk, ldk);
             }
         } else
@@ -324,8 +443,8 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         for (int v = 0; v < nv; v++) pp[v] = s + (int64_t)v * ldk;
 #ifdef HAVE_AVX2
         if (d % 8 == 0) {
-            for (int v0 = 0; v0 < nv; v0 += 3) {
-                const int R = nv - v0 < 3 ? nv - v0 : 3;
+            for (int v0 = 0; v0 < nv; v0 += PV_VECS) {
+                const int R = nv - v0 < PV_VECS ? nv - v0 : PV_VECS;
                 const int nk = prefix + qa + (v0 + R - 1) / g + 1;
                 for (int c = 0; c < d; c += 32) {
                     const int W = d - c < 32 ? (d - c) / 8 : 4;
