@@ -104,10 +104,12 @@ static float softmax_row(float *s, int bound, int end, float *max_out);
 #define HAVE_AVX2 1
 
 static inline __m256 exp_nonpos8(__m256 x) {
-    /* exp_nonpos on 8 lanes */
+    /* exp_nonpos on 8 lanes. n = round(x / ln 2) by the 1.5 * 2^23 trick (adding it leaves
+     * n in the low mantissa bits): no round or convert instruction. */
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                _mm256_set1_ps(0.5f)));
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+    const __m256 fx = _mm256_sub_ps(t, magic);
     __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
     __m256 y = _mm256_set1_ps(1.9875691500e-4f);
@@ -117,9 +119,10 @@ static inline __m256 exp_nonpos8(__m256 x) {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+    /* 2^n: t's bits are magic's plus n; (n + 127) << 23 */
+    const __m256i n = _mm256_sub_epi32(_mm256_castps_si256(t),
+                                       _mm256_set1_epi32(0x4B400000 - 127));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
 static inline float hsum8(__m256 v) {
