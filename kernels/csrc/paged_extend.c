@@ -139,10 +139,11 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-/* transpose_keys for head_dim a multiple of 8: 8 keys x 8 dims at a time (8 loads, an 8x8
- * register transpose, 8 stores); keys past nk read as zeros. */
+/* transpose_keys for head_dim a multiple of 8, into panels of 16 keys: key t's dim i at
+ * kt[(t / 16) * d * 16 + i * 16 + t % 16] (what scores_avx2 reads, front to back). 8 keys x
+ * 8 dims at a time (8 loads, an 8x8 register transpose, 8 stores); keys past nk are zeros. */
 static void transpose_keys_avx2(const ExtendArgs *a, const int32_t *blocks, int h, int nk,
-                                float *kt, int64_t ldk) {
+                                float *kt) {
     const int d = a->head_dim, bs = a->block_size;
     const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
     static const float zeros[8] = {0};
@@ -165,15 +166,15 @@ static void transpose_keys_avx2(const ExtendArgs *a, const int32_t *blocks, int 
             const __m256 u2 = _mm256_shuffle_ps(t1a, t3a, 0x44), u3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
             const __m256 u4 = _mm256_shuffle_ps(t4a, t6a, 0x44), u5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
             const __m256 u6 = _mm256_shuffle_ps(t5a, t7a, 0x44), u7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
-            float *dst = kt + (int64_t)i * ldk + t0;
-            _mm256_storeu_ps(dst + 0 * ldk, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(dst + 1 * ldk, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(dst + 2 * ldk, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(dst + 3 * ldk, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(dst + 4 * ldk, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(dst + 5 * ldk, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(dst + 6 * ldk, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(dst + 7 * ldk, _mm256_permute2f128_ps(u3, u7, 0x31));
+            float *dst = kt + (int64_t)(t0 >> 4) * d * 16 + (int64_t)i * 16 + (t0 & 15);
+            _mm256_storeu_ps(dst + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(dst + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(dst + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(dst + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(dst + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(dst + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(dst + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(dst + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
         }
     }
 }
@@ -219,7 +220,7 @@ static float softmax_row(float *s, int bound, int end, float *max_out) {
 #endif
 
 /* s[r * lds + t] = scale * q_r . k_t for R query vectors qp[r], keys t in [0, nk8) (a
- * multiple of 8) of the transpose kt [d][ldk] (16 keys at a time, then 8). Accumulators are named variables (not an
+ * multiple of 8) of the key panels kt (see transpose_keys_avx2; 16 keys at a time, then 8). Accumulators are named variables (not an
  * array, which gcc keeps on the stack across the loop), dead ones removed for constant R. */
 #define SC_FMA(r)                                                                          \
     if (R > r) {                                                                           \
@@ -237,7 +238,7 @@ static float softmax_row(float *s, int bound, int end, float *max_out) {
 #define SC_STORE8(r)                                                                       \
     if (R > r) _mm256_storeu_ps(s + r * lds + k0, _mm256_mul_ps(x##r, sc));
 static inline __attribute__((always_inline)) void scores_avx2(
-    const int R, const float *const *qp, const float *kt, int64_t ldk, int d, int nk8,
+    const int R, const float *const *qp, const float *kt, int d, int nk8,
     float scale, float *s, int64_t lds) {
     const __m256 sc = _mm256_set1_ps(scale);
     const int nk16 = nk8 & ~15;
@@ -246,8 +247,8 @@ static inline __attribute__((always_inline)) void scores_avx2(
         __m256 x6 = x0, x7 = x0, x8 = x0, x9 = x0, x10 = x0, x11 = x0;
         __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0, y4 = x0, y5 = x0;
         __m256 y6 = x0, y7 = x0, y8 = x0, y9 = x0, y10 = x0, y11 = x0;
-        const float *kp = kt + k0;
-        for (int i = 0; i < d; i++, kp += ldk) {
+        const float *kp = kt + (int64_t)k0 * d;
+        for (int i = 0; i < d; i++, kp += 16) {
             const __m256 ka = _mm256_loadu_ps(kp), kb = _mm256_loadu_ps(kp + 8);
             SC_FMA(0) SC_FMA(1) SC_FMA(2) SC_FMA(3) SC_FMA(4) SC_FMA(5)
             SC_FMA(6) SC_FMA(7) SC_FMA(8) SC_FMA(9) SC_FMA(10) SC_FMA(11)
@@ -259,8 +260,8 @@ static inline __attribute__((always_inline)) void scores_avx2(
         const int k0 = nk16;
         __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
         __m256 x6 = x0, x7 = x0, x8 = x0, x9 = x0, x10 = x0, x11 = x0;
-        const float *kp = kt + k0;
-        for (int i = 0; i < d; i++, kp += ldk) {
+        const float *kp = kt + (int64_t)k0 * d;
+        for (int i = 0; i < d; i++, kp += 16) {
             const __m256 ka = _mm256_loadu_ps(kp);
             SC_FMA8(0) SC_FMA8(1) SC_FMA8(2) SC_FMA8(3) SC_FMA8(4) SC_FMA8(5)
             SC_FMA8(6) SC_FMA8(7) SC_FMA8(8) SC_FMA8(9) SC_FMA8(10) SC_FMA8(11)
@@ -270,17 +271,17 @@ static inline __attribute__((always_inline)) void scores_avx2(
     }
 }
 
-static void scores_dispatch(int R, const float *const *qp, const float *kt, int64_t ldk, int d,
+static void scores_dispatch(int R, const float *const *qp, const float *kt, int d,
                             int nk8, float scale, float *s, int64_t lds) {
 #define SC_CASE(n)                                                                         \
-    case n: scores_avx2(n, qp, kt, ldk, d, nk8, scale, s, lds); break;
+    case n: scores_avx2(n, qp, kt, d, nk8, scale, s, lds); break;
     switch (R) {
         SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4) SC_CASE(5)
 #if SC_VECS > 6
         SC_CASE(6) SC_CASE(7) SC_CASE(8) SC_CASE(9) SC_CASE(10) SC_CASE(11)
-    default: scores_avx2(12, qp, kt, ldk, d, nk8, scale, s, lds); break;
+    default: scores_avx2(12, qp, kt, d, nk8, scale, s, lds); break;
 #else
-    default: scores_avx2(6, qp, kt, ldk, d, nk8, scale, s, lds); break;
+    default: scores_avx2(6, qp, kt, d, nk8, scale, s, lds); break;
 #endif
     }
 }
@@ -377,6 +378,31 @@ static float softmax_row(float *s, int bound, int end, float *max_out) {
 }
 #endif
 
+/* Prefetch (into L2) the K (if `keys`) and V rows of kv head h of an item's keys: an item
+ * reads K once (the transpose) and V once per P @ V pass, from blocks scattered in a pool
+ * that is not in the caches; fetched ahead, the loads hit. */
+static void prefetch_item(const ExtendArgs *a, int64_t item, int keys) {
+    const int r = (int)(item >> 32), h = (int)((item >> 24) & 0xff);
+    const int chunk = (int)(item & 0xffffff);
+    const int qlen = a->q_len[r], prefix = a->kv_len[r] - qlen;
+    const int qb = (chunk + 1) * CHUNK_QUERIES < qlen ? (chunk + 1) * CHUNK_QUERIES : qlen;
+    const int nk = prefix + qb, d = a->head_dim, bs = a->block_size;
+    const int32_t *blocks = a->kv_indices + a->block_start[r];
+    const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+    for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
+        const int nt = nk - t0 < bs ? nk - t0 : bs;
+        const int64_t off = blocks[b] * blk_stride + (int64_t)h * d;
+        for (int o = 0; o < nt; o++) {
+            const char *kp = (const char *)(a->k_cache + off + o * ts);
+            const char *vp = (const char *)(a->v_cache + off + o * ts);
+            for (int c = 0; c < d * 4; c += 64) {
+                if (keys) __builtin_prefetch(kp + c, 0, 2);
+                __builtin_prefetch(vp + c, 0, 2);
+            }
+        }
+    }
+}
+
 /* Query vector v of a tile starting at query qa (query-major: v = (qi - qa) * group + j). */
 static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
     const int r = (int)(item >> 32), h = (int)((item >> 24) & 0xff);
@@ -391,7 +417,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
     const int64_t tok0 = a->q_start[r];
 #ifdef HAVE_AVX2
     if (d % 8 == 0)
-        transpose_keys_avx2(a, blocks, h, nk_item, kt, ldk);
+        transpose_keys_avx2(a, blocks, h, nk_item, kt);
     else
 #endif
         transpose_keys(a, blocks, h, nk_item, kt, ldk);
@@ -414,7 +440,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
             for (int v0 = 0; v0 < nv; v0 += SC_VECS) {
                 const int R = nv - v0 < SC_VECS ? nv - v0 : SC_VECS;
                 const int bound = prefix + qa + (v0 + R - 1) / g + 1;
-                scores_dispatch(R, qp + v0, kt, ldk, d, (bound + 7) & ~7, a->scale,
+                scores_dispatch(R, qp + v0, kt, d, (bound + 7) & ~7, a->scale,
                                 s + (int64_t)v0 * ldk, ldk);
             }
         } else
@@ -496,7 +522,11 @@ static void *run_items(void *arg) {
         return NULL;
     }
     float *s = kt + ldk * (size_t)a->head_dim;
-    for (int64_t it = a->item_begin; it < a->item_end; it++) run_item(a, a->items[it], kt, s);
+    for (int64_t it = a->item_begin; it < a->item_end; it++) {
+        if (it == a->item_begin) prefetch_item(a, a->items[it], 1);
+        if (it + 1 < a->item_end) prefetch_item(a, a->items[it + 1], 1);
+        run_item(a, a->items[it], kt, s);
+    }
     free(kt);
     a->status = 0;
     return NULL;
