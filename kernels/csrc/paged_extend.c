@@ -378,9 +378,10 @@ static float softmax_row(float *s, int bound, int end, float *max_out) {
 }
 #endif
 
-/* Prefetch (into L2) the K (if `keys`) and V rows of kv head h of an item's keys: an item
- * reads K once (the transpose) and V once per P @ V pass, from blocks scattered in a pool
- * that is not in the caches; fetched ahead, the loads hit. */
+/* Prefetch (into L2) an item's queries and output rows (query heads of kv head h) and the K
+ * (if `keys`) and V rows of kv head h of its keys: an item reads K once (the transpose) and
+ * V once per P @ V pass, from blocks scattered in a pool that is not in the caches, and each
+ * tile's first loads of its queries would otherwise wait on memory. */
 static void prefetch_item(const ExtendArgs *a, int64_t item, int keys) {
     const int r = (int)(item >> 32), h = (int)((item >> 24) & 0xff);
     const int chunk = (int)(item & 0xffffff);
@@ -389,6 +390,15 @@ static void prefetch_item(const ExtendArgs *a, int64_t item, int keys) {
     const int nk = prefix + qb, d = a->head_dim, bs = a->block_size;
     const int32_t *blocks = a->kv_indices + a->block_start[r];
     const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
+    const int g = a->group;
+    for (int64_t t = a->q_start[r] + chunk * CHUNK_QUERIES; t < a->q_start[r] + qb; t++) {
+        const char *qp = (const char *)(a->q + t * a->q_stride + (int64_t)h * g * d);
+        const char *op = (const char *)(a->out + t * a->out_stride + (int64_t)h * g * d);
+        for (int c = 0; c < g * d * 4; c += 64) {
+            __builtin_prefetch(qp + c, 0, 2);
+            __builtin_prefetch(op + c, 1, 2);
+        }
+    }
     for (int t0 = 0, b = 0; t0 < nk; t0 += bs, b++) {
         const int nt = nk - t0 < bs ? nk - t0 : bs;
         const int64_t off = blocks[b] * blk_stride + (int64_t)h * d;
