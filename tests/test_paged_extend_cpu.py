@@ -189,3 +189,18 @@ def test_no_rows_is_a_no_op(extend_kernel):
     out = torch.zeros(tokens, 2, 16)
     extend_kernel(*args[:4], empty64, empty32, empty64, empty32, 0.25, out)
     assert not out.any()
+
+
+@pytest.mark.parametrize("group", [24, 64])
+def test_wide_groups(extend_kernel, group):
+    """Groups as wide as the kernel takes (a tile is then one query's heads)."""
+    gen = torch.Generator().manual_seed(group)
+    args, tokens = _case(gen, [(10, 20), (0, 3)], 4, 1, group, 16)
+    _check(extend_kernel, args, tokens, 0.25)
+
+
+def test_too_wide_group_raises(extend_kernel):
+    gen = torch.Generator().manual_seed(9)
+    args, tokens = _case(gen, [(0, 3)], 4, 1, 65, 8)
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        extend_kernel(*args, 0.25, torch.empty(tokens, 65, 8))
