@@ -16,8 +16,9 @@
  * Cephes-style exp, relative error < 2e-7; keys past the query's bound get p = 0); then
  * P @ V of 6 query vectors x 32 output dims (24 accumulators), V read from the pool in place.
  * Those tile sizes need AVX-512VL's 32 vector registers (the code stays AVX2: 256-bit
- * vectors); with 16 registers (plain AVX2, or -DRADIXRT_AVX2_TILES) they are 6 x 16 and
- * 3 x 32. Accumulators are named variables, not arrays (gcc keeps arrays on the stack).
+ * vectors, but for the softmax's 16-lane exp); with 16 registers (plain AVX2, or
+ * -DRADIXRT_NO_AVX512) they are 6 x 16 and 3 x 32. Accumulators are named variables, not
+ * arrays (gcc keeps arrays on the stack).
  * The next item's queries, output rows, keys and values are prefetched into L2.
  * Accumulation in float32. One layer of tiny Llama (32 fresh rows x 128, 6/2 heads x 32):
  * ~3.8-4.7 ms on one Zen 4 thread vs 10 ms for torch SDPA on gathered K/V
@@ -111,6 +112,9 @@ static float softmax_row(float *s, int bound, int end, float *max_out);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXRT_PORTABLE)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(RADIXRT_NO_AVX512)
+#define USE_AVX512 1 /* 32 vector registers for the tiles; 16-lane softmax */
+#endif
 
 static inline __m256 exp_nonpos8(__m256 x) {
     /* exp_nonpos on 8 lanes. n = round(x / ln 2) by the 1.5 * 2^23 trick (adding it leaves
@@ -196,6 +200,51 @@ static void transpose_keys_avx2(const ExtendArgs *a, const int32_t *blocks, int 
     }
 }
 
+#ifdef USE_AVX512
+static inline __m512 exp_nonpos16(__m512 x) {
+    /* exp_nonpos on 16 lanes; 2^n by scalef */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, fx);
+}
+
+/* softmax_row on 16 lanes (the tail masked): a quarter faster than 8 lanes on Zen 4. */
+static float softmax_row(float *s, int bound, int end, float *max_out) {
+    int t = 0;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= bound; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+    const __mmask16 k = (__mmask16)((1u << (bound - t)) - 1);
+    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
+    const float m = _mm512_reduce_max_ps(mv);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= bound; t += 16) {
+        const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (t < bound) {
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mb);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_nonpos16(x));
+        _mm512_mask_storeu_ps(s + t, k, e);
+        sum = _mm512_add_ps(sum, e);
+        t = bound;
+    }
+    for (; t < end; t++) s[t] = 0.0f;
+    *max_out = m;
+    return _mm512_reduce_add_ps(sum);
+}
+#else
 static float softmax_row(float *s, int bound, int end, float *max_out) {
     /* s has room (and finite values) up to bound rounded up to 8: the tail is one vector */
     const int full = bound & ~7, tail = bound - full;
@@ -227,10 +276,11 @@ static float softmax_row(float *s, int bound, int end, float *max_out) {
     *max_out = m;
     return hsum8(sum);
 }
+#endif
 
 /* Query vectors a scores pass takes: 12 x 2 accumulators where there are 32 vector registers
  * (AVX-512VL), else 6 x 2. */
-#if defined(__AVX512VL__) && !defined(RADIXRT_AVX2_TILES)
+#ifdef USE_AVX512
 #define SC_VECS 12
 #else
 #define SC_VECS 6
@@ -306,7 +356,7 @@ static void scores_dispatch(int R, const float *const *qp, const float *kt, int 
 
 /* Query vectors a P @ V pass takes: 6 x 4 accumulators where there are 32 vector registers
  * (AVX-512VL), else 3 x 4 (16 registers). */
-#if defined(__AVX512VL__) && !defined(RADIXRT_AVX2_TILES)
+#ifdef USE_AVX512
 #define PV_VECS 6
 #else
 #define PV_VECS 3
