@@ -6,13 +6,15 @@ decode kernel vs torch SDPA on gathered K/V.
 Cases (float32, blocks of the pool scattered at random, the rows' new K/V already in it):
 (a) 32 fresh rows x 128 tokens, tiny Llama heads (6 query / 2 kv heads x 32), block 16;
 (b) 8 rows x 32 new tokens over 400 cached keys, same heads; (c) 4 fresh rows x 512, same
-heads; (d) Llama-3-8B heads (32 / 8 x 128), 8 fresh rows x 128. Columns, milliseconds a
-layer, median of `--repeats` interleaved repeats (each method once per repeat, after a
-warm-up): `extend` (kernels/paged_extend_cpu), `decode` (kernels/paged_decode_cpu, each new
-token a query with its causal kv_len), `sdpa` (gather the rows' K/V from the pool, one
-batched torch scaled_dot_product_attention call: is_causal for fresh rows, a boolean mask for
-prefixed ones; GQA by enable_gqa; the result copied into the [tokens, heads, dim] output) and
-`sdpa-only` (the SDPA call alone on K/V gathered beforehand). All methods are checked to agree.
+heads; (d) Llama-3-8B heads (32 / 8 x 128), 8 fresh rows x 128; (e) and (f): short extends
+and decode rows (4 and 1 new tokens over 600 cached keys), where the decode kernel competes.
+Columns, milliseconds a layer, median of `--repeats` interleaved repeats (each method once per
+repeat, after a warm-up): `extend` (kernels/paged_extend_cpu), `decode`
+(kernels/paged_decode_cpu, each new token a query with its causal kv_len), `sdpa` (gather the
+rows' K/V from the pool, one batched torch scaled_dot_product_attention call: is_causal for
+fresh rows, a boolean mask for prefixed ones; GQA by enable_gqa; the result copied into the
+[tokens, heads, dim] output) and `sdpa-only` (the SDPA call alone on K/V gathered beforehand).
+All methods are checked to agree.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ CASES = [
     Case("(b) 8 x 32 new on 400 cached, 6/2 x 32", 8, 400, 32, 6, 2, 32, 16),
     Case("(c) 4 x 512 fresh, 6/2 x 32", 4, 0, 512, 6, 2, 32, 16),
     Case("(d) 8 x 128 fresh, 32/8 x 128", 8, 0, 128, 32, 8, 128, 16),
+    Case("(e) 32 x 4 new on 600 cached, 6/2 x 32", 32, 600, 4, 6, 2, 32, 16),
+    Case("(f) 32 x 1 new on 600 cached, 6/2 x 32", 32, 600, 1, 6, 2, 32, 16),
 ]
 
 
