@@ -37,7 +37,7 @@ DISABLE_ENV = "RADIXRT_NATIVE_KERNELS"  # "0": never build or load (the torch pa
 
 
 # every library a CPU float32 forward loads (what `prebuild` compiles when an engine starts)
-CPU_LIBRARIES = ("paged_decode", "cpu_ops", "gemm_small", "llama_decode")
+CPU_LIBRARIES = ("paged_decode", "paged_extend", "cpu_ops", "gemm_small", "llama_decode")
 CACHE_ENV = "RADIXRT_NATIVE_CACHE"  # where built libraries go (default ~/.cache/radixrt/native)
 
 

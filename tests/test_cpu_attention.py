@@ -65,10 +65,12 @@ def run_both(
     gen: torch.Generator,
     limits: PlanLimits = DEFAULT_LIMITS,
     native: int | None = None,
+    native_extend: bool = False,
 ) -> None:
     """Every layer: the SDPA backend's output equals the reference's on the same pool
-    (`native`: decode rows and extend rows of at most that many new tokens through the
-    native kernel)."""
+    (`native`: decode rows and extend rows of at most that many (query, key) pairs through
+    the native decode kernel; with `native_extend` every extend row through the extend
+    kernel instead)."""
     batch, num_blocks = make_batch(rows, num_decode, block_size, gen)
     pool = KVPool(NUM_LAYERS, num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))  # stale cached context
@@ -80,6 +82,7 @@ def run_both(
         limits,
         native_decode=native is not None,
         native_max_extend_pairs=native or 0,
+        native_extend=native_extend,
     )
     ref.prepare(batch)
     fast.prepare(batch)
@@ -106,17 +109,23 @@ def test_sdpa_matches_reference(kind, block_size, heads, dtype):
     run_both(rows, num_decode, block_size, *heads, dtype, gen)
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "extend"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2), (14, 2)])
-@pytest.mark.parametrize("max_extend", [0, 2000, 10**6])
+@pytest.mark.parametrize("max_extend", [0, 2000, 10**6, "extend kernel"])
 def test_native_rows_match_reference(kind, block_size, heads, max_extend, native_kernel):
     """Decode rows (and extend rows of <= max_extend (query, key) pairs: none, some, all)
-    through the native kernel, the other rows through the groups."""
-    seed = 7 + ["decode", "mixed"].index(kind) * 100 + block_size * 10 + heads[0] + max_extend
-    gen = torch.Generator().manual_seed(seed)
+    through the native decode kernel, the other rows through the groups; or every extend row
+    through the extend kernel."""
+    ext = max_extend == "extend kernel"
+    max_extend = 0 if ext else max_extend
+    seed = 7 + ["decode", "mixed", "extend"].index(kind) * 100 + block_size * 10 + heads[0]
+    gen = torch.Generator().manual_seed(seed + max_extend + ext)
     rows, num_decode = random_rows(kind, gen)
-    run_both(rows, num_decode, block_size, *heads, torch.float32, gen, native=max_extend)
+    run_both(
+        rows, num_decode, block_size, *heads, torch.float32, gen, native=max_extend,
+        native_extend=ext,
+    )  # fmt: skip
 
 
 def test_native_plan_splits_rows(native_kernel):
@@ -124,7 +133,9 @@ def test_native_plan_splits_rows(native_kernel):
     rows = [(100, 1), (5, 1), (0, 40), (64, 9)]  # tokens 0, 1 | 2..41 | 42..50
     # pairs of the extend rows: 40 * 41 / 2 = 820 (> 700), 9 * 64 + 9 * 10 / 2 = 621
     batch, _ = make_batch(rows, 2, 4, gen)
-    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=700)
+    fast = SdpaAttentionBackend(
+        8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=700, native_extend=False
+    )
     fast.prepare(batch)
     plan = fast.native_plan
     assert plan.rows.tolist() == [True, True, False, True]
@@ -133,9 +144,22 @@ def test_native_plan_splits_rows(native_kernel):
     covered = torch.cat([g.out_index for g in fast.groups])
     assert sorted(covered[covered < batch.num_tokens].tolist()) == list(range(2, 42))
     assert [g.causal for g in fast.groups] == [True]  # the fresh row (0 cached, 40 new)
-    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=0)
+    fast = SdpaAttentionBackend(
+        8, 2, HEAD_DIM, native_decode=True, native_max_extend_pairs=0, native_extend=False
+    )
     fast.prepare(batch)
     assert fast.native_plan.token_index is None and fast.native_plan.num_queries == 2
+    # with the extend kernel: decode rows through the decode kernel, every extend row through
+    # the extend kernel, no groups
+    fast = SdpaAttentionBackend(8, 2, HEAD_DIM, native_decode=True)
+    fast.prepare(batch)
+    plan = fast.native_plan
+    assert plan.rows.all() and not fast.groups and not fast.prefix_groups
+    assert plan.num_queries == 2 and plan.token_index is None
+    assert plan.kv_len.tolist() == [101, 6] and fast.native_decode_plan() is None
+    ext = plan.extend
+    assert ext.q_start.tolist() == [2, 42] and ext.q_len.tolist() == [40, 9]
+    assert ext.kv_len.tolist() == [40, 73] and ext.num_pairs == 820 + 621
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -77,7 +77,15 @@ def tree_rows(bs: int) -> list[tuple[list[int], int]]:
 
 
 def run_both(
-    batch, num_blocks, num_heads, num_kv_heads, dtype, seed, expect_groups=True, native=None
+    batch,
+    num_blocks,
+    num_heads,
+    num_kv_heads,
+    dtype,
+    seed,
+    expect_groups=True,
+    native=None,
+    native_extend=False,
 ):
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(2, num_blocks, batch.block_size, num_kv_heads, HEAD_DIM, dtype, "cpu")
@@ -90,6 +98,7 @@ def run_both(
         prefix_min_saved_keys=0,
         native_decode=native is not None,
         native_max_extend_pairs=native or 0,
+        native_extend=native_extend,
     )
     ref.prepare(batch)
     fast.prepare(batch)
@@ -127,6 +136,18 @@ def test_shared_prefix_with_native_rows(block_size, native_kernel):
     extend = [([], 0, 9), (a, 2, 7), (b, 0, 1), (a[:10], block_size, 3), (a, 0, 2)]
     batch, num_blocks = make_batch(tree_rows(block_size), extend, block_size, seed=block_size)
     run_both(batch, num_blocks, 8, 2, torch.float32, seed=5, native=12)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_shared_prefix_rows_through_the_extend_kernel(block_size, native_kernel):
+    """With the extend kernel every row is native: no prefix groups, the same outputs."""
+    a, b = [0] + list(range(1, 13)), [0] + list(range(20, 30))
+    extend = [([], 0, 9), (a, 2, 7), (b, 0, 1), (a[:10], block_size, 3), (a, 0, 2)]
+    batch, num_blocks = make_batch(tree_rows(block_size), extend, block_size, seed=block_size)
+    run_both(
+        batch, num_blocks, 8, 2, torch.float32, seed=6, expect_groups=False, native=0,
+        native_extend=True,
+    )  # fmt: skip
 
 
 def test_fp8_pool_with_shared_prefix():

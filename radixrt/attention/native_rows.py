@@ -1,12 +1,15 @@
-"""Which rows of a CPU step the native kernel attends, and its per-query inputs.
+"""Which rows of a CPU step the native kernels attend, and their inputs.
 
-The kernel (`radixrt.kernels.paged_decode_cpu`) attends single queries over the paged KV in
-place. A decode row is one query over its whole row; an extend row of t new tokens is t queries,
-query i over the row's first prefix + i + 1 keys (causal), each reading its row's keys again.
-That beats gathering K/V and a padded SDPA call while a row's (query, key) pairs are few: a
-short prompt, a few new tokens over a cached prefix (a chat turn, a question after a shared
-system prompt); larger extends go to SDPA, whose blocked kernel does them faster
-(`max_extend_pairs`; NATIVE_MAX_EXTEND_PAIRS gives the measurement).
+Two kernels read the paged KV in place. The decode kernel (`radixrt.kernels.paged_decode_cpu`)
+attends single queries: a decode row is one query over its whole row. The extend kernel
+(`radixrt.kernels.paged_extend_cpu`) attends an extend row's new tokens together, causally,
+tiling queries so that each key is loaded once per tile (32 fresh rows of 128 tokens, tiny
+Llama, a layer on one thread: 3.7-5.1 ms vs 9.3-12 ms for SDPA on gathered K/V; 8 rows of 32
+new tokens over 400 cached: 1.6 vs 3.05; benchmarks/bench_cpu_extend.py). With both, every row
+of a step is native: decode rows through the first, extend rows through the second. Without
+the extend kernel (it did not build), extend rows of at most `max_extend_pairs` (query, key)
+pairs go through the decode kernel one query at a time (query i over the row's first
+prefix + i + 1 keys) and larger ones to SDPA (NATIVE_MAX_EXTEND_PAIRS gives the measurement).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
+from radixrt.kernels.paged_extend_cpu import PagedExtendKernel
 
 # Extend rows of at most this many (query, key) pairs go through the native kernel. 8 such
 # rows beside 24 decode rows, head_dim 32, one thread, native vs SDPA groups: on a 400-key
@@ -31,33 +35,58 @@ NATIVE_MAX_EXTEND_PAIRS = 8192
 NATIVE_MIN_PAIRS_THREADED = 4096
 
 
+class ExtendRows(NamedTuple):
+    """The extend rows the extend kernel attends (its per-row inputs)."""
+
+    block_start: torch.Tensor  # [E] int64: index into kv_indices of each row's blocks
+    kv_len: torch.Tensor  # [E] int32: the row's keys after the step (cached + new)
+    q_start: torch.Tensor  # [E] int64: the row's first new token in the step's T
+    q_len: torch.Tensor  # [E] int32: its new tokens
+    num_pairs: int  # (query, key) pairs of the causal rows in all
+
+
 class NativePlan(NamedTuple):
-    rows: np.ndarray  # [R] bool: rows the kernel attends (the others go to the SDPA groups)
-    num_queries: int  # m: their new tokens
+    rows: np.ndarray  # [R] bool: rows the kernels attend (the others go to the SDPA groups)
+    num_queries: int  # m: the decode kernel's queries (decode rows' tokens, small extends')
     token_index: torch.Tensor | None  # [m] int64: those tokens in the step's T, in order;
     # None when they are exactly tokens 0..m-1 (read and written in place)
     block_start: torch.Tensor  # [m] int64: index into kv_indices of each query's row's blocks
     kv_len: torch.Tensor  # [m] int32: keys each query attends
-    num_pairs: int  # (query, key) pairs in all: the sum of kv_len
+    num_pairs: int  # the decode kernel's (query, key) pairs in all: the sum of kv_len
+    extend: ExtendRows | None = None  # rows through the extend kernel (None: no such row)
 
 
-def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None:
-    """The kernel's share of `batch`: every decode row and every extend row whose queries
-    attend at most `max_extend_pairs` (query, key) pairs in all; None if that is no row."""
+def plan_native(
+    batch: ForwardBatch, max_extend_pairs: int, extend_kernel: bool = False
+) -> NativePlan | None:
+    """The kernels' share of `batch`: every decode row, and with `extend_kernel` every extend
+    row (through the extend kernel), else the extend rows whose queries attend at most
+    `max_extend_pairs` (query, key) pairs in all (through the decode kernel); None if that is
+    no row."""
     if batch.num_decode == batch.num_rows:  # decode rows only: one query per row, in order
-        return NativePlan(
-            rows=np.ones(batch.num_rows, dtype=bool),
-            num_queries=batch.num_rows,
-            token_index=None,
-            block_start=batch.kv_indptr_cpu[:-1].to(torch.int64),
-            kv_len=batch.seq_lens_cpu.contiguous(),
-            num_pairs=int(batch.seq_lens_cpu.sum()),
-        )
+        return _decode_rows(batch)
     qo = batch.qo_indptr_cpu.numpy().astype(np.int64)
     seq = batch.seq_lens_cpu.numpy().astype(np.int64)
     kvp = batch.kv_indptr_cpu.numpy().astype(np.int64)
     q_len = qo[1:] - qo[:-1]
     pairs = q_len * (seq - q_len) + q_len * (q_len + 1) // 2  # sum over t of prefix + t + 1
+    if extend_kernel:
+        nd = batch.num_decode
+        extend = ExtendRows(
+            block_start=torch.from_numpy(kvp[nd:-1]),
+            kv_len=torch.from_numpy(seq[nd:].astype(np.int32)),
+            q_start=torch.from_numpy(qo[nd:-1]),
+            q_len=torch.from_numpy(q_len[nd:].astype(np.int32)),
+            num_pairs=int(pairs[nd:].sum()),
+        )
+        if nd == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return NativePlan(
+                np.ones(batch.num_rows, dtype=bool), 0, None, empty, empty.int(), 0, extend
+            )
+        return _decode_rows(batch, nd)._replace(
+            rows=np.ones(batch.num_rows, dtype=bool), extend=extend
+        )
     rows = pairs <= max_extend_pairs
     rows[: batch.num_decode] = True
     sel = np.flatnonzero(rows)
@@ -80,6 +109,20 @@ def plan_native(batch: ForwardBatch, max_extend_pairs: int) -> NativePlan | None
     )
 
 
+def _decode_rows(batch: ForwardBatch, n: int | None = None) -> NativePlan:
+    """The first n rows (all by default), decode rows: one query each, tokens 0..n-1."""
+    n = batch.num_rows if n is None else n
+    seq = batch.seq_lens_cpu[:n]
+    return NativePlan(
+        rows=np.ones(n, dtype=bool),
+        num_queries=n,
+        token_index=None,
+        block_start=batch.kv_indptr_cpu[:n].to(torch.int64),
+        kv_len=seq.contiguous(),
+        num_pairs=int(seq.sum()),
+    )
+
+
 def attend_native(
     kernel: PagedDecodeKernel,
     plan: NativePlan,
@@ -89,16 +132,28 @@ def attend_native(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,  # [>= T, hq, d] float32: the plan's tokens are written
+    extend_kernel: PagedExtendKernel | None = None,  # needed when plan.extend is set
 ) -> None:
-    """The plan's queries through the kernel, into their rows of `out` (in place when they are
-    tokens 0..m-1, else gathered and scattered). Raises ValueError for a non-float32 model or
-    pool (the backend must then be built without native_decode)."""
+    """The plan's queries through the kernels, into their rows of `out` (the decode kernel's
+    in place when they are tokens 0..m-1, else gathered and scattered; the extend kernel's
+    always in place). Raises ValueError for a non-float32 model or pool (the backend must
+    then be built without native_decode)."""
     if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
         raise ValueError(
             f"native_decode needs a float32 model and KV pool, got {q.dtype} / "
             f"{k_cache.dtype}; build the backend with native_decode=False"
         )
+    ext = plan.extend
+    if ext is not None:
+        assert extend_kernel is not None
+        threads = torch.get_num_threads() if ext.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
+        extend_kernel(
+            q, k_cache, v_cache, batch.kv_indices, ext.block_start, ext.kv_len, ext.q_start,
+            ext.q_len, scale, out[: q.shape[0]], num_threads=threads,
+        )  # fmt: skip
     m, index = plan.num_queries, plan.token_index
+    if m == 0:
+        return
     args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, scale)
     threads = torch.get_num_threads() if plan.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
     if index is None:

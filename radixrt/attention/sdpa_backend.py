@@ -14,12 +14,14 @@ together, one SDPA call per prefix group, and their other blocks in the groups a
 partial results are merged by log-sum-exp (`sdpa_prefix`; the SDPA calls then go through
 torch's CPU flash kernel directly, which also returns the log-sum-exp).
 
-Decode rows on a CPU with a float32 pool (`native_decode`): the native kernel
-(`radixrt.kernels.paged_decode_cpu`) attends every decode row, and every small extend row
-(`native_max_extend_pairs`; one query per token, causal), over its blocks in place, one
-call per layer, with no gathered copy (`native_rows`); only the other rows are then planned into
-groups (and prefix groups). Where the kernel cannot be built (no C compiler) every row takes the
-SDPA groups.
+On a CPU with a float32 pool (`native_decode`) the native kernels attend the rows over their
+blocks in place, one call each per layer, with no gathered copy (`native_rows`): the decode
+kernel (`radixrt.kernels.paged_decode_cpu`) every decode row, the extend kernel
+(`radixrt.kernels.paged_extend_cpu`) every extend row (causal, queries tiled). Where the
+extend kernel did not build, the decode kernel also takes the small extend rows
+(`native_max_extend_pairs`; one query per token) and only the other rows are planned into
+groups (and prefix groups); where neither builds (no C compiler) every row takes the SDPA
+groups.
 
 Extend groups whose pieces all start at key 0 (a fresh prompt's whole rows) run SDPA's own
 causal mask (`is_causal`) instead of an additive one: no mask to build at the first layer or
@@ -55,6 +57,7 @@ from radixrt.attention.sdpa_prefix import (
     plan_shared_prefixes,
 )
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel, load_paged_decode
+from radixrt.kernels.paged_extend_cpu import PagedExtendKernel, load_paged_extend
 from radixrt.kv.pool import KVPool
 
 
@@ -73,12 +76,15 @@ class SdpaAttentionBackend:
         prefix_min_saved_keys: int = MIN_SAVED_KEYS,
         native_decode: bool = False,
         native_max_extend_pairs: int = NATIVE_MAX_EXTEND_PAIRS,
+        native_extend: bool = True,
     ) -> None:
         """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
         groups saving at least `prefix_min_saved_keys` key reads); False (and on other
         devices): every row over all of its blocks. `native_decode`: decode rows (and extend
         rows of at most `native_max_extend_pairs` (query, key) pairs) of CPU batches through
-        the native kernel (the pool must then be float32; see the module docstring)."""
+        the native kernel (the pool must then be float32; see the module docstring);
+        `native_extend`: extend rows through the extend kernel (False: as where it did not
+        build)."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -99,9 +105,12 @@ class SdpaAttentionBackend:
         self.prefix_groups: list[PrefixGroup] = []
         self.native_decode = native_decode
         if native_decode:
-            load_paged_decode()  # build it now (start-up), not in the first request's step
+            load_paged_decode()  # build them now (start-up), not in the first request's step
+            load_paged_extend()
         self.native_max_extend_pairs = native_max_extend_pairs
+        self.native_extend = native_extend
         self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs rows
+        self._extend: PagedExtendKernel | None = None  # the extend kernel, where it built
         self.native_plan: NativePlan | None = None  # the rows it runs
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -112,9 +121,12 @@ class SdpaAttentionBackend:
         self._masks = []
         on_cpu = batch.kv_indices.device.type == "cpu"
         kernel = load_paged_decode() if self.native_decode and on_cpu else None
+        self._extend = load_paged_extend() if kernel is not None and self.native_extend else None
         self.native_plan = None
         if kernel is not None:
-            self.native_plan = plan_native(batch, self.native_max_extend_pairs)
+            self.native_plan = plan_native(
+                batch, self.native_max_extend_pairs, self._extend is not None
+            )
         self._native = kernel if self.native_plan is not None else None
         leave_out = None if self.native_plan is None else self.native_plan.rows
         if leave_out is not None and leave_out.all():  # every row through the kernel
@@ -135,12 +147,14 @@ class SdpaAttentionBackend:
         )
 
     def native_decode_plan(self) -> NativePlan | None:
-        """After `prepare`: the native kernel's plan when it attends every row of the step
-        (e.g. a decode-only CPU step), else None. A model may then run the step's forward in
-        one native call (radixrt.model.cpu_decode) instead of calling `forward` per layer."""
-        if self._native is None or self.groups or self.prefix_groups:
+        """After `prepare`: the decode kernel's plan when the step is decode rows only, all
+        through it (a decode-only CPU step), else None. A model may then run the step's
+        forward in one native call (radixrt.model.cpu_decode) instead of calling `forward`
+        per layer."""
+        plan = self.native_plan
+        if self._native is None or self.groups or self.prefix_groups or plan is None:
             return None
-        return self.native_plan
+        return plan if plan.extend is None and plan.token_index is None else None
 
     def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA
@@ -263,7 +277,15 @@ class SdpaAttentionBackend:
     ) -> None:
         assert self._native is not None and self.native_plan is not None and self.batch
         attend_native(
-            self._native, self.native_plan, self.batch, q, k_cache, v_cache, self.scale, out
+            self._native,
+            self.native_plan,
+            self.batch,
+            q,
+            k_cache,
+            v_cache,
+            self.scale,
+            out,
+            self._extend,
         )
 
     def _decode(

@@ -201,6 +201,7 @@ def takes(batch: ForwardBatch, plan: NativePlan | None) -> bool:
         plan is not None
         and batch.num_decode == batch.num_rows
         and plan.token_index is None
+        and plan.extend is None
         and 0 < batch.input_ids.shape[0] <= SMALL_MAX_ROWS
         and batch.input_ids.is_cpu
         and batch.input_ids.dtype == batch.positions.dtype == batch.slot_mapping.dtype
