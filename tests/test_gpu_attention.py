@@ -192,7 +192,7 @@ def test_fused_layers_match_torch():
     with torch.inference_mode():
         assert rel_err(norm_gpu(x.to(dev, DTYPE)).cpu(), norm(x)) < 1e-2
         out, new_res = norm_gpu(x.to(dev, DTYPE), res.to(dev, DTYPE))
-        ref_out, ref_res = norm(x, res)
+        ref_out, ref_res = norm(x.clone(), res.clone())  # the CPU path is in place too
         assert rel_err(out.cpu(), ref_out) < 1e-2 and rel_err(new_res.cpu(), ref_res) < 1e-2
 
         gate_up = torch.randn(tokens, 2 * hidden, generator=gen)
@@ -206,8 +206,8 @@ def test_fused_layers_match_torch():
             qkv[:, 8 * head_dim : 10 * head_dim],
         )
         k = k.reshape(tokens, 2, head_dim)
+        qkv_gpu = qkv.to(dev, DTYPE)  # before the CPU path rotates q and k (in place)
         ref_q, ref_k = rope(rope.prepare(positions, q), q, k)
-        qkv_gpu = qkv.to(dev, DTYPE)
         q_gpu = qkv_gpu[:, : 8 * head_dim].view(tokens, 8, head_dim)
         k_gpu = qkv_gpu[:, 8 * head_dim : 10 * head_dim].view(tokens, 2, head_dim)
         rope = rope.to(dev)
