@@ -7,7 +7,7 @@ store, paged decode attention, o GEMM, add + norm, gate/up GEMM, SiLU-and-mul, d
 final norm. Its hidden states are bitwise those of the layer-by-layer path
 (tests/test_cpu_decode.py).
 
-Which forwards take it (`LlamaForCausalLM.forward` asks `run`): inference mode, every row a
+Which forwards take it (`LlamaForCausalLM.forward` asks `takes`): inference mode, every row a
 decode row that the attention backend sends through its native kernel
 (`SdpaAttentionBackend.native_decode_plan()`), at most `SMALL_MAX_ROWS` rows (where the
 layer-by-layer path uses the same small GEMM), a float32 pool. Which models (`build`): one
@@ -36,7 +36,9 @@ from radixrt.model.linear import SMALL_MAX_ROWS, Linear
 
 if TYPE_CHECKING:
     from radixrt.attention.forward_batch import ForwardBatch
-    from radixrt.model.llama import LlamaForCausalLM
+
+# the model: a radixrt.model.llama.LlamaForCausalLM (not imported: llama imports this module)
+LlamaModel = torch.nn.Module
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ERRORS = {1: "out of memory", 2: "bad arguments", 3: "an index out of range"}
@@ -89,7 +91,7 @@ def _library() -> ctypes.CDLL | None:
 class CpuDecode:
     """The native decode forward of one model over one pool; see the module docstring."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, lib: ctypes.CDLL) -> None:
         cfg, shard = model.cfg, model.shard
         self._fn = lib.radixrt_llama_decode_f32
         self.pool = pool
@@ -137,7 +139,7 @@ class CpuDecode:
         self._per_row = per_row + shard.num_heads * cfg.head_dim + 3 * shard.intermediate_size
 
     @staticmethod
-    def applies(model: LlamaForCausalLM, pool: KVPool) -> bool:
+    def applies(model: LlamaModel, pool: KVPool) -> bool:
         """Whether the native forward can ever run `model` over `pool` (its structure, dtypes
         and a build of the library; not whether its weights are packed right now)."""
         cfg = model.cfg
@@ -152,7 +154,7 @@ class CpuDecode:
         return _library() is not None
 
     @staticmethod
-    def build(model: LlamaForCausalLM, pool: KVPool) -> CpuDecode | None:
+    def build(model: LlamaModel, pool: KVPool) -> CpuDecode | None:
         """The native forward of `model` over `pool` (which `applies`), or None while a
         linear's small-GEMM copy is missing or stale (`prepack_linears` makes them)."""
         for layer in model.layers:
