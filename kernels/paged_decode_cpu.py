@@ -27,7 +27,7 @@ class PagedDecodeKernel:
         fn = lib.radixrt_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32]
-        fn.argtypes += [_F32, _I32]
+        fn.argtypes += [_F32, _I64, _I64, _I32]
         self._fn = fn
 
     def __call__(
@@ -47,7 +47,8 @@ class PagedDecodeKernel:
         """Query head i of token t attends kv head i // (hq / hkv) over keys 0..kv_len[t]-1
         of its row (no mask beyond that: a decode token sees its whole row). Writes `out`
         (and `lse`). The caller keeps every tensor alive and unchanged during the call
-        (it returns when done). Raises RuntimeError if the kernel reports an error."""
+        (it returns when done). Raises RuntimeError if the kernel reports an error (also a
+        query whose blocks are outside kv_indices or the pool: nothing is read)."""
         n, hq, d = q.shape
         _, bs, hkv, dk = k_cache.shape
         assert dk == d and hq % hkv == 0 and q.dtype == k_cache.dtype == torch.float32
@@ -75,6 +76,8 @@ class PagedDecodeKernel:
             d,
             bs,
             scale,
+            kv_indices.numel(),
+            k_cache.shape[0],
             num_threads,
         )
         if rc != 0:

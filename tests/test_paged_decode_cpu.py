@@ -104,6 +104,20 @@ def test_bad_lengths_raise(native_kernel):
         native_kernel(q, kc, vc, idx, start, lens, 0.25, torch.empty(2, 1, 16))
 
 
+def test_blocks_outside_the_table_or_pool_raise(native_kernel):
+    """A block table that points past kv_indices or outside the pool is refused (no read)."""
+    gen = torch.Generator().manual_seed(8)
+    q, kc, vc, idx, start, lens = _case(gen, 3, 4, 2, 1, 16)
+    out = torch.empty(3, 2, 16)
+    native_kernel(q, kc, vc, idx, start, lens, 0.25, out)  # as made: fine
+    bad = idx.clone()
+    bad[-1] = kc.shape[0]  # a block id past the pool
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        native_kernel(q, kc, vc, bad, start, lens, 0.25, out)
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        native_kernel(q, kc, vc, idx[:-1].contiguous(), start, lens, 0.25, out)  # too short
+
+
 def test_library_is_cached_per_source(native_kernel, tmp_path, monkeypatch):
     """A fresh cache dir gets one library; loading again reuses it (no rebuild)."""
     from radixrt.kernels import native

@@ -78,7 +78,10 @@ static inline __attribute__((always_inline)) void tile_r(const int R, const floa
             c[r][1] = _mm256_fmadd_ps(v, b1, c[r][1]);
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(tile[r], c[r][0]), _mm256_storeu_ps(tile[r] + 8, c[r][1]);
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(tile[r], c[r][0]);
+        _mm256_storeu_ps(tile[r] + 8, c[r][1]);
+    }
 }
 #endif
 

@@ -40,14 +40,15 @@ static int gemm_t(const LlamaModel *m, const float *x, int64_t xs, int64_t n, in
 }
 
 /* n decode rows: token t is ids[t] at positions[t], stored at slots[t], attending kv_len[t]
- * keys of blocks kv_indices[block_start[t] ...]. Writes the final hidden states out [n, hidden].
+ * keys of blocks kv_indices[block_start[t] ...] (num_indices entries). Writes the final
+ * hidden states out [n, hidden].
  * scratch: at least n * (3 hidden + (hq + 2 hkv) d + hq d + 3 inter) floats. Returns 0, or the
  * first failing piece's code (2 bad arguments, 3 an index out of range, 1 out of memory). */
 int radixrt_llama_decode_f32(const LlamaModel *m, int64_t n, const int64_t *ids,
                              const int64_t *positions, const int64_t *slots,
                              const int32_t *kv_indices, const int64_t *block_start,
-                             const int32_t *kv_len, float *out, float *scratch, int64_t vocab,
-                             int num_threads) {
+                             const int32_t *kv_len, int64_t num_indices, float *out,
+                             float *scratch, int64_t vocab, int num_threads) {
     const int64_t h = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim;
     const int64_t inter = m->inter, qkv_w = (hq + 2 * hkv) * d, q_w = hq * d;
     if (n <= 0 || hq % hkv != 0) return 2;
@@ -84,6 +85,7 @@ int radixrt_llama_decode_f32(const LlamaModel *m, int64_t n, const int64_t *ids,
         CHECK(radixrt_paged_decode_f32(qkv, w->k_cache, w->v_cache, kv_indices, block_start,
                                        kv_len, attn, NULL, n, qkv_w, q_w, (int)hkv,
                                        (int)(hq / hkv), (int)d, (int)m->block_size, m->scale,
+                                       num_indices, m->num_slots / m->block_size,
                                        attn_threads));
         CHECK(gemm_t(m, attn, q_w, n, q_w, w->o, h, NULL, x, num_threads));
         CHECK(radixrt_add_rmsnorm_f32(x, h, res, h, w->post_norm, x, h, n, h, m->eps,

@@ -116,7 +116,8 @@ static void attend_row_avx2(const DecodeArgs *a, int64_t qi, float *s) {
         prefetch_range(a->v_cache + blocks[b] * blk_stride, blk_bytes);
         const int nt = len - t0 < bs ? len - t0 : bs;
         for (int i = 0; i < nqh; i++)
-            scores_avx2(q + i * d, kb + (i / g) * d, ts, nt, d, a->scale, s + (int64_t)i * len + t0);
+            scores_avx2(q + i * d, kb + (i / g) * d, ts, nt, d, a->scale,
+                        s + (int64_t)i * len + t0);
     }
     for (int i = 0; i < nqh; i++) {
         float *sj = s + (int64_t)i * len;
@@ -266,18 +267,25 @@ static void *run_items(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 out of memory, 2 bad arguments. */
+/* Returns 0 on success, 1 out of memory, 2 bad arguments (also: a query's blocks outside
+ * kv_indices' num_indices entries, or a block id outside the pool's num_blocks: nothing is
+ * read then). */
 int radixrt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                              const int32_t *kv_indices, const int64_t *block_start,
                              const int32_t *kv_len, float *out, float *lse, int64_t nq,
-                             int64_t q_stride, int64_t out_stride, int kv_heads, int group, int head_dim, int block_size, float scale,
-                             int num_threads) {
+                             int64_t q_stride, int64_t out_stride, int kv_heads, int group,
+                             int head_dim, int block_size, float scale, int64_t num_indices,
+                             int64_t num_blocks, int num_threads) {
     if (nq < 0 || kv_heads < 1 || group < 1 || group > 64 || head_dim < 1 || block_size < 1)
         return 2;
     int max_len = 1;
     for (int64_t i = 0; i < nq; i++) {
         if (kv_len[i] < 1) return 2;
         if (kv_len[i] > max_len) max_len = kv_len[i];
+        const int64_t first = block_start[i], used = (kv_len[i] + block_size - 1) / block_size;
+        if (first < 0 || first + used > num_indices) return 2;
+        for (int64_t b = first; b < first + used; b++)
+            if (kv_indices[b] < 0 || kv_indices[b] >= num_blocks) return 2;
     }
 #ifdef HAVE_AVX2
     const int64_t items = head_dim % 8 == 0 ? nq : nq * kv_heads; /* see run_items */
@@ -293,7 +301,8 @@ int radixrt_paged_decode_f32(const float *q, const float *k_cache, const float *
         DecodeArgs *a = &args[t];
         a->q = q; a->k_cache = k_cache; a->v_cache = v_cache; a->kv_indices = kv_indices;
         a->block_start = block_start; a->kv_len = kv_len; a->out = out; a->lse = lse;
-        a->nq = nq; a->q_stride = q_stride; a->out_stride = out_stride; a->kv_heads = kv_heads; a->group = group; a->head_dim = head_dim;
+        a->nq = nq; a->q_stride = q_stride; a->out_stride = out_stride;
+        a->kv_heads = kv_heads; a->group = group; a->head_dim = head_dim;
         a->block_size = block_size; a->scale = scale; a->max_kv_len = max_len;
         a->item_begin = items * t / nt;
         a->item_end = items * (t + 1) / nt;

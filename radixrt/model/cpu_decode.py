@@ -84,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.radixrt_llama_decode_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, ctypes.c_int]
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, ctypes.c_int]
     return lib
 
 
@@ -190,7 +190,8 @@ class CpuDecode:
             ctypes.byref(self._struct), n, batch.input_ids.data_ptr(),
             batch.positions.data_ptr(), batch.slot_mapping.data_ptr(),
             batch.kv_indices.data_ptr(), plan.block_start.data_ptr(), plan.kv_len.data_ptr(),
-            out.data_ptr(), self._scratch.data_ptr(), self._vocab, torch.get_num_threads(),
+            batch.kv_indices.numel(), out.data_ptr(), self._scratch.data_ptr(), self._vocab,
+            torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"native decode forward failed: {_ERRORS.get(rc, rc)}")
