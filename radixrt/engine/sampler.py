@@ -88,11 +88,14 @@ def sample(
     else:
         temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        probs = _filter(probs, params)
-        noise = _exponential_noise(probs.shape, params, seed_offsets, device, generator)
-        sampled = _argmax(probs / noise)  # Gumbel-max equivalent: p / Exp(1)
-        is_greedy = _on(device, [p.greedy for p in params])
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        if device.type == "cpu":
+            tokens = _inverse_cdf(probs, greedy_tokens, params, seed_offsets, generator)
+        else:
+            probs = _filter(probs, params)
+            noise = _exponential_noise(probs.shape, params, seed_offsets, device, generator)
+            sampled = _argmax(probs / noise)  # Gumbel-max equivalent: p / Exp(1)
+            is_greedy = _on(device, [p.greedy for p in params])
+            tokens = torch.where(is_greedy, greedy_tokens, sampled)
     if want_logprobs:
         logprobs = logprobs_all.gather(1, tokens.view(num_rows, 1)).squeeze(1)
     if top_logprobs:
@@ -146,6 +149,71 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _inverse_cdf(
+    probs: torch.Tensor,  # [S, V] float32 cpu: softmax(logits / T), not filtered yet
+    greedy_tokens: torch.Tensor,  # [S] int64: what greedy rows get
+    params: Sequence[SamplingParams],
+    seed_offsets: Sequence[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The CPU path of `sample`: one draw per non-greedy row by inverse transform, u ~ U[0, 1)
+    (seeded rows from their own generator, seeded as `_exponential_noise` seeds theirs), the
+    first token whose cumulative probability (float64) exceeds u times the kept mass. With
+    top-k / top-p / min-p the row is sorted (numpy's argsort: 1.8 vs torch.sort's 3.7 ms at
+    [32, 2048]) and the draw is made over the kept prefix of the sorted order (the three
+    filters each keep a prefix: `_filter`'s sets), with no mask scattered back. The same
+    distribution as the GPU path's exponential race over `_filter`'s probabilities, from one
+    uniform a row instead of V exponentials (torch's CPU `exponential_` took 1.56 ms at
+    [32, 2048], 11.5% of the CPU soak's scheduler samples). A token outside the kept set, or
+    of probability zero, is never drawn."""
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    tokens = greedy_tokens.clone()
+    if not rows:
+        return tokens
+    u = torch.rand(len(rows), dtype=torch.float64, generator=generator)
+    for j, i in enumerate(rows):
+        p = params[i]
+        if p.seed is not None:
+            gen = torch.Generator()
+            gen.manual_seed((p.seed * 1_000_003 + seed_offsets[i]) % (2**63))
+            u[j] = torch.rand(1, dtype=torch.float64, generator=gen)[0]
+    index = torch.tensor(rows, dtype=torch.int64)
+    sub, sub_params = probs.index_select(0, index), [params[i] for i in rows]
+    order = None
+    if any(p.top_k is not None or p.top_p < 1.0 for p in sub_params):
+        order = torch.from_numpy(np.argsort(-sub.numpy(), axis=-1))  # descending
+        sub = sub.gather(1, order)
+    cdf = sub.double().cumsum_(dim=-1)
+    kept = _kept_prefix(sub, cdf, sub_params) if order is not None else None
+    if kept is None and any(p.min_p > 0 for p in sub_params):  # unsorted: mask, as _filter
+        sub = _filter(sub, sub_params)
+        cdf = sub.double().cumsum_(dim=-1)
+    last = cdf.shape[1] - 1 if kept is None else kept - 1  # the kept mass ends here
+    last_t = torch.as_tensor(last).expand(len(rows)).unsqueeze(1)
+    target = u.unsqueeze(1) * cdf.gather(1, last_t)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    drawn = torch.minimum(drawn, last_t.squeeze(1))
+    tokens[index] = drawn if order is None else order.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    return tokens
+
+
+def _kept_prefix(
+    sorted_probs: torch.Tensor, cdf: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """[S] int64: how many of each row's sorted tokens `_filter` keeps (top-k, top-p on the
+    mass before a token, min-p against the top token; at least the top token)."""
+    vocab = sorted_probs.shape[1]
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    by_p = ((cdf - sorted_probs.double()) < top_p.unsqueeze(1)).sum(dim=-1)
+    kept = torch.minimum(top_k, by_p)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        floor = sorted_probs[:, :1] * min_p.unsqueeze(1)
+        kept = torch.minimum(kept, (sorted_probs >= floor).sum(dim=-1))
+    return kept.clamp_(min=1)
 
 
 def _exponential_noise(
