@@ -22,7 +22,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * scale)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 32, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 32, 64, 128])
 @pytest.mark.parametrize(("n", "k"), [(320, 192), (17, 5), (PANEL, 1), (1000, 67)])
 def test_matches_reference(gemm: SmallGemm, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 31 + n + k)

@@ -16,7 +16,8 @@ Decode batches of at most `SMALL_MAX_ROWS` rows take the native GEMM instead
 arithmetic, which the tiny model's 17 decode GEMMs a step pay each time; the native kernel
 costs a few and reaches oneDNN's ~100 GFLOP/s at 30-36 rows, prefetching the next weight panel
 as it goes (with the caches flushed before each call, the 5 GEMM shapes of a layer plus the
-lm head at 32 rows: 1.31 vs 1.68 ms; at 128 rows 3.1 vs 2.9, hence the bound).
+lm head: 32 rows 1.31 vs 1.68 ms, 64 rows 1.77 vs 2.07, 128 rows 2.66 vs 2.95, 192 rows 4.11
+vs 4.07, hence the bound; warm, 4096 rows, oneDNN is 1.0-1.35x faster).
 
 Numerics: oneDNN and the native kernel sum the K products in other orders than MKL, so results
 differ in the last bits (relative ~1e-6 in float32; tests/test_cpu_linear.py bounds it against
@@ -36,7 +37,7 @@ from torch import nn
 from radixrt.kernels.gemm_cpu import SmallGemm, load_gemm_small, pack_weight
 
 PACKED_MIN_ROWS = 8  # rows from which the packed oneDNN GEMM beats MKL's (see above)
-SMALL_MAX_ROWS = 64  # rows up to which the native GEMM runs (see above)
+SMALL_MAX_ROWS = 128  # rows up to which the native GEMM runs (see above)
 PACK_HINT_ROWS = 128  # batch-size hint of oneDNN's weight reorder (the layout is the same)
 
 
