@@ -28,7 +28,7 @@ class PagedExtendKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.radixrt_paged_extend_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P] * 10 + [_I64] * 6 + [_I32] * 4 + [_F32, _I32, _I32]
+        fn.argtypes = [_P] * 10 + [_I64] * 6 + [_I32] * 4 + [_F32, _I32]
         self._fn = fn
 
     def __call__(
@@ -38,14 +38,13 @@ class PagedExtendKernel:
         v_cache: torch.Tensor,  # same
         kv_indices: torch.Tensor,  # [nnz] int32 cpu contiguous: concatenated block tables
         block_start: torch.Tensor,  # [R] int64 cpu contiguous: row r's blocks start here
-        kv_len: torch.Tensor,  # [R] int32 cpu contiguous: row r's keys (>= q_len[r] if causal)
+        kv_len: torch.Tensor,  # [R] int32 cpu contiguous: row r's keys (>= q_len[r])
         q_start: torch.Tensor,  # [R] int64 cpu contiguous: row r's first query token in q
         q_len: torch.Tensor,  # [R] int32 cpu contiguous: row r's queries (>= 1)
         scale: float,
         out: torch.Tensor,  # [T, hq, d] float32 cpu, written at the rows' tokens; may be strided
         lse: torch.Tensor | None = None,  # [T, hq] float32 contiguous: natural log-sum-exp
         num_threads: int = 1,
-        causal: bool = True,
     ) -> None:
         """Row r's query i (token q_start[r] + i, 0 <= i < q_len[r]) attends keys
         0 .. kv_len[r] - q_len[r] + i of the row (causal: its new tokens are the row's last
@@ -53,9 +52,7 @@ class PagedExtendKernel:
         at the rows' tokens only; other tokens are left as they were. Rows need not be in
         token order; two rows must not share a token. The caller keeps every tensor alive
         and unchanged during the call (it returns when done). Raises RuntimeError if the
-        kernel reports an error (bad lengths, a token or block out of range).
-        `causal=False`: every query of row r attends all kv_len[r] keys (a shared prefix's,
-        for queries after it; q_len[r] may then exceed kv_len[r])."""
+        kernel reports an error (bad lengths, a token or block out of range)."""
         t, hq, d = q.shape
         nb, bs, hkv, dk = k_cache.shape
         assert dk == d and hq % hkv == 0 and q.dtype == k_cache.dtype == torch.float32
@@ -96,7 +93,6 @@ class PagedExtendKernel:
             d,
             bs,
             scale,
-            int(causal),
             num_threads,
         )
         if rc != 0:
@@ -120,10 +116,9 @@ def paged_extend_reference(
     q_start: torch.Tensor,
     q_len: torch.Tensor,
     scale: float,
-    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel computes, one row at a time in float64 (keys gathered, causal mask
-    unless `causal=False`, softmax): (out [T, hq, d], lse [T, hq]); tokens of no row are NaN."""
+    """What the kernel computes, one row at a time in float64 (keys gathered, causal mask,
+    softmax): (out [T, hq, d], lse [T, hq]); tokens of no row are NaN."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -139,8 +134,6 @@ def paged_extend_reference(
         s = torch.einsum("nhd,lhd->hnl", q[s0 : s0 + n].double(), k) * scale  # [hq, n, L]
         keys = torch.arange(length)
         bound = length - n + torch.arange(n)  # query i's last key
-        if not causal:
-            bound = torch.full((n,), length - 1)
         s = s.masked_fill(keys[None, :] > bound[:, None], float("-inf"))
         lse[s0 : s0 + n] = torch.logsumexp(s, dim=2).T
         out[s0 : s0 + n] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=2), v)

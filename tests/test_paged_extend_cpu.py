@@ -67,13 +67,13 @@ def _case(gen, rows, block_size, kv_heads, group, head_dim):
     return (q, kc, vc, indices, block_start, kv_len, q_start, q_len), pos
 
 
-def _check(kernel, args, tokens, scale, num_threads=1, atol=2e-5, causal=True):
+def _check(kernel, args, tokens, scale, num_threads=1, atol=2e-5):
     heads, head_dim = args[0].shape[1:]
     big = torch.full((tokens, 3, heads, head_dim), float("nan"))
     out = big[:, 1]  # strided output rows
     lse = torch.full((tokens, heads), float("nan"))
-    kernel(*args, scale, out, lse, num_threads=num_threads, causal=causal)
-    ref_out, ref_lse = paged_extend_reference(*args, scale, causal=causal)
+    kernel(*args, scale, out, lse, num_threads=num_threads)
+    ref_out, ref_lse = paged_extend_reference(*args, scale)
     written = ~torch.isnan(ref_lse[:, 0])
     assert torch.isnan(out[~written]).all() and torch.isnan(big[:, 0]).all()  # others untouched
     assert torch.isnan(big[:, 2]).all()
@@ -204,19 +204,3 @@ def test_too_wide_group_raises(extend_kernel):
     args, tokens = _case(gen, [(0, 3)], 4, 1, 65, 8)
     with pytest.raises(RuntimeError, match="bad arguments"):
         extend_kernel(*args, 0.25, torch.empty(tokens, 65, 8))
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 32), (1, 4, 64), (2, 2, 12)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_non_causal_rows(extend_kernel, block_size, kv_heads, group, head_dim, threads):
-    """causal=False: every query attends all of its row's keys (a shared prefix for the
-    decode tokens after it), also more queries than keys."""
-    gen = torch.Generator().manual_seed(block_size + 10 * group + head_dim + threads)
-    rows = [(37, 3), (5, 90), (200, 1), (16 * block_size, 12), (64, 64)]  # (keys, queries)
-    args, tokens = _case(gen, rows, block_size, kv_heads, group, head_dim)
-    keys = torch.tensor([k for k, _ in rows], dtype=torch.int32)
-    args = (*args[:5], keys, *args[6:])  # kv_len: the keys only (the blocks cover more)
-    _check(extend_kernel, args, tokens, head_dim**-0.5, num_threads=threads, causal=False)
-    with pytest.raises(RuntimeError, match="bad arguments"):  # causal: q_len > kv_len refused
-        extend_kernel(*args, 0.1, torch.empty_like(args[0]), num_threads=threads)

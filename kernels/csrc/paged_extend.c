@@ -62,7 +62,6 @@ typedef struct {
     float *lse;                 /* [T, kv_heads * group] natural log-sum-exp, or NULL */
     int64_t q_stride, out_stride;
     int kv_heads, group, head_dim, block_size, tile_queries;
-    int causal;                 /* 0: every query attends all kv_len keys of its row */
     float scale;
     int64_t ldk_max;            /* scratch row length: max keys rounded up to 16 */
     const int64_t *items;       /* item i: row << 32 | kv head << 24 | chunk (see main) */
@@ -464,14 +463,11 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
     const int r = (int)(item >> 32), h = (int)((item >> 24) & 0xff);
     const int chunk = (int)(item & 0xffffff);
     const int g = a->group, d = a->head_dim, hq = a->kv_heads * g;
-    const int causal = a->causal, qlen = a->q_len[r];
-    /* keys before the row's queries; without the causal mask, all of them */
-    const int prefix = causal ? a->kv_len[r] - qlen : a->kv_len[r];
-#define BOUND(qi) (causal ? prefix + (qi) + 1 : prefix) /* keys query qi attends */
+    const int qlen = a->q_len[r], prefix = a->kv_len[r] - qlen;
     const int qa0 = chunk * CHUNK_QUERIES;
     const int qb0 = qa0 + CHUNK_QUERIES < qlen ? qa0 + CHUNK_QUERIES : qlen;
     const int32_t *blocks = a->kv_indices + a->block_start[r];
-    const int nk_item = BOUND(qb0 - 1); /* keys the chunk's last query attends */
+    const int nk_item = prefix + qb0; /* keys the chunk's last query attends */
     const int64_t ldk = a->ldk_max;
     const int64_t tok0 = a->q_start[r];
 #ifdef HAVE_AVX2
@@ -484,7 +480,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
     for (int qa = qa0; qa < qb0; qa += tq) {
         const int qb = qa + tq < qb0 ? qa + tq : qb0;
         const int nv = (qb - qa) * g;
-        const int tile_nk = BOUND(qb - 1); /* the tile's largest bound */
+        const int tile_nk = prefix + qb; /* the tile's largest bound */
         const float *qp[MAX_VECS];
         float *op[MAX_VECS];
         float inv[MAX_VECS];
@@ -498,7 +494,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         if (d % 8 == 0) {
             for (int v0 = 0; v0 < nv; v0 += SC_VECS) {
                 const int R = nv - v0 < SC_VECS ? nv - v0 : SC_VECS;
-                const int bound = BOUND(qa + (v0 + R - 1) / g);
+                const int bound = prefix + qa + (v0 + R - 1) / g + 1;
                 scores_dispatch(R, qp + v0, kt, d, (bound + 7) & ~7, a->scale,
                                 s + (int64_t)v0 * ldk, ldk);
             }
@@ -506,7 +502,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
 #endif
         {
             for (int v = 0; v < nv; v++) {
-                const int bound = BOUND(qa + v / g);
+                const int bound = prefix + qa + v / g + 1;
                 float *sv = s + (int64_t)v * ldk;
                 const float *qv = qp[v];
                 memset(sv, 0, sizeof(float) * (size_t)bound);
@@ -520,7 +516,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         }
         /* softmax per query vector; masked keys up to the tile's bound get p = 0 */
         for (int v = 0; v < nv; v++) {
-            const int bound = BOUND(qa + v / g);
+            const int bound = prefix + qa + v / g + 1;
             float m;
             const float total = softmax_row(s + (int64_t)v * ldk, bound, tile_nk, &m);
             inv[v] = 1.0f / total;
@@ -533,7 +529,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         if (d % 8 == 0) {
             for (int v0 = 0; v0 < nv; v0 += PV_VECS) {
                 const int R = nv - v0 < PV_VECS ? nv - v0 : PV_VECS;
-                const int nk = BOUND(qa + (v0 + R - 1) / g);
+                const int nk = prefix + qa + (v0 + R - 1) / g + 1;
                 for (int c = 0; c < d; c += 32) {
                     const int W = d - c < 32 ? (d - c) / 8 : 4;
                     pv_dispatch(R, W, a, blocks, h, c, pp + v0, nk, inv + v0, op + v0);
@@ -546,7 +542,7 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
             const int bs = a->block_size;
             const int64_t ts = (int64_t)a->kv_heads * d, blk_stride = bs * ts;
             for (int v = 0; v < nv; v++) {
-                const int nk = BOUND(qa + v / g);
+                const int nk = prefix + qa + v / g + 1;
                 float *o = op[v];
                 const float *p = pp[v];
                 for (int i = 0; i < d; i++) o[i] = 0.0f;
@@ -567,8 +563,6 @@ static void run_item(const ExtendArgs *a, int64_t item, float *kt, float *s) {
         }
     }
 }
-
-#undef BOUND
 
 static void *run_items(void *arg) {
     ExtendArgs *a = (ExtendArgs *)arg;
@@ -591,16 +585,14 @@ static void *run_items(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 out of memory, 2 bad arguments. causal = 0: every query of a row
- * attends all of the row's kv_len keys (a shared prefix's keys, for queries that come after
- * them), and q_len may exceed kv_len. */
+/* Returns 0 on success, 1 out of memory, 2 bad arguments. */
 int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *v_cache,
                              const int32_t *kv_indices, const int64_t *block_start,
                              const int32_t *kv_len, const int64_t *q_start, const int32_t *q_len,
                              float *out, float *lse, int64_t num_rows, int64_t num_tokens,
                              int64_t num_indices, int64_t num_blocks, int64_t q_stride,
                              int64_t out_stride, int kv_heads, int group, int head_dim,
-                             int block_size, float scale, int causal, int num_threads) {
+                             int block_size, float scale, int num_threads) {
     if (num_rows < 0 || num_tokens < 0 || kv_heads < 1 || kv_heads > 255 || group < 1 ||
         group > MAX_GROUP || head_dim < 1 || block_size < 1 || num_rows > INT32_MAX)
         return 2;
@@ -608,9 +600,7 @@ int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_rows; r++) {
         const int ql = q_len[r], kl = kv_len[r];
-        if (ql < 1 || kl < 1 || (causal && kl < ql) || q_start[r] < 0 ||
-            q_start[r] > num_tokens - ql)
-            return 2;
+        if (ql < 1 || kl < ql || q_start[r] < 0 || q_start[r] > num_tokens - ql) return 2;
         const int64_t nblk = (kl + block_size - 1) / block_size;
         if (block_start[r] < 0 || block_start[r] > num_indices - nblk) return 2;
         for (int64_t b = 0; b < nblk; b++) {
@@ -626,13 +616,12 @@ int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *
     int64_t *cost = items + num_items; /* cumulative cost (queries x keys) through item i */
     int64_t n = 0, total = 0;
     for (int64_t r = 0; r < num_rows; r++) {
-        const int ql = q_len[r], prefix = causal ? kv_len[r] - ql : kv_len[r];
+        const int ql = q_len[r], prefix = kv_len[r] - ql;
         for (int c = 0; c * CHUNK_QUERIES < ql; c++) {
             const int qa = c * CHUNK_QUERIES;
             const int qb = qa + CHUNK_QUERIES < ql ? qa + CHUNK_QUERIES : ql;
             /* keys attended by the chunk's queries, plus the transpose and per-query work */
-            const int64_t mid = causal ? (qa + qb + 1) / 2 : 0, last = causal ? qb : 0;
-            const int64_t w = (int64_t)(qb - qa) * (prefix + mid + 16) + prefix + last;
+            const int64_t w = (int64_t)(qb - qa) * (prefix + (qa + qb + 1) / 2 + 16) + prefix + qb;
             for (int h = 0; h < kv_heads; h++) {
                 items[n] = r << 32 | (int64_t)h << 24 | c;
                 total += w;
@@ -653,7 +642,6 @@ int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *
         a->q_len = q_len; a->out = out; a->lse = lse; a->q_stride = q_stride;
         a->out_stride = out_stride; a->kv_heads = kv_heads; a->group = group;
         a->head_dim = head_dim; a->block_size = block_size; a->scale = scale;
-        a->causal = causal != 0;
         a->tile_queries = group >= TILE_VECS ? 1 : TILE_VECS / group;
         a->ldk_max = ((int64_t)max_len + 15) & ~(int64_t)15;
         a->items = items;

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.attention.sdpa_prefix import merge_partial, plan_shared_prefixes
 from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
 from radixrt.kernels.paged_extend_cpu import PagedExtendKernel
 
@@ -34,10 +33,6 @@ NATIVE_MAX_EXTEND_PAIRS = 8192
 # threads (its OpenMP region runs on torch's own pool). Tiny Llama, 32 decode rows x ~150
 # keys, 2 threads, decode step medians: 4.8-7.0 ms threaded vs 6.2-8.5 ms on one thread.
 NATIVE_MIN_PAIRS_THREADED = 4096
-# Decode rows' prefix groups (`with_shared_prefixes`) must save at least this many key reads
-# ((rows - 1) x shared keys): a group costs a gather of its queries, an extend-kernel call and
-# a log-sum-exp merge (see benchmarks/RESULTS.md, session 7)
-NATIVE_PREFIX_MIN_SAVED_KEYS = 2048
 
 
 class ExtendRows(NamedTuple):
@@ -50,21 +45,6 @@ class ExtendRows(NamedTuple):
     num_pairs: int  # (query, key) pairs of the causal rows in all
 
 
-class NativePrefix(NamedTuple):
-    """Decode rows that share leading blocks (`sdpa_prefix.plan_shared_prefixes`): their
-    tokens attend the shared keys together, one non-causal extend-kernel row a group (the
-    queries tiled against keys read once), the rest of each row through the decode kernel;
-    the two parts are merged by log-sum-exp."""
-
-    tokens: torch.Tensor  # [Qp] int64: the grouped rows' tokens (decode tokens), group by group
-    kv_indices: torch.Tensor  # [nb] int32: the groups' shared blocks, concatenated
-    block_start: torch.Tensor  # [G] int64: each group's blocks in kv_indices
-    kv_len: torch.Tensor  # [G] int32: shared keys
-    q_start: torch.Tensor  # [G] int64: each group's first token in `tokens`
-    q_len: torch.Tensor  # [G] int32: its tokens
-    num_pairs: int
-
-
 class NativePlan(NamedTuple):
     rows: np.ndarray  # [R] bool: rows the kernels attend (the others go to the SDPA groups)
     num_queries: int  # m: the decode kernel's queries (decode rows' tokens, small extends')
@@ -74,8 +54,6 @@ class NativePlan(NamedTuple):
     kv_len: torch.Tensor  # [m] int32: keys each query attends
     num_pairs: int  # the decode kernel's (query, key) pairs in all: the sum of kv_len
     extend: ExtendRows | None = None  # rows through the extend kernel (None: no such row)
-    prefix: NativePrefix | None = None  # decode rows' shared prefixes (then block_start and
-    # kv_len above are their own remaining blocks)
 
 
 def plan_native(
@@ -131,40 +109,6 @@ def plan_native(
     )
 
 
-def with_shared_prefixes(plan: NativePlan, batch: ForwardBatch, min_saved_keys: int) -> NativePlan:
-    """`plan` with its decode rows' shared prefixes attended together (`NativePrefix`) where
-    groups of them save at least `min_saved_keys` key reads; `plan` itself where none do (or
-    its decode queries are not exactly tokens 0..num_decode-1)."""
-    nd = batch.num_decode
-    if nd < 2 or plan.num_queries != nd or plan.token_index is not None:
-        return plan
-    leave_out = np.zeros(batch.num_rows, dtype=bool)
-    leave_out[nd:] = True
-    found = plan_shared_prefixes(batch, min_saved_keys=min_saved_keys, leave_out=leave_out)
-    if not found.groups:
-        return plan
-    bs = batch.block_size
-    skip = torch.from_numpy(found.skip_blocks[:nd])
-    kv_len = plan.kv_len - (skip * bs).to(torch.int32)  # >= 1: only full cached blocks shared
-    sizes = [g.tokens.shape[0] for g in found.groups]
-    nblk = [g.blocks.shape[0] for g in found.groups]
-    prefix = NativePrefix(
-        tokens=torch.cat([g.tokens for g in found.groups]),
-        kv_indices=torch.cat([g.blocks for g in found.groups]).to(torch.int32),
-        block_start=torch.tensor(np.cumsum([0, *nblk[:-1]]), dtype=torch.int64),
-        kv_len=torch.tensor([n * bs for n in nblk], dtype=torch.int32),
-        q_start=torch.tensor(np.cumsum([0, *sizes[:-1]]), dtype=torch.int64),
-        q_len=torch.tensor(sizes, dtype=torch.int32),
-        num_pairs=sum(q * n * bs for q, n in zip(sizes, nblk)),
-    )
-    return plan._replace(
-        block_start=plan.block_start + skip,
-        kv_len=kv_len,
-        num_pairs=int(kv_len.sum()),
-        prefix=prefix,
-    )
-
-
 def _decode_rows(batch: ForwardBatch, n: int | None = None) -> NativePlan:
     """The first n rows (all by default), decode rows: one query each, tokens 0..n-1."""
     n = batch.num_rows if n is None else n
@@ -212,21 +156,6 @@ def attend_native(
         return
     args = (k_cache, v_cache, batch.kv_indices, plan.block_start, plan.kv_len, scale)
     threads = torch.get_num_threads() if plan.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
-    pre = plan.prefix
-    if pre is not None:  # decode tokens 0..m-1, some of them in prefix groups
-        assert index is None and extend_kernel is not None
-        lse = torch.empty((m, q.shape[1]), dtype=torch.float32)
-        kernel(q[:m], *args, out[:m], lse, num_threads=threads)
-        qp = q.index_select(0, pre.tokens)
-        op, lp = torch.empty_like(qp), torch.empty((qp.shape[0], q.shape[1]))
-        threads = torch.get_num_threads() if pre.num_pairs >= NATIVE_MIN_PAIRS_THREADED else 1
-        extend_kernel(
-            qp, k_cache, v_cache, pre.kv_indices, pre.block_start, pre.kv_len, pre.q_start,
-            pre.q_len, scale, op, lp, num_threads=threads, causal=False,
-        )  # fmt: skip
-        own = out.index_select(0, pre.tokens)
-        out.index_copy_(0, pre.tokens, merge_partial(op, lp, own, lse.index_select(0, pre.tokens)))
-        return
     if index is None:
         kernel(q[:m], *args, out[:m], num_threads=threads)
         return

@@ -45,11 +45,9 @@ import torch.nn.functional as F
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.attention.native_rows import (
     NATIVE_MAX_EXTEND_PAIRS,
-    NATIVE_PREFIX_MIN_SAVED_KEYS,
     NativePlan,
     attend_native,
     plan_native,
-    with_shared_prefixes,
 )
 from radixrt.attention.sdpa_plan import DEFAULT_LIMITS, AttentionGroup, PlanLimits, plan_attention
 from radixrt.attention.sdpa_prefix import (
@@ -79,7 +77,6 @@ class SdpaAttentionBackend:
         native_decode: bool = False,
         native_max_extend_pairs: int = NATIVE_MAX_EXTEND_PAIRS,
         native_extend: bool = True,
-        native_prefix_min_saved_keys: int = NATIVE_PREFIX_MIN_SAVED_KEYS,
     ) -> None:
         """`shared_prefix`: attend rows' shared prefix blocks together on a CPU (`sdpa_prefix`,
         groups saving at least `prefix_min_saved_keys` key reads); False (and on other
@@ -87,9 +84,7 @@ class SdpaAttentionBackend:
         rows of at most `native_max_extend_pairs` (query, key) pairs) of CPU batches through
         the native kernel (the pool must then be float32; see the module docstring);
         `native_extend`: extend rows through the extend kernel (False: as where it did not
-        build); `native_prefix_min_saved_keys`: then, in mixed steps, decode rows sharing
-        leading blocks that save at least this many key reads attend them together
-        (`native_rows.with_shared_prefixes`)."""
+        build)."""
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -114,7 +109,6 @@ class SdpaAttentionBackend:
             load_paged_extend()
         self.native_max_extend_pairs = native_max_extend_pairs
         self.native_extend = native_extend
-        self.native_prefix_min_saved_keys = native_prefix_min_saved_keys
         self._native: PagedDecodeKernel | None = None  # this step's kernel, if it runs rows
         self._extend: PagedExtendKernel | None = None  # the extend kernel, where it built
         self.native_plan: NativePlan | None = None  # the rows it runs
@@ -133,13 +127,6 @@ class SdpaAttentionBackend:
             self.native_plan = plan_native(
                 batch, self.native_max_extend_pairs, self._extend is not None
             )
-            plan = self.native_plan
-            if plan is not None and plan.extend is not None and self.shared_prefix:
-                # a mixed step, every row native: decode rows' shared prefixes together
-                # (a decode-only step keeps the one-call forward: native_decode_plan)
-                self.native_plan = with_shared_prefixes(
-                    plan, batch, self.native_prefix_min_saved_keys
-                )
         self._native = kernel if self.native_plan is not None else None
         leave_out = None if self.native_plan is None else self.native_plan.rows
         if leave_out is not None and leave_out.all():  # every row through the kernel
