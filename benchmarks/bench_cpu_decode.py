@@ -25,27 +25,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float, fl
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from benchmarks.backends import warmup_workload
-    from benchmarks.engine_driver import run_engine
-    from benchmarks.workloads import make_workload
+    from benchmarks.bench_cpu_paired import engine_and_workload
     from radixrt import SamplingParams
-    from radixrt.engine import Engine
-    from radixrt.model.tiny import ensure_tiny_model
 
-    engine = Engine(
-        ensure_tiny_model(),
-        device="cpu",
-        prefix_cache="radix",
-        policy="lpm",
-        cpu_threads=args.threads,
-        freeze_gc=True,
-        max_num_batched_tokens=8192,
-        max_running_requests=256,
-    )  # bench_cpu_paired's
-    vocab = engine.model_config.vocab_size
-    run_engine(engine, warmup_workload(vocab))
-    engine.cache.reset()
-    w = make_workload("random", args.size, 1.0, 0, vocab)
+    engine, w = engine_and_workload(args.threads, args.size)
     params = SamplingParams(max_tokens=w.params["output_len"], temperature=0, ignore_eos=True)
     model, core = engine.core.runner.model, engine.core
     variants = {"native forward": True, "layers": False}

@@ -19,6 +19,32 @@ import statistics
 import torch
 
 
+def engine_and_workload(threads: int, size: str, block_size: int = 16):
+    """The in-process engine as `bench_serving --backend engine` builds it on the trained
+    tiny model, warmed up, and the `random` workload at `size` (also bench_cpu_decode's)."""
+    from benchmarks.backends import warmup_workload
+    from benchmarks.engine_driver import run_engine
+    from benchmarks.workloads import make_workload
+    from radixrt.engine import Engine
+    from radixrt.model.tiny import ensure_tiny_model
+
+    engine = Engine(
+        ensure_tiny_model(),
+        device="cpu",
+        prefix_cache="radix",
+        policy="lpm",
+        block_size=block_size,
+        cpu_threads=threads,
+        freeze_gc=True,
+        max_num_batched_tokens=8192,
+        max_running_requests=256,
+    )  # bench_serving's
+    vocab = engine.model_config.vocab_size
+    run_engine(engine, warmup_workload(vocab))
+    engine.cache.reset()
+    return engine, make_workload("random", size, 1.0, 0, vocab)
+
+
 def main(argv: list[str] | None = None) -> list[tuple[float, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -28,29 +54,12 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float]]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from benchmarks.backends import warmup_workload
     from benchmarks.bench_hf import generate, load_model
     from benchmarks.engine_driver import run_engine
-    from benchmarks.workloads import make_workload
-    from radixrt.engine import Engine
     from radixrt.model.tiny import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
-    engine = Engine(
-        model_dir,
-        device="cpu",
-        prefix_cache="radix",
-        policy="lpm",
-        block_size=args.block_size,
-        cpu_threads=args.threads,
-        freeze_gc=True,
-        max_num_batched_tokens=8192,
-        max_running_requests=256,
-    )  # bench_serving's
-    vocab = engine.model_config.vocab_size
-    run_engine(engine, warmup_workload(vocab))
-    engine.cache.reset()
-    w = make_workload("random", args.size, 1.0, 0, vocab)
+    engine, w = engine_and_workload(args.threads, args.size, args.block_size)
     prompts = [prog.calls[0].input_ids for prog in w.programs]
     out_len = w.params["output_len"]
     n_out = len(prompts) * out_len

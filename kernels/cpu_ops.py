@@ -24,16 +24,10 @@ import functools
 
 import torch
 
-from radixrt.kernels.native import load_library
+from radixrt.kernels.native import check_status, load_library
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ERRORS = {2: "bad arguments", 3: "an index out of range"}
 PARALLEL_MIN_ELEMENTS = 1 << 16  # floats from which a call splits rows over torch's threads
-
-
-def _check(rc: int, op: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"native {op} failed: {_ERRORS.get(rc, rc)}")
 
 
 def _f32(name: str, t: torch.Tensor) -> None:
@@ -71,7 +65,7 @@ class CpuOps:
             x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), h, n, h,
             eps, _threads(n * h),
         )  # fmt: skip
-        _check(rc, "rmsnorm")
+        check_status(rc, "native rmsnorm")
         return out
 
     def add_rmsnorm_(
@@ -89,7 +83,7 @@ class CpuOps:
             x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
             x.data_ptr(), x.stride(0), n, h, eps, _threads(n * h),
         )  # fmt: skip
-        _check(rc, "add_rmsnorm_")
+        check_status(rc, "native add_rmsnorm_")
 
     def rope_(
         self,
@@ -112,7 +106,7 @@ class CpuOps:
             heads.data_ptr(), heads.stride(0), positions.data_ptr(), table.data_ptr(),
             table.shape[0], n, num_rotated, d, _threads(n * num_rotated * d),
         )  # fmt: skip
-        _check(rc, "rope_")
+        check_status(rc, "native rope_")
 
     def store_kv(
         self,
@@ -136,7 +130,7 @@ class CpuOps:
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
             k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], n, row,
         )  # fmt: skip
-        _check(rc, "store_kv")
+        check_status(rc, "native store_kv")
 
     def silu_mul(
         self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
@@ -154,7 +148,7 @@ class CpuOps:
             gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
             out.stride(0), n, inter, _threads(n * inter),
         )  # fmt: skip
-        _check(rc, "silu_mul")
+        check_status(rc, "native silu_mul")
         return out
 
 

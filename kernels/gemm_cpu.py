@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from radixrt.kernels.native import load_library
+from radixrt.kernels.native import check_status, load_library
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 PANEL = 16  # output features per panel (NR in the C source)
@@ -62,8 +62,7 @@ class SmallGemm:
             x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
             None if bias is None else bias.data_ptr(), out.data_ptr(), n, threads,
         )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"gemm_small failed ({rc})")
+        check_status(rc, "native gemm_small")
         return out
 
 

@@ -45,6 +45,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/radixrt/native"))
 
 
+# the status codes every native entry point returns (0: ok)
+STATUS = {1: "out of memory", 2: "bad arguments", 3: "an index out of range"}
+
+
+def check_status(rc: int, what: str) -> None:
+    """Raise RuntimeError naming `what` and the failure if a native call returned rc != 0."""
+    if rc != 0:
+        raise RuntimeError(f"{what} failed: {STATUS.get(rc, f'status {rc}')}")
+
+
 def find_compiler() -> str | None:
     """The C compiler to use: $CC if set, else the first of cc, gcc, clang on PATH."""
     if os.environ.get("CC"):

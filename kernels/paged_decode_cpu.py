@@ -14,10 +14,9 @@ import functools
 
 import torch
 
-from radixrt.kernels.native import load_library
+from radixrt.kernels.native import check_status, load_library
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ERRORS = {1: "out of memory", 2: "bad arguments"}
 
 
 class PagedDecodeKernel:
@@ -80,8 +79,7 @@ class PagedDecodeKernel:
             k_cache.shape[0],
             num_threads,
         )
-        if rc != 0:
-            raise RuntimeError(f"paged_decode kernel failed: {_ERRORS.get(rc, rc)}")
+        check_status(rc, "paged_decode kernel")
 
 
 @functools.cache

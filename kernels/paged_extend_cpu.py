@@ -16,10 +16,9 @@ import functools
 
 import torch
 
-from radixrt.kernels.native import load_library
+from radixrt.kernels.native import check_status, load_library
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ERRORS = {1: "out of memory", 2: "bad arguments"}
 
 
 class PagedExtendKernel:
@@ -95,8 +94,7 @@ class PagedExtendKernel:
             scale,
             num_threads,
         )
-        if rc != 0:
-            raise RuntimeError(f"paged_extend kernel failed: {_ERRORS.get(rc, rc)}")
+        check_status(rc, "paged_extend kernel")
 
 
 @functools.cache

@@ -19,24 +19,20 @@ LONG = [(1100, 300), (0, 300), (517, 129), (0, 1), (64, 64)]
 
 
 @pytest.fixture(scope="module")
-def extend_kernel():
-    """The native extend kernel. Skips only where no C compiler exists; where one does, a
-    kernel that does not build fails the test."""
-    from radixrt.kernels.native import find_compiler
+def extend_kernel(native_kernel):
+    """The native extend kernel (`native_kernel`: skips only where no C compiler exists;
+    where one does, a kernel that does not build fails the test)."""
     from radixrt.kernels.paged_extend_cpu import load_paged_extend
 
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the native CPU kernel cannot be built")
     kernel = load_paged_extend()
     assert kernel is not None, "a C compiler exists but the native kernel did not build"
     return kernel
 
 
 def _variant(*defines: str) -> PagedExtendKernel:
-    from radixrt.kernels.native import find_compiler, load_library
+    """A build with `defines` (callers take the `extend_kernel` fixture: a compiler exists)."""
+    from radixrt.kernels.native import load_library
 
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the native CPU kernel cannot be built")
     lib = load_library("paged_extend", defines)
     assert lib is not None
     return PagedExtendKernel(lib)
@@ -119,7 +115,7 @@ def test_threads_match_one_thread(extend_kernel, threading):
 
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("variant", ["RADIXRT_PORTABLE", "RADIXRT_NO_AVX512"])
-def test_other_builds_match_reference(head_dim, variant):
+def test_other_builds_match_reference(extend_kernel, head_dim, variant):
     """The portable C path (what CPUs without AVX2 run) on head dims the vector path takes, and
     the register tiles for 16 vector registers (AVX2 without AVX-512VL's 32)."""
     kernel = _variant(variant)

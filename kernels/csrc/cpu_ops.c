@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vexp.h"
+#include "simd.h"
 #if defined(_OPENMP) && !defined(RADIXRT_NO_OPENMP)
 #include <omp.h>
 #define PARALLEL_ROWS _Pragma("omp parallel for num_threads(num_threads) schedule(static)")

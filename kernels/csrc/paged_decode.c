@@ -16,20 +16,16 @@
  * the step's weights have pushed out of the caches (tiny Llama, 32 rows x 150 keys, a layer:
  * 290 us with it, 380-445 us without; 120-140 us when the KV is in cache).
  * Threads (num_threads > 1) split the queries: on the OpenMP runtime when built with -fopenmp
- * (torch's pool; see the parallel region), else threads started and joined per call (which
+ * (torch's pool; csrc/parallel.h), else threads started and joined per call (which
  * costs more than it saves below a few hundred microseconds of work).
  */
 #include <math.h>
-#include <pthread.h>
-#if defined(_OPENMP) && !defined(RADIXRT_NO_OPENMP)
-#define USE_OPENMP 1
-#include <omp.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "vexp.h"
+#include "parallel.h"
+#include "simd.h"
 
 typedef struct {
     const float *q;            /* query t at q + t * q_stride: [kv_heads, group, head_dim] */
@@ -58,13 +54,6 @@ static inline void prefetch_range(const float *p, int64_t bytes) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXRT_PORTABLE)
 #include <immintrin.h>
 #define HAVE_AVX2 1
-
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 /* The 8 sums of a[0..7] (each summed over its lanes), in one vector. */
 static inline __m256 hsum8x8(const __m256 *a) {
@@ -293,10 +282,9 @@ int radixrt_paged_decode_f32(const float *q, const float *k_cache, const float *
     const int64_t items = nq * kv_heads;
 #endif
     int nt = num_threads < 1 ? 1 : num_threads;
-    if (nt > 64) nt = 64;
+    if (nt > RADIXRT_MAX_THREADS) nt = RADIXRT_MAX_THREADS;
     if (items < nt) nt = items < 1 ? 1 : (int)items;
-    DecodeArgs args[64];
-    pthread_t threads[64];
+    DecodeArgs args[RADIXRT_MAX_THREADS];
     for (int t = 0; t < nt; t++) {
         DecodeArgs *a = &args[t];
         a->q = q; a->k_cache = k_cache; a->v_cache = v_cache; a->kv_indices = kv_indices;
@@ -308,28 +296,7 @@ int radixrt_paged_decode_f32(const float *q, const float *k_cache, const float *
         a->item_end = items * (t + 1) / nt;
         a->status = 0;
     }
-#ifdef USE_OPENMP
-    /* OpenMP: torch's own runtime where torch is loaded (it ships libgomp.so.1, the soname a
-     * gcc -fopenmp build asks for), so these are torch's pooled, spinning threads. Only
-     * omp_get_thread_num and a plain parallel region: the oldest libgomp ABI. */
-    (void)threads;
-    if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();
-            for (int u = t; u < nt; u += n) run_items(&args[u]);
-        }
-    } else {
-        run_items(&args[0]);
-    }
-#else
-    int started = 1; /* threads 1..started-1 run; the caller's thread runs the rest */
-    while (started < nt && pthread_create(&threads[started], NULL, run_items, &args[started]) == 0)
-        started++;
-    run_items(&args[0]);
-    for (int t = started; t < nt; t++) run_items(&args[t]);
-    for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
-#endif
+    run_parallel(run_items, args, sizeof(args[0]), nt);
     for (int t = 0; t < nt; t++)
         if (args[t].status) return args[t].status;
     return 0;

@@ -33,16 +33,13 @@
  * in paged_decode.c), else threads started and joined per call.
  */
 #include <math.h>
-#include <pthread.h>
-#if defined(_OPENMP) && !defined(RADIXRT_NO_OPENMP)
-#define USE_OPENMP 1
-#include <omp.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_THREADS 64
+#include "parallel.h"
+#include "simd.h"
+
 #define TILE_VECS 24   /* query vectors a tile aims at (scores scratch: TILE_VECS x keys) */
 #define CHUNK_QUERIES 64 /* queries per work item (so causal rows split into several) */
 #define MAX_GROUP 64   /* query heads per kv head */
@@ -68,24 +65,6 @@ typedef struct {
     int64_t item_begin, item_end;
     int status;                 /* 0 ok, 1 out of memory */
 } ExtendArgs;
-
-static inline float exp_nonpos(float x) {
-    /* e^x for x <= 0; below -87 it returns e^-87 (~1.6e-38: nothing beside the max's 1). */
-    x = x < -87.0f ? -87.0f : x;
-    float fx = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    int32_t n = (int32_t)fx;
-    union { int32_t i; float f; } two_n;
-    two_n.i = (n + 127) << 23;
-    return y * two_n.f;
-}
 
 /* Portable path: keys [0, nk) of kv head h of a row into kt[i * ldk + t] (transposed),
  * zero-padding columns nk .. round16(nk) - 1. */
@@ -117,42 +96,6 @@ static float softmax_row(float *s, int bound, int end, float *max_out);
 #if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(RADIXRT_NO_AVX512)
 #define USE_AVX512 1 /* 32 vector registers for the tiles; 16-lane softmax */
 #endif
-
-static inline __m256 exp_nonpos8(__m256 x) {
-    /* exp_nonpos on 8 lanes. n = round(x / ln 2) by the 1.5 * 2^23 trick (adding it leaves
-     * n in the low mantissa bits): no round or convert instruction. */
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-    const __m256 fx = _mm256_sub_ps(t, magic);
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* 2^n: t's bits are magic's plus n; (n + 127) << 23 */
-    const __m256i n = _mm256_sub_epi32(_mm256_castps_si256(t),
-                                       _mm256_set1_epi32(0x4B400000 - 127));
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 /* transpose_keys for head_dim a multiple of 8, into panels of 16 keys: key t's dim i at
  * kt[(t / 16) * d * 16 + i * 16 + t % 16] (what scores_avx2 reads, front to back). 8 keys x
@@ -630,10 +573,9 @@ int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *
         }
     }
     int nt = num_threads < 1 ? 1 : num_threads;
-    if (nt > MAX_THREADS) nt = MAX_THREADS;
+    if (nt > RADIXRT_MAX_THREADS) nt = RADIXRT_MAX_THREADS;
     if (num_items < nt) nt = (int)num_items;
-    ExtendArgs args[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
+    ExtendArgs args[RADIXRT_MAX_THREADS];
     int64_t begin = 0;
     for (int t = 0; t < nt; t++) {
         ExtendArgs *a = &args[t];
@@ -655,26 +597,7 @@ int radixrt_paged_extend_f32(const float *q, const float *k_cache, const float *
         begin = end;
         a->status = 0;
     }
-#ifdef USE_OPENMP
-    /* OpenMP: torch's own runtime where torch is loaded (see paged_decode.c). */
-    (void)threads;
-    if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num(), m = omp_get_num_threads();
-            for (int u = t; u < nt; u += m) run_items(&args[u]);
-        }
-    } else {
-        run_items(&args[0]);
-    }
-#else
-    int started = 1; /* threads 1..started-1 run; the caller's thread runs the rest */
-    while (started < nt && pthread_create(&threads[started], NULL, run_items, &args[started]) == 0)
-        started++;
-    run_items(&args[0]);
-    for (int t = started; t < nt; t++) run_items(&args[t]);
-    for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
-#endif
+    run_parallel(run_items, args, sizeof(args[0]), nt);
     free(items);
     for (int t = 0; t < nt; t++)
         if (args[t].status) return args[t].status;

@@ -30,7 +30,7 @@ import torch
 from radixrt.attention.native_rows import NATIVE_MIN_PAIRS_THREADED, NativePlan
 from radixrt.kernels.cpu_ops import PARALLEL_MIN_ELEMENTS
 from radixrt.kernels.gemm_cpu import PARALLEL_MIN_MACS
-from radixrt.kernels.native import load_library
+from radixrt.kernels.native import check_status, load_library
 from radixrt.kv.pool import KVPool
 from radixrt.model.linear import SMALL_MAX_ROWS, Linear
 
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 LlamaModel = torch.nn.Module
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ERRORS = {1: "out of memory", 2: "bad arguments", 3: "an index out of range"}
 
 
 class _Layer(ctypes.Structure):
@@ -97,14 +96,11 @@ class CpuDecode:
         self.pool = pool
         self.hidden = cfg.hidden_size
         self._vocab = model.embed_tokens.weight.shape[0]
-        linears = []
+        linears = _linears(model)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            linears += parts
-            qkv, o, gate_up, down = (lin._small[1] for lin in parts)
-            bias = attn.qkv_proj.bias
+            qkv, o, gate_up, down = (lin._small[1] for lin in linears[4 * i : 4 * i + 4])
+            bias = layer.self_attn.qkv_proj.bias
             layers[i] = _Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
@@ -128,6 +124,7 @@ class CpuDecode:
         # what the pointers point into: (the owner's parameter or buffer dict, name, tensor,
         # version or None), checked through the dicts (no nn.Module.__getattr__ per step)
         watch = [(lin._parameters, "weight", lin.weight, lin.weight._version) for lin in linears]
+        watch += [(lin._parameters, "bias", lin.bias, None) for lin in linears]
         watch += [(model.rope._buffers, "rope_table", model.rope.rope_table, None)]
         owners = [model.embed_tokens, model.norm, *(n for ly in model.layers for n in _norms(ly))]
         watch += [(m._parameters, "weight", m.weight, None) for m in owners]
@@ -149,6 +146,7 @@ class CpuDecode:
             return False
         params = [model.embed_tokens.weight, model.norm.weight, model.rope.rope_table]
         params += [n.weight for layer in model.layers for n in _norms(layer)]
+        params += [lin.bias for lin in _linears(model) if lin.bias is not None]
         if any(p.dtype != torch.float32 or not p.is_cpu for p in params):
             return False
         return _library() is not None
@@ -157,18 +155,14 @@ class CpuDecode:
     def build(model: LlamaModel, pool: KVPool) -> CpuDecode | None:
         """The native forward of `model` over `pool` (which `applies`), or None while a
         linear's small-GEMM copy is missing or stale (`prepack_linears` makes them)."""
-        for layer in model.layers:
-            parts = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-            if not all(_small_ready(lin) for lin in (*parts, layer.mlp.gate_up_proj)):
-                return None
-            if not _small_ready(layer.mlp.down_proj):
-                return None
+        if not all(_small_ready(lin) for lin in _linears(model)):
+            return None
         lib = _library()
         return None if lib is None else CpuDecode(model, pool, lib)
 
     def valid(self, pool: KVPool) -> bool:
         """Whether every pointer the C side holds is still the model's and pool's memory, and
-        every packed copy current (~10 us)."""
+        every packed copy current (~3 us)."""
         if pool is not self.pool or pool.kv is not self._pool_kv:
             return False
         for lin, small in self._linears:
@@ -193,8 +187,7 @@ class CpuDecode:
             batch.kv_indices.numel(), out.data_ptr(), self._scratch.data_ptr(), self._vocab,
             torch.get_num_threads(),
         )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"native decode forward failed: {_ERRORS.get(rc, rc)}")
+        check_status(rc, "native decode forward")
         return out
 
 
@@ -219,6 +212,15 @@ def takes(batch: ForwardBatch, plan: NativePlan | None) -> bool:
 def _small_ready(lin: Linear) -> bool:
     small = lin._small
     return small is not None and lin._packed_version == lin.weight._version
+
+
+def _linears(model: LlamaModel) -> list[Linear]:
+    """Every layer's qkv, o, gate_up and down projections, in that order."""
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return out
 
 
 def _norms(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -182,8 +182,8 @@ class LlamaForCausalLM(nn.Module):
         # decode steps on a CPU in one native call (radixrt.model.cpu_decode) where it applies;
         # False: always layer by layer (tests compare the two)
         self.cpu_decode = True
-        self._cpu_decode: tuple[KVPool, CpuDecode | None] | None = None  # (pool, built)
-        self._cpu_decode_applies = False  # CpuDecode.applies for that pool
+        # (pool, CpuDecode.applies for it, the forward built for it or None)
+        self._cpu_decode: tuple[KVPool, bool, CpuDecode | None] | None = None
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         """Runs every new token of `batch`; returns hidden states [T, hidden] (normed)."""
@@ -205,18 +205,13 @@ class LlamaForCausalLM(nn.Module):
     def _native_decode(self, pool: KVPool) -> CpuDecode | None:
         """The native decode forward over `pool`, or None where it does not apply: built
         once, and again when the pool changes or a weight was replaced or repacked since."""
-        built = self._cpu_decode
-        if built is None or built[0] is not pool:
-            applies = CpuDecode.applies(self, pool)
-            built = self._cpu_decode = (pool, CpuDecode.build(self, pool) if applies else None)
-            self._cpu_decode_applies = applies
-        fast = built[1]
-        if fast is not None and fast.valid(pool):
-            return fast
-        if not self._cpu_decode_applies:
-            return None
-        fast = CpuDecode.build(self, pool)  # None while a weight is not packed
-        self._cpu_decode = (pool, fast)
+        state = self._cpu_decode
+        if state is None or state[0] is not pool:
+            state = (pool, CpuDecode.applies(self, pool), None)
+        _, applies, fast = state
+        if applies and (fast is None or not fast.valid(pool)):
+            fast = CpuDecode.build(self, pool)  # None while a weight is not packed
+        self._cpu_decode = (pool, applies, fast)
         return fast
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
