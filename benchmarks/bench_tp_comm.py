@@ -77,9 +77,9 @@ def median_us(samples: list[float]) -> float:
 def run_rank(rank: int, port: int, device: str, iters: int) -> None:
     import torch
 
-    from radixrt.distributed.group import TPGroup, connect_store, create_store
-    from radixrt.distributed.plan_codec import PlanDecoder, PlanEncoder
-    from radixrt.distributed.runner import PLAN_CAPACITY
+    from radixrt.engine.tp.plan_codec import PlanDecoder, PlanEncoder
+    from radixrt.engine.tp.runner import PLAN_CAPACITY
+    from radixrt.model.tp.group import TPGroup, connect_store, create_store
 
     torch.set_num_threads(1)
     store = create_store(2) if rank == 0 else connect_store(port, 2)
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from radixrt.distributed.group import set_nccl_env
+    from radixrt.model.tp.group import set_nccl_env
 
     set_nccl_env()
     os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(__file__)))

@@ -13,14 +13,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from radixrt.grammar.spec import MAX_GRAMMAR_CHARS  # torch-free
-
 MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
 MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
 LOGIT_BIAS_RANGE = 100.0  # a logit bias is in [-100, 100]
 MAX_N = 64  # SamplingParams.n at most
 MAX_BEAM_WIDTH = 10  # BeamSearchParams.beam_width at most (see BeamSearchParams)
+MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile is costly)
 
 
 @dataclass(frozen=True)

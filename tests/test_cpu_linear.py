@@ -110,9 +110,9 @@ def test_rope_equals_hf_formula_bitwise(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("rows", [3, PACKED_MIN_ROWS * 2])
 def test_mlp_split_gate_up_matches_fused(rows: int) -> None:
     from radixrt.config import ModelConfig
-    from radixrt.distributed.shard import TPShard
     from radixrt.model.layers import silu_and_mul
     from radixrt.model.llama import MLP
+    from radixrt.model.tp.shard import TPShard
 
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=96,

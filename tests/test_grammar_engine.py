@@ -92,7 +92,7 @@ def test_greedy_is_argmax_over_allowed_tokens(make_engine, tiny_model_dir):
     sequence and an independent matcher's mask."""
     from transformers import AutoModelForCausalLM
 
-    from radixrt.grammar.masks import allowed_tokens
+    from radixrt.engine.grammar_masks import allowed_tokens
     from radixrt.grammar.spec import GrammarSpec
 
     engine = make_engine()
@@ -215,7 +215,7 @@ def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method)
 def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     """_grammar_drafts keeps the longest allowed prefix and leaves the matcher unchanged;
     _grammar_masks gives one mask per sample (current state, then after each draft)."""
-    from radixrt.grammar.masks import allowed_tokens
+    from radixrt.engine.grammar_masks import allowed_tokens
     from radixrt.scheduler.scheduler import Scheduler
 
     engine = make_engine()
@@ -341,7 +341,7 @@ def test_string_level_jump_forward_follows_the_grammar_in_fewer_steps(make_engin
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]])
 def test_apply_token_bitmasks_matches_reference(rows):
-    from radixrt.grammar.masks import allowed_tokens, apply_token_bitmasks
+    from radixrt.engine.grammar_masks import allowed_tokens, apply_token_bitmasks
 
     g = torch.Generator().manual_seed(1)
     vocab = 100  # not a multiple of 32: the last word is partly padding
@@ -358,7 +358,7 @@ def test_apply_token_bitmasks_matches_reference(rows):
 
 
 def test_torch_mask_fallback_matches():
-    from radixrt.grammar.masks import _apply_torch, apply_token_bitmasks, stack_masks
+    from radixrt.engine.grammar_masks import _apply_torch, apply_token_bitmasks, stack_masks
 
     g = torch.Generator().manual_seed(2)
     masks = [

@@ -31,7 +31,7 @@ SCHEMA = {
 
 @pytest.mark.parametrize("vocab", [2048, 128256])
 def test_cuda_masks_equal_cpu(vocab):
-    from radixrt.grammar.masks import apply_token_bitmasks
+    from radixrt.engine.grammar_masks import apply_token_bitmasks
 
     g = torch.Generator().manual_seed(0)
     rows = 40

@@ -251,7 +251,7 @@ def test_preemption_keeps_matcher_and_tokens_in_step():
 
 
 def test_plan_codec_carries_the_bitmask():
-    from radixrt.distributed.plan_codec import PlanDecoder, PlanEncoder
+    from radixrt.engine.tp.plan_codec import PlanDecoder, PlanEncoder
 
     mask = pack([5, 77, 2047])
     row = PlanRow("r", 0, 0, 2, [1, 2], sample_offsets=[1], token_bitmask=mask)
@@ -265,7 +265,7 @@ def test_scheduler_grammar_path_and_front_import_no_torch_or_xgrammar():
     run_blocked(
         ["torch", "numpy", "xgrammar"],
         """
-        import radixrt.grammar, radixrt.grammar.scheduling, radixrt.grammar.api
+        import radixrt.grammar, radixrt.scheduler.grammar, radixrt.grammar.api
         import radixrt.server.validate
         sys.path.insert(0, "tests")
         import test_grammar_scheduler as t

@@ -16,9 +16,9 @@ from radixrt.config import SpeculativeConfig, resolve_config
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason, Request
-from radixrt.spec import create_proposer
-from radixrt.spec.ngram import NgramProposer, ngram_lookup
-from radixrt.spec.radix import RadixProposer
+from radixrt.speculative import create_proposer
+from radixrt.speculative.ngram import NgramProposer, ngram_lookup
+from radixrt.speculative.radix import RadixProposer
 
 
 def naive_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -289,7 +289,7 @@ def test_drafts_stay_within_the_token_budget():
 
 
 def test_spec_stats_count_what_they_say():
-    from radixrt.spec import SpecStats
+    from radixrt.speculative import SpecStats
 
     s = SpecStats()
     assert s.acceptance_rate == s.mean_acceptance_length == s.fire_rate == 0.0

@@ -20,11 +20,11 @@ import torch
 
 from radixrt import Engine, SamplingParams
 from radixrt.config import ModelConfig
-from radixrt.distributed.shard import TPShard, check_devices
 from radixrt.engine.core import EngineCore
 from radixrt.model import LlamaForCausalLM, build_model
 from radixrt.model.loader import iterate_hf_weight_slices
 from radixrt.model.tiny import EOS_IDS
+from radixrt.model.tp.shard import TPShard, check_devices
 
 B = 4  # block size: matches end mid-block
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
@@ -283,8 +283,8 @@ def _alive(pid: int) -> bool:
 def test_plan_codec_round_trip():
     """Every PlanRow field and block op survives; params are sent once, then by number;
     a full table starts over."""
-    from radixrt.distributed import plan_codec
-    from radixrt.distributed.plan_codec import ControlKind, PlanDecoder, PlanEncoder
+    from radixrt.engine.tp import plan_codec
+    from radixrt.engine.tp.plan_codec import ControlKind, PlanDecoder, PlanEncoder
     from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, SwapIn, SwapOut
 
     shared = SamplingParams(temperature=0.5, top_k=3, stop=("x",), seed=4, logprobs=True)

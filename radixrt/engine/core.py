@@ -29,7 +29,7 @@ from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.scheduler.scheduler import Scheduler
-from radixrt.spec import create_proposer
+from radixrt.speculative import create_proposer
 
 logger = logging.getLogger(__name__)
 # A step that planned nothing while grammars compile waits this long (or until one is done)
@@ -83,7 +83,7 @@ class EngineCore:
         num_slots = cfg.scheduler.max_running_requests
         own_runner = runner is None
         if runner is None and cfg.tensor_parallel_size > 1:
-            from radixrt.distributed.runner import TensorParallelRunner
+            from radixrt.engine.tp.runner import TensorParallelRunner
 
             runner = TensorParallelRunner(cfg, model_config, self.max_model_len, num_slots)
             num_kv_blocks = runner.num_usable_blocks

@@ -114,7 +114,7 @@ class RowSampling:
         plan: StepPlan, layout: StepLayout, logits: torch.Tensor, rows: list[int]
     ) -> None:
         """Mask every sample of each constrained row (a verify row: one mask per sample)."""
-        from radixrt.grammar.masks import apply_token_bitmasks
+        from radixrt.engine.grammar_masks import apply_token_bitmasks
 
         masks, index = [], []
         for i in rows:

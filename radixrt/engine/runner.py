@@ -36,8 +36,8 @@ from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
 
 if TYPE_CHECKING:
-    from radixrt.distributed.group import TPGroup
     from radixrt.engine.draft import DraftOutput, DraftRunner
+    from radixrt.model.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ModelRunner(RowSampling):
         start = time.perf_counter()
         shard = attn_cfg = None
         if tp is not None:
-            from radixrt.distributed.shard import TPShard
+            from radixrt.model.tp.shard import TPShard
 
             shard = TPShard.of(model_cfg, tp.rank, tp.size)
             # Attention on a rank is attention over its heads.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
-MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile is costly)
 
 # Any JSON object (OpenAI's json_object). Whitespace is at most one space or newline between
 # tokens, so that a model cannot fill its budget with blanks.

@@ -11,8 +11,8 @@ from radixrt.model.linear import prepack_linears
 from radixrt.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from radixrt.distributed.group import TPGroup
-    from radixrt.distributed.shard import TPShard
+    from radixrt.model.tp.group import TPGroup
+    from radixrt.model.tp.shard import TPShard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

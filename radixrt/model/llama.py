@@ -15,16 +15,16 @@ from torch import nn
 from radixrt.attention.base import AttentionBackend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
-from radixrt.distributed.shard import TPShard
 from radixrt.kv.pool import KVPool
 from radixrt.model import cpu_decode
 from radixrt.model.cpu_decode import CpuDecode
 from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
+from radixrt.model.tp.shard import TPShard
 
 if TYPE_CHECKING:
-    from radixrt.distributed.group import TPGroup
+    from radixrt.model.tp.group import TPGroup
 
     WeightSource = torch.Tensor | Any  # a tensor, or a safetensors slice (`get_slice`)
 
@@ -106,7 +106,7 @@ def _row_linear(in_local: int, out_features: int, group: TPGroup | None) -> Line
     """Linear with one rank; with several, its row-parallel version (+ all-reduce)."""
     if group is None:
         return Linear(in_local, out_features, bias=False)
-    from radixrt.distributed.layers import RowParallelLinear
+    from radixrt.model.tp.layers import RowParallelLinear
 
     return RowParallelLinear(in_local, out_features, group)
 
@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
-            from radixrt.distributed.layers import VocabParallelEmbedding, VocabParallelLMHead
+            from radixrt.model.tp.layers import VocabParallelEmbedding, VocabParallelLMHead
 
             self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size, group)
             self.lm_head = VocabParallelLMHead(shard, cfg.hidden_size, group)

@@ -54,7 +54,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: what went wrong
     invalid_request: bool = False  # with ERROR: the request's own fault (a bad grammar: 400)
-    # structured output (radixrt.grammar.scheduling): the compile in progress (grammar-
+    # structured output (radixrt.scheduler.grammar): the compile in progress (grammar-
     # pending: not admitted), then the sequence's GrammarMatcher (opaque handles)
     grammar_ticket: Any = None
     grammar: Any = None

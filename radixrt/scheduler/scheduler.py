@@ -14,14 +14,14 @@ that is aborted, finished or preempted while in flight frees its KV at once; res
 step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
 after the earlier ones (one stream), so no step reads a block after another reused it.
 
-Speculation (`proposer`, see `radixrt.spec`): a decode row with k drafts reserves blocks for
+Speculation (`proposer`, see `radixrt.speculative`): a decode row with k drafts reserves blocks for
 k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping at a stop
 condition inside them), rolls num_computed back to the accepted length and frees blocks past
 it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
 their result on the host (the proposer reads the sequence), so they do not overlap.
 Structured output (`grammar_backend`): constrained requests wait while their grammar compiles,
 their rows carry token bitmasks and wait for their result on the host; tokens the grammar
-forces are appended without sampling (jump-forward); see `radixrt.grammar.scheduling`.
+forces are appended without sampling (jump-forward); see `radixrt.scheduler.grammar`.
 Groups (n > 1 children, beam search) share a prompt's blocks by reference and are admitted
 (with all their slots), preempted and aborted as a whole; see `radixrt.scheduler.groups`.
 """
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from radixrt.cache.base import MatchResult, PrefixCache
 from radixrt.config import SchedulerConfig
-from radixrt.grammar.scheduling import GrammarScheduling
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import (
     CopyBlock,
@@ -46,12 +45,13 @@ from radixrt.plan import (
     SwapOut,
 )
 from radixrt.scheduler.admission import Admission
+from radixrt.scheduler.grammar import GrammarScheduling
 from radixrt.scheduler.groups import GroupScheduling
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplication
 from radixrt.scheduler.rows import RowPlanning
 from radixrt.scheduler.stats import SchedulerStats
-from radixrt.spec.base import Proposer
+from radixrt.speculative.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
         waits for that result on the host before its next step. `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
-        `jump_forward` and `jump_forward_retokenize` (see radixrt.grammar.scheduling)."""
+        `jump_forward` and `jump_forward_retokenize` (see radixrt.scheduler.grammar)."""
         self.cfg = cfg
         self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward

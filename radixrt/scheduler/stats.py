@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from radixrt.spec.base import SpecStats
+from radixrt.speculative.base import SpecStats
 
 
 @dataclass

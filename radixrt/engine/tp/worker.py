@@ -17,7 +17,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
-from radixrt.distributed.workers import WorkerArgs
+from radixrt.engine.tp.workers import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,14 @@ def main(fd: int) -> None:
 
 
 def run(args: WorkerArgs, conn: Connection) -> None:
-    from radixrt.distributed.group import TPGroup, connect_store, set_nccl_env
+    from radixrt.model.tp.group import TPGroup, connect_store, set_nccl_env
 
     set_nccl_env()
     import torch
 
-    from radixrt.distributed.plan_codec import ControlKind, PlanDecoder
-    from radixrt.distributed.runner import PLAN_CAPACITY
     from radixrt.engine.runner import ModelRunner
+    from radixrt.engine.tp.plan_codec import ControlKind, PlanDecoder
+    from radixrt.engine.tp.runner import PLAN_CAPACITY
 
     device = torch.device(args.cfg.device)
     if device.type == "cuda":

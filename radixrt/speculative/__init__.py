@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from radixrt.cache.base import PrefixCache
 from radixrt.config import SpeculativeConfig
-from radixrt.spec.base import Proposer, SpecStats
+from radixrt.speculative.base import Proposer, SpecStats
 
 
 def create_proposer(cfg: SpeculativeConfig, cache: PrefixCache) -> Proposer | None:
@@ -16,12 +16,12 @@ def create_proposer(cfg: SpeculativeConfig, cache: PrefixCache) -> Proposer | No
     if method == "none":
         return None
     if method == "ngram":
-        from radixrt.spec.ngram import NgramProposer
+        from radixrt.speculative.ngram import NgramProposer
 
         return NgramProposer(cfg.ngram_min_n, cfg.ngram_max_n)
     if method == "radix":
         from radixrt.cache.radix import RadixCache
-        from radixrt.spec.radix import RadixProposer
+        from radixrt.speculative.radix import RadixProposer
 
         if not isinstance(cache, RadixCache):
             raise ValueError(
@@ -30,7 +30,7 @@ def create_proposer(cfg: SpeculativeConfig, cache: PrefixCache) -> Proposer | No
             )
         return RadixProposer(cache)
     if method == "draft":
-        from radixrt.spec.draft import DraftModelProposer
+        from radixrt.speculative.draft import DraftModelProposer
 
         return DraftModelProposer()
     raise ValueError(f"unknown speculative_method {method!r}; allowed: none, ngram, radix, draft")

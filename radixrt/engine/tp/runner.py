@@ -19,12 +19,12 @@ from collections.abc import Iterator
 import torch
 
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.distributed.group import TPGroup, create_store, set_nccl_env
-from radixrt.distributed.plan_codec import ControlKind, PlanEncoder
-from radixrt.distributed.shard import check_devices, check_divisible
-from radixrt.distributed.workers import TensorParallelError, WorkerArgs, WorkerSet
 from radixrt.engine.result import PendingResult
 from radixrt.engine.runner import ModelRunner
+from radixrt.engine.tp.plan_codec import ControlKind, PlanEncoder
+from radixrt.engine.tp.workers import TensorParallelError, WorkerArgs, WorkerSet
+from radixrt.model.tp.group import TPGroup, create_store, set_nccl_env
+from radixrt.model.tp.shard import check_devices, check_divisible
 from radixrt.plan import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixrt.distributed.group import TPGroup
-from radixrt.distributed.shard import TPShard
 from radixrt.model.linear import Linear
+from radixrt.model.tp.group import TPGroup
+from radixrt.model.tp.shard import TPShard
 
 
 class RowParallelLinear(Linear):
