@@ -6,9 +6,9 @@ index 0 and V at 1. A token's flat slot is `block * block_size + offset`.
 
 import torch
 
-from radixrt.kv.scales import FP8_E4M3_MAX
-
 from ._triton import cdiv, load_triton_module, next_power_of_2
+
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: larger magnitudes would become NaN
 
 
 def _check_args(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -142,7 +142,7 @@ def test_create_proposer_and_bad_configuration():
     assert create_proposer(SpeculativeConfig(), cache) is None
     ngram = create_proposer(SpeculativeConfig("ngram", 1, 3), cache)
     assert isinstance(ngram, NgramProposer)
-    assert ngram.propose(request([1, 2, 1]), 2) == [2, 1]
+    assert ngram.propose([1, 2, 1], 2) == [2, 1]
     assert isinstance(create_proposer(SpeculativeConfig("radix"), cache), RadixProposer)
     from radixrt.cache.none import NoCache
 
@@ -241,7 +241,7 @@ def test_scripted_always_wrong_drafts_roll_back():
     """Drafts that are always rejected: outputs unchanged, every row rolls back its blocks."""
 
     class Wrong:
-        def propose(self, req, max_drafts):
+        def propose(self, tokens, max_drafts):
             return [1] * max_drafts
 
     reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(4)]
@@ -304,11 +304,13 @@ def test_spec_stats_count_what_they_say():
 
 
 class HalfRight:
-    """The true next two tokens (cyclic_token), then garbage: every row rolls back."""
+    """The true next two tokens (cyclic_token), then garbage: every row rolls back. The
+    prompts are [9, 8, 7, 6, 5, 4, 3 + i] for rid f"r{i}"."""
 
-    def propose(self, req, max_drafts):
-        n = len(req.seq_token_ids)
-        true = [cyclic_token(req.rid, n + i) for i in range(max_drafts)]
+    def propose(self, tokens, max_drafts):
+        n = len(tokens)
+        rid = f"r{tokens[6] - 3}"
+        true = [cyclic_token(rid, n + i) for i in range(max_drafts)]
         return true[:2] + [1] * (max_drafts - 2)
 
 

@@ -116,8 +116,8 @@ def test_always_wrong_drafts_change_nothing(make_engine, reference):
     rolled back (integrity checked after each run and at teardown)."""
 
     class Wrong:
-        def propose(self, req, max_drafts):
-            last = req.seq_token_ids[-1]
+        def propose(self, tokens, max_drafts):
+            last = tokens[-1]
             return [(last + 1 + i) % 50 + 100 for i in range(max_drafts)]
 
     engine = make_engine(block_size=4, num_kv_blocks=24)

@@ -194,9 +194,11 @@ class PrefixProposer:
     def __init__(self, good: int) -> None:
         self.good = good
 
-    def propose(self, req, max_drafts: int) -> list[int]:
-        n = len(req.seq_token_ids)
-        true = [default_token(req.rid, n + i) for i in range(max_drafts)]
+    def propose(self, tokens, max_drafts: int) -> list[int]:
+        # the rows of `prompts()`, rid f"r{row}"
+        n = len(tokens)
+        row = next(k for k, p in enumerate(prompts(16)) if list(tokens[: len(p)]) == p)
+        true = [default_token(f"r{row}", n + i) for i in range(max_drafts)]
         return true[: self.good] + [1] * (max_drafts - self.good)
 
 

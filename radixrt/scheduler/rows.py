@@ -88,7 +88,7 @@ class RowPlanning:
         k = min(self.cfg.num_speculative_tokens, room)
         if k <= 0:
             return []
-        drafts = self.proposer.propose(req, k)[:k]
+        drafts = self.proposer.propose(req.seq_token_ids, k)[:k]
         if req.grammar is not None and drafts:
             drafts = self._grammar_drafts(req, drafts)
         self.stats.spec.num_proposals += 1

@@ -10,10 +10,9 @@ gets; the runner makes them on the device and verifies them by rejection samplin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-
-from radixrt.scheduler.request import Request
 
 
 class Proposer(Protocol):
@@ -22,9 +21,9 @@ class Proposer(Protocol):
     # the tokens returned
     drafts_on_device: bool
 
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
-        """Up to `max_drafts` (>= 1) draft tokens to follow `req.seq_token_ids`. Reads the
-        request only; returns [] when it has nothing to propose."""
+    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+        """Up to `max_drafts` (>= 1) draft tokens to follow `tokens` (a row's prompt and
+        output so far; read only); [] when it has nothing to propose."""
         ...
 
 

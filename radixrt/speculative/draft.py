@@ -9,7 +9,7 @@ in the same step (no host round trip for the drafts).
 
 from __future__ import annotations
 
-from radixrt.scheduler.request import Request
+from collections.abc import Sequence
 
 PLACEHOLDER = 0  # the input id planned for a draft the runner writes
 
@@ -17,6 +17,6 @@ PLACEHOLDER = 0  # the input id planned for a draft the runner writes
 class DraftModelProposer:
     drafts_on_device = True
 
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
         """`max_drafts` placeholders: the draft model always drafts the full k."""
         return [PLACEHOLDER] * max_drafts

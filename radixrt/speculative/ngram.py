@@ -3,9 +3,9 @@ and propose what followed them there."""
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
 
-from radixrt.scheduler.request import Request
+import numpy as np
 
 
 class NgramProposer:
@@ -19,11 +19,11 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
-        return ngram_lookup(req.seq_token_ids, self.min_n, self.max_n, max_drafts)
+    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+        return ngram_lookup(tokens, self.min_n, self.max_n, max_drafts)
 
 
-def ngram_lookup(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
+def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
     """Up to `max_drafts` tokens that followed the most recent earlier occurrence of the
     longest suffix of `tokens` (length min_n..max_n) that occurs earlier; [] if none."""
     n_tok = len(tokens)
@@ -41,4 +41,4 @@ def ngram_lookup(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> 
     if best < min_n:
         return []
     j = int(np.flatnonzero(match_len == best)[-1])  # most recent among the longest
-    return tokens[j + 1 : j + 1 + max_drafts]
+    return list(tokens[j + 1 : j + 1 + max_drafts])

@@ -3,8 +3,9 @@ context (a re-run program, a retried agent step, a regenerated answer)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from radixrt.cache.radix import RadixCache
-from radixrt.scheduler.request import Request
 
 
 class RadixProposer:
@@ -15,5 +16,5 @@ class RadixProposer:
     def __init__(self, cache: RadixCache) -> None:
         self.cache = cache
 
-    def propose(self, req: Request, max_drafts: int) -> list[int]:
-        return self.cache.peek_continuation(req.seq_token_ids, max_drafts)
+    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+        return self.cache.peek_continuation(tokens, max_drafts)

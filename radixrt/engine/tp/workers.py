@@ -52,10 +52,9 @@ class WorkerArgs:
 
 def worker_env() -> dict[str, str]:
     """The environment of a worker: ours, with this radixrt first on the path."""
-    import radixrt
-
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(radixrt.__file__)))
+    # this file is <root>/radixrt/engine/tp/workers.py
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
