@@ -187,7 +187,7 @@ def main() -> None:
     from benchmarks.front_fake_scheduler import token_source
     from benchmarks.front_results import RunConfig
     from benchmarks.front_rig import FrontRig
-    from radixrt.server.tokenizer import load_tokenizer
+    from radixrt.hf_dir import load_tokenizer
 
     if args.model is None:
         from radixrt.model.tiny import ensure_tiny_model

@@ -13,8 +13,8 @@ from benchmarks.front_fake_scheduler import token_source
 from benchmarks.front_profile import GROUPS, IDLE, group_of
 from benchmarks.front_results import RunConfig
 from benchmarks.front_rig import FrontRig
+from radixrt.hf_dir import load_tokenizer
 from radixrt.model.tiny import ensure_tiny_model
-from radixrt.server.tokenizer import load_tokenizer
 
 STREAMS, TOKENS, INTERVAL_S = 8, 20, 0.005
 

@@ -259,7 +259,7 @@ def test_roles_render_like_apply_chat_template(backend):
 
 def test_chat_template_with_bos_and_default_system_prompt(tiny_model_dir):
     """Prefixes/suffixes come from rendering, so templates unlike the tiny one work too."""
-    from radixrt.model.loader import load_tokenizer
+    from radixrt.hf_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = (

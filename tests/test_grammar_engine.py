@@ -413,7 +413,7 @@ def test_control_byte_mask_equals_xgrammars_special_ids_reference(tmp_path):
     import xgrammar as xgr
 
     from radixrt.grammar.xgrammar_backend import _no_control_mask
-    from radixrt.model.loader import load_tokenizer
+    from radixrt.hf_dir import load_tokenizer
     from radixrt.model.presets import write_dummy_model_dir
 
     tok = load_tokenizer(write_dummy_model_dir(str(tmp_path / "m"), "llama-3-8b"))

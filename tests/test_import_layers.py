@@ -19,6 +19,7 @@ LAYERS = [
     {"radixrt.limits", "radixrt.token_bytes"},
     {"radixrt.sampling"},
     {"radixrt.config"},
+    {"radixrt.hf_dir"},
     {"radixrt.plan", "radixrt.detokenizer"},
     {"radixrt.kv"},
     {"radixrt.testing"},

@@ -8,9 +8,11 @@ import os
 import pytest
 import torch
 
+from radixrt import hf_dir
 from radixrt.config import ModelConfig
+from radixrt.hf_dir import check_model_dir, load_tokenizer
 from radixrt.model import loader
-from radixrt.model.loader import check_model_dir, iterate_hf_weights, load_tokenizer
+from radixrt.model.loader import iterate_hf_weights
 from radixrt.model.tiny import make_hf_checkpoint
 
 LLAMA3_ROPE = {
@@ -32,10 +34,10 @@ def _hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_sharded_checkpoint_yields_every_parameter(tmp_path, arch: str) -> None:
     model_dir = make_hf_checkpoint(str(tmp_path / arch), arch, max_shard_size="200KB")
-    with open(os.path.join(model_dir, loader.INDEX_FILE)) as f:
+    with open(os.path.join(model_dir, hf_dir.INDEX_FILE)) as f:
         shards = set(json.load(f)["weight_map"].values())
     assert len(shards) > 1
-    assert not os.path.exists(os.path.join(model_dir, loader.SINGLE_FILE))
+    assert not os.path.exists(os.path.join(model_dir, hf_dir.SINGLE_FILE))
     check_model_dir(model_dir)
 
     state = _hf_state_dict(model_dir)
@@ -59,7 +61,7 @@ def test_each_shard_opened_once(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(loader, "safe_open", counting_safe_open)
     list(iterate_hf_weights(model_dir))
-    with open(os.path.join(model_dir, loader.INDEX_FILE)) as f:
+    with open(os.path.join(model_dir, hf_dir.INDEX_FILE)) as f:
         shards = set(json.load(f)["weight_map"].values())
     assert sorted(opened) == sorted(shards)
 
@@ -186,7 +188,7 @@ def test_empty_dir_weights(tmp_path) -> None:
 
 def test_index_naming_missing_shard(tmp_path) -> None:
     model_dir = make_hf_checkpoint(str(tmp_path / "m"), "llama", max_shard_size="200KB")
-    with open(os.path.join(model_dir, loader.INDEX_FILE)) as f:
+    with open(os.path.join(model_dir, hf_dir.INDEX_FILE)) as f:
         shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
     os.remove(os.path.join(model_dir, shard))
     for fn in (check_model_dir, iterate_hf_weights):
@@ -196,14 +198,14 @@ def test_index_naming_missing_shard(tmp_path) -> None:
 
 def test_malformed_index(tmp_path) -> None:
     _write_config(tmp_path)
-    (tmp_path / loader.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    (tmp_path / hf_dir.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="no non-empty 'weight_map'"):
         iterate_hf_weights(str(tmp_path))
 
 
 def test_index_promises_tensor_shard_lacks(tmp_path) -> None:
     model_dir = make_hf_checkpoint(str(tmp_path / "m"), "llama", max_shard_size="200KB")
-    index_path = os.path.join(model_dir, loader.INDEX_FILE)
+    index_path = os.path.join(model_dir, hf_dir.INDEX_FILE)
     with open(index_path) as f:
         index = json.load(f)
     index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = sorted(

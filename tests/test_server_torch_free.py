@@ -25,7 +25,8 @@ class BlockTorch(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, BlockTorch())
 import radixrt.server.front, radixrt.server.launch, radixrt.server.http_api
 import radixrt.server.protocol, radixrt.server.validate, radixrt.server.openai_routes
-from radixrt.server.tokenizer import check_model_dir, load_tokenizer
+import radixrt.frontend.backends.http  # the DSL over HTTP reads the tokenizer the same way
+from radixrt.hf_dir import check_model_dir, load_tokenizer
 
 model_dir, samples, messages = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 check_model_dir(model_dir)
@@ -59,7 +60,7 @@ def test_front_imports_no_torch_and_loads_the_same_tokenizer(tiny_model_dir):
     assert got["loaded"] == []
     assert "PyTorch was not found" not in out.stderr
 
-    from radixrt.model.loader import load_tokenizer  # the engine's (with torch)
+    from radixrt.hf_dir import load_tokenizer  # here with torch imported
 
     ref = load_tokenizer(tiny_model_dir)
     assert got["ids"] == [ref.encode(s) for s in SAMPLES]

@@ -31,7 +31,7 @@ def test_bench_verify_smoke(one_thread):
 def test_text_workloads_are_text(tiny_model_dir):
     """bench_spec's TEXT workloads: chat-template text, each call after its parent."""
     from benchmarks.bench_spec import TEXT_WORKLOADS, text_workload
-    from radixrt.model.loader import load_tokenizer
+    from radixrt.hf_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     for name in TEXT_WORKLOADS:

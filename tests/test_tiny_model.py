@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from radixrt.config import ModelConfig
+from radixrt.hf_dir import load_tokenizer
 from radixrt.model import tiny
-from radixrt.model.loader import iterate_hf_weights, load_tokenizer
+from radixrt.model.loader import iterate_hf_weights
 from radixrt.model.tiny import (
     default_tiny_model_dir,
     ensure_tiny_model,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from radixrt import cli
+from radixrt.hf_dir import load_tokenizer
 from radixrt.model import tiny, tiny_data, tiny_train
-from radixrt.model.loader import load_tokenizer
 from radixrt.model.tiny import make_tiny_model, read_training_file
 from radixrt.model.tiny_train import TrainSettings
 

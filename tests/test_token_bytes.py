@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.hf_dir import load_tokenizer
 from radixrt.model.tiny import ensure_tiny_model
-from radixrt.server.tokenizer import load_tokenizer
 from radixrt.token_bytes import METASPACE, TokenBytes
 
 

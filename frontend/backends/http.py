@@ -41,7 +41,7 @@ class RuntimeEndpoint(Backend):
         self._request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
         if model_path is None:
             model_path = self._model_path_from_server()
-        from radixrt.model.loader import load_tokenizer
+        from radixrt.hf_dir import load_tokenizer
 
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)

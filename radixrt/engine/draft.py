@@ -74,7 +74,7 @@ def check_draft_compatible(
             f"only one of the target {target_path!r} and speculative_draft_model "
             f"{draft_path!r} has a tokenizer.json: cannot check that they share a tokenizer"
         )
-    from radixrt.model.loader import load_tokenizer
+    from radixrt.hf_dir import load_tokenizer
 
     a, b = load_tokenizer(target_path).get_vocab(), load_tokenizer(draft_path).get_vocab()
     if a != b:

@@ -81,7 +81,7 @@ class Engine:
     def __init__(
         self, model_path: str, device: str = "auto", dtype: str = "auto", **options: object
     ) -> None:
-        from radixrt.model.loader import check_model_dir, load_tokenizer
+        from radixrt.hf_dir import check_model_dir, load_tokenizer
 
         check_model_dir(model_path, require_weights=options.get("load_format") != "dummy")
         cfg = resolve_config(model_path, device, dtype, **options)

@@ -133,7 +133,7 @@ class XGrammarBackend:
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                from radixrt.model.loader import load_tokenizer
+                from radixrt.hf_dir import load_tokenizer
 
                 tok = load_tokenizer(self.model_path)
                 info = xgr.TokenizerInfo.from_huggingface(

@@ -31,13 +31,13 @@ import zmq
 from aiohttp import web
 
 from radixrt.config import ModelConfig, resolve_config
+from radixrt.hf_dir import check_model_dir, load_tokenizer
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
-from radixrt.server.tokenizer import check_model_dir, load_tokenizer
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger("radixrt.server")

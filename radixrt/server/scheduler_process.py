@@ -118,7 +118,7 @@ def build_core(args: SchedulerProcessArgs):
     """Load the model and build the EngineCore, as `Engine` does."""
     from radixrt.config import ModelConfig, resolve_config
     from radixrt.engine.core import EngineCore
-    from radixrt.model.loader import check_model_dir
+    from radixrt.hf_dir import check_model_dir
 
     check_model_dir(args.model_path, require_weights=args.options.get("load_format") != "dummy")
     # The front needs a core too; oversubscribed OpenMP threads spin and stall a step.
