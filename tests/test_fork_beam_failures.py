@@ -98,13 +98,13 @@ def test_beam_counters_count_steps_and_blocks():
     runner.context_fn = lambda rid, ctx: beam_tops(ctx)
     sched = core.scheduler
     reparented = []
-    original = sched._share_prefix
+    original = sched.kv.share_prefix
 
     def share(src, dst, copy, ops):
         reparented.append((src.num_computed // 4, src.num_computed % 4 > 0))
         return original(src, dst, copy, ops)
 
-    sched._share_prefix = share
+    sched.kv.share_prefix = share
     core.add_beam_search([7, 8, 9], BeamSearchParams(beam_width=3, max_tokens=6), "b")
     done = drive(core)
     s = core.stats()

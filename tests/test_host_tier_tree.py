@@ -100,15 +100,15 @@ def test_counters_count_the_ops_and_copies_are_valid(workload, overlap):
     inside blocks: ops the runner executed, host blocks held, hit tokens of admissions."""
     core, runner = make_core(overlap=overlap, num_kv_blocks=40, host_blocks=120)
     hits: dict[str, int] = {}  # rid -> host tokens of its last successful _start
-    start = core.scheduler._start
+    start = core.scheduler.kv.start
 
-    def recorded(req, ops):
-        ok = start(req, ops)
+    def recorded(req, m, ops):
+        ok = start(req, m, ops)
         if ok and req.num_preemptions == 0:  # admitted unless it is released again
             hits[req.rid] = req.num_host_cached_tokens
         return ok
 
-    core.scheduler._start = recorded
+    core.scheduler.kv.start = recorded
     workload(core)
     check_tree_content(core, runner)
     s = core.stats()

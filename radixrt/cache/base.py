@@ -30,7 +30,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from radixrt.cache.tiers import HostTier
+    from radixrt.plan import SwapIn, SwapOut
 
 
 class MatchResult(NamedTuple):
@@ -96,3 +100,35 @@ class PrefixCache(Protocol):
     def reset(self) -> None:
         """Drop every unlocked entry (releasing its references)."""
         ...
+
+
+@runtime_checkable
+class HostTieredCache(PrefixCache, Protocol):
+    """A prefix cache that can have a host KV tier (`host`; None: it has none). The scheduler's
+    KV manager drives these only when `host` is set."""
+
+    host: HostTier | None
+
+    def load(self, handle: Any) -> list[int] | None:
+        """Bring the host-resident part of the locked path `handle` to the device (queues
+        SwapIn ops); the path's whole device block table, or None when blocks are short."""
+        ...
+
+    def take_swap_ops(self) -> list[SwapIn | SwapOut]:
+        """The swap ops queued since the last call, in the order they were made."""
+        ...
+
+    def stale_nodes(self, device_blocks: set[int], host_blocks: set[int]) -> list[Any]:
+        """The entries `discard_copies` would drop (read-only)."""
+        ...
+
+    def discard_copies(self, device_blocks: set[int], host_blocks: set[int]) -> None:
+        """Forget the copies a failed step's block ops may not have made."""
+        ...
+
+
+def host_tier_of(cache: PrefixCache) -> HostTieredCache | None:
+    """`cache` when it has a host tier, else None."""
+    if isinstance(cache, HostTieredCache) and cache.host is not None:
+        return cache
+    return None

@@ -9,10 +9,7 @@ tier), reserve the first chunk. A request that cannot fit holds nothing afterwar
 
 from __future__ import annotations
 
-import math
-
 from radixrt.cache.base import MatchResult
-from radixrt.plan import CopyBlock
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
 from radixrt.scheduler.request import Request, Status
 
@@ -28,12 +25,14 @@ class Admission:
     def _match(self, req: Request) -> MatchResult:
         """The request's cached prefix this step: matched once, again only if the cache
         evicted something since (which may invalidate the earlier result)."""
-        if self._matches_version != self.cache.version:
+        if self._matches_version != self.kv.cache.version:
             self._matches.clear()
-            self._matches_version = self.cache.version
+            self._matches_version = self.kv.cache.version
         m = self._matches.get(req)
         if m is None:
-            m = self._matches[req] = self.cache.match(req.seq_token_ids[: self._match_limit(req)])
+            m = self._matches[req] = self.kv.cache.match(
+                req.seq_token_ids[: self._match_limit(req)]
+            )
         return m
 
     @staticmethod
@@ -62,7 +61,7 @@ class Admission:
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             group_slots = req.group.num_slots if req.group is not None else 1
-            if group_slots > len(self._free_slots):
+            if group_slots > self.kv.num_free_slots:
                 break
             if req.grammar_ticket is not None:  # grammar-pending: its compile runs
                 continue
@@ -75,7 +74,7 @@ class Admission:
             if n is None:
                 break
             if req.group is not None:
-                req.group.reserved_slots = [self._free_slots.pop() for _ in range(group_slots - 1)]
+                req.group.reserved_slots = [self.kv.take_slot() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
                 self.stats.num_host_hit_tokens += req.num_host_cached_tokens
@@ -84,7 +83,7 @@ class Admission:
                 self.stats.num_requests += 1
                 self.stats.num_prompt_tokens += prompt_len
                 self.stats.num_cached_tokens += req.num_computed
-                self.cache.stats.record_lookup(prompt_len, req.num_computed)
+                self.kv.cache.stats.record_lookup(prompt_len, req.num_computed)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self._admissions += 1
@@ -113,12 +112,12 @@ class Admission:
         shorter: list[int] | None = None
         while True:
             num_ops = len(ops)
-            if self._start(req, ops):
+            if self.kv.start(req, self._match(req), ops):
                 n = self._chunk(req, budget)
-                if self._reserve(req, n) and (not shorter or self._can_finish(req)):
+                if self.kv.reserve(req, n) and (not shorter or self.kv.can_finish(req)):
                     return n
                 del ops[num_ops:]
-                self._release(req)
+                self.kv.release(req)
             if self.running:
                 return None
             if shorter is None:
@@ -133,15 +132,7 @@ class Admission:
             if not shorter:
                 return None
             self._match(req)  # brings the per-step match table up to the cache version
-            self._matches[req] = self.cache.match(req.seq_token_ids[: shorter.pop()])
-
-    def _can_finish(self, req: Request) -> bool:
-        """Whether the blocks free or evictable now cover the rest of `req` (all its tokens to
-        come), so that a retry with a shorter prefix does not just preempt it again."""
-        total = math.ceil(
-            (len(req.seq_token_ids) + req.max_tokens - req.num_output) / self.block_size
-        )
-        return self.allocator.num_free + self.cache.evictable_blocks >= total - len(req.block_table)
+            self._matches[req] = self.kv.cache.match(req.seq_token_ids[: shorter.pop()])
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
         cached = self._match(req).num_cached_tokens
@@ -150,46 +141,3 @@ class Admission:
             >= IN_BATCH_PREFIX_THRESHOLD
             for other in computing
         )
-
-    def _start(self, req: Request, ops: list) -> bool:
-        """Lock the cached prefix and take its blocks (a partial last block is written on in
-        place when nothing else can see past its matched tokens, else copied: a CopyBlock
-        op). Returns False, holding nothing, when blocks are short."""
-        bs = self.block_size
-        m = self._match(req)
-        self.cache.lock(m.handle)
-        req.cache_handle = m.handle
-        req.slot = self._free_slots.pop()
-        req.num_host_cached_tokens = m.num_host_tokens
-        if m.num_host_tokens:  # host tier: load the host-resident tail of the match
-            table = self.cache.load(m.handle)
-            if table is None:
-                self._release(req)
-                return False
-            m = m._replace(blocks=table, num_host_tokens=0)
-        req.num_table_sent = 0
-        if req.params.prompt_logprobs:
-            req.prompt_logprobs = []
-        full, partial = divmod(m.num_cached_tokens, bs)
-        shared = m.blocks[:full]
-        self.allocator.incref(shared)
-        req.block_table = list(shared)
-        if partial:
-            last = m.blocks[full]
-            if self.allocator.ref_counts[last] == 1:
-                # Only the cache node that ends the match records this block (a second
-                # node, e.g. after a split, or any request would hold another reference),
-                # so nothing lives past the matched tokens: append in place, no copy.
-                self.allocator.incref([last])
-                req.block_table.append(last)
-                self.stats.num_inplace_appends += 1
-            else:
-                copy = self._allocate(1)
-                if copy is None:
-                    self._release(req)
-                    return False
-                ops.append(CopyBlock(last, copy[0], partial))
-                self.stats.num_cow_copies += 1
-                req.block_table += copy
-        req.num_computed = req.num_kv_done = m.num_cached_tokens
-        return True

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from radixrt.limits import group_blocks_needed
-from radixrt.plan import CopyBlock
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamState
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status, fork_rid
@@ -29,19 +28,19 @@ class GroupScheduling:
         (all but the last prompt token) fit in the pool together."""
         if req.rid in self.requests:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        if num_seqs > self.num_slots:
+        if num_seqs > self.kv.num_slots:
             raise ValueError(
                 f"invalid {field_name}={num_seqs}: the engine runs at most "
-                f"{self.num_slots} sequences at once (max_running_requests)"
+                f"{self.kv.num_slots} sequences at once (max_running_requests)"
             )
         blocks = group_blocks_needed(
-            req.prompt_len, req.max_tokens, num_seqs, self.block_size, self.max_model_len
+            req.prompt_len, req.max_tokens, num_seqs, self.kv.block_size, self.max_model_len
         )
-        if blocks > self.allocator.num_blocks:
+        if blocks > self.kv.allocator.num_blocks:
             what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
             raise ValueError(
                 f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
-                f"{self.allocator.num_blocks}; shorten the prompt or lower max_tokens"
+                f"{self.kv.allocator.num_blocks}; shorten the prompt or lower max_tokens"
                 + (f" or {field_name}" if num_seqs > 1 else "")
             )
 
@@ -115,9 +114,9 @@ class GroupScheduling:
         """Fork a ready parent into its children (see ForkGroup); waits a step when the
         partial-block copies find no free block."""
         parent = g.parent
-        full, partial = divmod(parent.num_computed, self.block_size)
+        full, partial = divmod(parent.num_computed, self.kv.block_size)
         children = g.children
-        copies = self._allocate(len(children) - 1) if partial else []
+        copies = self.kv.allocate(len(children) - 1) if partial else []
         if copies is None:
             return
         shared = parent.block_table[:full]
@@ -129,7 +128,7 @@ class GroupScheduling:
                     parent.cache_handle,
                 )
             else:
-                self._share_prefix(parent, child, copies[i - 1] if partial else None, ops)
+                self.kv.share_prefix(parent, child, copies[i - 1] if partial else None, ops)
                 child.slot = g.reserved_slots.pop()
             child.num_computed = child.num_kv_done = parent.num_computed
             child.status = Status.RUNNING
@@ -145,7 +144,7 @@ class GroupScheduling:
         parent.status = Status.FORKED
         g.ready = False
         if g.beam is None:
-            self._free_slots += g.reserved_slots
+            self.kv.give_slots(g.reserved_slots)
             g.reserved_slots = []
 
     def _fail_group(self, req: Request, error: Exception | str) -> list[Request]:
@@ -162,23 +161,6 @@ class GroupScheduling:
                 if member.reports:
                     failed.append(member)
         return failed
-
-    def _share_prefix(self, src: Request, dst: Request, copy: int | None, ops: list) -> None:
-        """Give `dst` references to `src`'s full blocks and, when `src`'s computed KV ends
-        inside a block, block `copy` with those tokens copied in (a CopyBlock op)."""
-        full, partial = divmod(src.num_computed, self.block_size)
-        shared = src.block_table[:full]
-        self.allocator.incref(shared)
-        dst.block_table = list(shared)
-        if partial:
-            assert copy is not None
-            ops.append(CopyBlock(src.block_table[full], copy, partial))
-            dst.block_table.append(copy)
-        dst.num_table_sent = 0
-        dst.num_computed = dst.num_kv_done = src.num_computed
-        if src.cache_handle is not None:
-            self.cache.lock(src.cache_handle)
-        dst.cache_handle = src.cache_handle
 
     def _beam_step(self, g: ForkGroup, changed: list[Request]) -> None:
         """Every live beam's top log-probs are in: pick the next beams (BeamState.step),
@@ -207,17 +189,17 @@ class GroupScheduling:
         first_pick: dict[int, int] = {}
         for j, c in enumerate(picks):
             first_pick.setdefault(c.beam, j)
-        full, partial = divmod(beams[0].num_computed, self.block_size)
+        full, partial = divmod(beams[0].num_computed, self.kv.block_size)
         assert all(b.num_computed == beams[0].num_computed for b in beams)
         spare = [b for i, b in enumerate(beams) if i not in first_pick]
         for b in spare:
             self.running.remove(b)
             slot = b.slot
             b.slot = None
-            self._release(b)
+            self.kv.release(b)
             g.reserved_slots.append(slot)
         need = sum(1 for j, c in enumerate(picks) if first_pick[c.beam] != j) if partial else 0
-        copies = self._allocate(need) if need else []
+        copies = self.kv.allocate(need) if need else []
         new: list[Request] = []
         for j, c in enumerate(picks):
             src = beams[c.beam]
@@ -236,8 +218,8 @@ class GroupScheduling:
                 if copies is None:  # no block for the copy: recompute this beam later
                     beam.status = Status.WAITING
                 else:
-                    self._share_prefix(
-                        src, beam, copies.pop() if partial else None, self._pending_ops
+                    self.kv.share_prefix(
+                        src, beam, copies.pop() if partial else None, self.kv.pending_ops
                     )
                     beam.slot = g.reserved_slots.pop()
                     beam.status = Status.RUNNING

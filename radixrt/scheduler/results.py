@@ -12,7 +12,6 @@ together. Plain Python, no torch.
 from __future__ import annotations
 
 import logging
-import math
 
 from radixrt.cache.tiers import unmade_blocks
 from radixrt.plan import PlanRow, StepPlan, StepResult, SwapIn, SwapOut
@@ -69,17 +68,19 @@ class ResultApplication:
         content. Requests holding such a device block or locking a node that loses a copy
         are preempted (they recompute, or load again from a valid host copy); then the cache
         forgets those copies, so no node claims KV that may never have been copied."""
+        tiered = self.kv.host_cache
+        assert tiered is not None and tiered.host is not None, "swap ops without a host tier"
         later = [self._launched[i].block_ops for i in sorted(self._launched) if i > plan.step_id]
-        host = self.cache.host
-        later.append(self._pending_ops + host.pending_ops)  # they run next, in this order
+        host = tiered.host
+        later.append(self.kv.pending_ops + host.pending_ops)  # they run next, in this order
         device_blocks, host_blocks = unmade_blocks(plan.block_ops, later)
-        stale = {id(n) for n in self.cache.stale_nodes(device_blocks, host_blocks)}
+        stale = {id(n) for n in tiered.stale_nodes(device_blocks, host_blocks)}
         for req in list(self.running):
             if req.status is Status.RUNNING and (
                 not device_blocks.isdisjoint(req.block_table) or _on_path(req.cache_handle, stale)
             ):
                 self._preempt(req)
-        self.cache.discard_copies(device_blocks, host_blocks)
+        tiered.discard_copies(device_blocks, host_blocks)
         host.uncount(plan.block_ops)
 
     def _fail(self, req: Request, error: Exception | str) -> list[Request]:
@@ -131,17 +132,17 @@ class ResultApplication:
         if not row.sample_offsets:
             if req.max_tokens == 0 and row.end == len(req.seq_token_ids):
                 if req.group is not None and req is req.group.parent:  # fork next schedule()
-                    self._cache_progress(req, row.end)
+                    self.kv.cache_progress(req, row.end)
                     req.group.ready = True
                     return
                 changed.append(req)  # prefill-only (scoring / cache warming): done
                 self._finish_running(req, FinishReason.LENGTH)
             else:  # a prefill chunk: share its progress with others at once
-                self._cache_progress(req, row.end)
+                self.kv.cache_progress(req, row.end)
             return
         # a last prefill chunk (a verify row feeds k + 1 tokens but is a decode row)
         if row.num_tokens - row.num_draft_tokens > 1 or row.start < req.prompt_len:
-            self._cache_progress(req, row.end)
+            self.kv.cache_progress(req, row.end)
         if not req.reports:  # a beam: its group picks the next beams (see update)
             req.num_inflight_samples -= 1
             req.beam_top_logprobs = result.top_logprobs[i][0]
@@ -158,7 +159,7 @@ class ResultApplication:
             # Drafts past the accepted ones were fed with wrong KV: roll back to the
             # accepted length (the KV of the last accepted token is computed next step).
             req.num_computed = req.num_kv_done = row.start + len(tokens)
-            self._truncate(req)
+            self.kv.truncate(req)
             self.stats.spec.record_verify(row.num_draft_tokens, len(tokens) - 1)
             req.num_draft_tokens += row.num_draft_tokens
             req.num_accepted_tokens += len(tokens) - 1
@@ -178,14 +179,6 @@ class ResultApplication:
                 self._finish_running(req, reason)
                 return
 
-    def _truncate(self, req: Request) -> None:
-        """Free blocks past the request's computed KV (speculative rollback)."""
-        keep = math.ceil(req.num_computed / self.block_size)
-        if keep < len(req.block_table):
-            self.allocator.decref(req.block_table[keep:])
-            del req.block_table[keep:]
-            req.num_table_sent = min(req.num_table_sent, keep)
-
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
@@ -194,23 +187,13 @@ class ResultApplication:
             return FinishReason.LENGTH
         return None
 
-    def _cache_progress(self, req: Request, end: int) -> None:
-        """Insert the first `end` computed tokens so others can share them."""
-        result = self.cache.insert(req.seq_token_ids[:end], req.block_table)
-        self.cache.lock(result.handle)
-        self.cache.unlock(req.cache_handle)
-        req.cache_handle = result.handle
-
     def _finish_running(self, req: Request, reason: FinishReason) -> None:
         self.running.remove(req)
         self._finish(req, reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        # Only KV that executed steps wrote is cached (a step in flight may still write).
-        done = min(req.num_kv_done, len(req.seq_token_ids))
-        if done:
-            self.cache.insert(req.seq_token_ids[:done], req.block_table)
-        self._release(req)
+        self.kv.cache_finished(req)
+        self.kv.release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         g = req.group
@@ -226,14 +209,11 @@ class ResultApplication:
 
     # ---- integrity ----
     def check_integrity(self) -> None:
-        """Every block reference is accounted for: the cache's plus the requests'."""
-        refs = self.cache.held_refs()
-        for req in self.running:
-            refs.update(req.block_table)
-            assert len(req.block_table) >= math.ceil(req.num_computed / self.block_size)
-            assert req.slot is not None and 0 <= req.num_inflight_samples <= 1
+        """Every block reference, lock and slot is accounted for (see KVManager), groups and
+        grammar matchers are consistent."""
         groups = {id(r.group): r.group for r in self.requests.values() if r.group is not None}
         idle = list(self.waiting)
+        reserved = []
         for g in groups.values():
             assert g.parent.status is not Status.FINISHED
             assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
@@ -245,23 +225,9 @@ class ResultApplication:
             elif g.parent.status is Status.WAITING:
                 assert not g.reserved_slots and not g.ready
                 assert all(c.status is Status.WAITING for c in g.children)
-        for req in idle:
-            assert not req.block_table and req.cache_handle is None and req.slot is None
-        slots = [r.slot for r in self.running]
-        slots += [s for g in groups.values() for s in g.reserved_slots]
-        assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
-        assert len(slots) + len(self._free_slots) == self.num_slots, "slot leaked"
-        self.allocator.check_integrity(refs)
-        self.cache.check_integrity()
+            reserved += g.reserved_slots
+        self.kv.check_integrity(self.running, idle, reserved)
         self._check_grammar_integrity()
-        in_use = {b for r in self.running for b in r.block_table}
-        cached_only = set(self.cache.held_refs()) - in_use
-        assert len(cached_only) <= self.cache.cached_blocks
-        free, num_in_use, num_cached = self.allocator.num_free, len(in_use), len(cached_only)
-        assert free + num_cached + num_in_use == self.allocator.num_blocks, (
-            f"free {free} + cached {num_cached} + in use {num_in_use} "
-            f"!= total {self.allocator.num_blocks}"
-        )
 
 
 def _on_path(handle, nodes: set[int]) -> bool:

@@ -57,7 +57,7 @@ class RowPlanning:
                 continue  # preempted for an earlier row's blocks
             drafts = self._drafts(req, spare)
             spare -= len(drafts)
-            while not self._reserve(req, 1 + len(drafts)):
+            while not self.kv.reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
                 self._preempt(victim)
                 # a group goes as a whole, rows already picked for it too

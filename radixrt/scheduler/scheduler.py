@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,12 +40,11 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import (
     CopyBlock,
     StepPlan,
-    SwapIn,
-    SwapOut,
 )
 from radixrt.scheduler.admission import Admission
 from radixrt.scheduler.grammar import GrammarScheduling
 from radixrt.scheduler.groups import GroupScheduling
+from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplication
 from radixrt.scheduler.rows import RowPlanning
@@ -91,28 +89,19 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         self.jump_forward_retokenize = jump_forward_retokenize
         self._finished_outside_update: list[Request] = []
         self.proposer = proposer
-        self.allocator = allocator
-        self.cache = cache
-        self.block_size = cache.block_size
+        self.stats = SchedulerStats()
+        self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Runner row slots: one per running request (max_running_requests of them).
-        self.num_slots = cfg.max_running_requests
-        self._free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.stats = SchedulerStats()
         self._admissions = 0
         self._step_ids = itertools.count()
         self._launched: dict[int, _Launched] = {}
         # This step's prefix matches of waiting requests (valid while cache.version holds).
         self._matches: dict[Request, MatchResult] = {}
         self._matches_version = -1
-        # Block ops made while applying a result (beam re-parenting) for the next plan.
-        self._pending_ops: list = []
-        # Swap ops the cache queued (host KV tier; only the radix cache has one).
-        self._take_swap_ops = getattr(cache, "take_swap_ops", list)
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
@@ -163,8 +152,7 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         """Plan the next step, or None when no row can run now. Mutates request and cache
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
         self._matches.clear()
-        ops: list = self._pending_ops
-        self._pending_ops = []
+        ops = self.kv.take_pending_ops()
         if self.grammar_backend is not None:
             self._poll_grammars()
         for parent in [r for r in self.running if r.group is not None and r.group.ready]:
@@ -177,7 +165,7 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
             n = self._chunk(req, budget)
             if n == 0 or req.status is not Status.RUNNING:
                 break
-            if not self._reserve(req, n) and not (
+            if not self.kv.reserve(req, n) and not (
                 not decode and not extend and self._preempt_until_reserved(req, n)
             ):
                 break
@@ -192,7 +180,7 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
             # prefix cached) wait for the next plan; the others were for forks or beams
             # preempted since (their blocks are free now, nothing to copy).
             held = {b for r in self.running for b in r.block_table}
-            self._pending_ops = self._swaps_first(
+            self.kv.pending_ops = self.kv.swaps_first(
                 [op for op in ops if not isinstance(op, CopyBlock) or op.dst in held]
             )
             return None
@@ -216,27 +204,19 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
-            self._pending_ops = [op for op in self._swaps_first(ops) if _is_swap(op)]
+            self.kv.pending_ops = [op for op in self.kv.swaps_first(ops) if is_swap(op)]
             return None
-        ops = self._swaps_first(ops)
+        ops = self.kv.swaps_first(ops)
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
-
-    def _swaps_first(self, ops: list) -> list:
-        """`ops` with the host tier's swap ops (earlier pending ones, then those the cache
-        made since) first, then the copies. Swaps never touch a copy's blocks (a copy reads
-        a locked block and writes a fresh one), so running them first is safe, and the
-        runner can start every transfer before the step's device work."""
-        swaps = [op for op in ops if _is_swap(op)] + self._take_swap_ops()
-        return swaps + [op for op in ops if not _is_swap(op)]
 
     def _preempt_until_reserved(self, req: Request, n: int) -> bool:
         """Nothing else runs this step and `req` (a running request with a chunk to feed,
         e.g. a jump-forward run) lacks blocks: preempt the newest other requests until it
         has them, so that running chunks cannot all wait on each other's blocks. False when
         `req` itself went (its group was the newest) or nothing else can go."""
-        while not self._reserve(req, n):
+        while not self.kv.reserve(req, n):
             if len(self.running) < 2:
                 return False
             self._preempt(self._newest_preemptible(exclude=[req]))
@@ -249,43 +229,6 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         candidates = [r for r in self.running if id(r) not in taken]
         assert candidates, "a request needing a block is always preemptible itself"
         return max(candidates, key=lambda r: r.admission_seq)
-
-    def _allocate(self, n: int) -> list[int] | None:
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
-            if self.allocator.num_free < n:
-                return None
-        return self.allocator.allocate(n)
-
-    def _reserve(self, req: Request, n: int) -> bool:
-        """Make sure `req` has blocks for its next `n` tokens."""
-        need = math.ceil((req.num_computed + n) / self.block_size) - len(req.block_table)
-        if need <= 0:
-            return True
-        blocks = self._allocate(need)
-        if blocks is None:
-            return False
-        req.block_table += blocks
-        return True
-
-    def _release(self, req: Request) -> None:
-        """Give back the request's blocks, lock and slot; forget in-flight samples."""
-        if req.cache_handle is not None:
-            self.cache.unlock(req.cache_handle)
-            req.cache_handle = None
-        self.allocator.decref(req.block_table)
-        req.block_table = []
-        if req.slot is not None:
-            self._free_slots.append(req.slot)
-            req.slot = None
-        g = req.group
-        if g is not None and req is g.parent:
-            self._free_slots += g.reserved_slots
-            g.reserved_slots = []
-        req.num_computed = req.num_kv_done = req.num_table_sent = 0
-        req.num_inflight_samples = 0
-        req.awaiting_host_result = False
 
     def _preempt(self, req: Request) -> None:
         """Free the request's KV and put it at the head of the waiting queue (it will be
@@ -309,14 +252,10 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         steps in flight for it are ignored), waiting again."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        self._release(seq)
+        self.kv.release(seq)
         seq.epoch += 1
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-
-
-def _is_swap(op: object) -> bool:
-    return isinstance(op, SwapIn | SwapOut)
 
 
 def _queued(req: Request) -> bool:
