@@ -2,17 +2,26 @@
 # The H200 benchmark in one script: HF transformers baseline on the random workload, then
 # radix+lpm / blockhash+fcfs / none side by side on every workload (+ memory pressure), all
 # with the dummy (random-weight) Llama-3-8B preset in bf16 on CUDA, in-process engine.
-# Writes JSON / PNG / tables / logs to $OUT and prints the table and the targets last.
+# Writes JSON / PNG / tables / logs to $OUT (relative paths are taken from the repository root) and prints the table and the targets last.
 #
-# GPU machine, repository root, carrying .device (see shared/device/README.md):
-#   bash benchmarks/run_h200.sh; bash .device/save-jit-cache.sh
+# Any CUDA machine with the package and its `gpu` extra installed (pip install -e '.[gpu]'),
+# from anywhere:
+#   bash benchmarks/run_h200.sh
 # Logic check on a CPU with the tiny model (small sizes, same steps):
 #   RADIXRT_BENCH_TINY=1 OUT=/tmp/h200-check bash benchmarks/run_h200.sh
 #
-# Expected on one H200: HF ~2 min, suite ~5 min (plus ~2 min once if FlashInfer kernels are
-# not in .device/fi-cache.tgz yet). Hard stop after BUDGET_S; every finished run is kept.
-# Knobs (environment): BUDGET_S total wall budget (default 530), HF_BATCH (128),
-# SUITE_SCALE (--scale of bench_serving), RUN_TIMEOUT_S (per run, 60), PYTHON (python3).
+# Expected on one H200: HF ~2 min, suite ~5 min (plus ~2 min the first time FlashInfer
+# compiles its kernels). Hard stop after BUDGET_S; every finished run is kept.
+# Environment:
+#   PYTHON        the interpreter that has radixrt installed (default python3)
+#   OUT           output directory (default benchmarks/out/h200)
+#   MODEL_DIR     an HF model directory of Llama-3-8B's shape; its weights are not read
+#                 (--load-format dummy). Default: a config-only directory written to
+#                 $OUT/llama-3-8b-dummy.
+#   BUDGET_S      total wall budget in seconds (default 530)
+#   HF_BATCH      HF baseline batch size (128)
+#   SUITE_SCALE   --scale of bench_serving
+#   RUN_TIMEOUT_S per-run timeout of bench_serving (60)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -20,24 +29,25 @@ OUT=${OUT:-benchmarks/out/h200}
 PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-530}
 TINY=${RADIXRT_BENCH_TINY:-0}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's radixrt and benchmarks
 mkdir -p "$OUT"
 rm -f "$OUT"/hf.json "$OUT"/suite.json "$OUT"/suite.md "$OUT"/suite.png
 started=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - started))); }
 
 if [[ $TINY == 1 ]]; then
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   MODEL_ARGS=(--device cpu --threads 1)
   HF_ARGS=(--size smoke --batch-size "${HF_BATCH:-32}")
   SUITE_ARGS=(--size smoke --scale "${SUITE_SCALE:-0.25}")
   HF_TIMEOUT_S=120
 else
-  source .device/gpu-env.sh || { echo "run_h200.sh: .device/gpu-env.sh failed" >&2; exit 1; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     | tee "$OUT/gpu.txt" || true
-  MODEL=$OUT/llama-3-8b-dummy
-  "$PYTHON" -c "import sys; from radixrt.model.presets import write_dummy_model_dir as w; \
+  MODEL=${MODEL_DIR:-$OUT/llama-3-8b-dummy}
+  if [[ -z ${MODEL_DIR:-} ]]; then
+    "$PYTHON" -c "import sys; from radixrt.model.presets import write_dummy_model_dir as w; \
 w(sys.argv[1], 'llama-3-8b')" "$MODEL"
+  fi
   MODEL_ARGS=(--model "$MODEL" --device cuda --dtype bfloat16)
   # random workload at full size: 1024 in / 1024 out; HF runs one static batch of it.
   HF_ARGS=(--random-weights --size full --batch-size "${HF_BATCH:-128}" --max-batches 1)

@@ -1,4 +1,4 @@
-"""The issue's targets, checked against a suite's runs (and the HF baseline)."""
+"""The benchmark suite's targets, checked against a suite's runs (and the HF baseline)."""
 
 from __future__ import annotations
 

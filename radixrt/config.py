@@ -272,7 +272,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     # gc.freeze() once the engine is built, gc.unfreeze() at shutdown: Python's full
     # collections otherwise rescan the model, graphs and modules every ~80 busy steps, a
-    # 200-300 ms stall of the loop (benchmarks/RESULTS.md). On in the server's scheduler
+    # 200-300 ms stall of the loop (benchmarks/bench_timeline.py). On in the server's scheduler
     # process and the benchmarks; off by default in-process, where an engine dropped without
     # shutdown() would then keep its (device) memory for good.
     freeze_gc: bool = False
@@ -324,7 +324,7 @@ def default_cpu_threads() -> int:
     start-up (the 1-minute load average, rounded), at least 1. OpenMP threads that share a
     core with other work spin: on 2 busy cores 2 threads made a tiny-model decode step 8x
     slower than 1; on 2 idle cores 2 threads ran the 32 x (128 in / 32 out) workload 1.4x
-    faster than 1 (benchmarks/RESULTS.md)."""
+    faster than 1 (benchmarks/bench_serving.py --threads)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     try:

@@ -1,4 +1,4 @@
-"""Regression tests for issue 11: requests that used to kill, hang or leak the server, and
+"""Regression tests: requests that used to kill, hang or leak the server, and
 inputs that used to be ignored. Each test reproduces one defect; the server must answer
 4xx (or 200), keep serving, and hold no state afterwards."""
 

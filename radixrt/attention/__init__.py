@@ -1,5 +1,6 @@
-"""Attention backends: torch (batched SDPA, any device), torch-reference (the exact oracle,
-any device) and flashinfer (CUDA)."""
+"""Attention backends: torch (any device: native paged kernels on a float32 CPU pool,
+batched SDPA otherwise), torch-reference (the exact oracle, any device) and flashinfer
+(CUDA)."""
 
 from __future__ import annotations
 

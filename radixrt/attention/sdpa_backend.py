@@ -92,7 +92,7 @@ class SdpaAttentionBackend:
         self.group_size = num_heads // num_kv_heads
         # decode queries per KV head as SDPA sees them: one zero query more when that makes a
         # multiple of 4 (CPU flash kernel, 32 rows x 160 keys, 2 KV heads: 0.28 ms at 3 queries,
-        # 0.17 at 4; 7 -> 8 also gains; 2, 5, 6 do not: benchmarks/RESULTS.md, session 5)
+        # 0.17 at 4; 7 -> 8 also gains; 2, 5, 6 do not)
         self.decode_group = self.group_size + (1 if self.group_size % 4 == 3 else 0)
         self.scale = head_dim**-0.5
         self.limits = limits

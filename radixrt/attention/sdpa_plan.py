@@ -13,7 +13,8 @@ longest query chunk and KV length:
   group's gathered KV and score sizes stay within the budgets. A single piece always fits.
   Extend attention is compute-bound on CPU, so padding costs more than calls: on 64 extend rows
   of 1-64 new tokens over 0-1024 cached, max_waste 1.2 (43 groups) ran 2.1x faster than 2.0
-  (14 groups) and 2.6x faster than one padded group (benchmarks/RESULTS.md, 2026-12-01).
+  (14 groups) and 2.6x faster than one padded group (benchmarks/bench_cpu_attention.py
+  --max-waste).
 
 Padding never reads outside a row: padded queries repeat the piece's last query (their results go
 to a trash row, index T), padded key blocks repeat the row's last block (masked out).

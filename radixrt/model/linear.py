@@ -6,10 +6,9 @@ prefill shapes; oneDNN with the weight reordered once into its blocked layout
 forward the weights stream from L3 (the tiny model's 7.8 MB of linears do not fit a 1 MB L2), and
 there the blocked layout also wins for decode batches: the tiny model's 21 decode GEMMs in a row
 took 1.52 vs 1.83 ms at 32 rows, 0.90 vs 0.94 at 16, 0.65 vs 0.65 at 8, but 0.44 vs 0.24 ms at
-one row (oneDNN's per-call overhead; with one hot weight, as session 4 measured, it is also slower
-at 2-8 rows). So `forward` takes the packed path for inputs of at least `PACKED_MIN_ROWS` rows,
-and plain `F.linear` below. Measured in benchmarks/RESULTS.md ("CPU speed, session 4" and
-"Session 5").
+one row (oneDNN's per-call overhead; with one hot weight it is also slower at 2-8 rows). So
+`forward` takes the packed path for inputs of at least `PACKED_MIN_ROWS` rows, and plain
+`F.linear` below.
 
 Decode batches of at most `SMALL_MAX_ROWS` rows take the native GEMM instead
 (radixrt.kernels.gemm_cpu, its own packed copy): oneDNN costs ~14 us a call before any

@@ -75,8 +75,8 @@ def _padded(tops: Tops, n: int) -> Tops:
 
 
 def _top_dicts(front: Front, tops: Tops, n: int, want: int) -> list[dict[str, float]] | None:
-    """Per token {token text: log-prob} of the alternatives the scheduler sent ({} until
-    the engine computes them); None when no alternatives were asked."""
+    """Per token {token text: log-prob} of the alternatives the scheduler sent ({} for a
+    token it sent none for); None when no alternatives were asked."""
     if not want:
         return None
     decode = lambda t: front.tokenizer.decode([t], skip_special_tokens=False)
