@@ -127,14 +127,14 @@ def run_case(core, meter: PeakMeter, case: str, prompt: list[int], args) -> dict
     p, o, b, w = len(prompt), args.output_len, args.block_size, args.width
     sched = core.scheduler
     beam_predictions = [math.ceil((p - 1) / b), math.ceil(p / b)]  # parent, first beam
-    beam_step = sched._beam_step
+    beam_step = sched.groups._beam_step
 
     def recording_beam_step(g, changed):
         beam_step(g, changed)
         if not g.beam.done:
             beam_predictions.append(blocks_of_beams([c.seq_token_ids for c in g.children], b))
 
-    sched._beam_step = recording_beam_step
+    sched.groups._beam_step = recording_beam_step
     before = core.stats()
     meter.reset()
     start = time.perf_counter()
@@ -154,7 +154,7 @@ def run_case(core, meter: PeakMeter, case: str, prompt: list[int], args) -> dict
             core.step()
         _sync(args.device)
     finally:
-        sched._beam_step = beam_step
+        sched.groups._beam_step = beam_step
     duration = time.perf_counter() - start
     core.check_integrity()
     if case == "beam":

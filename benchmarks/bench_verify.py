@@ -260,7 +260,7 @@ def bench_oracle(s: Setup, rng, ks: tuple[int, ...]) -> list[dict]:
                 spec = EngineCore(
                     spec_cfg, s.model_cfg, [], runner=runner, num_kv_blocks=num_blocks
                 )
-                spec.scheduler.proposer = PlaceholderProposer(vocab)
+                spec.scheduler.use_proposer(PlaceholderProposer(vocab))
                 forced = ForcedAcceptance(runner, alpha)
                 _, sec, toks = run_core(s, spec, prompts)
                 forced.remove()

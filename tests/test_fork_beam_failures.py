@@ -16,8 +16,11 @@ PROMPT = list(range(100, 111))
 
 
 def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
-    """Make scheduler `method(req, ...)` raise for `bad_rid` from its `after`-th call on."""
-    original = getattr(core.scheduler, method)
+    """Make scheduler part `method` ("part.name", e.g. "planner.plan_row"), called as
+    `method(req, ...)`, raise for `bad_rid` from its `after`-th call on."""
+    part, name = method.split(".")
+    owner = getattr(core.scheduler, part)
+    original = getattr(owner, name)
     calls = [0]
 
     def broken(req, *args, **kw):
@@ -27,7 +30,7 @@ def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
                 raise KeyError("injected")
         return original(req, *args, **kw)
 
-    setattr(core.scheduler, method, broken)
+    setattr(owner, name, broken)
     return calls
 
 
@@ -35,10 +38,10 @@ def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
 @pytest.mark.parametrize(
     "method, bad, after",
     [
-        ("_stop_reason", fork_rid("p", 1), 2),  # applying a child's token
-        ("_plan_row", fork_rid("p", 2), 1),  # planning a child's decode row
-        ("_apply_row", "p", 0),  # applying the parent's prefill
-        ("_plan_row", "p", 0),  # planning the parent's prefill
+        ("lifecycle.stop_reason", fork_rid("p", 1), 2),  # applying a child's token
+        ("planner.plan_row", fork_rid("p", 2), 1),  # planning a child's decode row
+        ("results.apply_row", "p", 0),  # applying the parent's prefill
+        ("planner.plan_row", "p", 0),  # planning the parent's prefill
     ],
 )
 def test_a_failing_child_fails_its_group_only(overlap, method, bad, after):
@@ -59,7 +62,7 @@ def test_a_failing_child_fails_its_group_only(overlap, method, bad, after):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("method, after", [("_apply_row", 3), ("_plan_row", 2)])
+@pytest.mark.parametrize("method, after", [("results.apply_row", 3), ("planner.plan_row", 2)])
 def test_a_failing_beam_fails_its_search_only(overlap, method, after):
     core, runner = content_core(overlap=overlap)
     runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)

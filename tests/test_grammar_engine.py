@@ -213,10 +213,10 @@ def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method)
 
 
 def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
-    """_grammar_drafts keeps the longest allowed prefix and leaves the matcher unchanged;
-    _grammar_masks gives one mask per sample (current state, then after each draft)."""
+    """allowed_drafts keeps the longest allowed prefix and leaves the matcher unchanged; the
+    row's masks are one per sample (current state, then after each draft)."""
     from radixrt.engine.grammar_masks import allowed_tokens
-    from radixrt.scheduler.scheduler import Scheduler
+    from radixrt.scheduler.grammar import GrammarFeature
 
     engine = make_engine()
     tok = engine.tokenizer
@@ -230,10 +230,10 @@ def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     before = (m.num_accepted, m.next_mask())
     good = [t for t in tok.encode("abcabc") if t != tok.bos_token_id]
     bad = tok.encode("z")[-1]
-    drafts = Scheduler._grammar_drafts(req, good[:2] + [bad] + good[2:])
+    drafts = GrammarFeature.allowed_drafts(req, good[:2] + [bad] + good[2:])
     assert drafts == good[:2]
     assert (m.num_accepted, m.next_mask()) == before
-    masks = Scheduler._grammar_masks(req, drafts)
+    masks = GrammarFeature._masks(req, drafts)
     width = len(before[1])
     assert len(masks) == width * 3 and masks[:width] == before[1]
     vocab = engine.model_config.vocab_size

@@ -81,6 +81,12 @@ class FakeBackend:
     def new_matcher(self, grammar):
         return FakeMatcher(grammar)
 
+    def wait(self, tickets, timeout_s):
+        pass
+
+    def fill_masks(self, matchers):
+        pass
+
 
 class MaskingRunner:
     """The scripted runner, with each masked row's sample moved into its allowed set."""
@@ -107,8 +113,7 @@ def make(overlap: bool, jump_forward: bool = True, **kw):
     runner = MaskingRunner(scripted)
     core.runner = runner
     backend = FakeBackend()
-    core.scheduler.grammar_backend = backend
-    core.scheduler.jump_forward = jump_forward
+    core.scheduler.use_grammar_backend(backend, jump_forward=jump_forward)
     return core, runner, backend
 
 
@@ -235,7 +240,7 @@ def test_engine_fault_while_compiling_is_not_the_requests_fault():
 
 def test_constrained_request_without_backend_is_refused():
     core, runner, backend = make(overlap=False)
-    core.scheduler.grammar_backend = None
+    core.scheduler.use_grammar_backend(None)
     with pytest.raises(ValueError, match="grammar backend"):
         core.add_request([1, 2], CONSTRAINED)
 

@@ -203,7 +203,7 @@ def test_scripted_ngram_equals_plain_decoding(config):
         core, runner = make_core(overlap=False, num_speculative_tokens=max(k, 1), **config)
         runner.token_fn = cyclic_token
         if k:
-            core.scheduler.proposer = NgramProposer(2, 4)
+            core.scheduler.use_proposer(NgramProposer(2, 4))
         outs[k] = run(core, reqs, params)
         stats[k] = core.stats()
     assert outs[4] == outs[0] == expected_cyclic(reqs, max_tokens)
@@ -222,7 +222,7 @@ def test_scripted_radix_drafts_a_rerun_program():
     reqs = [[50 + i, 60, 61, 62, 63, 64] for i in range(4)]
     params = [SamplingParams(max_tokens=9, ignore_eos=True)] * 4
     core, _ = make_core(overlap=False, num_speculative_tokens=4)
-    core.scheduler.proposer = RadixProposer(core.cache)
+    core.scheduler.use_proposer(RadixProposer(core.cache))
     first = run(core, reqs, params)
     s1 = core.stats()
     assert s1["spec_proposals"] > 0 and s1["spec_proposals_with_drafts"] == 0
@@ -241,13 +241,15 @@ def test_scripted_always_wrong_drafts_roll_back():
     """Drafts that are always rejected: outputs unchanged, every row rolls back its blocks."""
 
     class Wrong:
+        drafts_on_device = False
+
         def propose(self, tokens, max_drafts):
             return [1] * max_drafts
 
     reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(4)]
     params = [SamplingParams(max_tokens=7, ignore_eos=True)] * 4
     core, _ = make_core(overlap=False, block_size=2, num_kv_blocks=24)
-    core.scheduler.proposer = Wrong()
+    core.scheduler.use_proposer(Wrong())
     plain, _ = make_core(overlap=False, block_size=2, num_kv_blocks=24)
     assert run(core, reqs, params) == run(plain, reqs, params)
     s = core.stats()
@@ -267,7 +269,7 @@ def test_scripted_stop_inside_an_accepted_run():
         core, runner = make_core(overlap=False)
         runner.token_fn = token_fn
         if spec:
-            core.scheduler.proposer = NgramProposer(1, 3)
+            core.scheduler.use_proposer(NgramProposer(1, 3))
         outs[spec] = run(core, [[9, 8, 7, 6]], [SamplingParams(max_tokens=20)])
     assert outs[True] == outs[False]
     assert outs[True]["r0"][1] is FinishReason.STOP and outs[True]["r0"][0][-1] == EOS
@@ -279,7 +281,7 @@ def test_drafts_stay_within_the_token_budget():
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 5
     core, runner = make_core(overlap=False, max_num_batched_tokens=8, num_speculative_tokens=4)
     runner.token_fn = cyclic_token
-    core.scheduler.proposer = NgramProposer(1, 4)
+    core.scheduler.use_proposer(NgramProposer(1, 4))
     plans = []
     execute = runner.execute
     runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
@@ -307,6 +309,8 @@ class HalfRight:
     """The true next two tokens (cyclic_token), then garbage: every row rolls back. The
     prompts are [9, 8, 7, 6, 5, 4, 3 + i] for rid f"r{i}"."""
 
+    drafts_on_device = False
+
     def propose(self, tokens, max_drafts):
         n = len(tokens)
         rid = f"r{tokens[6] - 3}"
@@ -321,7 +325,7 @@ def test_rollback_keeps_exact_block_counts_under_preemption():
     params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 6
     core, runner = make_core(overlap=False, block_size=2, num_kv_blocks=30)
     runner.token_fn = cyclic_token
-    core.scheduler.proposer = HalfRight()
+    core.scheduler.use_proposer(HalfRight())
     for i, (p, sp) in enumerate(zip(reqs, params)):
         core.add_request(p, sp, rid=f"r{i}")
     out: dict[str, list[int]] = {}
@@ -339,7 +343,7 @@ def test_rollback_keeps_exact_block_counts_under_preemption():
 def test_abort_while_a_verify_step_is_in_flight():
     core, runner = make_core(overlap=True, block_size=2)
     runner.token_fn = cyclic_token
-    core.scheduler.proposer = HalfRight()
+    core.scheduler.use_proposer(HalfRight())
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     rids = [core.add_request([9, 8, 7, 6, 5, 4, 3 + i], params, rid=f"r{i}") for i in range(4)]
     for _ in range(6):

@@ -116,12 +116,14 @@ def test_always_wrong_drafts_change_nothing(make_engine, reference):
     rolled back (integrity checked after each run and at teardown)."""
 
     class Wrong:
+        drafts_on_device = False
+
         def propose(self, tokens, max_drafts):
             last = tokens[-1]
             return [(last + 1 + i) % 50 + 100 for i in range(max_drafts)]
 
     engine = make_engine(block_size=4, num_kv_blocks=24)
-    engine.scheduler.proposer = Wrong()
+    engine.scheduler.use_proposer(Wrong())
     assert outputs(engine, greedy()) == reference["greedy"]
     s = engine.stats()
     assert s["spec_draft_tokens"] > 0

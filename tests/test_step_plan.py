@@ -49,7 +49,7 @@ def make_core(
     core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=num_kv_blocks)
     runner.watch(core.scheduler)
     if proposer is not None:
-        core.scheduler.proposer = proposer
+        core.scheduler.use_proposer(proposer)
     return core, runner
 
 
@@ -190,6 +190,8 @@ def test_needs_host_result_rows_skip_overlap():
 class PrefixProposer:
     """Drafts the true continuation for even positions' rows and garbage after it, so some
     drafts are accepted and some rejected."""
+
+    drafts_on_device = False
 
     def __init__(self, good: int) -> None:
         self.good = good
@@ -362,14 +364,14 @@ def test_failed_step_fails_its_requests_only():
         core.check_integrity()
 
         core, runner = make_core(overlap=overlap)
-        stop_reason = core.scheduler._stop_reason
+        stop_reason = core.scheduler.lifecycle.stop_reason
 
         def buggy(req, token, stop_reason=stop_reason):
             if req.rid == "bug":
                 raise KeyError("oops")
             return stop_reason(req, token)
 
-        core.scheduler._stop_reason = buggy
+        core.scheduler.lifecycle.stop_reason = buggy
         out = {}
         core.add_request(prompts(1)[0], p, rid="bug")
         core.add_request(prompts(2)[1], p, rid="fine")

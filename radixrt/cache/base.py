@@ -79,6 +79,11 @@ class PrefixCache(Protocol):
 
     def evict(self, num_blocks: int) -> int: ...
 
+    def prefix_boundaries(self, handle: Any) -> list[int]:
+        """Lengths (> 0) at which shorter cached prefixes of the match `handle` end, ascending
+        (radix: where the path's nodes begin); [] when only the empty prefix is shorter."""
+        ...
+
     @property
     def evictable_blocks(self) -> int:
         """Blocks that `evict` could free now (held by the cache alone, unlocked)."""

@@ -143,6 +143,10 @@ class BlockHashCache:
         self.stats.num_inserted_tokens += num_new_tokens
         return InsertResult(tuple(handle), num_new_tokens)
 
+    def prefix_boundaries(self, handle: tuple[int, ...]) -> list[int]:
+        """Block boundaries play no part in admission retries: [] (only the empty prefix)."""
+        return []
+
     def evict(self, num_blocks: int) -> int:
         """Free unlocked cached blocks referenced by the cache alone, least recently used
         first, until `num_blocks` became free or none is left. Returns blocks freed."""

@@ -27,6 +27,9 @@ class NoCache:
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
         return InsertResult(None, 0)
 
+    def prefix_boundaries(self, handle: Any) -> list[int]:
+        return []
+
     def evict(self, num_blocks: int) -> int:
         return 0
 

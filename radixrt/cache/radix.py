@@ -168,6 +168,15 @@ class RadixCache(HostTierMixin, RadixChecks):
         """Device block -> references held by the tree (one per node recording the block)."""
         return Counter(self._refs)
 
+    def prefix_boundaries(self, handle: RadixNode) -> list[int]:
+        """Where the nodes of the path root..handle begin (token counts, ascending, > 0)."""
+        starts = []
+        node = handle
+        while node.parent is not None:
+            starts.append(node.start)
+            node = node.parent
+        return sorted(s for s in starts if s > 0)
+
     def take_swap_ops(self) -> list:
         """Swap ops made since the last call, in order ([] without a host tier)."""
         return self.host.take_ops() if self.host is not None else []

@@ -74,14 +74,13 @@ class GrammarBackend(Protocol):
         ...
 
     def wait(self, tickets: Sequence[Any], timeout_s: float) -> None:
-        """Optional (looked up with getattr): block up to `timeout_s` until one of these
-        compiles finishes (at once if one has). The engine calls it when a step planned
+        """Block up to `timeout_s` until one of these compiles finishes (at once if one has). The engine calls it when a step planned
         nothing and grammars are pending, instead of spinning on `poll` (a spinning loop
         also starves the compile threads of the GIL)."""
         ...
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
-        """Optional (the scheduler looks it up with getattr): compute these matchers' next
-        masks together, in parallel; `next_mask` / `forced_token` then return at once.
-        Changes no result."""
+        """Compute these matchers' next masks together (in parallel where the backend can);
+        `next_mask` / `forced_token` then return at once. Changes no result (a backend
+        without batching does nothing)."""
         ...

@@ -1,4 +1,4 @@
-"""Admission: waiting requests into running ones (a mixin of `Scheduler`; plain Python).
+"""Admission: waiting requests into running ones (plain Python).
 
 Each step, after decode rows and continuing chunks, the rest of the token budget admits
 waiting requests in policy order (`radixrt.scheduler.policy`): match the cached prefix (once
@@ -9,9 +9,18 @@ tier), reserve the first chunk. A request that cannot fit holds nothing afterwar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixrt.cache.base import MatchResult
+from radixrt.config import SchedulerConfig
+from radixrt.plan import BlockOp
+from radixrt.scheduler.kv_manager import KVManager
+from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.queues import RequestQueues
+from radixrt.scheduler.request import Request
+from radixrt.scheduler.rows import chunk_len
+from radixrt.scheduler.stats import SchedulerStats
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
@@ -19,51 +28,63 @@ MAX_DEFERRED_PER_STEP = 64
 
 
 class Admission:
-    """Mixin: needs the Scheduler's cfg, cache, allocator, waiting, running, stats, slots,
-    _matches, _chunk, _reserve, _allocate, _release."""
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVManager,
+        queues: RequestQueues,
+        lifecycle: Lifecycle,
+        stats: SchedulerStats,
+        admissible: list[Callable[[Request], bool]],
+    ) -> None:
+        """`admissible`: the features' vetoes (a request any of them refuses waits)."""
+        self.cfg = cfg
+        self.kv = kv
+        self.queues = queues
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.admissible = admissible
+        # This step's prefix matches of waiting requests (valid while cache.version holds).
+        self._matches: dict[Request, MatchResult] = {}
+        self._matches_version = -1
 
-    def _match(self, req: Request) -> MatchResult:
+    def new_step(self) -> None:
+        """Forget the last step's matches (a request is matched once per step)."""
+        self._matches.clear()
+
+    def match(self, req: Request) -> MatchResult:
         """The request's cached prefix this step: matched once, again only if the cache
         evicted something since (which may invalidate the earlier result)."""
-        if self._matches_version != self.kv.cache.version:
+        cache = self.kv.cache
+        if self._matches_version != cache.version:
             self._matches.clear()
-            self._matches_version = self.kv.cache.version
+            self._matches_version = cache.version
         m = self._matches.get(req)
         if m is None:
-            m = self._matches[req] = self.kv.cache.match(
-                req.seq_token_ids[: self._match_limit(req)]
-            )
+            m = self._matches[req] = cache.match(req.seq_token_ids[: _match_limit(req)])
         return m
 
-    @staticmethod
-    def _match_limit(req: Request) -> int:
-        # The last token is always recomputed (its logits are sampled), but by a fork
-        # parent (it samples nothing); with prompt log-probs, so is every token from
-        # logprob_start_len - 1 on.
-        limit = len(req.seq_token_ids) - (0 if req.group is not None else 1)
-        if req.params.prompt_logprobs:
-            limit = min(limit, req.params.logprob_start_len - 1)
-        return limit
-
-    def _admit(self, budget: int, extend: list[tuple[Request, int]], ops: list) -> int:
-        order = order_waiting(
-            self.waiting, self.cfg.policy, self._match, self.cfg.aging_tokens_per_step
-        )
+    def admit(self, budget: int, extend: list[tuple[Request, int]], ops: list[BlockOp]) -> int:
+        """Admit waiting requests in policy order while the token budget, the running limit
+        and the slots allow; each admitted request's first chunk goes to `extend`. Returns
+        the budget left."""
+        cfg, q, kv, stats = self.cfg, self.queues, self.kv, self.stats
+        order = order_waiting(q.waiting, cfg.policy, self.match, cfg.aging_tokens_per_step)
         # Cache-aware policies hold back a request whose uncached prefix another request is
         # computing right now: once that result is in, it finds the prefix in the cache. A
         # prompt computes until its last chunk's result is applied (that inserts it in the
         # tree), not until that chunk is planned: with overlap the next step is planned
         # while the chunk runs, and a request let in then would compute the prefix again.
-        computing = [r for r in self.running if r.num_kv_done < r.prompt_len]
-        dedup = self.cfg.policy != "fcfs"
+        computing = [r for r in q.running if r.num_kv_done < r.prompt_len]
+        dedup = cfg.policy != "fcfs"
         skipped = 0
         for req in order:
-            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+            if budget <= 0 or len(q.running) >= cfg.max_running_requests:
                 break
             group_slots = req.group.num_slots if req.group is not None else 1
-            if group_slots > self.kv.num_free_slots:
+            if group_slots > kv.num_free_slots:
                 break
-            if req.grammar_ticket is not None:  # grammar-pending: its compile runs
+            if not all(ok(req) for ok in self.admissible):
                 continue
             if dedup and computing and self._shares_uncached_prefix(req, computing):
                 skipped += 1
@@ -74,70 +95,73 @@ class Admission:
             if n is None:
                 break
             if req.group is not None:
-                req.group.reserved_slots = [self.kv.take_slot() for _ in range(group_slots - 1)]
+                req.group.reserved_slots = [kv.take_slot() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
-                self.stats.num_host_hit_tokens += req.num_host_cached_tokens
+                stats.num_host_hit_tokens += req.num_host_cached_tokens
                 # a group's parent holds the prompt but its last token
                 prompt_len = req.prompt_len + (1 if req.group is not None else 0)
-                self.stats.num_requests += 1
-                self.stats.num_prompt_tokens += prompt_len
-                self.stats.num_cached_tokens += req.num_computed
-                self.kv.cache.stats.record_lookup(prompt_len, req.num_computed)
-            self.waiting.remove(req)
-            req.status = Status.RUNNING
-            self._admissions += 1
-            req.admission_seq = self._admissions
-            self.running.append(req)
+                stats.num_requests += 1
+                stats.num_prompt_tokens += prompt_len
+                stats.num_cached_tokens += req.num_computed
+                kv.cache.stats.record_lookup(prompt_len, req.num_computed)
+            q.admit(req)
             if n == 0:  # a fork parent with its whole prefix cached
                 req.group.ready = True
                 continue
-            if req.num_host_cached_tokens and (extend or budget < self.cfg.max_num_batched_tokens):
+            if req.num_host_cached_tokens and (extend or budget < cfg.max_num_batched_tokens):
                 # Its blocks load from the host tier in this step (SwapIn ops): its first row
                 # comes with the next plan, so this step's other rows need not wait for the
                 # transfer (see radixrt.kv.host_pool).
-                self.stats.num_deferred_loads += 1
+                stats.num_deferred_loads += 1
                 continue
             extend.append((req, n))
             computing.append(req)
             budget -= n
         return budget
 
-    def _try_start(self, req: Request, ops: list, budget: int) -> int | None:
+    def _try_start(self, req: Request, ops: list[BlockOp], budget: int) -> int | None:
         """Start `req` and reserve its first chunk; returns the chunk, or None holding nothing.
         When nothing else runs and its locked cached path (with the blocks of every branch on
         it, which a host tier keeps and loads) leaves too few blocks, retry with shorter
-        cached prefixes (the path's node boundaries, then none): otherwise the request could
-        never run."""
+        cached prefixes (the cache's boundaries on the path, then none): otherwise the
+        request could never run."""
+        kv = self.kv
         shorter: list[int] | None = None
         while True:
             num_ops = len(ops)
-            if self.kv.start(req, self._match(req), ops):
-                n = self._chunk(req, budget)
-                if self.kv.reserve(req, n) and (not shorter or self.kv.can_finish(req)):
+            if kv.start(req, self.match(req), ops):
+                n = chunk_len(req, budget, self.cfg)
+                if kv.reserve(req, n) and (not shorter or kv.can_finish(req)):
                     return n
                 del ops[num_ops:]
-                self.kv.release(req)
-            if self.running:
+                kv.release(req)
+            if self.queues.running:
                 return None
             if shorter is None:
-                m = self._match(req)
+                m = self.match(req)
                 if m.num_cached_tokens == 0:
                     return None
-                node, shorter = m.handle, [0]
-                while getattr(node, "parent", None) is not None:  # radix: node boundaries
-                    shorter.insert(1, node.start)
-                    node = node.parent
-                shorter = sorted(set(shorter) - {m.num_cached_tokens})
+                bounds = {0, *kv.cache.prefix_boundaries(m.handle)}
+                shorter = sorted(bounds - {m.num_cached_tokens})
             if not shorter:
                 return None
-            self._match(req)  # brings the per-step match table up to the cache version
-            self._matches[req] = self.kv.cache.match(req.seq_token_ids[: shorter.pop()])
+            self.match(req)  # brings the per-step match table up to the cache version
+            self._matches[req] = kv.cache.match(req.seq_token_ids[: shorter.pop()])
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
-        cached = self._match(req).num_cached_tokens
+        cached = self.match(req).num_cached_tokens
         return any(
             common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
             >= IN_BATCH_PREFIX_THRESHOLD
             for other in computing
         )
+
+
+def _match_limit(req: Request) -> int:
+    # The last token is always recomputed (its logits are sampled), but by a fork parent (it
+    # samples nothing); with prompt log-probs, so is every token from logprob_start_len - 1 on.
+    limit = len(req.seq_token_ids) - (0 if req.group is not None else 1)
+    if req.params.prompt_logprobs:
+        limit = min(limit, req.params.logprob_start_len - 1)
+    return limit

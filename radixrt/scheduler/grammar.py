@@ -1,4 +1,5 @@
-"""The scheduler's structured-output logic (a mixin of `Scheduler`; plain Python, no torch).
+"""The scheduler half of structured output (a feature at the scheduler's hooks; plain Python,
+no torch).
 
 Life of a constrained request: `add_request` / `add_fork` submit its GrammarSpec to the
 backend and it waits (grammar-pending: `req.grammar_ticket` set, skipped by admission, other
@@ -30,50 +31,117 @@ from __future__ import annotations
 from typing import Any
 
 from radixrt.grammar.spec import grammar_spec
+from radixrt.plan import BlockOp, PlanRow
+from radixrt.scheduler.features import SchedulerFeature
+from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.stats import SchedulerStats
 
 
-class GrammarScheduling:
-    """Mixin: needs the Scheduler's requests, waiting, stats, _stop, _finish_running,
-    _stop_reason."""
+class NoGrammar(SchedulerFeature):
+    """An engine without a grammar backend: constrained requests are refused."""
 
-    grammar_backend: Any  # GrammarBackend or None (constrained requests are refused)
-    jump_forward: bool
-    jump_forward_retokenize: bool
-    _finished_outside_update: list[Request]
-
-    def _submit_grammar(self, req: Request) -> None:
-        """Start compiling `req`'s grammar (it stays grammar-pending). Raises ValueError
-        when the request is constrained but no backend is configured."""
+    def on_add(self, req: Request) -> None:
         spec = grammar_spec(req.params)
-        if spec is None:
-            return
-        if self.grammar_backend is None:
+        if spec is not None:
             raise ValueError(
                 f"{spec.field} needs structured output, which this engine does not have "
                 "(no grammar backend: install xgrammar)"
             )
-        req.grammar_ticket = self.grammar_backend.submit(spec)
 
-    def drain_finished(self) -> list[Request]:
-        """Requests finished outside `update` (a grammar that failed to compile, a request
-        that failed while being planned) since the last call: they need a last delta."""
-        out, self._finished_outside_update = self._finished_outside_update, []
-        return out
 
-    def wait_for_grammars(self, timeout_s: float) -> None:
+class GrammarFeature(SchedulerFeature):
+    def __init__(
+        self,
+        backend: Any,  # radixrt.grammar.base.GrammarBackend
+        queues: RequestQueues,
+        lifecycle: Lifecycle,
+        stats: SchedulerStats,
+        *,
+        jump_forward: bool = True,
+        jump_forward_retokenize: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.queues = queues
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.jump_forward = jump_forward
+        self.jump_forward_retokenize = jump_forward_retokenize
+
+    # ---- hooks ----
+    def on_add(self, req: Request) -> None:
+        """Start compiling `req`'s grammar (it stays grammar-pending)."""
+        spec = grammar_spec(req.params)
+        if spec is not None:
+            req.grammar_ticket = self.backend.submit(spec)
+
+    def before_schedule(self, ops: list[BlockOp]) -> None:
+        self._poll()
+
+    def admissible(self, req: Request) -> bool:
+        return req.grammar_ticket is None  # grammar-pending: its compile runs
+
+    def before_rows(self, reqs: list[Request]) -> None:
+        self._fill_masks(reqs)
+
+    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+        if req.grammar is not None and samples:  # the next mask needs this step's token
+            row.token_bitmask = self._masks(req, drafts)
+            row.needs_host_result = True
+
+    def on_token(self, req: Request, token: int) -> FinishReason | None:
+        """Feed an appended token to the request's matcher; STOP once it terminated."""
+        m = req.grammar
+        if m is None:
+            return None
+        assert m.accept(token), f"token {token} is outside {req.rid}'s grammar"
+        return FinishReason.STOP if m.is_terminated() else None
+
+    def after_update(self, changed: list[Request]) -> None:
+        """Jump-forward for the running constrained requests that got tokens."""
+        reqs = [r for r in changed if r.grammar is not None and r.status is Status.RUNNING]
+        if not reqs or not self.jump_forward:
+            return
+        self._fill_masks(reqs)
+        for req in reqs:
+            self._jump_forward(req)
+
+    def check_integrity(self) -> None:
+        for req in self.queues.requests.values():
+            if req.grammar is not None:
+                assert req.grammar_ticket is None
+                assert req.grammar.num_accepted == req.num_output, (
+                    f"{req.rid}: matcher saw {req.grammar.num_accepted} tokens, "
+                    f"the request has {req.num_output}"
+                )
+
+    # ---- for the engine loop and speculation ----
+    def wait(self, timeout_s: float) -> None:
         """Block up to `timeout_s` until a pending compile finishes (returns at once when
-        none is pending or the backend cannot wait). For a loop whose step planned nothing."""
-        tickets = [r.grammar_ticket for r in self.waiting if r.grammar_ticket is not None]
-        wait = getattr(self.grammar_backend, "wait", None)
-        if tickets and wait is not None:
-            wait(tickets, timeout_s)
+        none is pending). For a loop whose step planned nothing."""
+        tickets = [r.grammar_ticket for r in self.queues.waiting if r.grammar_ticket is not None]
+        if tickets:
+            self.backend.wait(tickets, timeout_s)
 
-    def _poll_grammars(self) -> None:
+    @staticmethod
+    def allowed_drafts(req: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar allows (the matcher is left
+        as it was); `drafts` as they are for an unconstrained request."""
+        m, n = req.grammar, 0
+        if m is None:
+            return drafts
+        while n < len(drafts) and not m.is_terminated() and m.accept(drafts[n]):
+            n += 1
+        m.rollback(n)
+        return drafts[:n]
+
+    # ---- compiles ----
+    def _poll(self) -> None:
         """Admit compiled grammars: give each waiting sequence its matcher; fail the requests
         whose compile failed or timed out."""
-        for req in [r for r in self.waiting if r.grammar_ticket is not None]:
-            outcome = self.grammar_backend.poll(req.grammar_ticket)
+        for req in [r for r in self.queues.waiting if r.grammar_ticket is not None]:
+            outcome = self.backend.poll(req.grammar_ticket)
             if outcome is None:
                 continue
             req.grammar_ticket = None
@@ -84,7 +152,7 @@ class GrammarScheduling:
             g = req.group
             seqs = [req] if g is None else list(g.children)
             for seq in seqs:
-                seq.grammar = self.grammar_backend.new_matcher(outcome.grammar)
+                seq.grammar = self.backend.new_matcher(outcome.grammar)
                 for token in seq.output_token_ids:  # none yet, unless re-added
                     assert seq.grammar.accept(token)
             if g is None and self.jump_forward:
@@ -102,43 +170,24 @@ class GrammarScheduling:
         for seq in seqs:
             seq.error, seq.invalid_request = error, invalid
         if g is None:
-            self._stop(req, FinishReason.ERROR)
+            self.lifecycle.stop(req, FinishReason.ERROR)
         else:
-            self.abort(req.rid, FinishReason.ERROR)
-        self._finished_outside_update += seqs
+            self.lifecycle.abort(req.rid, FinishReason.ERROR)
+        self.lifecycle.finished_outside_update += seqs
 
+    # ---- masks and jump-forward ----
     def _fill_masks(self, reqs: list[Request]) -> None:
-        """Compute the next masks of these requests' matchers in one batch (if the backend
-        can): before planning their rows, and before jump-forward looks at them."""
+        """Compute the next masks of these requests' matchers in one batch: before planning
+        their rows, and before jump-forward looks at them."""
         matchers = [r.grammar for r in reqs if r.grammar is not None]
-        fill = getattr(self.grammar_backend, "fill_masks", None)
-        if matchers and fill is not None:
-            fill(matchers)
-
-    def _jump_forward_all(self, reqs: list[Request]) -> None:
-        """Jump-forward for the running constrained requests that got tokens in `update`."""
-        reqs = [r for r in reqs if r.grammar is not None and r.status is Status.RUNNING]
-        if not reqs or not self.jump_forward:
-            return
-        self._fill_masks(reqs)
-        for req in reqs:
-            self._jump_forward(req)
+        if matchers:
+            self.backend.fill_masks(matchers)
 
     @staticmethod
-    def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:
-        """The longest prefix of `drafts` the request's grammar allows (the matcher is left
-        as it was)."""
-        m, n = req.grammar, 0
-        while n < len(drafts) and not m.is_terminated() and m.accept(drafts[n]):
-            n += 1
-        m.rollback(n)
-        return drafts[:n]
-
-    @staticmethod
-    def _grammar_masks(req: Request, drafts) -> bytes:
+    def _masks(req: Request, drafts: list[int]) -> bytes:
         """The masks of a row's samples, back to back: the current state's, then the state
         after each draft (the matcher is left as it was). The drafts must be allowed
-        (`_grammar_drafts`)."""
+        (`allowed_drafts`)."""
         m = req.grammar
         masks = [m.next_mask()]
         for token in drafts:
@@ -146,12 +195,6 @@ class GrammarScheduling:
             masks.append(m.next_mask())
         m.rollback(len(drafts))
         return b"".join(masks)
-
-    def _grammar_accept(self, req: Request, token: int) -> FinishReason | None:
-        """Feed an appended token to the request's matcher; STOP once it terminated."""
-        m = req.grammar
-        assert m.accept(token), f"token {token} is outside {req.rid}'s grammar"
-        return FinishReason.STOP if m.is_terminated() else None
 
     def _jump_forward(self, req: Request) -> bool:
         """Append the tokens the grammar forces (see the module docstring); True when that
@@ -173,20 +216,11 @@ class GrammarScheduling:
                 req.output_top_logprobs.append([(token, 0.0)])
             self.stats.num_generated_tokens += 1
             self.stats.num_forced_tokens += 1
-            reason = self._grammar_accept(req, token) or self._stop_reason(req, token)
+            reason = self.on_token(req, token) or self.lifecycle.stop_reason(req, token)
             if reason is not None:
                 was_waiting = req.status is Status.WAITING
-                self._stop(req, reason)
+                self.lifecycle.stop(req, reason)
                 if was_waiting:
-                    self._finished_outside_update.append(req)
+                    self.lifecycle.finished_outside_update.append(req)
                 return True
         return False
-
-    def _check_grammar_integrity(self) -> None:
-        for req in self.requests.values():
-            if req.grammar is not None:
-                assert req.grammar_ticket is None
-                assert req.grammar.num_accepted == req.num_output, (
-                    f"{req.rid}: matcher saw {req.grammar.num_accepted} tokens, "
-                    f"the request has {req.num_output}"
-                )

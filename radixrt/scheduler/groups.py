@@ -1,12 +1,13 @@
-"""Scheduling of request groups that share KV by block references: n > 1 forks and beam
-search (the `Scheduler`'s group methods, a mixin; see `ForkGroup` for the life of a group and
-`radixrt.scheduler.beam` for the beam selection rule).
+"""The scheduler half of request groups that share KV by block references: n > 1 forks and
+beam search (see `ForkGroup` for the life of a group and `radixrt.scheduler.beam` for the beam
+selection rule). Plain Python, no torch.
 
 Forks: the parent computes the prompt but its last token; once its result is applied the next
-`schedule()` forks it (`_fork`). Beams: every beam row returns its top log-probs
-(needs_host_result); when all live beams of a group have theirs, `_beam_step` picks the next
-beams and re-parents them by references (copies of partial blocks are block ops of the next
-plan). Plain Python, no torch.
+`schedule()` forks it (`before_schedule`). Beams: every beam row returns its top log-probs
+(it needs its result on the host); when all live beams of a group have theirs (`after_update`),
+`_beam_step` picks the next beams and re-parents them by references (copies of partial blocks
+are block ops of the next plan). Admission, preemption, abort and failure take a group as a
+whole (`radixrt.scheduler.lifecycle`).
 """
 
 from __future__ import annotations
@@ -14,46 +15,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from radixrt.limits import group_blocks_needed
+from radixrt.plan import BlockOp, PlanRow, StepResult
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamState
+from radixrt.scheduler.features import SchedulerFeature
+from radixrt.scheduler.kv_manager import KVManager
+from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status, fork_rid
+from radixrt.scheduler.stats import SchedulerStats
 
 
-class GroupScheduling:
-    """Mixin of `Scheduler`: it uses the scheduler's queues, allocator, cache and stats."""
+class GroupsFeature(SchedulerFeature):
+    def __init__(
+        self,
+        kv: KVManager,
+        queues: RequestQueues,
+        lifecycle: Lifecycle,
+        stats: SchedulerStats,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.kv = kv
+        self.queues = queues
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.eos_token_ids = eos_token_ids
+        self._beam_groups: dict[int, ForkGroup] = {}  # groups with beam results this update
 
-    def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:
-        """ValueError unless `num_seqs` sequences of `req` sharing its prompt's full blocks
-        (all but the last prompt token) fit in the pool together."""
-        if req.rid in self.requests:
-            raise ValueError(f"request id {req.rid!r} is already in use")
-        if num_seqs > self.kv.num_slots:
-            raise ValueError(
-                f"invalid {field_name}={num_seqs}: the engine runs at most "
-                f"{self.kv.num_slots} sequences at once (max_running_requests)"
-            )
-        blocks = group_blocks_needed(
-            req.prompt_len, req.max_tokens, num_seqs, self.kv.block_size, self.max_model_len
-        )
-        if blocks > self.kv.allocator.num_blocks:
-            what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
-            raise ValueError(
-                f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
-                f"{self.kv.allocator.num_blocks}; shorten the prompt or lower max_tokens"
-                + (f" or {field_name}" if num_seqs > 1 else "")
-            )
-
-    def add_fork(self, req: Request) -> list[Request]:
-        """Queue an n > 1 request (`req.params.n` children, ids `fork_rid(rid, i)`, child i
-        seeded with (seed + i) mod 2**63). Returns the children; the parent `req.rid` gets
-        no outputs of its own. Raises ValueError when the n sequences can never fit."""
+    # ---- adding ----
+    def fork_children(self, req: Request) -> list[Request]:
+        """The `req.params.n` children of an n > 1 request (ids `fork_rid(rid, i)`, child i
+        seeded with (seed + i) mod 2**63)."""
         n = req.params.n
         assert n > 1
-        self._check_fits(req, n, "n")
-        self._submit_grammar(req)  # the parent waits for it; each child gets a matcher
         seed = req.params.seed
-        children = [
+        return [
             Request(
                 rid=fork_rid(req.rid, i),
                 prompt_len=req.prompt_len,
@@ -64,15 +60,12 @@ class GroupScheduling:
             )
             for i in range(n)
         ]
-        self._add_group(req, children, None)
-        return children
 
-    def add_beam_search(
+    def beam_search(
         self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
-    ) -> Request:
-        """Queue a beam search (`max_tokens` resolved against the context). The returned
-        request gets one output when the search ends: `group.beam.finished`, best first.
-        Raises ValueError on bad input (nothing is queued)."""
+    ) -> tuple[Request, Request, BeamState]:
+        """The request, its first beam and the search state of a beam search. Raises
+        ValueError on bad input."""
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         params.check_candidates(len(self.eos_token_ids))
         k = params.num_candidates(len(self.eos_token_ids))
@@ -81,16 +74,15 @@ class GroupScheduling:
         )
         ids = list(prompt_ids)
         req = Request(rid, len(ids), ids, beam_params, max_tokens)
-        self._check_fits(req, params.beam_width, "beam_width")
         beam = Request(
             fork_rid(rid, 0), len(ids), list(ids), beam_params, max_tokens, reports=False
         )
         state = BeamState(params.beam_width, k, max_tokens, params.length_penalty, eos)
-        self._add_group(req, [beam], state)
-        return req
+        return req, beam, state
 
-    def _add_group(self, req: Request, children: list[Request], beam: BeamState | None) -> None:
-        """The parent computes the prompt but its last token and samples nothing."""
+    def add_group(self, req: Request, children: list[Request], beam: BeamState | None) -> None:
+        """Queue the group: its parent computes the prompt but its last token and samples
+        nothing."""
         assert req.prompt_len >= 1
         parent = Request(
             rid=req.rid,
@@ -103,20 +95,54 @@ class GroupScheduling:
         )
         group = ForkGroup(parent, children, beam=beam)
         parent.group = group
-        self.requests[parent.rid] = parent
+        requests = self.queues.requests
+        requests[parent.rid] = parent
         for child in children:
             child.group = group
             if child.reports:
-                self.requests[child.rid] = child
-        self.waiting.append(parent)
+                requests[child.rid] = child
+        self.queues.waiting.append(parent)
 
-    def _fork(self, g: ForkGroup, ops: list) -> None:
+    # ---- hooks ----
+    def before_schedule(self, ops: list[BlockOp]) -> None:
+        """Fork the parents whose prefill result is in."""
+        for parent in [r for r in self.queues.running if r.group is not None and r.group.ready]:
+            assert parent is parent.group.parent
+            self._fork(parent.group, ops)
+
+    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+        if _is_beam(req):  # its group picks the next beams from this row's top log-probs
+            row.needs_host_result = True
+
+    def on_row_result(self, req: Request, row: PlanRow, result: StepResult, i: int) -> bool:
+        if req.reports:
+            return False
+        # a beam: its group picks the next beams once all its rows are in (after_update)
+        req.num_inflight_samples -= 1
+        req.beam_top_logprobs = result.top_logprobs[i][0]
+        self._beam_groups[id(req.group)] = req.group
+        return True
+
+    def after_update(self, changed: list[Request]) -> None:
+        groups, self._beam_groups = self._beam_groups, {}
+        for g in groups.values():
+            if g.parent.status is Status.FORKED and all(
+                b.beam_top_logprobs is not None for b in g.children
+            ):
+                try:
+                    self._beam_step(g, changed)
+                except Exception as e:  # e.g. its scoring: fails this search only
+                    changed += self.lifecycle.fail(g.parent, e)
+
+    # ---- forking ----
+    def _fork(self, g: ForkGroup, ops: list[BlockOp]) -> None:
         """Fork a ready parent into its children (see ForkGroup); waits a step when the
         partial-block copies find no free block."""
+        kv = self.kv
         parent = g.parent
-        full, partial = divmod(parent.num_computed, self.kv.block_size)
+        full, partial = divmod(parent.num_computed, kv.block_size)
         children = g.children
-        copies = self.kv.allocate(len(children) - 1) if partial else []
+        copies = kv.allocate(len(children) - 1) if partial else []
         if copies is None:
             return
         shared = parent.block_table[:full]
@@ -128,43 +154,26 @@ class GroupScheduling:
                     parent.cache_handle,
                 )
             else:
-                self.kv.share_prefix(parent, child, copies[i - 1] if partial else None, ops)
+                kv.share_prefix(parent, child, copies[i - 1] if partial else None, ops)
                 child.slot = g.reserved_slots.pop()
             child.num_computed = child.num_kv_done = parent.num_computed
-            child.status = Status.RUNNING
-            self._admissions += 1
-            child.admission_seq = self._admissions
-            self.running.append(child)
+            self.queues.run(child)
         self.stats.num_forks += 1
         self.stats.num_fork_shared_blocks += len(shared) * (len(children) - 1)
         self.stats.num_fork_copied_blocks += len(copies)
-        self.running.remove(parent)
+        self.queues.running.remove(parent)
         parent.block_table, parent.slot, parent.cache_handle = [], None, None
         parent.num_computed = parent.num_kv_done = parent.num_table_sent = 0
         parent.status = Status.FORKED
         g.ready = False
         if g.beam is None:
-            self.kv.give_slots(g.reserved_slots)
+            kv.give_slots(g.reserved_slots)
             g.reserved_slots = []
-
-    def _fail_group(self, req: Request, error: Exception | str) -> list[Request]:
-        """A member of a group failed (planning or applying its result): fail every
-        unfinished member with FinishReason.ERROR, releasing all their blocks, locks and
-        slots; other requests go on. Returns the failed members that report (an n > 1
-        request's children; a beam search's parent)."""
-        g = req.group
-        assert g is not None
-        failed = []
-        for member in [*g.children, g.parent]:  # the last n > 1 child finishes the parent
-            if member.status is not Status.FINISHED:
-                self._fail_one(member, error)
-                if member.reports:
-                    failed.append(member)
-        return failed
 
     def _beam_step(self, g: ForkGroup, changed: list[Request]) -> None:
         """Every live beam's top log-probs are in: pick the next beams (BeamState.step),
         re-parent them by block references, free dropped beams; or finish the search."""
+        kv, lifecycle, running = self.kv, self.lifecycle, self.queues.running
         beams = g.children
         state = g.beam
         picks = state.step(
@@ -175,13 +184,12 @@ class GroupScheduling:
         self.stats.num_beam_steps += 1
         if not picks:
             for b in list(beams):
-                self.running.remove(b)
-                self._finish(b, FinishReason.LENGTH)
+                lifecycle.finish_running(b, FinishReason.LENGTH)
             # the best sequence's reason: it ended with EOS, or reached max_tokens
             eos = bool(state.finished) and state.finished[0].output_token_ids[-1] in (
                 state.eos_token_ids
             )
-            self._stop(g.parent, FinishReason.STOP if eos else FinishReason.LENGTH)
+            lifecycle.stop(g.parent, FinishReason.STOP if eos else FinishReason.LENGTH)
             changed.append(g.parent)
             return
         # Each picked source continues in place once; dropped beams give back their blocks
@@ -189,17 +197,17 @@ class GroupScheduling:
         first_pick: dict[int, int] = {}
         for j, c in enumerate(picks):
             first_pick.setdefault(c.beam, j)
-        full, partial = divmod(beams[0].num_computed, self.kv.block_size)
+        full, partial = divmod(beams[0].num_computed, kv.block_size)
         assert all(b.num_computed == beams[0].num_computed for b in beams)
         spare = [b for i, b in enumerate(beams) if i not in first_pick]
         for b in spare:
-            self.running.remove(b)
+            running.remove(b)
             slot = b.slot
             b.slot = None
-            self.kv.release(b)
+            kv.release(b)
             g.reserved_slots.append(slot)
         need = sum(1 for j, c in enumerate(picks) if first_pick[c.beam] != j) if partial else 0
-        copies = self.kv.allocate(need) if need else []
+        copies = kv.allocate(need) if need else []
         new: list[Request] = []
         for j, c in enumerate(picks):
             src = beams[c.beam]
@@ -218,14 +226,9 @@ class GroupScheduling:
                 if copies is None:  # no block for the copy: recompute this beam later
                     beam.status = Status.WAITING
                 else:
-                    self.kv.share_prefix(
-                        src, beam, copies.pop() if partial else None, self.kv.pending_ops
-                    )
+                    kv.share_prefix(src, beam, copies.pop() if partial else None, kv.pending_ops)
                     beam.slot = g.reserved_slots.pop()
-                    beam.status = Status.RUNNING
-                    self._admissions += 1
-                    beam.admission_seq = self._admissions
-                    self.running.append(beam)
+                    self.queues.run(beam)
                     self.stats.num_beam_shared_blocks += full
                     self.stats.num_beam_copied_blocks += 1 if partial else 0
             new.append(beam)
@@ -234,4 +237,8 @@ class GroupScheduling:
             beam.index = j
         g.children = new
         if copies is None:
-            self._preempt(g.parent)
+            lifecycle.preempt(g.parent)
+
+
+def _is_beam(req: Request) -> bool:
+    return req.group is not None and req.group.beam is not None and not req.reports

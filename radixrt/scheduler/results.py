@@ -1,129 +1,67 @@
-"""Applying an executed plan's result: the `Scheduler`'s after-the-step half (a mixin).
+"""Applying an executed plan's result (plain Python, no torch).
 
-`update(plan, result)` appends each row's accepted tokens (1..k+1 with speculation; stopping at
-a stop condition inside them), rolls back rejected drafts' KV, inserts what was computed into
-the prefix cache, finishes requests and frees their KV; `fail_step` and `_fail` fail a step's or
-one request's work without touching other requests (a group fails as a whole). Results of
-rows whose request was aborted, finished or preempted since the plan was made (another epoch)
-are ignored. `check_integrity` checks the scheduler's, allocator's and cache's accounting
-together. Plain Python, no torch.
+`apply(plan, result, requests, epochs)` appends each row's accepted tokens (1..k+1 with
+speculation; stopping at a stop condition inside them), rolls back rejected drafts' KV, inserts
+what was computed into the prefix cache, finishes requests and frees their KV. A bug in one
+request's bookkeeping fails that request (its group) alone. Results of rows whose request was
+aborted, finished or preempted since the plan was made (another epoch) are ignored. Features
+see each row's result (`on_row_result`: a beam's row is its group's), each appended token
+(`on_token`) and the whole update (`after_update`).
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
-from radixrt.cache.tiers import unmade_blocks
-from radixrt.plan import PlanRow, StepPlan, StepResult, SwapIn, SwapOut
-from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status
+from radixrt.plan import PlanRow, StepPlan, StepResult
+from radixrt.scheduler.kv_manager import KVManager
+from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.stats import SchedulerStats
 
-logger = logging.getLogger("radixrt.scheduler.scheduler")
 
+class ResultApplier:
+    def __init__(
+        self,
+        kv: KVManager,
+        lifecycle: Lifecycle,
+        stats: SchedulerStats,
+        on_row_result: list[Callable[[Request, PlanRow, StepResult, int], bool]],
+        on_token: list[Callable[[Request, int], FinishReason | None]],
+        after_update: list[Callable[[list[Request]], None]],
+    ) -> None:
+        """The lists are the features' hooks (see `radixrt.scheduler.features`)."""
+        self.kv = kv
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.on_row_result = on_row_result
+        self.on_token = on_token
+        self.after_update = after_update
 
-class ResultApplication:
-    """Mixin of `Scheduler`: it uses the scheduler's queues, allocator, cache and stats."""
-
-    # ---- after the step ----
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply an executed plan's result (plans are applied in the order they were
-        made). Returns the requests that got tokens or finished."""
-        launched = self._launched.pop(plan.step_id)
+    def apply(
+        self, plan: StepPlan, result: StepResult, requests: list[Request], epochs: list[int]
+    ) -> list[Request]:
+        """Apply an executed plan's result (plans are applied in the order they were made);
+        `requests` and `epochs`: each row's request and its incarnation when planned.
+        Returns the requests that got tokens or finished."""
         assert result.step_id == plan.step_id
         changed: list[Request] = []
-        beam_groups: dict[int, ForkGroup] = {}
-        for i, (row, req, epoch) in enumerate(zip(plan.rows, launched.requests, launched.epochs)):
+        for i, (row, req, epoch) in enumerate(zip(plan.rows, requests, epochs)):
             if req.epoch != epoch or req.status is not Status.RUNNING:
                 self.stats.num_dropped_tokens += len(result.tokens[i])
                 continue  # finished, aborted or preempted since the plan was made
             try:
-                self._apply_row(req, row, result, i, changed, beam_groups)
+                self.apply_row(req, row, result, i, changed)
             except Exception as e:  # a bug in one request's bookkeeping fails it (its group)
-                changed += self._fail(req, e)
-        for g in beam_groups.values():
-            if g.parent.status is Status.FORKED and all(
-                b.beam_top_logprobs is not None for b in g.children
-            ):
-                self._beam_step(g, changed)
-        if self.grammar_backend is not None:
-            self._jump_forward_all(changed)
+                changed += self.lifecycle.fail(req, e)
+        for hook in self.after_update:
+            hook(changed)
         return changed
 
-    def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
-        """The plan's execution failed: finish every request still in it (same incarnation)
-        with FinishReason.ERROR. With host-tier swap ops in it, none of its block ops counts as
-        done (`_discard_unmade_copies`). Returns the failed requests."""
-        launched = self._launched.pop(plan.step_id)
-        self.stats.num_failed_steps += 1
-        failed = []
-        for req, epoch in zip(launched.requests, launched.epochs):
-            if req.epoch == epoch and req.status is Status.RUNNING:
-                failed += self._fail(req, error)
-        if any(isinstance(op, SwapIn | SwapOut) for op in plan.block_ops):
-            self._discard_unmade_copies(plan)
-        return failed
-
-    def _discard_unmade_copies(self, plan: StepPlan) -> None:
-        """The failed plan may have run none, some or all of its block ops: the blocks they
-        write, and what later plans (and ops queued since) copied from those, hold unknown
-        content. Requests holding such a device block or locking a node that loses a copy
-        are preempted (they recompute, or load again from a valid host copy); then the cache
-        forgets those copies, so no node claims KV that may never have been copied."""
-        tiered = self.kv.host_cache
-        assert tiered is not None and tiered.host is not None, "swap ops without a host tier"
-        later = [self._launched[i].block_ops for i in sorted(self._launched) if i > plan.step_id]
-        host = tiered.host
-        later.append(self.kv.pending_ops + host.pending_ops)  # they run next, in this order
-        device_blocks, host_blocks = unmade_blocks(plan.block_ops, later)
-        stale = {id(n) for n in tiered.stale_nodes(device_blocks, host_blocks)}
-        for req in list(self.running):
-            if req.status is Status.RUNNING and (
-                not device_blocks.isdisjoint(req.block_table) or _on_path(req.cache_handle, stale)
-            ):
-                self._preempt(req)
-        tiered.discard_copies(device_blocks, host_blocks)
-        host.uncount(plan.block_ops)
-
-    def _fail(self, req: Request, error: Exception | str) -> list[Request]:
-        """Finish `req` with FinishReason.ERROR, releasing what it holds; a member of a
-        group (n > 1, beam search) fails its whole group (`_fail_group`). Returns the
-        finished requests that report (get a delta)."""
-        if req.group is not None:
-            return self._fail_group(req, error)
-        self._fail_one(req, error)
-        return [req]
-
-    def _fail_one(self, req: Request, error: Exception | str) -> None:
-        """Finish `req` with FinishReason.ERROR, releasing what it holds."""
-        if isinstance(error, Exception):
-            logger.error("request %s failed", req.rid, exc_info=error)
-            error = f"internal error: {type(error).__name__}: {error}"
-        req.error = error
-        self.stats.num_failed_requests += 1
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        try:
-            self._finish(req, FinishReason.ERROR)
-        except Exception:  # its state is broken: drop it without caching anything
-            logger.exception("releasing failed request %s", req.rid)
-            req.num_kv_done = 0
-            self.requests.pop(req.rid, None)
-            if req.group is not None and req in req.group.children:
-                req.group.children.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
-
-    def _apply_row(
-        self,
-        req: Request,
-        row: PlanRow,
-        result: StepResult,
-        i: int,
-        changed: list[Request],
-        beam_groups: dict[int, ForkGroup],
+    def apply_row(
+        self, req: Request, row: PlanRow, result: StepResult, i: int, changed: list[Request]
     ) -> None:
-        """Apply row i of a result to its (still running) request (a beam's row is collected
-        in `beam_groups`: its group picks the next beams once all its rows are in)."""
+        """Apply row i of a result to its (still running) request."""
         if row.needs_host_result:
             req.awaiting_host_result = False
         if row.prompt_logprobs is not None:
@@ -136,22 +74,20 @@ class ResultApplication:
                     req.group.ready = True
                     return
                 changed.append(req)  # prefill-only (scoring / cache warming): done
-                self._finish_running(req, FinishReason.LENGTH)
+                self.lifecycle.finish_running(req, FinishReason.LENGTH)
             else:  # a prefill chunk: share its progress with others at once
                 self.kv.cache_progress(req, row.end)
             return
         # a last prefill chunk (a verify row feeds k + 1 tokens but is a decode row)
         if row.num_tokens - row.num_draft_tokens > 1 or row.start < req.prompt_len:
             self.kv.cache_progress(req, row.end)
-        if not req.reports:  # a beam: its group picks the next beams (see update)
-            req.num_inflight_samples -= 1
-            req.beam_top_logprobs = result.top_logprobs[i][0]
-            beam_groups[id(req.group)] = req.group
-            return
+        for hook in self.on_row_result:
+            if hook(req, row, result, i):
+                return
         changed.append(req)
-        self._accept(req, row, result, i)
+        self.accept(req, row, result, i)
 
-    def _accept(self, req: Request, row: PlanRow, result: StepResult, i: int) -> None:
+    def accept(self, req: Request, row: PlanRow, result: StepResult, i: int) -> None:
         """Append the row's accepted tokens, stopping at the first stop condition."""
         tokens = result.tokens[i]
         req.num_inflight_samples -= 1
@@ -164,6 +100,7 @@ class ResultApplication:
             req.num_draft_tokens += row.num_draft_tokens
             req.num_accepted_tokens += len(tokens) - 1
         p = req.params
+        stop_reason = self.lifecycle.stop_reason
         for j, token in enumerate(tokens):
             req.seq_token_ids.append(token)
             if p.logprobs:
@@ -171,69 +108,10 @@ class ResultApplication:
             if p.top_logprobs:
                 req.output_top_logprobs.append(result.top_logprobs[i][j])
             self.stats.num_generated_tokens += 1
-            reason = self._stop_reason(req, token)
-            if req.grammar is not None:
-                reason = self._grammar_accept(req, token) or reason
+            reason = stop_reason(req, token)
+            for hook in self.on_token:
+                reason = hook(req, token) or reason
             if reason is not None:
                 self.stats.num_dropped_tokens += len(tokens) - j - 1
-                self._finish_running(req, reason)
+                self.lifecycle.finish_running(req, reason)
                 return
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return FinishReason.STOP
-        if req.num_output >= req.max_tokens or len(req.seq_token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish_running(self, req: Request, reason: FinishReason) -> None:
-        self.running.remove(req)
-        self._finish(req, reason)
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.kv.cache_finished(req)
-        self.kv.release(req)
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        g = req.group
-        if g is not None and req is not g.parent:
-            g.children.remove(req)
-            if not req.reports:
-                return  # a beam
-        if req.reports:
-            self.stats.finish_reasons[reason.value] += 1
-        del self.requests[req.rid]
-        if g is not None and g.beam is None and not g.children and req is not g.parent:
-            self._stop(g.parent, reason)  # the last child of an n > 1 request
-
-    # ---- integrity ----
-    def check_integrity(self) -> None:
-        """Every block reference, lock and slot is accounted for (see KVManager), groups and
-        grammar matchers are consistent."""
-        groups = {id(r.group): r.group for r in self.requests.values() if r.group is not None}
-        idle = list(self.waiting)
-        reserved = []
-        for g in groups.values():
-            assert g.parent.status is not Status.FINISHED
-            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
-            assert g.beam is None or len(g.children) <= g.beam.width
-            idle += [c for c in g.children if c.status is Status.WAITING]
-            if g.parent.status is Status.FORKED:
-                idle.append(g.parent)
-                assert not g.ready and g.children
-            elif g.parent.status is Status.WAITING:
-                assert not g.reserved_slots and not g.ready
-                assert all(c.status is Status.WAITING for c in g.children)
-            reserved += g.reserved_slots
-        self.kv.check_integrity(self.running, idle, reserved)
-        self._check_grammar_integrity()
-
-
-def _on_path(handle, nodes: set[int]) -> bool:
-    """Whether a node of the radix path root..handle is in `nodes` (ids)."""
-    while handle is not None:
-        if id(handle) in nodes:
-            return True
-        handle = handle.parent
-    return False

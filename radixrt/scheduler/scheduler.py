@@ -6,52 +6,52 @@ copy-on-write is a block operation in the plan. Decode rows are scheduled first 
 token each); the rest of the token budget goes to prefill chunks, continuing ones first,
 then waiting requests in policy order.
 
+The `Scheduler` holds the queues and composes objects that own their state and get their
+collaborators in the constructor: `KVManager` (blocks, slots, the prefix cache, block ops),
+`Lifecycle` (finish, stop, fail, preempt), `Admission` (policy order, prefix matches),
+`RowPlanner` (decode rows, chunks, plan rows) and `ResultApplier` (tokens, stops, rollback,
+cache inserts). Features are scheduler halves called at named hooks
+(`radixrt.scheduler.features`): n > 1 / beam-search groups (`groups`), structured output
+(`grammar`) and speculative decoding (`speculation`).
+
 Overlap: `schedule()` may run while earlier plans are still executing (their results not
 applied). A row sampled by a step in flight counts as one more token (`num_inflight_samples`)
 whose value the next decode step reads on the device; stop conditions are checked when the
 result arrives, and a request found finished then has the extra step's token dropped. A request
 that is aborted, finished or preempted while in flight frees its KV at once; results of that
 step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
-after the earlier ones (one stream), so no step reads a block after another reused it.
-
-Speculation (`proposer`, see `radixrt.speculative`): a decode row with k drafts reserves blocks for
-k + 1 tokens and samples at each; `update` appends the accepted tokens (stopping at a stop
-condition inside them), rolls num_computed back to the accepted length and frees blocks past
-it in the same step, so only accepted tokens ever reach the prefix cache. Such rows wait for
-their result on the host (the proposer reads the sequence), so they do not overlap.
-Structured output (`grammar_backend`): constrained requests wait while their grammar compiles,
-their rows carry token bitmasks and wait for their result on the host; tokens the grammar
-forces are appended without sampling (jump-forward); see `radixrt.scheduler.grammar`.
-Groups (n > 1 children, beam search) share a prompt's blocks by reference and are admitted
-(with all their slots), preempted and aborted as a whole; see `radixrt.scheduler.groups`.
+after the earlier ones (one stream), so no step reads a block after another reused it. Rows
+that need their result on the host before the next plan (penalties, host drafting, grammar
+masks, beams) are not planned again until it arrives.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from radixrt.cache.base import MatchResult, PrefixCache
+from radixrt.cache.base import PrefixCache
+from radixrt.cache.tiers import unmade_blocks
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.plan import (
-    CopyBlock,
-    StepPlan,
-)
+from radixrt.limits import group_blocks_needed
+from radixrt.plan import BlockOp, CopyBlock, StepPlan, StepResult
+from radixrt.sampling import BeamSearchParams
 from radixrt.scheduler.admission import Admission
-from radixrt.scheduler.grammar import GrammarScheduling
-from radixrt.scheduler.groups import GroupScheduling
+from radixrt.scheduler.features import Hooks, SchedulerFeature
+from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
+from radixrt.scheduler.groups import GroupsFeature
 from radixrt.scheduler.kv_manager import KVManager, is_swap
+from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
-from radixrt.scheduler.results import ResultApplication
-from radixrt.scheduler.rows import RowPlanning
+from radixrt.scheduler.results import ResultApplier
+from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
+from radixrt.scheduler.speculation import SpeculationFeature
 from radixrt.scheduler.stats import SchedulerStats
 from radixrt.speculative.base import Proposer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,10 +61,10 @@ class _Launched:
 
     requests: list[Request]
     epochs: list[int]
-    block_ops: list  # the plan's (a failed earlier plan may have left them wrong inputs)
+    block_ops: list[BlockOp]  # the plan's (a failed earlier plan may have left them wrong inputs)
 
 
-class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, ResultApplication):
+class Scheduler:
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -74,129 +74,246 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         max_model_len: int,
         eos_token_ids: Sequence[int],
         proposer: Proposer | None = None,
-        grammar_backend: object | None = None,
+        grammar_backend: Any = None,
         jump_forward: bool = True,
         jump_forward_retokenize: bool = False,
     ) -> None:
-        """`proposer` (speculative decoding) drafts tokens for decode rows; a row with
-        drafts feeds its last token plus the drafts and samples at each (k + 1 tokens), and
-        waits for that result on the host before its next step. `grammar_backend`
+        """`proposer` (speculative decoding) drafts tokens for decode rows; `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
         `jump_forward` and `jump_forward_retokenize` (see radixrt.scheduler.grammar)."""
         self.cfg = cfg
-        self.grammar_backend = grammar_backend
-        self.jump_forward = jump_forward
-        self.jump_forward_retokenize = jump_forward_retokenize
-        self._finished_outside_update: list[Request] = []
-        self.proposer = proposer
-        self.stats = SchedulerStats()
-        self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._admissions = 0
+        eos = frozenset(eos_token_ids)
+        self.stats = SchedulerStats()
+        self.queues = RequestQueues()
+        self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
+        self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len)
+        self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
+        self._jump_forward = (jump_forward, jump_forward_retokenize)
         self._step_ids = itertools.count()
         self._launched: dict[int, _Launched] = {}
-        # This step's prefix matches of waiting requests (valid while cache.version holds).
-        self._matches: dict[Request, MatchResult] = {}
-        self._matches_version = -1
+        self.grammar: GrammarFeature | None = None
+        self.speculation: SpeculationFeature | None = None
+        self.use_grammar_backend(grammar_backend)
+        self.use_proposer(proposer)
+
+    # ---- composition ----
+    def use_grammar_backend(self, backend: Any, jump_forward: bool | None = None) -> None:
+        """Serve structured output with `backend` (None: refuse constrained requests). Call
+        before any request is added."""
+        assert not self.queues.requests, "features are composed before requests arrive"
+        if jump_forward is not None:
+            self._jump_forward = (jump_forward, self._jump_forward[1])
+        jf, retokenize = self._jump_forward
+        self.grammar = (
+            None
+            if backend is None
+            else GrammarFeature(
+                backend,
+                self.queues,
+                self.lifecycle,
+                self.stats,
+                jump_forward=jf,
+                jump_forward_retokenize=retokenize,
+            )
+        )
+        self._compose()
+
+    def use_proposer(self, proposer: Proposer | None) -> None:
+        """Speculate with `proposer` (None: no speculative decoding). Call before any request
+        is added."""
+        assert not self.queues.requests, "features are composed before requests arrive"
+        self.speculation = (
+            None
+            if proposer is None
+            else SpeculationFeature(
+                proposer, self.cfg, self.stats, self.max_model_len, self.grammar
+            )
+        )
+        self._compose()
+
+    def _compose(self) -> None:
+        """Wire the features' hooks into the admission, planning and result halves."""
+        grammar = self.grammar if self.grammar is not None else NoGrammar()
+        if self.speculation is not None:
+            self.speculation.grammar = self.grammar
+        features: list[SchedulerFeature] = [self.groups, grammar]
+        if self.speculation is not None:
+            features.append(self.speculation)
+        self.hooks = hooks = Hooks(features)
+        self.admission = Admission(
+            self.cfg, self.kv, self.queues, self.lifecycle, self.stats, hooks.admissible
+        )
+        self.planner = RowPlanner(
+            self.cfg,
+            self.kv,
+            self.queues,
+            self.lifecycle,
+            self.stats,
+            self.max_model_len,
+            hooks.on_row,
+            self.speculation.drafts if self.speculation is not None else None,
+        )
+        self.results = ResultApplier(
+            self.kv,
+            self.lifecycle,
+            self.stats,
+            hooks.on_row_result,
+            hooks.on_token,
+            hooks.after_update,
+        )
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that stop a request (unless it ignores EOS) and end a beam."""
+        return self.lifecycle.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.lifecycle.eos_token_ids = self.groups.eos_token_ids = frozenset(ids)
+
+    # ---- the queues (read-only use outside the scheduler) ----
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.queues.requests
+
+    @property
+    def waiting(self):
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
+
+    @property
+    def has_work(self) -> bool:
+        """Requests waiting or running (results of steps in flight may still be due)."""
+        return self.queues.has_work
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._launched)
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
-        """Queue a request. Raises ValueError when it can never fit."""
+        """Queue a request. Raises ValueError when it can never fit (nothing is queued)."""
         self._check_fits(req, 1, "")
-        self._submit_grammar(req)
-        self.requests[req.rid] = req
-        self.waiting.append(req)
+        for hook in self.hooks.on_add:
+            hook(req)
+        self.queues.requests[req.rid] = req
+        self.queues.waiting.append(req)
+
+    def add_fork(self, req: Request) -> list[Request]:
+        """Queue an n > 1 request (`req.params.n` children, see `GroupsFeature.fork_children`).
+        Returns the children; the parent `req.rid` gets no outputs of its own. Raises
+        ValueError when the n sequences can never fit."""
+        self._check_fits(req, req.params.n, "n")
+        for hook in self.hooks.on_add:  # the parent waits for its grammar; children get one
+            hook(req)
+        children = self.groups.fork_children(req)
+        self.groups.add_group(req, children, None)
+        return children
+
+    def add_beam_search(
+        self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
+    ) -> Request:
+        """Queue a beam search (`max_tokens` resolved against the context). The returned
+        request gets one output when the search ends: `group.beam.finished`, best first.
+        Raises ValueError on bad input (nothing is queued)."""
+        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens)
+        self._check_fits(req, params.beam_width, "beam_width")
+        self.groups.add_group(req, [beam], state)
+        return req
+
+    def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:
+        """ValueError unless `num_seqs` sequences of `req` sharing its prompt's full blocks
+        (all but the last prompt token) fit in the pool together."""
+        if req.rid in self.queues.requests:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        if num_seqs > self.kv.num_slots:
+            raise ValueError(
+                f"invalid {field_name}={num_seqs}: the engine runs at most "
+                f"{self.kv.num_slots} sequences at once (max_running_requests)"
+            )
+        blocks = group_blocks_needed(
+            req.prompt_len, req.max_tokens, num_seqs, self.kv.block_size, self.max_model_len
+        )
+        num_blocks = self.kv.allocator.num_blocks
+        if blocks > num_blocks:
+            what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
+            raise ValueError(
+                f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
+                f"{num_blocks}; shorten the prompt or lower max_tokens"
+                + (f" or {field_name}" if num_seqs > 1 else "")
+            )
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Stop a request now (client gone, or a stop string seen: reason STOP) and free
         its KV; computed tokens stay in the prefix cache. Safe while a step holding the
         request is in flight (its results for the request are dropped). Returns the
         finished request, or None if `rid` is unknown or already finished."""
-        req = self.requests.get(rid)
-        if req is None:
-            return None
-        g = req.group
-        if g is not None and req is g.parent:
-            # the whole group: every child (an n > 1 parent finishes with its last child)
-            for child in list(g.children):
-                self._stop(child, reason)
-            if req.status is not Status.FINISHED:
-                self._stop(req, reason)
-            return req
-        self._stop(req, reason)
-        return req
+        return self.lifecycle.abort(rid, reason)
 
-    def _stop(self, req: Request, reason: FinishReason) -> None:
-        if req.status is Status.WAITING:
-            if _queued(req):
-                self.waiting.remove(req)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
-        self._finish(req, reason)
+    def drain_finished(self) -> list[Request]:
+        """Requests finished outside `update` (a grammar that failed to compile, a request
+        that failed while being planned) since the last call: they need a last delta."""
+        return self.lifecycle.drain_finished()
 
-    @property
-    def has_work(self) -> bool:
-        """Requests waiting or running (results of steps in flight may still be due)."""
-        return bool(self.waiting or self.running)
-
-    @property
-    def num_inflight_steps(self) -> int:
-        return len(self._launched)
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until a pending compile finishes (at once when none is
+        pending). For a loop whose step planned nothing."""
+        if self.grammar is not None:
+            self.grammar.wait(timeout_s)
 
     # ---- scheduling ----
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when no row can run now. Mutates request and cache
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
-        self._matches.clear()
-        ops = self.kv.take_pending_ops()
-        if self.grammar_backend is not None:
-            self._poll_grammars()
-        for parent in [r for r in self.running if r.group is not None and r.group.ready]:
-            assert parent is parent.group.parent
-            self._fork(parent.group, ops)
-        decode = self._schedule_decode()
+        q, kv = self.queues, self.kv
+        self.admission.new_step()
+        ops = kv.take_pending_ops()
+        for hook in self.hooks.before_schedule:
+            hook(ops)
+        decode = self.planner.decode_rows()
         budget = self.cfg.max_num_batched_tokens - sum(1 + len(d) for _, d in decode)
         extend: list[tuple[Request, int]] = []
-        for req in [r for r in self.running if self._schedulable(r) and self._extend_due(r)]:
-            n = self._chunk(req, budget)
+        for req in [r for r in q.running if schedulable(r) and extend_due(r)]:
+            n = chunk_len(req, budget, self.cfg)
             if n == 0 or req.status is not Status.RUNNING:
                 break
-            if not self.kv.reserve(req, n) and not (
+            if not kv.reserve(req, n) and not (
                 not decode and not extend and self._preempt_until_reserved(req, n)
             ):
                 break
             extend.append((req, n))
             budget -= n
-        if budget > 0 and self.waiting:
-            budget = self._admit(budget, extend, ops)
-        for req in self.waiting:
+        if budget > 0 and q.waiting:
+            budget = self.admission.admit(budget, extend, ops)
+        for req in q.waiting:
             req.waited_steps += 1
         if not decode and not extend:
             # No row: copies into blocks a running request holds (a fork parent's whole
             # prefix cached) wait for the next plan; the others were for forks or beams
             # preempted since (their blocks are free now, nothing to copy).
-            held = {b for r in self.running for b in r.block_table}
-            self.kv.pending_ops = self.kv.swaps_first(
+            held = {b for r in q.running for b in r.block_table}
+            kv.pending_ops = kv.swaps_first(
                 [op for op in ops if not isinstance(op, CopyBlock) or op.dst in held]
             )
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
         ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
-        if self.grammar_backend is not None:
-            self._fill_masks([r for r, _ in decode] + [r for r, _ in extend])
+        for hook in self.hooks.before_rows:
+            hook([r for r, _ in decode] + [r for r, _ in extend])
         rows, reqs, failed = [], [], False
+        no_drafts: list[int] = []
         for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
-            (r, n, ()) for r, n in extend
+            (r, n, no_drafts) for r, n in extend
         ]:
             try:
-                rows.append(self._plan_row(req, n, drafts))
+                rows.append(self.planner.plan_row(req, n, drafts))
             except Exception as e:  # a bug planning one request fails that request only
-                self._finished_outside_update += self._fail(req, e)
+                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
                 failed = True
                 continue
             reqs.append(req)
@@ -204,9 +321,9 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
-            self.kv.pending_ops = [op for op in self.kv.swaps_first(ops) if is_swap(op)]
+            kv.pending_ops = [op for op in kv.swaps_first(ops) if is_swap(op)]
             return None
-        ops = self.kv.swaps_first(ops)
+        ops = kv.swaps_first(ops)
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
@@ -217,48 +334,84 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         has them, so that running chunks cannot all wait on each other's blocks. False when
         `req` itself went (its group was the newest) or nothing else can go."""
         while not self.kv.reserve(req, n):
-            if len(self.running) < 2:
+            if len(self.queues.running) < 2:
                 return False
-            self._preempt(self._newest_preemptible(exclude=[req]))
+            self.lifecycle.preempt_newest(exclude=[req])
             if req.status is not Status.RUNNING:
                 return False
         return True
 
-    def _newest_preemptible(self, exclude: list[Request]) -> Request:
-        taken = set(map(id, exclude))
-        candidates = [r for r in self.running if id(r) not in taken]
-        assert candidates, "a request needing a block is always preemptible itself"
-        return max(candidates, key=lambda r: r.admission_seq)
+    # ---- after the step ----
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply an executed plan's result (plans are applied in the order they were
+        made). Returns the requests that got tokens or finished."""
+        launched = self._launched.pop(plan.step_id)
+        return self.results.apply(plan, result, launched.requests, launched.epochs)
 
-    def _preempt(self, req: Request) -> None:
-        """Free the request's KV and put it at the head of the waiting queue (it will be
-        recomputed, reusing whatever the prefix cache still holds). A group member takes its
-        whole group: the children leave (holding nothing), the parent is requeued and forks
-        them again once it recomputed the shared prefix."""
-        g = req.group
-        if g is not None:
-            for child in g.children:
-                if child.status is Status.RUNNING:
-                    self._unrun(child)
-                    child.beam_top_logprobs = None
-            g.ready = False
-            req = g.parent
-        self._unrun(req)
-        self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+    def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
+        """The plan's execution failed: finish every request still in it (same incarnation)
+        with FinishReason.ERROR. With host-tier swap ops in it, none of its block ops counts as
+        done (`_discard_unmade_copies`). Returns the failed requests."""
+        launched = self._launched.pop(plan.step_id)
+        self.stats.num_failed_steps += 1
+        failed = []
+        for req, epoch in zip(launched.requests, launched.epochs):
+            if req.epoch == epoch and req.status is Status.RUNNING:
+                failed += self.lifecycle.fail(req, error)
+        if any(is_swap(op) for op in plan.block_ops):
+            self._discard_unmade_copies(plan)
+        return failed
 
-    def _unrun(self, seq: Request) -> None:
-        """Preemption of one sequence: out of `running`, its KV freed, a new epoch (results of
-        steps in flight for it are ignored), waiting again."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        self.kv.release(seq)
-        seq.epoch += 1
-        seq.status = Status.WAITING
-        seq.num_preemptions += 1
+    def _discard_unmade_copies(self, plan: StepPlan) -> None:
+        """The failed plan may have run none, some or all of its block ops: the blocks they
+        write, and what later plans (and ops queued since) copied from those, hold unknown
+        content. Requests holding such a device block or locking a node that loses a copy
+        are preempted (they recompute, or load again from a valid host copy); then the cache
+        forgets those copies, so no node claims KV that may never have been copied."""
+        tiered = self.kv.host_cache
+        assert tiered is not None and tiered.host is not None, "swap ops without a host tier"
+        later = [self._launched[i].block_ops for i in sorted(self._launched) if i > plan.step_id]
+        host = tiered.host
+        later.append(self.kv.pending_ops + host.pending_ops)  # they run next, in this order
+        device_blocks, host_blocks = unmade_blocks(plan.block_ops, later)
+        stale = {id(n) for n in tiered.stale_nodes(device_blocks, host_blocks)}
+        for req in list(self.queues.running):
+            if req.status is Status.RUNNING and (
+                not device_blocks.isdisjoint(req.block_table) or _on_path(req.cache_handle, stale)
+            ):
+                self.lifecycle.preempt(req)
+        tiered.discard_copies(device_blocks, host_blocks)
+        host.uncount(plan.block_ops)
+
+    # ---- integrity ----
+    def check_integrity(self) -> None:
+        """Every block reference, lock and slot is accounted for (see KVManager), groups and
+        the features' own state are consistent."""
+        q = self.queues
+        groups = {id(r.group): r.group for r in q.requests.values() if r.group is not None}
+        idle = list(q.waiting)
+        reserved = []
+        for g in groups.values():
+            assert g.parent.status is not Status.FINISHED
+            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.beam is None or len(g.children) <= g.beam.width
+            idle += [c for c in g.children if c.status is Status.WAITING]
+            if g.parent.status is Status.FORKED:
+                idle.append(g.parent)
+                assert not g.ready and g.children
+            elif g.parent.status is Status.WAITING:
+                assert not g.reserved_slots and not g.ready
+                assert all(c.status is Status.WAITING for c in g.children)
+            reserved += g.reserved_slots
+        self.kv.check_integrity(q.running, idle, reserved)
+        for hook in self.hooks.check_integrity:
+            hook()
 
 
-def _queued(req: Request) -> bool:
-    """Whether a WAITING request sits in the waiting queue (a group's children wait inside
-    their group instead)."""
-    return req.group is None or req is req.group.parent
+def _on_path(handle: Any, nodes: set[int]) -> bool:
+    """Whether a node of the radix path root..handle is in `nodes` (ids)."""
+    while handle is not None:
+        if id(handle) in nodes:
+            return True
+        handle = handle.parent
+    return False

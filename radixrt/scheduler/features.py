@@ -1,0 +1,93 @@
+"""The scheduler halves of features and the hooks the scheduler calls them at.
+
+A feature (structured output, speculative decoding, n > 1 / beam-search groups, ...) is one
+object with its own state that overrides some of the hooks below; the scheduler calls each hook
+on the features that override it, in the order they were given, and nothing else of theirs.
+A request that does not use a feature costs it at most a check of its own field per hook.
+
+Hooks, in the order of one step:
+- `on_add(req)`: a request (a group's parent) is queued; may raise ValueError (nothing queued).
+- `before_schedule(ops)`: a step is being planned; `ops` collects block ops for its plan.
+- `admissible(req)`: whether a waiting request may be admitted now.
+- `before_rows(reqs)`: the requests that get rows this step, before their rows are made.
+- `on_row(req, row, drafts, samples)`: a plan row was made for `req`; the feature may add its
+  side data (a bitmask) and say the row needs its result on the host.
+- `on_row_result(req, row, result, i) -> bool`: a row's result for a running request; True:
+  the feature consumed it (the row's tokens are not appended as output).
+- `on_token(req, token) -> FinishReason | None`: an output token was appended.
+- `after_update(changed)`: a result was applied; `changed` collects requests with news.
+- `check_integrity()`: assert the feature's own invariants.
+
+Speculative decoding is asked for drafts (`SpeculationFeature.drafts`), which is where the
+rules between it and the other features are written.
+"""
+
+from __future__ import annotations
+
+from radixrt.plan import BlockOp, PlanRow, StepResult
+from radixrt.scheduler.request import FinishReason, Request
+
+HOOKS = (
+    "on_add",
+    "before_schedule",
+    "admissible",
+    "before_rows",
+    "on_row",
+    "on_row_result",
+    "on_token",
+    "after_update",
+    "check_integrity",
+)
+
+
+class SchedulerFeature:
+    """Base of a feature's scheduler half: every hook does nothing."""
+
+    def on_add(self, req: Request) -> None:
+        pass
+
+    def before_schedule(self, ops: list[BlockOp]) -> None:
+        pass
+
+    def admissible(self, req: Request) -> bool:
+        return True
+
+    def before_rows(self, reqs: list[Request]) -> None:
+        pass
+
+    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+        pass
+
+    def on_row_result(self, req: Request, row: PlanRow, result: StepResult, i: int) -> bool:
+        return False
+
+    def on_token(self, req: Request, token: int) -> FinishReason | None:
+        return None
+
+    def after_update(self, changed: list[Request]) -> None:
+        pass
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class Hooks:
+    """Per hook, the bound methods of the features that override it (decided once)."""
+
+    def __init__(self, features: list[SchedulerFeature]) -> None:
+        self.features = features
+        for name in HOOKS:
+            base = getattr(SchedulerFeature, name)
+            bound = [getattr(f, name) for f in features if getattr(type(f), name) is not base]
+            setattr(self, name, bound)
+
+    # (attributes set above: one list of bound methods per name in HOOKS)
+    on_add: list
+    before_schedule: list
+    admissible: list
+    before_rows: list
+    on_row: list
+    on_row_result: list
+    on_token: list
+    after_update: list
+    check_integrity: list

@@ -1,0 +1,173 @@
+"""How requests leave the running set: finish, stop, fail, preempt (plain Python).
+
+A request finishes by caching what executed steps computed and releasing its KV; a group (n > 1
+children, beam search) is preempted, aborted and failed as a whole: its children leave holding
+nothing and its parent is requeued (preemption) or finished with them. Requests finished
+outside `Scheduler.update` (a failed compile, a failure while planning) are collected in
+`finished_outside_update` until the engine drains them for their last delta.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radixrt.scheduler.kv_manager import KVManager
+from radixrt.scheduler.queues import RequestQueues, is_queued
+from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger("radixrt.scheduler.scheduler")
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        kv: KVManager,
+        queues: RequestQueues,
+        stats: SchedulerStats,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.queues = queues
+        self.stats = stats
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.finished_outside_update: list[Request] = []
+
+    def stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        """Why `req` stops after its newest output token `token` (already appended), if it
+        does: an EOS or stop token id, max_tokens, the context length."""
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output >= req.max_tokens or len(req.seq_token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def drain_finished(self) -> list[Request]:
+        """Requests finished outside `update` since the last call (they need a last delta)."""
+        out, self.finished_outside_update = self.finished_outside_update, []
+        return out
+
+    # ---- finishing ----
+    def abort(self, rid: str, reason: FinishReason) -> Request | None:
+        """Stop request `rid` now (a group parent: the whole group) and free its KV; computed
+        tokens stay in the prefix cache. Returns the finished request, or None if `rid` is
+        unknown or already finished."""
+        req = self.queues.requests.get(rid)
+        if req is None:
+            return None
+        g = req.group
+        if g is not None and req is g.parent:
+            # the whole group: every child (an n > 1 parent finishes with its last child)
+            for child in list(g.children):
+                self.stop(child, reason)
+            if req.status is not Status.FINISHED:
+                self.stop(req, reason)
+            return req
+        self.stop(req, reason)
+        return req
+
+    def stop(self, req: Request, reason: FinishReason) -> None:
+        """Finish `req` whatever its status (waiting, running, forked)."""
+        q = self.queues
+        if req.status is Status.WAITING:
+            if is_queued(req):
+                q.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            q.running.remove(req)
+        self.finish(req, reason)
+
+    def finish_running(self, req: Request, reason: FinishReason) -> None:
+        self.queues.running.remove(req)
+        self.finish(req, reason)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Cache what executed steps computed (a step in flight may still write), release
+        the KV, record the reason; the last child of an n > 1 request finishes its parent."""
+        self.kv.cache_finished(req)
+        self.kv.release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        g = req.group
+        if g is not None and req is not g.parent:
+            g.children.remove(req)
+            if not req.reports:
+                return  # a beam
+        if req.reports:
+            self.stats.finish_reasons[reason.value] += 1
+        del self.queues.requests[req.rid]
+        if g is not None and g.beam is None and not g.children and req is not g.parent:
+            self.stop(g.parent, reason)  # the last child of an n > 1 request
+
+    # ---- failing ----
+    def fail(self, req: Request, error: Exception | str) -> list[Request]:
+        """Finish `req` with FinishReason.ERROR, releasing what it holds; a member of a
+        group (n > 1, beam search) fails its whole group. Returns the finished requests that
+        report (get a delta)."""
+        g = req.group
+        if g is None:
+            self.fail_one(req, error)
+            return [req]
+        failed = []
+        for member in [*g.children, g.parent]:  # the last n > 1 child finishes the parent
+            if member.status is not Status.FINISHED:
+                self.fail_one(member, error)
+                if member.reports:
+                    failed.append(member)
+        return failed
+
+    def fail_one(self, req: Request, error: Exception | str) -> None:
+        """Finish `req` with FinishReason.ERROR, releasing what it holds."""
+        q = self.queues
+        if isinstance(error, Exception):
+            logger.error("request %s failed", req.rid, exc_info=error)
+            error = f"internal error: {type(error).__name__}: {error}"
+        req.error = error
+        self.stats.num_failed_requests += 1
+        if req.status is Status.RUNNING:
+            q.running.remove(req)
+        elif req in q.waiting:
+            q.waiting.remove(req)
+        try:
+            self.finish(req, FinishReason.ERROR)
+        except Exception:  # its state is broken: drop it without caching anything
+            logger.exception("releasing failed request %s", req.rid)
+            req.num_kv_done = 0
+            q.requests.pop(req.rid, None)
+            if req.group is not None and req in req.group.children:
+                req.group.children.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+
+    # ---- preempting ----
+    def preempt(self, req: Request) -> None:
+        """Free the request's KV and put it at the head of the waiting queue (it will be
+        recomputed, reusing whatever the prefix cache still holds). A group member takes its
+        whole group: the children leave (holding nothing), the parent is requeued and forks
+        them again once it recomputed the shared prefix."""
+        g = req.group
+        if g is not None:
+            for child in g.children:
+                if child.status is Status.RUNNING:
+                    self._unrun(child)
+                    child.beam_top_logprobs = None
+            g.ready = False
+            req = g.parent
+        self._unrun(req)
+        self.stats.num_preemptions += 1
+        self.queues.waiting.appendleft(req)
+
+    def preempt_newest(self, exclude: list[Request]) -> None:
+        """Preempt the latest admitted running sequence not in `exclude` (with its group)."""
+        self.preempt(self.queues.newest_running(exclude))
+
+    def _unrun(self, seq: Request) -> None:
+        """Preemption of one sequence: out of `running`, its KV freed, a new epoch (results of
+        steps in flight for it are ignored), waiting again."""
+        if seq.status is Status.RUNNING:
+            self.queues.running.remove(seq)
+        self.kv.release(seq)
+        seq.epoch += 1
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
