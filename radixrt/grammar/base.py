@@ -74,9 +74,10 @@ class GrammarBackend(Protocol):
         ...
 
     def wait(self, tickets: Sequence[Any], timeout_s: float) -> None:
-        """Block up to `timeout_s` until one of these compiles finishes (at once if one has). The engine calls it when a step planned
-        nothing and grammars are pending, instead of spinning on `poll` (a spinning loop
-        also starves the compile threads of the GIL)."""
+        """Block up to `timeout_s` until one of these compiles finishes (at once if one
+        has). The engine calls it when a step planned nothing and grammars are pending,
+        instead of spinning on `poll` (a spinning loop also starves the compile threads of
+        the GIL)."""
         ...
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
