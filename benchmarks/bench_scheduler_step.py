@@ -1,0 +1,92 @@
+"""Host time of one engine step with the model stubbed out: `EngineCore.step()` (schedule,
+the scripted runner, update, deltas) at batch sizes B on pure-decode steps, overlap on. What
+it measures is the scheduler's own cost per step, which a GPU step hides only while it is
+shorter than the device's. Only radixrt's public modules are imported, so the same file
+times another checkout (`PYTHONPATH=... python benchmarks/bench_scheduler_step.py`).
+
+    python -m benchmarks.bench_scheduler_step --batch 1,32,256 --cases plain,penalties,ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import replace
+
+from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.engine.core import EngineCore
+from radixrt.sampling import SamplingParams
+from radixrt.testing import ScriptedRunner
+
+MODEL = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=32000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=1 << 20,
+)
+CASES = {
+    "plain": ({}, "none"),
+    "penalties": ({"presence_penalty": 0.5}, "none"),
+    "ngram": ({}, "ngram"),
+}
+
+
+def make_core(batch: int, case: str, block_size: int) -> EngineCore:
+    params, spec = CASES[case]
+    sched = SchedulerConfig(
+        max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8)
+    )
+    cfg = EngineConfig(model_path="-", overlap_schedule=True, scheduler=sched)
+    cfg = replace(cfg, cache=replace(cfg.cache, block_size=block_size))
+    if spec != "none":
+        cfg = replace(cfg, speculative=replace(cfg.speculative, speculative_method=spec))
+    runner = ScriptedRunner(batch, block_size, lambda rid, pos: 11 + pos % 5000)
+    blocks = batch * (2048 // block_size + 8)
+    return EngineCore(cfg, MODEL, [2], runner=runner, num_kv_blocks=blocks)
+
+
+def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: int) -> float:
+    """Median wall µs of one step once every row decodes."""
+    core = make_core(batch, case, block_size)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=steps + prompt_len, ignore_eos=True, **CASES[case][0])
+    for _ in range(batch):
+        core.add_request([rng.randrange(3, 32000) for _ in range(prompt_len)], params)
+    while any(r.num_computed < r.prompt_len for r in core.scheduler.running) or len(
+        core.scheduler.running
+    ) < batch:
+        core.step()
+    for _ in range(5):
+        core.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", default="1,32,256")
+    ap.add_argument("--cases", default="plain,penalties,ngram")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--block-size", type=int, default=16)
+    args = ap.parse_args(argv)
+    print("| case | B | µs / step |\n|---|---|---|")
+    for case in args.cases.split(","):
+        for b in map(int, args.batch.split(",")):
+            us = time_steps(b, case, args.prompt_len, args.steps, args.block_size)
+            print(f"| {case} | {b} | {us:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
