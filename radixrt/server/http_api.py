@@ -105,8 +105,13 @@ async def health(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     if front.serving:
         return json_response({"status": "ok"})
-    status = "scheduler_dead" if front.dead else "loading"
-    return json_response({"status": status, "detail": front.dead}, status=503)
+    if front.dead:
+        status, detail = "scheduler_dead", front.dead
+    elif front.liveness.stalled:
+        status, detail = "scheduler_stalled", front.stall_reason()
+    else:
+        status, detail = "loading", None
+    return json_response({"status": status, "detail": detail}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

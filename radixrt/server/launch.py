@@ -34,6 +34,7 @@ from radixrt.config import ModelConfig, resolve_config
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
+from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
@@ -58,6 +59,7 @@ class ServeConfig:
     dtype: str = "auto"
     options: dict[str, object] = field(default_factory=dict)  # other engine options
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
+    stall: StallPolicy = field(default_factory=StallPolicy)  # when the scheduler is stalled
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -117,6 +119,20 @@ def add_serve_command(
         choices=EVENT_LOOPS,
         help="the HTTP front's event loop (auto: uvloop when installed)",
     )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=StallPolicy.timeout_s,
+        help="seconds the scheduler may go without progress while it has work before /health "
+        "answers 503 and requests fail with 503 (default: %(default)g; above the longest step)",
+    )
+    p.add_argument(
+        "--stall-timeout-warmup",
+        type=float,
+        default=StallPolicy.warmup_timeout_s,
+        help="the stall timeout until the first request finishes (first steps may compile "
+        "kernels; default: %(default)g)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -125,19 +141,23 @@ def add_serve_command(
             level=args.log_level.upper(), format="%(asctime)s front %(levelname)s %(message)s"
         )
         options = engine_options(args)
-        cfg = ServeConfig(
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            served_model_name=args.served_model_name,
-            debug_endpoints=args.enable_debug_endpoints,
-            cpu_threads=args.cpu_threads,
-            event_loop=args.event_loop,
-            device=options.pop("device"),
-            dtype=options.pop("dtype"),
-            options=options,
-        )
+        try:
+            cfg = ServeConfig(
+                model=args.model,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                served_model_name=args.served_model_name,
+                debug_endpoints=args.enable_debug_endpoints,
+                cpu_threads=args.cpu_threads,
+                event_loop=args.event_loop,
+                stall=StallPolicy(args.stall_timeout, args.stall_timeout_warmup),
+                device=options.pop("device"),
+                dtype=options.pop("dtype"),
+                options=options,
+            )
+        except ValueError as e:
+            p.error(str(e))
         code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
         # skip the interpreter's finalization of torch/transformers (seconds on a busy box).
@@ -236,7 +256,7 @@ async def _serve_http(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     model_name = cfg.served_model_name or cfg.model
-    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name)
+    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
     front.start()
     app = create_app(front, model_name=model_name, api_key=cfg.api_key, debug=cfg.debug_endpoints)
     runner = web.AppRunner(

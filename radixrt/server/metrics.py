@@ -93,6 +93,15 @@ class ServerMetrics:
             "KV blocks held by requests or locked cache paths (not free, not evictable)",
         )
         self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
+        self.scheduler_stalled = g(
+            "radixrt_scheduler_stalled",
+            "1 while the scheduler has work but made no progress past the stall timeout",
+        )
+        self.scheduler_stalls = Counter(
+            "radixrt_scheduler_stalls",
+            "Times the scheduler was found stalled (work in flight, no progress past the limit)",
+            registry=r,
+        )
         self.failed_requests = g(
             "radixrt_scheduler_failed_requests",
             "Requests the scheduler failed on a host-side exception of their own, since start",
