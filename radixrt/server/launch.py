@@ -32,6 +32,13 @@ from aiohttp import web
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedSite,
+    connection_cap,
+    raise_fd_limit,
+)
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
 from radixrt.server.liveness import StallPolicy
@@ -60,6 +67,7 @@ class ServeConfig:
     options: dict[str, object] = field(default_factory=dict)  # other engine options
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
     stall: StallPolicy = field(default_factory=StallPolicy)  # when the scheduler is stalled
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # HTTP timeouts, cap
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -133,6 +141,32 @@ def add_serve_command(
         help="the stall timeout until the first request finishes (first steps may compile "
         "kernels; default: %(default)g)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ConnectionLimits.header_timeout_s,
+        help="seconds from a request's first byte to the end of its headers; slower "
+        "connections are closed (default: %(default)g)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ConnectionLimits.body_timeout_s,
+        help="seconds to receive a request body whole, else 408 (default: %(default)g)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=ConnectionLimits.keep_alive_timeout_s,
+        help="seconds an idle connection stays open between requests (default: %(default)g)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=ConnectionLimits.max_connections,
+        help="HTTP connections open at once; more are refused with 503 (default: "
+        "%(default)d, at most the open-file limit less 128)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -152,6 +186,12 @@ def add_serve_command(
                 cpu_threads=args.cpu_threads,
                 event_loop=args.event_loop,
                 stall=StallPolicy(args.stall_timeout, args.stall_timeout_warmup),
+                connections=ConnectionLimits(
+                    header_timeout_s=args.header_timeout,
+                    body_timeout_s=args.body_timeout,
+                    keep_alive_timeout_s=args.keep_alive_timeout,
+                    max_connections=args.max_connections,
+                ),
                 device=options.pop("device"),
                 dtype=options.pop("dtype"),
                 options=options,
@@ -177,6 +217,11 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
     the scheduler process; serve once it is Ready. `start_scheduler` replaces the real
     scheduler process (benchmarks.bench_front serves the real front with a fake one)."""
     try:
+        max_connections = connection_cap(cfg.connections, raise_fd_limit())
+    except ValueError as e:
+        logger.error("cannot serve: %s", e)
+        return 1
+    try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else str(e)
@@ -201,7 +246,10 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
     try:
         start = start_scheduler or _start_scheduler
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve_http(cfg, sock, ipc_dir, to_scheduler, from_scheduler, start))
+            serving = _serve_http(
+                cfg, sock, max_connections, ipc_dir, to_scheduler, from_scheduler, start
+            )
+            return runner.run(serving)
     finally:
         to_scheduler.close()
         from_scheduler.close()
@@ -246,6 +294,7 @@ def _start_scheduler(
 async def _serve_http(
     cfg: ServeConfig,
     sock: socket.socket,
+    max_connections: int,
     ipc_dir: str,
     to_scheduler: Channel[ToScheduler],
     from_scheduler: Channel[FromScheduler],
@@ -258,20 +307,31 @@ async def _serve_http(
     model_name = cfg.served_model_name or cfg.model
     front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
     front.start()
-    app = create_app(front, model_name=model_name, api_key=cfg.api_key, debug=cfg.debug_endpoints)
+    limits = cfg.connections
+    app = create_app(
+        front,
+        model_name=model_name,
+        api_key=cfg.api_key,
+        debug=cfg.debug_endpoints,
+        body_timeout_s=limits.body_timeout_s,
+    )
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        access_log=None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        auto_decompress=False,
+        **limits.handler_kwargs(),
     )
     await runner.setup()
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, limits, max_connections, front.metrics)
     proc: multiprocessing.process.BaseProcess | None = None
     code = 0
     try:
-        await web.SockSite(runner, sock).start()
-        logger.info("listening on http://%s:%d (model %s)", cfg.host, cfg.port, cfg.model)
+        await GuardedSite(runner, sock, guard).start()
+        logger.info(
+            "listening on http://%s:%d (model %s, at most %d connections)",
+            cfg.host, cfg.port, cfg.model, max_connections,
+        )  # fmt: skip
         loading = loop.run_in_executor(None, _load_tokenizer, cfg.model)
         if not await _first(stop, loading):
             return 0

@@ -138,6 +138,18 @@ class ServerMetrics:
             ["status"],
             registry=r,
         )
+        self.http_connections = g("radixrt_http_connections", "HTTP connections open")
+        self.http_connections_refused = Counter(
+            "radixrt_http_connections_refused",
+            "HTTP connections refused (503) because the connection cap was reached",
+            registry=r,
+        )
+        self.http_timeouts = Counter(
+            "radixrt_http_timeouts",
+            "HTTP requests whose head or body did not arrive in time, by phase",
+            ["phase"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "radixrt_internal_errors", "HTTP requests that failed on a server bug (500)", registry=r
         )
