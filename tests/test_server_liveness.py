@@ -31,21 +31,21 @@ def test_liveness_counts_silence_only_while_there_is_work():
     clock = Clock()
     live = Liveness(StallPolicy(timeout_s=10, warmup_timeout_s=50), clock)
     clock.now += 1000  # idle for long: healthy
-    assert live.silence_over_limit(has_work=False) is None
+    assert live.check(has_work=False) is None
     live.on_work_sent(had_work=False)  # the clock starts when work arrives
     clock.now += 49
-    assert live.silence_over_limit(has_work=True) is None  # warm-up limit: 50 s
+    assert live.check(has_work=True) is None  # warm-up limit: 50 s
     clock.now += 2
-    assert live.silence_over_limit(has_work=True) == 51 and live.stalled
-    assert live.silence_over_limit(has_work=False) == 51  # reported: stays stalled
+    assert live.check(has_work=True) == 51 and live.stalled
+    assert live.check(has_work=False) == 51  # reported: stays stalled
     assert live.on_message() == 51 and not live.stalled
     live.on_finished()  # warm: the 10 s limit from now on
     live.on_work_sent(had_work=False)
     clock.now += 10
-    assert live.silence_over_limit(has_work=True) is None
+    assert live.check(has_work=True) is None
     live.on_work_sent(had_work=True)  # more work while busy does not reset the clock
     clock.now += 0.5
-    assert live.silence_over_limit(has_work=True) == 10.5
+    assert live.check(has_work=True) == 10.5
     assert live.stalled_for_s == 10.5
 
 

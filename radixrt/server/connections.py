@@ -125,7 +125,8 @@ class ConnectionGuard:
 class GuardedHandler(RequestHandler):
     """aiohttp's handler with a request-head deadline and half-close support (see the
     module docstring). Uses the handler's `_waiter`, `_request_count`, `_messages` and
-    `_current_request` (aiohttp 3.9 to 3.14)."""
+    `_current_request` (as in aiohttp 3.14; tests/test_server_connections checks each
+    behaviour over raw sockets)."""
 
     def __init__(self, guard: ConnectionGuard, server: web.Server, **kwargs: Any) -> None:
         super().__init__(server, **kwargs)

@@ -123,7 +123,7 @@ class Front(FrontOutputs):
             await asyncio.sleep(liveness.policy.check_interval_s)
             if self.ready is None or self.dead is not None or liveness.stalled:
                 continue
-            silence = liveness.silence_over_limit(has_work=bool(self.states))
+            silence = liveness.check(has_work=bool(self.states))
             if silence is not None:
                 self._on_stall(silence)
 

@@ -8,6 +8,11 @@ daemon child). Once the scheduler's Ready arrives it serves, and removes the tem
 (both ends are connected). SIGINT/SIGTERM: stop accepting, fail in-flight requests with
 503, close HTTP, send Shutdown, join the child (terminate/kill if it lingers). The child
 exits by itself if this process dies.
+
+While serving, the front watches the scheduler's progress (`liveness`: 503 while it has
+work and is silent past --stall-timeout) and its own HTTP connections (`connections`:
+read deadlines, idle timeout, a cap below the open-file limit, which it raises to the
+hard limit at start).
 """
 
 from __future__ import annotations

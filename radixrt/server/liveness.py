@@ -49,7 +49,7 @@ class StallPolicy:
 class Liveness:
     """Progress tracking on the front's event loop (its only user: no locking). The front
     reports messages (`on_message`), work it sends (`on_work_sent`) and finished requests
-    (`on_finished`); `silence_over_limit` says whether the scheduler is stalled now."""
+    (`on_finished`); `check` says whether the scheduler is stalled now."""
 
     def __init__(self, policy: StallPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
@@ -80,7 +80,7 @@ class Liveness:
     def on_finished(self) -> None:
         self.warm = True
 
-    def silence_over_limit(self, has_work: bool) -> float | None:
+    def check(self, has_work: bool) -> float | None:
         """Seconds since the last progress when the scheduler is stalled (work in flight and
         silent past the limit, or a stall reported and not yet ended), else None. Marks a
         new stall as reported."""
