@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import socket
 import time
 
@@ -15,12 +16,30 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import serving
 
-from radixrt.server.connections import FD_RESERVE
+from radixrt.server.connections import (
+    FD_RESERVE,
+    ConnectionLimits,
+    connection_cap,
+    raise_fd_limit,
+)
 
 HEADER_S, BODY_S, IDLE_S = 1.0, 1.0, 4.0
 NOFILE = 1024
 CAP = NOFILE - FD_RESERVE
 GEN = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+
+def test_limits_and_cap():
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        ConnectionLimits(header_timeout_s=0)
+    with pytest.raises(ValueError, match="max_connections"):
+        ConnectionLimits(max_connections=0)
+    limits = ConnectionLimits(max_connections=5000)
+    assert connection_cap(limits, 1024) == 1024 - FD_RESERVE  # below the open-file limit
+    assert connection_cap(limits, 1_000_000) == 5000
+    with pytest.raises(ValueError, match="no room"):
+        connection_cap(limits, FD_RESERVE)
+    assert raise_fd_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
 @pytest.fixture(scope="module")
