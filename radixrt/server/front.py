@@ -116,8 +116,9 @@ class Front(FrontOutputs):
                 self._send(AbortRequest(rid))
 
     async def _watch_liveness(self) -> None:
-        """Every few seconds: has the scheduler, with work in flight, gone silent past
-        the stall timeout? Then stop serving until it sends again (`_on_progress`)."""
+        """Every check interval (1 s at most): has the scheduler, with work in flight,
+        gone silent past the stall timeout? Then fail what is in flight and refuse new
+        requests until it sends again (`_on_progress`)."""
         liveness = self.liveness
         while True:
             await asyncio.sleep(liveness.policy.check_interval_s)
