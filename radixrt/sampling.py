@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radixrt.json_depth import MAX_JSON_DEPTH, text_depth_exceeds, value_depth_exceeds
+
 MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
 MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
@@ -55,6 +57,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, Mapping):
+            # checked first: json.dumps and repr recurse once per level
+            _check(
+                not value_depth_exceeds(self.json_schema),
+                "json_schema",
+                "{...}",
+                f"a JSON object nested at most {MAX_JSON_DEPTH} levels deep",
+            )
             try:
                 text = json.dumps(self.json_schema, sort_keys=True, separators=(",", ":"))
             except (TypeError, ValueError):
@@ -233,6 +242,12 @@ def _check_grammar(p: SamplingParams) -> None:
             f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters",
         )
     if p.json_schema is not None:
+        _check(
+            not text_depth_exceeds(p.json_schema),
+            "json_schema",
+            p.json_schema,
+            f"a JSON object nested at most {MAX_JSON_DEPTH} levels deep",
+        )  # before json.loads, which recurses once per level
         try:
             schema = json.loads(p.json_schema)
         except ValueError as e:

@@ -33,7 +33,14 @@ class ServerProcess:
     """`radixrt serve` (CPU, float32, debug endpoints) in its own session, so teardown can
     kill the front and the scheduler child by process group."""
 
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *args: str,
+        api_key: str | None = None,
+        nofile: tuple[int, int] | None = None,
+    ) -> None:
+        """`nofile`: the (soft, hard) open-file limit the server starts with."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -53,7 +60,12 @@ class ServerProcess:
         # closed by kill_group(), which every test teardown reaches through stop()
         self.log = tempfile.NamedTemporaryFile(prefix="radixrt-serve-", suffix=".log")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=None if nofile is None else lambda: _set_nofile(nofile),
         )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -128,11 +140,22 @@ class ServerProcess:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+def _set_nofile(limits: tuple[int, int]) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
+
 @contextlib.contextmanager
-def serving(model_dir: str, *args: str, api_key: str | None = None):
+def serving(
+    model_dir: str,
+    *args: str,
+    api_key: str | None = None,
+    nofile: tuple[int, int] | None = None,
+):
     """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
     idle (nothing in flight, integrity holds) and is stopped."""
-    srv = ServerProcess(model_dir, *args, api_key=api_key)
+    srv = ServerProcess(model_dir, *args, api_key=api_key, nofile=nofile)
     try:
         srv.wait_ready()
         yield srv

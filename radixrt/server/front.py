@@ -21,6 +21,7 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.server.channel import Channel
 from radixrt.server.front_outputs import FrontOutputs
 from radixrt.server.groups import beam_params, check_group_fits
+from radixrt.server.liveness import Liveness, StallPolicy
 from radixrt.server.messages import (
     AbortRequest,
     BeamSearchRequest,
@@ -57,6 +58,7 @@ class Front(FrontOutputs):
         from_scheduler: Channel[FromScheduler],
         metrics: ServerMetrics,
         model_name: str = "default",
+        stall_policy: StallPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
         self.token_bytes: TokenBytes | None = None  # the tokenizer's byte table, if any
@@ -76,16 +78,21 @@ class Front(FrontOutputs):
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task | None = None
+        self.liveness = Liveness(stall_policy or StallPolicy())
+        self._watchdog: asyncio.Task | None = None
         metrics.in_flight.set_function(lambda: len(self.states))
 
     # ---- lifecycle ----
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop())
+        self._watchdog = loop.create_task(self._watch_liveness())
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        tasks = [t for t in (self._reader, self._watchdog) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def stop_serving(self, reason: str) -> None:
         """Fail every in-flight request and refuse new ones (503) from now on (the
@@ -96,10 +103,49 @@ class Front(FrontOutputs):
         logger.warning("not serving any more: %s", reason)
         self.metrics.scheduler_gone()
         self.dead_event.set()
-        for group in list(self.states.values()):
+        self._fail_in_flight(self.unavailable_error(), abort=False)
+
+    def _fail_in_flight(self, error: ApiError, abort: bool) -> None:
+        """Fail every unfinished request with `error`; `abort`: also tell the scheduler to
+        drop them (it frees their KV once it runs again)."""
+        for rid, group in list(self.states.items()):
             for st in group:
                 if not st.finished:
-                    self._fail(st, self.unavailable_error())
+                    self._fail(st, error)
+            if abort:
+                self._send(AbortRequest(rid))
+
+    async def _watch_liveness(self) -> None:
+        """Every check interval (1 s at most): has the scheduler, with work in flight,
+        gone silent past the stall timeout? Then fail what is in flight and refuse new
+        requests until it sends again (`_on_progress`)."""
+        liveness = self.liveness
+        while True:
+            await asyncio.sleep(liveness.policy.check_interval_s)
+            if self.ready is None or self.dead is not None or liveness.stalled:
+                continue
+            silence = liveness.check(has_work=bool(self.states))
+            if silence is not None:
+                self._on_stall(silence)
+
+    def _on_stall(self, silence: float) -> None:
+        logger.error(
+            "the scheduler process made no progress for %.1f s with %d requests in flight "
+            "(limit %g s): failing them and refusing new requests until it does",
+            silence, len(self.states), self.liveness.limit_s,
+        )  # fmt: skip
+        self.metrics.scheduler_stalls.inc()
+        self.metrics.scheduler_stalled.set(1)
+        self.metrics.ready.set(0)
+        self._fail_in_flight(self.unavailable_error(), abort=True)
+
+    def _on_progress(self) -> None:
+        """A message from the scheduler arrived: it makes progress."""
+        ended = self.liveness.on_message()
+        if ended is not None:
+            logger.warning("the scheduler process made progress again after %.1f s", ended)
+            self.metrics.scheduler_stalled.set(0)
+            self._check_ready()
 
     def set_tokenizer(self, tokenizer: Any, token_bytes: TokenBytes | None = None) -> None:
         """Serve with `tokenizer`; `token_bytes` (`TokenBytes.build(tokenizer)`, built off
@@ -113,13 +159,28 @@ class Front(FrontOutputs):
         if self.dead is not None:
             msg = f"the server cannot generate: {self.dead}"
             return ApiError(msg, status=503, type="server_error")
+        if self.liveness.stalled:
+            return ApiError(self.stall_reason(), status=503, type="server_error")
         return ApiError(
             "the model is still loading; retry shortly", status=503, type="server_error"
         )
 
+    def stall_reason(self) -> str:
+        """Why a stalled scheduler is not serving (only while `liveness.stalled`)."""
+        return (
+            f"the scheduler process is stalled: no progress for "
+            f"{self.liveness.stalled_for_s:.0f} s while it "
+            f"had work (limit {self.liveness.limit_s:g} s); retry later"
+        )
+
     @property
     def serving(self) -> bool:
-        return self.ready is not None and self.tokenizer is not None and self.dead is None
+        return (
+            self.ready is not None
+            and self.tokenizer is not None
+            and self.dead is None
+            and not self.liveness.stalled
+        )
 
     def model_info(self) -> ModelInfo:
         """The served model's limits; raises the 503 ApiError while not serving."""
@@ -180,6 +241,7 @@ class Front(FrontOutputs):
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             logger.exception("could not encode a validated request")
             raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
+        self.liveness.on_work_sent(had_work=bool(self.states))
         self.states.update(groups)
         if client_rid is not None:
             self.by_client_rid[client_rid] = list(states)

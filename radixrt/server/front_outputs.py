@@ -2,7 +2,8 @@
 strings, deltas for the HTTP handlers, metrics), errors, Ready and the scheduler's failure.
 
 `FrontOutputs` is a mixin of `radixrt.server.front.Front` (it uses the front's `states`,
-`by_client_rid`, `metrics`, `tokenizer`, `from_scheduler`, `_send` and `stop_serving`).
+`by_client_rid`, `metrics`, `tokenizer`, `from_scheduler`, `liveness`, `_send`,
+`_on_progress` and `stop_serving`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FrontOutputs:
         try:
             while True:
                 msg = await self.from_scheduler.recv_async()
+                self._on_progress()
                 self._dispatch(msg)
         except asyncio.CancelledError:
             raise
@@ -127,6 +129,8 @@ class FrontOutputs:
         if text or new_ids or final:
             st.events.put(st, Delta(text, list(new_ids), new_lps, reason, new_top))
         if final:
+            if reason != "abort":
+                self.liveness.on_finished()
             self._finish(st, reason)
         return len(new_ids)
 

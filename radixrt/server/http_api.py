@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixrt.server.connections import ConnectionLimits, body_deadline_middleware
 from radixrt.server.front import Front
 from radixrt.server.http_util import (
     FRONT,
@@ -36,14 +37,21 @@ OPEN_PATHS = ("/health", "/metrics")  # answer without an API key
 
 
 def create_app(
-    front: Front, model_name: str, api_key: str | None = None, debug: bool = False
+    front: Front,
+    model_name: str,
+    api_key: str | None = None,
+    debug: bool = False,
+    body_timeout_s: float = ConnectionLimits.body_timeout_s,
 ) -> web.Application:
     """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
     its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
-    decodes bodies itself)."""
-    app = web.Application(
-        middlewares=[_error_middleware, _auth_middleware(api_key)], client_max_size=MAX_BODY_BYTES
-    )
+    decodes bodies itself). A request body must arrive within `body_timeout_s` (408)."""
+    middlewares = [
+        _error_middleware,
+        _auth_middleware(api_key),
+        body_deadline_middleware(body_timeout_s, front.metrics),
+    ]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app[MODEL_NAME] = model_name
     app.router.add_get("/health", health)
@@ -105,8 +113,13 @@ async def health(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     if front.serving:
         return json_response({"status": "ok"})
-    status = "scheduler_dead" if front.dead else "loading"
-    return json_response({"status": status, "detail": front.dead}, status=503)
+    if front.dead:
+        status, detail = "scheduler_dead", front.dead
+    elif front.liveness.stalled:
+        status, detail = "scheduler_stalled", front.stall_reason()
+    else:
+        status, detail = "loading", None
+    return json_response({"status": status, "detail": detail}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

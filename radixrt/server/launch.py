@@ -8,6 +8,11 @@ daemon child). Once the scheduler's Ready arrives it serves, and removes the tem
 (both ends are connected). SIGINT/SIGTERM: stop accepting, fail in-flight requests with
 503, close HTTP, send Shutdown, join the child (terminate/kill if it lingers). The child
 exits by itself if this process dies.
+
+While serving, the front watches the scheduler's progress (`liveness`: 503 while it has
+work and is silent past --stall-timeout) and its own HTTP connections (`connections`:
+read deadlines, idle timeout, a cap below the open-file limit, which it raises to the
+hard limit at start).
 """
 
 from __future__ import annotations
@@ -33,8 +38,16 @@ from aiohttp import web
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.hf_dir import check_model_dir, load_tokenizer
 from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedSite,
+    connection_cap,
+    raise_fd_limit,
+)
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
+from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
@@ -58,6 +71,8 @@ class ServeConfig:
     dtype: str = "auto"
     options: dict[str, object] = field(default_factory=dict)  # other engine options
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
+    stall: StallPolicy = field(default_factory=StallPolicy)  # when the scheduler is stalled
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # HTTP timeouts, cap
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -117,6 +132,46 @@ def add_serve_command(
         choices=EVENT_LOOPS,
         help="the HTTP front's event loop (auto: uvloop when installed)",
     )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=StallPolicy.timeout_s,
+        help="seconds the scheduler may go without progress while it has work before /health "
+        "answers 503 and requests fail with 503 (default: %(default)g; above the longest step)",
+    )
+    p.add_argument(
+        "--stall-timeout-warmup",
+        type=float,
+        default=StallPolicy.warmup_timeout_s,
+        help="the stall timeout until the first request finishes (first steps may compile "
+        "kernels; default: %(default)g)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ConnectionLimits.header_timeout_s,
+        help="seconds from a request's first byte to the end of its headers; slower "
+        "connections are closed (default: %(default)g)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ConnectionLimits.body_timeout_s,
+        help="seconds to receive a request body whole, else 408 (default: %(default)g)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=ConnectionLimits.keep_alive_timeout_s,
+        help="seconds an idle connection stays open between requests (default: %(default)g)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=ConnectionLimits.max_connections,
+        help="HTTP connections open at once; more are refused with 503 (default: "
+        "%(default)d, at most the open-file limit less 128)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -125,19 +180,29 @@ def add_serve_command(
             level=args.log_level.upper(), format="%(asctime)s front %(levelname)s %(message)s"
         )
         options = engine_options(args)
-        cfg = ServeConfig(
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            served_model_name=args.served_model_name,
-            debug_endpoints=args.enable_debug_endpoints,
-            cpu_threads=args.cpu_threads,
-            event_loop=args.event_loop,
-            device=options.pop("device"),
-            dtype=options.pop("dtype"),
-            options=options,
-        )
+        try:
+            cfg = ServeConfig(
+                model=args.model,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                served_model_name=args.served_model_name,
+                debug_endpoints=args.enable_debug_endpoints,
+                cpu_threads=args.cpu_threads,
+                event_loop=args.event_loop,
+                stall=StallPolicy(args.stall_timeout, args.stall_timeout_warmup),
+                connections=ConnectionLimits(
+                    header_timeout_s=args.header_timeout,
+                    body_timeout_s=args.body_timeout,
+                    keep_alive_timeout_s=args.keep_alive_timeout,
+                    max_connections=args.max_connections,
+                ),
+                device=options.pop("device"),
+                dtype=options.pop("dtype"),
+                options=options,
+            )
+        except ValueError as e:
+            p.error(str(e))
         code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
         # skip the interpreter's finalization of torch/transformers (seconds on a busy box).
@@ -156,6 +221,11 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
     answers 503 "loading" from then on), check the model dir, load the tokenizer, start
     the scheduler process; serve once it is Ready. `start_scheduler` replaces the real
     scheduler process (benchmarks.bench_front serves the real front with a fake one)."""
+    try:
+        max_connections = connection_cap(cfg.connections, raise_fd_limit())
+    except ValueError as e:
+        logger.error("cannot serve: %s", e)
+        return 1
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:
@@ -181,7 +251,10 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
     try:
         start = start_scheduler or _start_scheduler
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve_http(cfg, sock, ipc_dir, to_scheduler, from_scheduler, start))
+            serving = _serve_http(
+                cfg, sock, max_connections, ipc_dir, to_scheduler, from_scheduler, start
+            )
+            return runner.run(serving)
     finally:
         to_scheduler.close()
         from_scheduler.close()
@@ -226,6 +299,7 @@ def _start_scheduler(
 async def _serve_http(
     cfg: ServeConfig,
     sock: socket.socket,
+    max_connections: int,
     ipc_dir: str,
     to_scheduler: Channel[ToScheduler],
     from_scheduler: Channel[FromScheduler],
@@ -236,22 +310,33 @@ async def _serve_http(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     model_name = cfg.served_model_name or cfg.model
-    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name)
+    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
     front.start()
-    app = create_app(front, model_name=model_name, api_key=cfg.api_key, debug=cfg.debug_endpoints)
+    limits = cfg.connections
+    app = create_app(
+        front,
+        model_name=model_name,
+        api_key=cfg.api_key,
+        debug=cfg.debug_endpoints,
+        body_timeout_s=limits.body_timeout_s,
+    )
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        access_log=None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        auto_decompress=False,
+        **limits.handler_kwargs(),
     )
     await runner.setup()
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, limits, max_connections, front.metrics)
     proc: multiprocessing.process.BaseProcess | None = None
     code = 0
     try:
-        await web.SockSite(runner, sock).start()
-        logger.info("listening on http://%s:%d (model %s)", cfg.host, cfg.port, cfg.model)
+        await GuardedSite(runner, sock, guard).start()
+        logger.info(
+            "listening on http://%s:%d (model %s, at most %d connections)",
+            cfg.host, cfg.port, cfg.model, max_connections,
+        )  # fmt: skip
         loading = loop.run_in_executor(None, _load_tokenizer, cfg.model)
         if not await _first(stop, loading):
             return 0

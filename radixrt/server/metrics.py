@@ -93,6 +93,15 @@ class ServerMetrics:
             "KV blocks held by requests or locked cache paths (not free, not evictable)",
         )
         self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
+        self.scheduler_stalled = g(
+            "radixrt_scheduler_stalled",
+            "1 while the scheduler has work but made no progress past the stall timeout",
+        )
+        self.scheduler_stalls = Counter(
+            "radixrt_scheduler_stalls",
+            "Times the scheduler was found stalled (work in flight, no progress past the limit)",
+            registry=r,
+        )
         self.failed_requests = g(
             "radixrt_scheduler_failed_requests",
             "Requests the scheduler failed on a host-side exception of their own, since start",
@@ -127,6 +136,18 @@ class ServerMetrics:
             "radixrt_rejected_requests",
             "HTTP requests answered with an error before generating, by status",
             ["status"],
+            registry=r,
+        )
+        self.http_connections = g("radixrt_http_connections", "HTTP connections open")
+        self.http_connections_refused = Counter(
+            "radixrt_http_connections_refused",
+            "HTTP connections refused (503) because the connection cap was reached",
+            registry=r,
+        )
+        self.http_timeouts = Counter(
+            "radixrt_http_timeouts",
+            "HTTP requests whose head or body did not arrive in time, by phase",
+            ["phase"],
             registry=r,
         )
         self.internal_errors = Counter(

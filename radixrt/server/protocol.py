@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from radixrt.json_depth import MAX_JSON_DEPTH, too_deep_path
 from radixrt.sampling import MAX_BEAM_WIDTH, MAX_N, SEED_RANGE, SamplingParams  # noqa: F401
 
 # ---- limits (the README's "Limits" lists them) ----
@@ -140,7 +141,9 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     except msgspec.DecodeError as e:
         raise ApiError(f"invalid JSON body: {e}") from None
     except RecursionError:
-        raise ApiError("invalid JSON body: nested too deeply") from None
+        where = too_deep_path(body.decode(errors="replace"))
+        msg = f"nested too deeply (objects and arrays at most {MAX_JSON_DEPTH} levels)"
+        raise ApiError(f"invalid {where or 'JSON body'}: {msg}", param=where) from None
 
 
 def _validation_error(text: str) -> ApiError:

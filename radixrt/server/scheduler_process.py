@@ -2,7 +2,8 @@
 
 Loop: drain incoming messages (block on the socket only when there is no work), one
 engine step, then ONE `TokenBatchOut` with every changed request's new token ids,
-finish info and cached-token count. Exits on `Shutdown`, on SIGTERM, or when its
+finish info and cached-token count (an empty one at least every `HEARTBEAT_S` while steps
+run: the front's proof of progress). Exits on `Shutdown`, on SIGTERM, or when its
 parent (the front) is gone.
 """
 
@@ -14,6 +15,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.liveness import HEARTBEAT_S
 from radixrt.server.messages import (
     AbortRequest,
     BeamOut,
@@ -159,14 +162,20 @@ class SchedulerLoop:
             )
         )
         logger.info("ready: max_model_len=%d", core.max_model_len)
+        last_sent = time.monotonic()
         while self._parent_alive():
             msgs = self._receive()
             if any(isinstance(m, Shutdown) for m in msgs):
                 logger.info("shutdown requested")
                 return
             errors, finished = self._handle(msgs)
-            changed = core.step() if core.has_work else []
-            if msgs or changed:
+            stepped = core.has_work
+            changed = core.step() if stepped else []
+            now = time.monotonic()
+            # a heartbeat (an empty batch) when steps go by without output: the front
+            # takes any message as progress (radixrt.server.liveness)
+            if msgs or changed or (stepped and now - last_sent >= HEARTBEAT_S):
+                last_sent = now
                 outputs = []
                 for d in (*finished, *changed):
                     if d.finish_reason == "error":  # failed on our side: a 500
