@@ -23,7 +23,8 @@ MAX_DEFERRED_PER_STEP = 64
 
 class Admission:
     """Mixin: needs the Scheduler's cfg, cache, allocator, waiting, running, stats, slots,
-    _matches, _chunk, _reserve, _allocate, _release."""
+    _matches, _chunk, _reserve, _allocate, _release, and _fail / _finished_outside_update (a
+    request whose start raises fails alone; the others are admitted on)."""
 
     def _match(self, req: Request) -> MatchResult:
         """The request's cached prefix this step: matched once, again only if the cache
@@ -71,7 +72,13 @@ class Admission:
                 if skipped >= MAX_DEFERRED_PER_STEP:
                     break
                 continue
-            n = self._try_start(req, ops, budget)
+            num_ops = len(ops)
+            try:
+                n = self._try_start(req, ops, budget)
+            except Exception as e:  # a bug starting one request fails that request only
+                del ops[num_ops:]
+                self._finished_outside_update += self._fail(req, e)
+                continue
             if n is None:
                 break
             if req.group is not None:

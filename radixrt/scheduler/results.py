@@ -44,7 +44,10 @@ class ResultApplication:
             if g.parent.status is Status.FORKED and all(
                 b.beam_top_logprobs is not None for b in g.children
             ):
-                self._beam_step(g, changed)
+                try:
+                    self._beam_step(g, changed)
+                except Exception as e:  # e.g. its scoring: fails this search only
+                    changed += self._fail(g.parent, e)
         if self.grammar_backend is not None:
             self._jump_forward_all(changed)
         return changed
@@ -92,14 +95,18 @@ class ResultApplication:
         return [req]
 
     def _fail_one(self, req: Request, error: Exception | str) -> None:
-        """Finish `req` with FinishReason.ERROR, releasing what it holds."""
+        """Finish `req` with FinishReason.ERROR, releasing what it holds; counted in
+        `num_failed_requests` when it reports (a request, an n > 1 child, a beam search; not
+        the beams or an n > 1 parent inside a group)."""
         if isinstance(error, Exception):
             logger.error("request %s failed", req.rid, exc_info=error)
             error = f"internal error: {type(error).__name__}: {error}"
         req.error = error
-        self.stats.num_failed_requests += 1
+        if req.reports:
+            self.stats.num_failed_requests += 1
         if req.status is Status.RUNNING:
-            self.running.remove(req)
+            if req in self.running:  # a failure half-way through moving it may have left it
+                self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         try:

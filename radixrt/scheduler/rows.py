@@ -20,7 +20,8 @@ _ADMISSION_ORDER = attrgetter("admission_seq")
 
 class RowPlanning:
     """Mixin: needs the Scheduler's cfg, running, proposer, stats, max_model_len, _reserve,
-    _preempt, _newest_preemptible and the grammar mixin's _grammar_drafts / _grammar_masks."""
+    _preempt, _newest_preemptible, _fail / _finished_outside_update (a request whose drafting
+    raises fails alone) and the grammar mixin's _grammar_drafts / _grammar_masks."""
 
     def _schedulable(self, req: Request) -> bool:
         """Running and not waiting for the host result of a step in flight."""
@@ -55,7 +56,12 @@ class RowPlanning:
         for req in due:
             if req.status is not Status.RUNNING:
                 continue  # preempted for an earlier row's blocks
-            drafts = self._drafts(req, spare)
+            try:
+                drafts = self._drafts(req, spare)
+            except Exception as e:  # a bug drafting for one request fails that request only
+                self._finished_outside_update += self._fail(req, e)
+                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
+                continue
             spare -= len(drafts)
             while not self._reserve(req, 1 + len(drafts)):
                 victim = self._newest_preemptible(exclude=[r for r, _ in scheduled])
