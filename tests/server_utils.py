@@ -33,7 +33,15 @@ class ServerProcess:
     """`radixrt serve` (CPU, float32, debug endpoints) in its own session, so teardown can
     kill the front and the scheduler child by process group."""
 
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`env`: extra environment variables (a PYTHONPATH given is searched after the
+        repository's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -45,7 +53,7 @@ class ServerProcess:
         ]  # fmt: skip
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         # a private TMPDIR: the test can see what the server leaves in it (ipc dirs)
         self.tmpdir = tempfile.mkdtemp(prefix="radixrt-test-tmp-")
@@ -129,10 +137,12 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, *args: str, api_key: str | None = None):
+def serving(
+    model_dir: str, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+):
     """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
     idle (nothing in flight, integrity holds) and is stopped."""
-    srv = ServerProcess(model_dir, *args, api_key=api_key)
+    srv = ServerProcess(model_dir, *args, api_key=api_key, env=env)
     try:
         srv.wait_ready()
         yield srv
