@@ -71,7 +71,7 @@ class GrammarScheduling:
 
     def _poll_grammars(self) -> None:
         """Admit compiled grammars: give each waiting sequence its matcher; fail the requests
-        whose compile failed or timed out."""
+        whose compile failed or timed out (or whose start raised: that request alone)."""
         for req in [r for r in self.waiting if r.grammar_ticket is not None]:
             outcome = self.grammar_backend.poll(req.grammar_ticket)
             if outcome is None:
@@ -81,14 +81,21 @@ class GrammarScheduling:
                 self._reject(req, outcome.error, invalid=not outcome.internal)
                 continue
             self.stats.num_grammar_requests += 1
-            g = req.group
-            seqs = [req] if g is None else list(g.children)
-            for seq in seqs:
-                seq.grammar = self.grammar_backend.new_matcher(outcome.grammar)
-                for token in seq.output_token_ids:  # none yet, unless re-added
-                    assert seq.grammar.accept(token)
-            if g is None and self.jump_forward:
-                self._jump_forward(req)
+            try:
+                self._start_matchers(req, outcome.grammar)
+            except Exception as e:  # a bug for one request fails that request (group) only
+                self._finished_outside_update += self._fail(req, e)
+
+    def _start_matchers(self, req: Request, grammar: object) -> None:
+        """Give each sequence of a waiting request its matcher; jump-forward a lone one."""
+        g = req.group
+        seqs = [req] if g is None else list(g.children)
+        for seq in seqs:
+            seq.grammar = self.grammar_backend.new_matcher(grammar)
+            for token in seq.output_token_ids:  # none yet, unless re-added
+                assert seq.grammar.accept(token)
+        if g is None and self.jump_forward:
+            self._jump_forward(req)
 
     def _reject(self, req: Request, error: str, invalid: bool) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
@@ -115,14 +122,22 @@ class GrammarScheduling:
         if matchers and fill is not None:
             fill(matchers)
 
-    def _jump_forward_all(self, reqs: list[Request]) -> None:
-        """Jump-forward for the running constrained requests that got tokens in `update`."""
+    def _jump_forward_all(self, reqs: list[Request]) -> list[Request]:
+        """Jump-forward for the running constrained requests that got tokens in `update`.
+        One that raises fails alone (its group with it): returns those failed requests."""
         reqs = [r for r in reqs if r.grammar is not None and r.status is Status.RUNNING]
         if not reqs or not self.jump_forward:
-            return
+            return []
         self._fill_masks(reqs)
+        failed: list[Request] = []
         for req in reqs:
-            self._jump_forward(req)
+            if req.status is not Status.RUNNING:
+                continue  # its group failed with an earlier member
+            try:
+                self._jump_forward(req)
+            except Exception as e:
+                failed += self._fail(req, e)
+        return failed
 
     @staticmethod
     def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:

@@ -49,7 +49,7 @@ class ResultApplication:
                 except Exception as e:  # e.g. its scoring: fails this search only
                     changed += self._fail(g.parent, e)
         if self.grammar_backend is not None:
-            self._jump_forward_all(changed)
+            changed += self._jump_forward_all(changed)
         return changed
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
