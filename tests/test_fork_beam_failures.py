@@ -210,3 +210,35 @@ def test_a_failing_group_start_fails_the_group_only():
     assert all(done[fork_rid("p", c)][1] is FinishReason.ERROR for c in range(3))
     assert done["x"][0] == expect("x", PLAIN, 9)
     assert core.stats()["failed_requests"] == 1 + 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bad, after", [("bad", 1), ("bad", 0), (fork_rid("p", 1), 1)])
+def test_a_failing_delta_fails_that_request_only(overlap, bad, after):
+    """Making one request's delta raising (the last stage of a step) fails it (an n > 1
+    child: its siblings too) with an ERROR delta, counted, nothing held, no delta
+    bookkeeping left; the others stream on."""
+    core, _ = content_core(overlap=overlap)
+    core.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), rid="bad")
+    core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
+    core.add_request(PROMPT[:9], SamplingParams(max_tokens=6, ignore_eos=True, n=2), rid="p")
+    original, calls = core._delta, [0]
+
+    def broken(req):
+        if req.rid == bad:
+            calls[0] += 1
+            if calls[0] > after:
+                raise KeyError("injected")
+        return original(req)
+
+    core._delta = broken
+    done = drive(core)  # integrity (deltas' bookkeeping too) after every step
+    failed = {"bad"} if bad == "bad" else {fork_rid("p", 0), fork_rid("p", 1)}
+    for rid in failed:
+        assert done[rid][1] is FinishReason.ERROR, rid
+    assert "injected" in done[bad][2].error
+    assert done["x"][0] == expect("x", PLAIN, 9)
+    others = {"bad", fork_rid("p", 0), fork_rid("p", 1)} - failed
+    assert all(done[rid][1] is FinishReason.LENGTH for rid in others)
+    assert core.stats()["failed_requests"] == len(failed)
+    assert not core.scheduler.requests

@@ -85,6 +85,12 @@ class ResultApplication:
         self.cache.discard_copies(device_blocks, host_blocks)
         host.uncount(plan.block_ops)
 
+    def fail_request(self, req: Request, error: str) -> list[Request]:
+        """Fail a live request now (a member of a group: the group), e.g. when its output
+        cannot be reported; as `_fail`."""
+        assert req.status is not Status.FINISHED
+        return self._fail(req, error)
+
     def _fail(self, req: Request, error: Exception | str) -> list[Request]:
         """Finish `req` with FinishReason.ERROR, releasing what it holds; a member of a
         group (n > 1, beam search) fails its whole group (`_fail_group`). Returns the
