@@ -40,7 +40,7 @@ GREEDY_TEMPERATURE = 1e-5
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty are in [-2, 2] (OpenAI's range)
 # repetition_penalty is in [0.01, 100]: a seen token's logit is divided or multiplied by at
 # most 100 (the effect saturates long before: such a token is all but banned or forced);
-# beyond, float32 logits overflow to inf or flush to 0 (1e-300 turned every logit infinite).
+# beyond, float32 logits overflow to inf or flush to 0 (at 1e-300 every positive logit is inf).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 # length_penalty is in [-10, 10]: a beam's score is cumulative_logprob / length ** penalty in
