@@ -192,8 +192,8 @@ def _inverse_cdf(
     (seeded rows from their own generator, seeded as `_exponential_noise` seeds theirs), the
     first token whose cumulative probability (float64) exceeds u times the kept mass. With
     top-k / top-p / min-p the row is sorted by logit (numpy's argsort: 1.8 vs torch.sort's
-    3.7 ms at [32, 2048]) and the draw is made over the kept prefix of the sorted order (the three
-    filters each keep a prefix: `_filter`'s sets), with no mask scattered back. The same
+    3.7 ms at [32, 2048]) and the draw is made over the kept prefix of the sorted order (the
+    three filters each keep a prefix: `_filter`'s sets), with no mask scattered back. The same
     distribution as the GPU path's exponential race over `_filter`'s probabilities, from one
     uniform a row instead of V exponentials (torch's CPU `exponential_` took 1.56 ms at
     [32, 2048], 11.5% of the CPU soak's scheduler samples). A token outside the kept set, or
