@@ -213,15 +213,19 @@ def test_a_failing_group_start_fails_the_group_only():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("bad, after", [("bad", 1), ("bad", 0), (fork_rid("p", 1), 1)])
+@pytest.mark.parametrize(
+    "bad, after", [("bad", 1), ("bad", 0), (fork_rid("p", 1), 1), ("b", 0)], ids=str
+)
 def test_a_failing_delta_fails_that_request_only(overlap, bad, after):
     """Making one request's delta raising (the last stage of a step) fails it (an n > 1
-    child: its siblings too) with an ERROR delta, counted, nothing held, no delta
-    bookkeeping left; the others stream on."""
-    core, _ = content_core(overlap=overlap)
+    child: its siblings too; a finished beam search: its one delta) with an ERROR delta,
+    counted, nothing held, no delta bookkeeping left; the others stream on."""
+    core, runner = content_core(overlap=overlap)
+    runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)
     core.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), rid="bad")
     core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
     core.add_request(PROMPT[:9], SamplingParams(max_tokens=6, ignore_eos=True, n=2), rid="p")
+    core.add_beam_search(PROMPT[2:9], BeamSearchParams(beam_width=2, max_tokens=5), "b")
     original, calls = core._delta, [0]
 
     def broken(req):
@@ -233,12 +237,12 @@ def test_a_failing_delta_fails_that_request_only(overlap, bad, after):
 
     core._delta = broken
     done = drive(core)  # integrity (deltas' bookkeeping too) after every step
-    failed = {"bad"} if bad == "bad" else {fork_rid("p", 0), fork_rid("p", 1)}
+    failed = {fork_rid("p", 0), fork_rid("p", 1)} if bad == fork_rid("p", 1) else {bad}
     for rid in failed:
         assert done[rid][1] is FinishReason.ERROR, rid
     assert "injected" in done[bad][2].error
     assert done["x"][0] == expect("x", PLAIN, 9)
-    others = {"bad", fork_rid("p", 0), fork_rid("p", 1)} - failed
-    assert all(done[rid][1] is FinishReason.LENGTH for rid in others)
+    others = {"bad", fork_rid("p", 0), fork_rid("p", 1), "b"} - failed
+    assert all(done[rid][1] in (FinishReason.LENGTH, FinishReason.STOP) for rid in others)
     assert core.stats()["failed_requests"] == len(failed)
     assert not core.scheduler.requests
