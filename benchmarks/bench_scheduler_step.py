@@ -40,9 +40,7 @@ CASES = {
 
 def make_core(batch: int, case: str, block_size: int) -> EngineCore:
     params, spec = CASES[case]
-    sched = SchedulerConfig(
-        max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8)
-    )
+    sched = SchedulerConfig(max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8))
     cfg = EngineConfig(model_path="-", overlap_schedule=True, scheduler=sched)
     cfg = replace(cfg, cache=replace(cfg.cache, block_size=block_size))
     if spec != "none":
@@ -59,9 +57,10 @@ def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: i
     params = SamplingParams(max_tokens=steps + prompt_len, ignore_eos=True, **CASES[case][0])
     for _ in range(batch):
         core.add_request([rng.randrange(3, 32000) for _ in range(prompt_len)], params)
-    while any(r.num_computed < r.prompt_len for r in core.scheduler.running) or len(
-        core.scheduler.running
-    ) < batch:
+    while (
+        any(r.num_computed < r.prompt_len for r in core.scheduler.running)
+        or len(core.scheduler.running) < batch
+    ):
         core.step()
     for _ in range(5):
         core.step()

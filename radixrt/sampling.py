@@ -1,9 +1,26 @@
-"""SamplingParams: how one request picks its tokens and when it stops.
+"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops.
 
-Every integer is range-checked so that it fits the int64 of the msgpack messages between
-the server's processes and of the sampler's tensors (`MAX_INT`); vocabulary-dependent
-bounds (token ids, top_k <= vocab) are checked by whoever knows the vocabulary (the
-server's request validation, `EngineCore.add_request`).
+Every numeric field has a range, checked in `__post_init__` (a ValueError naming the field
+and the range); the bounds are the constants below, for the HTTP schema and the docs:
+
+    max_tokens            [0, MAX_INT] or None   top_k              [1, MAX_INT] or None
+    temperature           [0, max float]; below GREEDY_TEMPERATURE greedy
+    top_p                 (0, 1]                 min_p              [0, 1]
+    repetition_penalty    [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]
+    presence_penalty      [-PENALTY_RANGE, PENALTY_RANGE], frequency_penalty the same
+    logit_bias (a bias)   [-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE]
+    seed                  [0, SEED_RANGE)        n                  [1, MAX_N]
+    top_logprobs          [0, MAX_TOP_LOGPROBS]  logprob_start_len  [1, MAX_INT]
+    stop_token_ids        [0, MAX_INT] each
+    BeamSearchParams: beam_width [1, MAX_BEAM_WIDTH], max_tokens [1, MAX_INT],
+    length_penalty [-LENGTH_PENALTY_RANGE, LENGTH_PENALTY_RANGE]
+
+Integers fit the int64 of the msgpack messages between the server's processes and of the
+sampler's tensors; vocabulary-dependent bounds (token ids, top_k <= vocab) are checked by
+whoever knows the vocabulary (the server's request validation, `EngineCore.add_request`).
+Within these ranges the sampler (radixrt/engine/sampler.py, float32) and the beam scorer
+(radixrt/scheduler/beam.py, float64) compute every value: a temperature above float32's
+largest number samples as that largest one (the uniform limit, ranked by the logits).
 """
 
 from __future__ import annotations
@@ -19,6 +36,20 @@ MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
 SEED_RANGE = 2**63  # seeds are in [0, 2^63); derived seeds wrap modulo this
 MAX_TOP_LOGPROBS = 20  # alternatives returned per generated token at most
 LOGIT_BIAS_RANGE = 100.0  # a logit bias is in [-100, 100]
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / T would overflow
+# float32 for tiny T, and the distribution is the argmax's to float32 precision long before.
+GREEDY_TEMPERATURE = 1e-5
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty are in [-2, 2] (OpenAI's range)
+# repetition_penalty is in [0.01, 100]: a seen token's logit is divided or multiplied by at
+# most 100 (the effect saturates long before: such a token is all but banned or forced);
+# beyond, float32 logits overflow to inf or flush to 0 (at 1e-300 every positive logit is inf).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# length_penalty is in [-10, 10]: a beam's score is cumulative_logprob / length ** penalty in
+# float64 (the scheduler's Python floats), and for every length up to MAX_INT < 2**31,
+# length ** +-10 lies in [2**-310, 2**310], far inside float64's normal range, so the score is
+# finite and never divides by zero (HF's default is 1.0; common values are in [0, 2]).
+LENGTH_PENALTY_RANGE = 10.0
 MAX_N = 64  # SamplingParams.n at most
 MAX_BEAM_WIDTH = 10  # BeamSearchParams.beam_width at most (see BeamSearchParams)
 MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile is costly)
@@ -27,12 +58,13 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # new tokens to generate at most; None: all that fit
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 too): greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int | None = None  # keep the k most likely tokens; None: all
+    top_k: int | None = None  # keep the k most likely tokens (1: greedy); None: all
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, in [0, 1]
     seed: int | None = None  # per-request RNG seed in [0, 2^63): the same seed reproduces
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    # (in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY])
     presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     stop: tuple[str, ...] = ()  # stop strings (output is cut before them)
@@ -89,7 +121,7 @@ class SamplingParams:
             _num(self.temperature) and self.temperature >= 0,
             "temperature",
             self.temperature,
-            "a finite number >= 0 (0 means greedy)",
+            f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g} means greedy)",
         )
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
@@ -106,23 +138,20 @@ class SamplingParams:
             "an integer in [0, 2^63), or None",
         )
         _check(
-            _num(self.repetition_penalty) and self.repetition_penalty > 0,
+            _num(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
             self.repetition_penalty,
-            "a finite number > 0 (1 = off)",
+            f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
         )
-        _check(
-            _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-            "presence_penalty",
-            self.presence_penalty,
-            "in [-2, 2]",
-        )
-        _check(
-            _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty",
-            self.frequency_penalty,
-            "in [-2, 2]",
-        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _num(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
+                name,
+                value,
+                f"in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]",
+            )
         _check(
             _int_in(self.logprob_start_len, 1, MAX_INT),
             "logprob_start_len",
@@ -168,7 +197,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the sample is the argmax: a temperature below GREEDY_TEMPERATURE, or
+        top_k 1 (whatever the temperature)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -189,8 +220,9 @@ class BeamSearchParams:
     beam_width <= 6, without EOS in play (ignore_eos) <= 10)."""
 
     beam_width: int = 4  # beams kept per step, 1..MAX_BEAM_WIDTH; also sequences returned
-    max_tokens: int = 16  # new tokens per sequence at most (>= 1)
-    length_penalty: float = 1.0  # finished score = cumulative_logprob / length ** this
+    max_tokens: int = 16  # new tokens per sequence at most, in [1, MAX_INT]
+    # finished score = cumulative_logprob / length ** this, in [-10, 10] (LENGTH_PENALTY_RANGE)
+    length_penalty: float = 1.0
     ignore_eos: bool = False  # EOS ids are plain tokens (every beam runs max_tokens)
     skip_special_tokens: bool = True  # leave special tokens out of the text
 
@@ -201,13 +233,14 @@ class BeamSearchParams:
             self.beam_width,
             f"an integer in [1, {MAX_BEAM_WIDTH}]",
         )
+        _check(_int_in(self.max_tokens, 1, MAX_INT), "max_tokens", self.max_tokens, _ints(1))
         _check(
-            _int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "an integer >= 1",
+            _num(self.length_penalty)
+            and -LENGTH_PENALTY_RANGE <= self.length_penalty <= LENGTH_PENALTY_RANGE,
+            "length_penalty",
+            self.length_penalty,
+            f"in [-{LENGTH_PENALTY_RANGE:g}, {LENGTH_PENALTY_RANGE:g}] (1 = HF's default)",
         )
-        _check(_num(self.length_penalty), "length_penalty", self.length_penalty, "a number")
 
     def num_candidates(self, num_eos_ids: int) -> int:
         """Candidates ranked per step (HF's beams_to_keep)."""

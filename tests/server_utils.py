@@ -39,8 +39,10 @@ class ServerProcess:
         *args: str,
         api_key: str | None = None,
         nofile: tuple[int, int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`nofile`: the (soft, hard) open-file limit the server starts with."""
+        """`nofile`: the (soft, hard) open-file limit the server starts with; `env`: extra
+        environment variables (a PYTHONPATH given is searched after the repository's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -52,7 +54,7 @@ class ServerProcess:
         ]  # fmt: skip
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         # a private TMPDIR: the test can see what the server leaves in it (ipc dirs)
         self.tmpdir = tempfile.mkdtemp(prefix="radixrt-test-tmp-")
@@ -152,10 +154,11 @@ def serving(
     *args: str,
     api_key: str | None = None,
     nofile: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
 ):
     """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
     idle (nothing in flight, integrity holds) and is stopped."""
-    srv = ServerProcess(model_dir, *args, api_key=api_key, nofile=nofile)
+    srv = ServerProcess(model_dir, *args, api_key=api_key, nofile=nofile, env=env)
     try:
         srv.wait_ready()
         yield srv

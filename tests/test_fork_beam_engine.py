@@ -146,7 +146,9 @@ def test_beam_search_equals_hf(make_engine, hf_model, width, eos_in_play):
         eos = [seqs[0][2]]
         engine.scheduler.eos_token_ids = frozenset(eos)
     ended = 0
-    for lp in (1.0, 0.5):
+    # up to the top of length_penalty's range and below 0; not -10, where scores pass -1e9,
+    # the placeholder score HF's search gives unfinished hypotheses (HF returns it then)
+    for lp in (1.0, 0.5, 10.0, -1.0):
         params = BeamSearchParams(
             beam_width=width, max_tokens=max_new, length_penalty=lp, ignore_eos=not eos_in_play
         )

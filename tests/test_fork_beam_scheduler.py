@@ -3,6 +3,7 @@ runner: block references, copy-on-write, group preemption and abort, integrity e
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -319,3 +320,61 @@ def test_beam_stopped_means_ended_on_eos_and_never_with_ignore_eos():
         prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     )
     assert not any(h.stopped for h in ignoring)
+
+
+# ---- length penalties over their whole range ----
+def test_length_penalised_is_hf_within_the_range_and_total_beyond():
+    """Within |length_penalty| <= 10 and any length <= MAX_INT the score is HF's
+    cumulative / length ** penalty exactly (so ranking is too); for any finite penalty it never
+    raises and is finite, 0 or of the cumulative's sign, and ranks as the exact value does."""
+    from radixrt.sampling import LENGTH_PENALTY_RANGE, MAX_INT
+    from radixrt.scheduler.beam import length_penalised
+
+    rng = random.Random(0)
+    lengths = [1, 2, 3, 32, 1000, 2**20, MAX_INT]
+    for penalty in [-LENGTH_PENALTY_RANGE, -2.5, -1.0, 0.0, 0.6, 1.0, 2.0, LENGTH_PENALTY_RANGE]:
+        for length in lengths:
+            for cumulative in (0.0, -1e-9, -3.5, -1e4 * rng.random(), -(2**31) * 104.0):
+                got = length_penalised(cumulative, length, penalty)
+                assert got == cumulative / length**penalty, (cumulative, length, penalty)
+    for penalty in [1000.0, -1000.0, 300.0, -300.0, 1e300, -1e300, 10.5]:
+        for length in lengths:
+            scores = [length_penalised(c, length, penalty) for c in (-50.0, -5.0, -0.5, 0.0)]
+            assert all(math.isfinite(s) and s <= 0 for s in scores)
+            assert scores == sorted(scores)  # a better cumulative never scores worse
+            assert scores[-1] == 0.0
+
+
+@pytest.mark.parametrize("penalty", [1000.0, -1000.0, 300.0])
+def test_beam_state_is_total_for_the_reported_penalties(penalty):
+    """BeamState itself (below the parameter check) with the penalties that crashed the
+    scheduler (OverflowError / ZeroDivisionError): the search ends with W finite scores."""
+    state = BeamState(2, 4, 32, penalty, frozenset({EOS}))
+    outputs: list[list[int]] = [[]]
+    prompt = list(range(100, 107))
+    while True:
+        picks = state.step(outputs, [beam_tops(prompt + o)[:4] for o in outputs])
+        if not picks:
+            break
+        outputs = [outputs[c.beam] + [c.token] for c in picks]
+    assert state.done and len(state.finished) == 2
+    assert all(math.isfinite(h.score) for h in state.finished)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("penalty", [-10.0, 10.0])
+def test_beam_search_at_the_length_penalty_bounds(overlap, penalty):
+    """The bounds of length_penalty with 32 tokens (the reported case's length) run through
+    the scheduler like any other value: results equal BeamState driven directly."""
+    core, runner = content_core(overlap=overlap)
+    runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)
+    params = BeamSearchParams(beam_width=2, max_tokens=32, length_penalty=penalty)
+    prompt = list(range(100, 107))
+    core.add_beam_search(prompt, params, "b")
+    core.add_request(list(range(60, 70)), SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
+    done = drive(core)
+    got, want = done["b"][2].beams, reference_beams(prompt, params)
+    assert [h.output_token_ids for h in got] == [h.output_token_ids for h in want]
+    assert [h.score for h in got] == [h.score for h in want]
+    assert all(math.isfinite(h.score) for h in got) and len(got) == 2
+    assert done["x"][1] is FinishReason.LENGTH

@@ -277,3 +277,25 @@ def test_scheduler_grammar_path_and_front_import_no_torch_or_xgrammar():
         t.test_jump_forward_same_outputs_fewer_steps_and_prefilled_runs(True)
         """,
     )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_jump_forward_fails_that_request_only(overlap):
+    """Jump-forward raising for one request (or one n > 1 child) while a result is applied
+    fails it (its group) with ERROR, counted, nothing held; the others finish as usual."""
+    core, _, backend = make(overlap)
+    backend.ready.add(GRAMMAR)
+    original = core.scheduler.grammar._jump_forward
+
+    def broken(req):
+        if req.rid in ("c1", "c2#1"):
+            raise KeyError("injected")
+        return original(req)
+
+    core.scheduler.grammar._jump_forward = broken
+    out, done = drive(core, ADDS)
+    for rid in ("c1", "c2#0", "c2#1", "c2#2"):
+        assert done[rid][0] is FinishReason.ERROR and "injected" in done[rid][1], rid
+    check_follows(out["c0"])
+    assert done["c0"][0] is FinishReason.STOP and len(out["f0"]) == 6
+    assert core.stats()["failed_requests"] == 1 + 3

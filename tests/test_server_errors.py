@@ -52,7 +52,7 @@ BAD = {
         COMP,
         {"prompt": "a", "repetition_penalty": 0},
         "repetition_penalty",
-        ["> 0"],
+        ["[0.01, 100]"],
     ),
     "empty_stop": (COMP, {"prompt": "a", "stop": [""]}, "stop", ["stop"]),
     "n_zero": (COMP, {"prompt": "a", "n": 0}, "n", ["n=0"]),

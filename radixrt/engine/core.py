@@ -27,7 +27,7 @@ from radixrt.limits import resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
-from radixrt.scheduler.request import FinishReason, Request
+from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
 
@@ -217,7 +217,7 @@ class EngineCore:
                 changed += self._finish_step(plan, handle)
         elif not changed and self._inflight is None:
             sched.wait_for_grammars(GRAMMAR_IDLE_WAIT_S)  # nothing ran: don't spin on compiles
-        return [self._delta(req) for req in _unique(changed)]
+        return self._deltas(changed)
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
         try:
@@ -271,6 +271,50 @@ class EngineCore:
     def request(self, rid: str) -> Request | None:
         """The live request (read-only use: tests, introspection)."""
         return self.scheduler.requests.get(rid)
+
+    def _deltas(self, changed: list[Request]) -> list[RequestDelta]:
+        """The deltas of the requests that changed, one each. A request whose delta cannot be
+        made (a bug) fails alone, with its group: an ERROR delta for it and for each member
+        that reports (replacing a delta such a member already got this step)."""
+        todo = _unique(changed)
+        out: dict[int, RequestDelta] = {}  # id(request) -> its delta, in order
+        for req in todo:  # grows while iterating: members of a group that failed here
+            try:
+                out[id(req)] = self._delta(req)
+            except Exception as e:  # reporting one request failed: that request fails
+                logger.error("reporting request %s failed", req.rid, exc_info=e)
+                message = f"internal error: {type(e).__name__}: {e}"
+                for member in self._fail_for_report(req, message):
+                    if out.pop(id(member), None) is not None or all(r is not member for r in todo):
+                        todo.append(member)  # (again) for its last delta
+                out[id(req)] = self._error_delta(req, message)
+        return list(out.values())
+
+    def _fail_for_report(self, req: Request, message: str) -> list[Request]:
+        """Fail `req` (live: with its group; finished: only counted). Returns the other
+        members of its group that failed with it and report."""
+        if req.status is Status.FINISHED:
+            self.scheduler.stats.num_failed_requests += int(req.reports)
+            return []
+        return [r for r in self.scheduler.fail_request(req, message) if r is not req]
+
+    def _error_delta(self, req: Request, message: str) -> RequestDelta:
+        """The last delta of a request that failed while its delta was made (built from
+        nothing that could have failed)."""
+        self._sent.pop(req.rid, None)
+        g = req.group
+        child = g is not None and req is not g.parent
+        return RequestDelta(
+            rid=req.rid,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            prompt_tokens=req.prompt_len,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            error=message,
+            parent_rid=g.parent.rid if child else None,
+            index=req.index,
+        )
 
     def _delta(self, req: Request) -> RequestDelta:
         sent = self._sent[req.rid]

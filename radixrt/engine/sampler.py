@@ -2,10 +2,18 @@
 
 All rows are processed together; the only per-row Python work is building small
 parameter tensors (and one generator call per seeded row).
+
+Numerically sane for every value SamplingParams accepts: rows with a temperature below
+GREEDY_TEMPERATURE or top_k 1 take the argmax; a temperature above float32's largest number
+is that number; top-k / top-p rank tokens by their logits (the order of softmax(logits / T),
+without the ties it gets in float32 when T is huge), so the most likely token always survives;
+min-p compares logits (p >= min_p * p_max  <=>  logit - max logit >= T * log(min_p)), exact where
+the probabilities underflow or flatten.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -13,6 +21,8 @@ import numpy as np
 import torch
 
 from radixrt.sampling import SamplingParams
+
+F32_MAX = torch.finfo(torch.float32).max
 
 
 class SampleOutput(NamedTuple):
@@ -86,12 +96,11 @@ def sample(
     if all(p.greedy for p in params):
         tokens = greedy_tokens
     else:
-        temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
-        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        probs = torch.softmax(logits / _temperatures(device, params).unsqueeze(1), dim=-1)
         if device.type == "cpu":
-            tokens = _inverse_cdf(probs, greedy_tokens, params, seed_offsets, generator)
+            tokens = _inverse_cdf(probs, logits, greedy_tokens, params, seed_offsets, generator)
         else:
-            probs = _filter(probs, params)
+            probs = _filter(probs, logits, params)
             noise = _exponential_noise(probs.shape, params, seed_offsets, device, generator)
             sampled = _argmax(probs / noise)  # Gumbel-max equivalent: p / Exp(1)
             is_greedy = _on(device, [p.greedy for p in params])
@@ -118,9 +127,24 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     top-k / top-p / min-p applied, renormalised ([S, V] float32). Greedy rows get
     softmax(logits) (callers treat them separately). Penalties and logit bias are the
     caller's, applied to `logits` before (as for `sample`)."""
-    temps = _on(logits.device, [p.temperature if not p.greedy else 1.0 for p in params])
-    probs = _filter(torch.softmax(logits / temps.unsqueeze(1), dim=-1), params)
+    temps = _temperatures(logits.device, params).unsqueeze(1)
+    probs = _filter(torch.softmax(logits / temps, dim=-1), logits, params)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _temperatures(device: torch.device, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[S] float32: each row's temperature (1 for greedy rows; at most float32's largest)."""
+    return _on(device, [1.0 if p.greedy else min(p.temperature, F32_MAX) for p in params])
+
+
+def _min_p_floors(params: Sequence[SamplingParams]) -> list[float]:
+    """Per row: the lowest logit - max logit that min-p keeps, T * log(min_p) (-inf: none)."""
+    return [
+        min(p.temperature, F32_MAX) * math.log(p.min_p)
+        if p.min_p > 0 and not p.greedy
+        else -math.inf
+        for p in params
+    ]
 
 
 def _on(device: torch.device, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -128,13 +152,18 @@ def _on(device: torch.device, values: Sequence, dtype: torch.dtype | None = None
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _filter(
+    probs: torch.Tensor,  # [S, V] float32: softmax(logits / T)
+    logits: torch.Tensor,  # [S, V] float32: the logits they came from (the ranking)
+    params: Sequence[SamplingParams],
+) -> torch.Tensor:
     """Zero out tokens outside each row's top-k / top-p / min-p set (renormalising is
     unnecessary for p / Exp(1) sampling)."""
     device = probs.device
     need_sort = any(p.top_k is not None or p.top_p < 1.0 for p in params)
     if need_sort:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        order = logits.argsort(dim=-1, descending=True)
+        sorted_probs = probs.gather(1, order)
         vocab = probs.shape[1]
         top_k = _on(device, [min(p.top_k or vocab, vocab) for p in params])
         top_p = _on(device, [p.top_p for p in params])
@@ -145,14 +174,15 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p > 0 for p in params):
-        min_p = _on(device, [p.min_p for p in params])
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        probs = probs.masked_fill(probs < threshold, 0.0)
+        floors = _on(device, _min_p_floors(params)).unsqueeze(1)
+        below = logits - logits.amax(dim=-1, keepdim=True) < floors
+        probs = probs.masked_fill(below, 0.0)
     return probs
 
 
 def _inverse_cdf(
     probs: torch.Tensor,  # [S, V] float32 cpu: softmax(logits / T), not filtered yet
+    logits: torch.Tensor,  # [S, V] float32 cpu: the logits (the ranking of the filters)
     greedy_tokens: torch.Tensor,  # [S] int64: what greedy rows get
     params: Sequence[SamplingParams],
     seed_offsets: Sequence[int],
@@ -161,9 +191,9 @@ def _inverse_cdf(
     """The CPU path of `sample`: one draw per non-greedy row by inverse transform, u ~ U[0, 1)
     (seeded rows from their own generator, seeded as `_exponential_noise` seeds theirs), the
     first token whose cumulative probability (float64) exceeds u times the kept mass. With
-    top-k / top-p / min-p the row is sorted (numpy's argsort: 1.8 vs torch.sort's 3.7 ms at
-    [32, 2048]) and the draw is made over the kept prefix of the sorted order (the three
-    filters each keep a prefix: `_filter`'s sets), with no mask scattered back. The same
+    top-k / top-p / min-p the row is sorted by logit (numpy's argsort: 1.8 vs torch.sort's
+    3.7 ms at [32, 2048]) and the draw is made over the kept prefix of the sorted order (the
+    three filters each keep a prefix: `_filter`'s sets), with no mask scattered back. The same
     distribution as the GPU path's exponential race over `_filter`'s probabilities, from one
     uniform a row instead of V exponentials (torch's CPU `exponential_` took 1.56 ms at
     [32, 2048], 11.5% of the CPU soak's scheduler samples). A token outside the kept set, or
@@ -181,14 +211,15 @@ def _inverse_cdf(
             u[j] = torch.rand(1, dtype=torch.float64, generator=gen)[0]
     index = torch.tensor(rows, dtype=torch.int64)
     sub, sub_params = probs.index_select(0, index), [params[i] for i in rows]
+    sub_logits = logits.index_select(0, index)
     order = None
     if any(p.top_k is not None or p.top_p < 1.0 for p in sub_params):
-        order = torch.from_numpy(np.argsort(-sub.numpy(), axis=-1))  # descending
-        sub = sub.gather(1, order)
+        order = torch.from_numpy(np.argsort(-sub_logits.numpy(), axis=-1))  # descending
+        sub, sub_logits = sub.gather(1, order), sub_logits.gather(1, order)
     cdf = sub.double().cumsum_(dim=-1)
-    kept = _kept_prefix(sub, cdf, sub_params) if order is not None else None
+    kept = _kept_prefix(sub, sub_logits, cdf, sub_params) if order is not None else None
     if kept is None and any(p.min_p > 0 for p in sub_params):  # unsorted: mask, as _filter
-        sub = _filter(sub, sub_params)
+        sub = _filter(sub, sub_logits, sub_params)
         cdf = sub.double().cumsum_(dim=-1)
     last = cdf.shape[1] - 1 if kept is None else kept - 1  # the kept mass ends here
     last_t = torch.as_tensor(last).expand(len(rows)).unsqueeze(1)
@@ -200,19 +231,21 @@ def _inverse_cdf(
 
 
 def _kept_prefix(
-    sorted_probs: torch.Tensor, cdf: torch.Tensor, params: Sequence[SamplingParams]
+    sorted_probs: torch.Tensor,
+    sorted_logits: torch.Tensor,
+    cdf: torch.Tensor,
+    params: Sequence[SamplingParams],
 ) -> torch.Tensor:
-    """[S] int64: how many of each row's sorted tokens `_filter` keeps (top-k, top-p on the
-    mass before a token, min-p against the top token; at least the top token)."""
+    """[S] int64: how many of each row's tokens, sorted by logit, `_filter` keeps (top-k,
+    top-p on the mass before a token, min-p against the top token; at least the top one)."""
     vocab = sorted_probs.shape[1]
     top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     by_p = ((cdf - sorted_probs.double()) < top_p.unsqueeze(1)).sum(dim=-1)
     kept = torch.minimum(top_k, by_p)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        floor = sorted_probs[:, :1] * min_p.unsqueeze(1)
-        kept = torch.minimum(kept, (sorted_probs >= floor).sum(dim=-1))
+        floors = torch.tensor(_min_p_floors(params), dtype=torch.float32).unsqueeze(1)
+        kept = torch.minimum(kept, (sorted_logits - sorted_logits[:, :1] >= floors).sum(dim=-1))
     return kept.clamp_(min=1)
 
 

@@ -91,7 +91,13 @@ class Admission:
                 if skipped >= MAX_DEFERRED_PER_STEP:
                     break
                 continue
-            n = self._try_start(req, ops, budget)
+            num_ops = len(ops)
+            try:
+                n = self._try_start(req, ops, budget)
+            except Exception as e:  # a bug starting one request fails that request only
+                del ops[num_ops:]
+                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                continue
             if n is None:
                 break
             if req.group is not None:

@@ -9,7 +9,8 @@ Matches transformers' `GenerationMixin._beam_search` (5.x, `do_sample=False`,
 2. A candidate *hits a stop* when v is an EOS id or the sequence reaches max_tokens. Among the
    first W ranks, a hit is finalised with score `cumulative / length ** length_penalty`
    (length = generated tokens, EOS counted) while improvement is still possible; the W best
-   finished hypotheses are kept.
+   finished hypotheses are kept. (`length_penalised` computes the score so that it is total
+   for any finite penalty; see there.)
 3. The W best candidates that did not hit a stop become the live beams.
 4. Improvement stops being possible (for good) once W hypotheses are finished and the best live
    beam's cumulative log-prob / length ** length_penalty is no better than the worst of them.
@@ -21,6 +22,8 @@ contain every candidate of the global top K.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -72,7 +75,6 @@ class BeamState:
             key=lambda c: -c.cumulative_logprob,
         )[: self.num_candidates]
         length = self.num_generated + 1
-        norm = length**self.length_penalty
 
         def hits(c: Candidate) -> bool:
             return c.token in self.eos_token_ids or length >= self.max_tokens
@@ -82,7 +84,7 @@ class BeamState:
                 BeamHypothesis(
                     list(outputs[c.beam]) + [c.token],
                     c.cumulative_logprob,
-                    c.cumulative_logprob / norm,
+                    length_penalised(c.cumulative_logprob, length, self.length_penalty),
                     c.token in self.eos_token_ids,
                 )
                 for c in ranked[: self.width]
@@ -94,10 +96,36 @@ class BeamState:
         live = [c for c in ranked if not hits(c)][: self.width]
         self.num_generated = length
         if self.improvable and len(self.finished) == self.width and live:
-            best = live[0].cumulative_logprob / norm
+            best = length_penalised(live[0].cumulative_logprob, length, self.length_penalty)
             self.improvable = best > self.finished[-1].score
         if not live or not self.improvable:
             self.done = True
             return []
         self.scores = [c.cumulative_logprob for c in live]
         return live
+
+
+# |log(length ** penalty)| up to this: length ** penalty is computed as is (a normal float64:
+# e**-700 .. e**700 is inside float64's 2**-1022 .. 2**1024)
+_MAX_LOG_NORM = 700.0
+_LOG_MAX_FLOAT = math.log(sys.float_info.max)
+
+
+def length_penalised(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+    """HF's hypothesis score `cumulative_logprob / length ** length_penalty`, total for any
+    finite penalty. Computed as written while |log(length ** penalty)| <= _MAX_LOG_NORM, which
+    holds for every |penalty| <= LENGTH_PENALTY_RANGE and length <= MAX_INT (ranking is HF's
+    there); beyond, in log space, log|score| = log|cumulative| - penalty * log(length). A
+    magnitude past float64's largest saturates to it, one below its smallest becomes 0. Never
+    raises (no OverflowError, no ZeroDivisionError) and returns a finite number for a finite
+    `cumulative_logprob`."""
+    assert length >= 1
+    log_norm = length_penalty * math.log(length)
+    if abs(log_norm) <= _MAX_LOG_NORM:
+        score = cumulative_logprob / length**length_penalty  # may overflow to inf: clamped
+    elif cumulative_logprob == 0:
+        score = cumulative_logprob
+    else:
+        log_abs = math.log(abs(cumulative_logprob)) - log_norm
+        score = math.copysign(math.exp(min(log_abs, _LOG_MAX_FLOAT)), cumulative_logprob)
+    return max(-sys.float_info.max, min(sys.float_info.max, score))

@@ -99,13 +99,19 @@ class GrammarFeature(SchedulerFeature):
         return FinishReason.STOP if m.is_terminated() else None
 
     def after_update(self, changed: list[Request]) -> None:
-        """Jump-forward for the running constrained requests that got tokens."""
+        """Jump-forward for the running constrained requests that got tokens. One that
+        raises fails alone (its group with it): the failed requests join `changed`."""
         reqs = [r for r in changed if r.grammar is not None and r.status is Status.RUNNING]
         if not reqs or not self.jump_forward:
             return
         self._fill_masks(reqs)
         for req in reqs:
-            self._jump_forward(req)
+            if req.status is not Status.RUNNING:
+                continue  # its group failed with an earlier member
+            try:
+                self._jump_forward(req)
+            except Exception as e:
+                changed += self.lifecycle.fail(req, e)
 
     def check_integrity(self) -> None:
         for req in self.queues.requests.values():
@@ -139,7 +145,7 @@ class GrammarFeature(SchedulerFeature):
     # ---- compiles ----
     def _poll(self) -> None:
         """Admit compiled grammars: give each waiting sequence its matcher; fail the requests
-        whose compile failed or timed out."""
+        whose compile failed or timed out (or whose start raised: that request alone)."""
         for req in [r for r in self.queues.waiting if r.grammar_ticket is not None]:
             outcome = self.backend.poll(req.grammar_ticket)
             if outcome is None:
@@ -149,14 +155,21 @@ class GrammarFeature(SchedulerFeature):
                 self._reject(req, outcome.error, invalid=not outcome.internal)
                 continue
             self.stats.num_grammar_requests += 1
-            g = req.group
-            seqs = [req] if g is None else list(g.children)
-            for seq in seqs:
-                seq.grammar = self.backend.new_matcher(outcome.grammar)
-                for token in seq.output_token_ids:  # none yet, unless re-added
-                    assert seq.grammar.accept(token)
-            if g is None and self.jump_forward:
-                self._jump_forward(req)
+            try:
+                self._start_matchers(req, outcome.grammar)
+            except Exception as e:  # a bug for one request fails that request (group) only
+                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+
+    def _start_matchers(self, req: Request, grammar: Any) -> None:
+        """Give each sequence of a waiting request its matcher; jump-forward a lone one."""
+        g = req.group
+        seqs = [req] if g is None else list(g.children)
+        for seq in seqs:
+            seq.grammar = self.backend.new_matcher(grammar)
+            for token in seq.output_token_ids:  # none yet, unless re-added
+                assert seq.grammar.accept(token)
+        if g is None and self.jump_forward:
+            self._jump_forward(req)
 
     def _reject(self, req: Request, error: str, invalid: bool) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the

@@ -119,15 +119,19 @@ class Lifecycle:
         return failed
 
     def fail_one(self, req: Request, error: Exception | str) -> None:
-        """Finish `req` with FinishReason.ERROR, releasing what it holds."""
+        """Finish `req` with FinishReason.ERROR, releasing what it holds; counted in
+        `num_failed_requests` when it reports (a request, an n > 1 child, a beam search; not
+        the beams or an n > 1 parent inside a group)."""
         q = self.queues
         if isinstance(error, Exception):
             logger.error("request %s failed", req.rid, exc_info=error)
             error = f"internal error: {type(error).__name__}: {error}"
         req.error = error
-        self.stats.num_failed_requests += 1
+        if req.reports:
+            self.stats.num_failed_requests += 1
         if req.status is Status.RUNNING:
-            q.running.remove(req)
+            if req in q.running:  # a failure half-way through moving it may have left it
+                q.running.remove(req)
         elif req in q.waiting:
             q.waiting.remove(req)
         try:

@@ -94,7 +94,12 @@ class RowPlanner:
         for req in due:
             if req.status is not Status.RUNNING:
                 continue  # preempted for an earlier row's blocks
-            drafts = self.drafter(req, spare) if self.drafter is not None else []
+            try:
+                drafts = self.drafter(req, spare) if self.drafter is not None else []
+            except Exception as e:  # a bug drafting for one request fails that request only
+                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
+                continue
             spare -= len(drafts)
             while not self.kv.reserve(req, 1 + len(drafts)):
                 self.lifecycle.preempt_newest(exclude=[r for r, _ in scheduled])

@@ -254,6 +254,12 @@ class Scheduler:
         finished request, or None if `rid` is unknown or already finished."""
         return self.lifecycle.abort(rid, reason)
 
+    def fail_request(self, req: Request, error: str) -> list[Request]:
+        """Fail a live request now (a member of a group: the group), e.g. when its output
+        cannot be reported. Returns the failed requests that report."""
+        assert req.status is not Status.FINISHED
+        return self.lifecycle.fail(req, error)
+
     def drain_finished(self) -> list[Request]:
         """Requests finished outside `update` (a grammar that failed to compile, a request
         that failed while being planned) since the last call: they need a last delta."""
