@@ -142,6 +142,20 @@ class StepHandle(Protocol):
 
 
 class Runner(Protocol):
+    """What EngineCore drives: ModelRunner, TensorParallelRunner, ScriptedRunner."""
+
+    num_usable_blocks: int  # device KV blocks the scheduler's allocator manages
+    num_host_blocks: int  # host KV tier blocks (0: no host tier)
+
     def execute(self, plan: StepPlan) -> StepHandle:
         """Start the step (on a GPU: enqueue it and return at once)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise if the runner can no longer run steps (e.g. a tensor-parallel rank died).
+        Cheap: no collective, no device sync."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds (worker processes); idempotent."""
         ...

@@ -45,6 +45,17 @@ class ScriptedRunner:
     host_kv: dict[int, list[int | None]] = field(default_factory=dict)  # host block (tier)
     swaps: list[SwapIn | SwapOut] = field(default_factory=list)  # executed, in order
 
+    # the Runner protocol's sizes: the engine is given num_kv_blocks and takes the host tier's
+    # size from its config when a scripted runner drives it
+    num_usable_blocks: int = 0
+    num_host_blocks: int = 0
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def execute(self, plan: StepPlan) -> _Handle:
         self.events.append(("execute", plan.step_id))
         if self.context_fn is not None:

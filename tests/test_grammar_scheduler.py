@@ -87,6 +87,9 @@ class FakeBackend:
     def fill_masks(self, matchers):
         pass
 
+    def close(self):
+        pass
+
 
 class MaskingRunner:
     """The scripted runner, with each masked row's sample moved into its allowed set."""
@@ -94,6 +97,12 @@ class MaskingRunner:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.plans: list[StepPlan] = []
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def execute(self, plan: StepPlan):
         self.plans.append(plan)

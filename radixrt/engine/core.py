@@ -99,8 +99,10 @@ class EngineCore:
         self.runner = runner
         self.overlap = cfg.overlap_schedule
         self.allocator = BlockAllocator(num_kv_blocks)
-        # Host KV tier: the runner sized its host pool; a custom runner takes the config's.
-        num_host_blocks = getattr(runner, "num_host_blocks", cfg.cache.num_host_kv_blocks or 0)
+        # Host KV tier: our runner sized its host pool; a custom runner takes the config's.
+        num_host_blocks = (
+            runner.num_host_blocks if own_runner else cfg.cache.num_host_kv_blocks or 0
+        )
         self.cache = create_prefix_cache(
             cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size, num_host_blocks
         )
@@ -250,16 +252,13 @@ class EngineCore:
         """Raise (TensorParallelError) if the runner can no longer run steps: a
         tensor-parallel rank died or failed. Cheap (no collective); the server calls it
         while idle so that it can answer 503 before the next request."""
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            check()
+        self.runner.check_health()
 
     def shutdown(self) -> None:
         """Release the runner: stops tensor-parallel worker processes (idempotent)."""
-        for owner in (self.runner, self.grammar_backend):
-            close = getattr(owner, "close", None)
-            if close is not None:
-                close()
+        self.runner.close()
+        if self.grammar_backend is not None:
+            self.grammar_backend.close()
         if self._froze_gc:
             gc.unfreeze()  # the engine's objects can be collected again
             self._froze_gc = False

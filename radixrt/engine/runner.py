@@ -216,6 +216,12 @@ class ModelRunner(RowSampling):
             )
         return num
 
+    def check_health(self) -> None:
+        """A single-process runner stays usable (a CUDA error surfaces from `execute`)."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what the garbage collector frees."""
+
     # ---- the step ----
     @torch.inference_mode()
     def execute(self, plan: StepPlan, *, use_cuda_graph: bool = True) -> StepHandle:

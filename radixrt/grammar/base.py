@@ -80,6 +80,10 @@ class GrammarBackend(Protocol):
         the GIL)."""
         ...
 
+    def close(self) -> None:
+        """Stop the compile workers; idempotent."""
+        ...
+
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:
         """Compute these matchers' next masks together (in parallel where the backend can);
         `next_mask` / `forced_token` then return at once. Changes no result (a backend
