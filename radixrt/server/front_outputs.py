@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from radixrt.server.messages import (
     AbortRequest,
+    CacheFlushed,
     FromScheduler,
     Ready,
     SchedulerFailed,
@@ -73,6 +74,10 @@ class FrontOutputs:
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
             )  # fmt: skip
             self._check_ready()
+        elif isinstance(msg, CacheFlushed):
+            future = self.flushes.get(msg.flush_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, SchedulerFailed):
             last = msg.message.strip().splitlines()[-1]
             self.stop_serving(f"the scheduler process failed ({last})")

@@ -38,6 +38,7 @@ from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
 from radixrt.server.tokenizer import check_model_dir, load_tokenizer
+from radixrt.server.worker_routes import WorkerInfo
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger("radixrt.server")
@@ -58,6 +59,8 @@ class ServeConfig:
     dtype: str = "auto"
     options: dict[str, object] = field(default_factory=dict)  # other engine options
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
+    strict_fields: bool = False  # refuse request fields no schema declares (else: a warning)
+    incremental_streaming: bool = False  # /generate streams deltas (else SGLang's: all so far)
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -117,6 +120,17 @@ def add_serve_command(
         choices=EVENT_LOOPS,
         help="the HTTP front's event loop (auto: uvloop when installed)",
     )
+    p.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields that no schema declares (default: ignore, warn once)",
+    )
+    p.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate streams only the new text and ids per event (default: all so far, "
+        "as SGLang)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -134,6 +148,8 @@ def add_serve_command(
             debug_endpoints=args.enable_debug_endpoints,
             cpu_threads=args.cpu_threads,
             event_loop=args.event_loop,
+            strict_fields=args.strict_fields,
+            incremental_streaming=args.incremental_streaming_output,
             device=options.pop("device"),
             dtype=options.pop("dtype"),
             options=options,
@@ -238,7 +254,18 @@ async def _serve_http(
     model_name = cfg.served_model_name or cfg.model
     front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name)
     front.start()
-    app = create_app(front, model_name=model_name, api_key=cfg.api_key, debug=cfg.debug_endpoints)
+    worker = WorkerInfo.of_model_dir(
+        cfg.model, model_name, int(cfg.options.get("tensor_parallel_size", 1) or 1)
+    )
+    app = create_app(
+        front,
+        model_name=model_name,
+        api_key=cfg.api_key,
+        debug=cfg.debug_endpoints,
+        worker=worker,
+        strict_fields=cfg.strict_fields,
+        incremental_streaming=cfg.incremental_streaming,
+    )
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

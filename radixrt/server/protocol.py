@@ -71,13 +71,17 @@ class ModelInfo:
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
-        """`model` values that name this model: its id, the id's last path part, "default"."""
-        base = self.name.rstrip("/").rsplit("/", 1)[-1]
-        return tuple(dict.fromkeys((self.name, base, MODEL_ALIAS)))
+        return accepted_names(self.name)
 
     @property
     def max_prompt_chars(self) -> int:
         return MAX_CHARS_PER_TOKEN * self.max_model_len
+
+
+def accepted_names(name: str) -> tuple[str, ...]:
+    """`model` values that name the model `name`: itself, its last path part, "default"."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return tuple(dict.fromkeys((name, base, MODEL_ALIAS)))
 
 
 # ---- validated result ----
@@ -97,7 +101,10 @@ class GenerationSpec:
     length_penalty: float = 1.0  # beam search: score = cumulative / length ** this
     stream: bool = False
     include_usage: bool = False  # stream: a final chunk with usage
-    add_special_tokens: bool = True  # False for chat-template text (it has its own)
+    continuous_usage: bool = False  # stream: usage so far in every chunk
+    add_special_tokens: bool = True  # BOS etc. added to text prompts (chat: on top of the
+    # template's own)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     batched: bool = False  # the prompt was given as a list (answer with a list)
     echo: bool = False  # /v1/completions: the prompt is part of the returned text
     prompt_param: str = "prompt"  # request fields to name in errors

@@ -26,6 +26,8 @@ from radixrt.server.messages import (
     AbortRequest,
     BeamOut,
     BeamSearchRequest,
+    CacheFlushed,
+    FlushCache,
     FromScheduler,
     Ready,
     RequestError,
@@ -212,7 +214,20 @@ class SchedulerLoop:
                 delta = self.core.abort(rid, FinishReason(msg.reason))
                 if delta is not None:
                     finished.append(delta)
+            elif isinstance(msg, FlushCache):
+                self.outbox.send(self._flush(msg))
         return errors, finished
+
+    def _flush(self, msg: FlushCache) -> CacheFlushed:
+        free = self.core.allocator.num_free
+        try:
+            freed = self.core.flush_cache()
+        except AssertionError:
+            error = traceback.format_exc()
+            logger.error("integrity check failed after a cache flush:\n%s", error)
+            return CacheFlushed(msg.flush_id, self.core.allocator.num_free - free, error)
+        logger.info("prefix cache flushed: %d blocks freed", freed)
+        return CacheFlushed(msg.flush_id, freed)
 
     def _snapshot(self) -> SchedulerSnapshot:
         core = self.core
