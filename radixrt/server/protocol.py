@@ -143,14 +143,26 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
+        raise _validation_error(str(e), body) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"invalid JSON body: {e}") from None
     except RecursionError:
         raise ApiError("invalid JSON body: nested too deeply") from None
 
 
-def _validation_error(text: str) -> ApiError:
+def _value_at(body: bytes, where: str) -> str | None:
+    """repr of the value at `where` ("a.b[2].c") in the JSON `body` (short), or None."""
+    try:
+        value: Any = msgspec.json.decode(body)
+        for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", where):
+            value = value[int(index)] if index else value[key]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError, RecursionError):
+        return None
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _validation_error(text: str, body: bytes = b"") -> ApiError:
     m = re.search(r" - at `\$\.?([^`]*)`$", text)
     where = m.group(1) if m else ""  # e.g. "max_tokens", "messages[0]"
     head = text[: m.start()] if m else text
@@ -160,5 +172,7 @@ def _validation_error(text: str) -> ApiError:
             return ApiError(f"missing required field {param}", param=param)
         return ApiError(f"unknown field {param}: this API does not define it", param=param)
     if where:  # "Expected `int | null`, got `str` - at `$.max_tokens`"
-        return ApiError(f"invalid {where}: {head}", param=where)
+        value = _value_at(body, where) if head.startswith("Expected `") else None
+        shown = where if value is None else f"{where}={value}"
+        return ApiError(f"invalid {shown}: {head}", param=where)
     return ApiError(f"invalid request: {text}")
