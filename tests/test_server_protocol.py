@@ -67,9 +67,6 @@ def error(fn, **fields) -> ApiError:
         ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"suffix": "x"}, "suffix"),
-        ({"tools": []}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"functions": [{}]}, "functions"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"prompt": [1, 2048]}, "prompt"),
@@ -92,6 +89,9 @@ def test_completion_field_out_of_range_is_400_naming_it(fields, param):
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "t"}]}]}, None),
         ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+        ({"tools": []}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{}]}, "functions"),
     ],
 )
 def test_chat_field_checks(fields, param):

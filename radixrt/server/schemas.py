@@ -84,7 +84,6 @@ class SamplingFields(Body, kw_only=True):
     regex: str | None = None  # structured output (at most one of the three)
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
-    custom_logit_processor: Annotated[Any, neutral(None, why="no custom logit processors")] = None
     custom_params: Unset = None
     watermark: Unset = None
 
@@ -113,7 +112,6 @@ class OpenAIFields(SamplingFields, kw_only=True):
     guided_grammar: str | None = None
     guided_decoding_backend: Annotated[Any, neutral(None, why="one grammar backend")] = None
     guided_whitespace_pattern: Unset = None
-    structural_tag: Unset = None
     truncate_prompt_tokens: Annotated[int, ints(1)] | None = None  # keep the prompt's last k
     best_of: Annotated[int | None, neutral(None, 1, why="no best-of ranking")] = None
     use_beam_search: Annotated[bool, neutral(False, why="beam search is on /generate")] = False
@@ -136,6 +134,7 @@ class OpenAIFields(SamplingFields, kw_only=True):
     return_spec_tokens_details: Off = False
     return_token_ids: Off = False
     lora_path: NoLora = None
+    custom_logit_processor: Annotated[Any, neutral(None, why="no custom logit processors")] = None
     session_id: Unset = None
     session_params: Unset = None
     images_config: NoMultimodal = None
@@ -148,12 +147,6 @@ class OpenAIFields(SamplingFields, kw_only=True):
     bootstrap_host: NoDisagg = None
     bootstrap_port: NoDisagg = None
     bootstrap_room: NoDisagg = None
-    # not implemented: refused when set
-    tools: Annotated[Any, neutral(None, why="no tool calling")] = None
-    tool_choice: Annotated[Any, neutral(None, "none", "auto", why="no tool calling")] = None
-    functions: Annotated[Any, neutral(None, why="no tool calling")] = None
-    function_call: Annotated[Any, neutral(None, why="no tool calling")] = None
-    parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
 
 
 class CompletionRequest(OpenAIFields, kw_only=True):
@@ -177,11 +170,21 @@ class ChatMessage(Body, kw_only=True):
     tool_calls: Annotated[Any, neutral(None, [], why="no tool calling")] = None
     tool_call_id: Annotated[Any, neutral(None, why="no tool calling")] = None
     reasoning_content: str | None = None  # passed to the chat template
+    phase: str | None = None  # informational
+    tools: Annotated[Any, neutral(None, why="no tool calling")] = None
+    prefix: Annotated[bool | None, neutral(None, False, why="use continue_final_message")] = None
 
 
 class ChatCompletionRequest(OpenAIFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, ints(0)] | None = None  # wins over max_tokens
+    tools: Annotated[Any, neutral(None, why="no tool calling")] = None
+    tool_choice: Annotated[Any, neutral(None, "none", "auto", why="no tool calling")] = None
+    functions: Annotated[Any, neutral(None, why="no tool calling")] = None
+    function_call: Annotated[Any, neutral(None, why="no tool calling")] = None
+    parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
+    structural_tag: Unset = None
+    bad_words: Annotated[Any, neutral(None, [], why="no banned word lists")] = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, ints(0, MAX_TOP_LOGPROBS)] | None = None  # with logprobs
     echo: Annotated[bool, neutral(False, why="no echo of the last message")] = False

@@ -143,7 +143,9 @@ def _guided(f: OpenAIFields, kw: dict[str, Any]) -> dict[str, Any]:
         out["regex"] = "|".join(regex.escape(c) for c in f.guided_choice)
     if f.guided_grammar is not None:
         out["grammar"] = f.guided_grammar
-    given = [k for k in ("regex", "json_schema", "grammar") if k in kw] + list(out)
+    guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    given = [k for k in ("regex", "json_schema", "grammar") if k in kw]
+    given += [name for name in guided if getattr(f, name) is not None]
     if len(given) > 1:
         raise ApiError(
             "at most one structured output (response_format, guided_json, guided_regex, "
