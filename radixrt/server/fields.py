@@ -44,8 +44,11 @@ def nested_schemas(schema: type[msgspec.Struct]) -> dict[str, type[msgspec.Struc
     for f in msgspec.inspect.type_info(schema).fields:
         t = f.type
         if isinstance(t, msgspec.inspect.UnionType):
-            kinds = [k for k in t.types if isinstance(k, (msgspec.inspect.StructType,
-                                                          msgspec.inspect.ListType))]
+            kinds = [
+                k
+                for k in t.types
+                if isinstance(k, (msgspec.inspect.StructType, msgspec.inspect.ListType))
+            ]
             t = kinds[0] if kinds else t
         if isinstance(t, msgspec.inspect.ListType):
             t = t.item_type

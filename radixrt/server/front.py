@@ -221,7 +221,17 @@ class Front(FrontOutputs):
         detok = IncrementalDetokenizer.for_params(self.tokenizer, params, ids, self.token_bytes)
         beam = spec.beam_width is not None
         return RequestState(
-            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
+            rid,
+            index,
+            ids,
+            params,
+            detok,
+            events,
+            client_rid,
+            choice,
+            num_choices,
+            beam=beam,
+            grammar_param=spec.grammar_param,
         )
 
     def _prepare(

@@ -59,7 +59,8 @@ class FrontOutputs:
                 # a child's error fails that choice; the request's (a 400) every choice
                 for st in [group[err.index]] if err.parent_rid is not None else group:
                     if not st.finished:
-                        error = ApiError(err.message, err.param, status=err.status, type=kind)
+                        param = st.grammar_param if err.grammar else err.param
+                        error = ApiError(err.message, param, status=err.status, type=kind)
                         self._fail(st, error)
             self.snapshot = msg.snapshot
             self.metrics.update(msg.snapshot)

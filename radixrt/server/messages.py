@@ -110,6 +110,7 @@ class RequestError(msgspec.Struct, frozen=True):
     parent_rid: str | None = None  # a child of an n > 1 request: the rid it was sent with
     index: int = 0  # that child's choice index
     param: str | None = None  # 400: the request field at fault, when known
+    grammar: bool = False  # 400: the structured output did not compile
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True):

@@ -110,6 +110,7 @@ class GenerationSpec:
     prompt_param: str = "prompt"  # request fields to name in errors
     max_tokens_param: str = "max_tokens"
     n_param: str = "n"
+    grammar_param: str | None = None  # the field that set structured output, if any
     beam_width_param: str = "sampling_params.beam_width"
 
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:

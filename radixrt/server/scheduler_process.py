@@ -174,7 +174,16 @@ class SchedulerLoop:
                     if d.finish_reason == "error":  # failed on our side: a 500
                         message = d.error or "internal error"
                         status = 400 if d.invalid_request else 500  # a bad grammar: 400
-                        errors.append(RequestError(d.rid, message, status, d.parent_rid, d.index))
+                        errors.append(
+                            RequestError(
+                                d.rid,
+                                message,
+                                status,
+                                d.parent_rid,
+                                d.index,
+                                grammar=d.invalid_request,
+                            )
+                        )
                     else:
                         outputs.append(_token_out(d))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))

@@ -112,6 +112,24 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
     return kw
 
 
+# request fields that set structured output, in the order their errors name them
+GRAMMAR_FIELDS = (
+    "regex", "json_schema", "ebnf", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
+)  # fmt: skip
+
+
+def grammar_param(f: Any, prefix: str = "") -> str | None:
+    """The field of `f` that set its structured output (None: none did)."""
+    given = [name for name in GRAMMAR_FIELDS if getattr(f, name, None) is not None]
+    if isinstance(getattr(f, "response_format", None), dict) and f.response_format.get("type") in (
+        None,
+        "text",
+    ):
+        given.remove("response_format")
+    return prefix + given[0] if given else None
+
+
 def _stop_strings(value: str | list[str], param: str) -> tuple[str, ...]:
     stop = [value] if isinstance(value, str) else value
     if len(stop) > MAX_STOP_STRINGS:
@@ -328,6 +346,7 @@ def parse_completion(
         echo=bool(req.echo),
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        grammar_param=grammar_param(req),
     )
 
 
@@ -439,6 +458,7 @@ def parse_chat(
         continuous_usage=_continuous_usage(req),
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        grammar_param=grammar_param(req),
         prompt_param="messages",
         max_tokens_param=name,
     )
@@ -461,9 +481,7 @@ def check_rid(rid: str, param: str = "rid") -> None:
         raise ApiError(f"{param} has {len(rid)} characters; at most {MAX_RID_CHARS}", param)
 
 
-def parse_generate(
-    body: bytes, model: ModelInfo, unknown: UnknownFields = LENIENT
-) -> GenerateSpec:
+def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIENT) -> GenerateSpec:
     req: GenerateRequest = decode_checked(body, GenerateRequest, "/generate", unknown)
     check_model(req.model, model.accepted_names)
     if (req.text is None) == (req.input_ids is None):
@@ -516,6 +534,7 @@ def parse_generate(
         prompt_param="text" if req.text is not None else "input_ids",
         max_tokens_param="sampling_params.max_new_tokens",
         n_param="sampling_params.n",
+        grammar_param=grammar_param(sp, "sampling_params."),
     )
     return GenerateSpec(
         gen=gen,

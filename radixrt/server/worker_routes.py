@@ -50,9 +50,7 @@ class WorkerInfo:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process's id
 
     @classmethod
-    def of_model_dir(
-        cls, model_path: str, served_model_name: str, tp_size: int = 1
-    ) -> WorkerInfo:
+    def of_model_dir(cls, model_path: str, served_model_name: str, tp_size: int = 1) -> WorkerInfo:
         """model_type and architectures from the dir's config.json (when readable)."""
         config: dict[str, Any] = {}
         try:
