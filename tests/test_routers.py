@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 from server_utils import ServerProcess, free_port, http_call, sse_events
 
-SGLANG_ROUTER_VERSION = "0.3.2"
+# (module, pip package, pinned version, policy, --log-level value)
+ROUTERS = [
+    ("sglang_router", "sglang-router", "0.3.2", "cache_aware", "warn"),
+    ("sglang_router", "sglang-router", "0.3.2", "round_robin", "warn"),
+    ("vllm_router", "vllm-router", "0.1.17", "round_robin", "warning"),
+]
 ROUTER_READY_S = 60.0
 
 
@@ -37,23 +42,24 @@ def replicas(tiny_model_dir):
             s.stop()
 
 
-@pytest.fixture(scope="module", params=["cache_aware", "round_robin"])
+@pytest.fixture(scope="module", params=ROUTERS, ids=[f"{r[1]}-{r[3]}" for r in ROUTERS])
 def router(replicas, request):
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)")
+    module, package, pinned, policy, log_level = request.param
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{package} is not installed (pip install {package}=={pinned})")
     from importlib.metadata import version
 
-    assert version("sglang-router") == SGLANG_ROUTER_VERSION, version("sglang-router")
+    assert version(package) == pinned, version(package)
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="sglang-router-", suffix=".log")  # noqa: SIM115
     cmd = [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-        "--port", str(port), "--policy", request.param, "--log-level", "warn",
+        sys.executable, "-m", f"{module}.launch_router", "--host", "127.0.0.1",
+        "--port", str(port), "--policy", policy, "--log-level", log_level,
         "--worker-urls", *(s.url for s in replicas),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    POLICIES[url] = request.param
+    POLICIES[url] = policy
     try:
         deadline = time.monotonic() + ROUTER_READY_S
         while True:
