@@ -19,6 +19,7 @@ from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.server.channel import Channel
+from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
 from radixrt.server.groups import beam_params, check_group_fits
 from radixrt.server.messages import (
@@ -35,7 +36,6 @@ from radixrt.server.messages import (
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
 from radixrt.server.request_state import Generation, Outbox, RequestState
-from radixrt.server.validate import ChatTemplateOptions
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)

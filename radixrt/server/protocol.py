@@ -77,6 +77,15 @@ class ModelInfo:
     def max_prompt_chars(self) -> int:
         return MAX_CHARS_PER_TOKEN * self.max_model_len
 
+    def check_text_length(self, chars: int, param: str) -> None:
+        """ApiError naming `param` for a text of `chars` characters that cannot fit."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(
+                f"{param} has {chars} characters; this model's context of "
+                f"{self.max_model_len} tokens takes at most {self.max_prompt_chars}",
+                param,
+            )
+
 
 def accepted_names(name: str) -> tuple[str, ...]:
     """`model` values that name the model `name`: itself, its last path part, "default"."""

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.grammar.api import grammar_kwargs
+from radixrt.grammar.api import GUIDED_FIELDS, grammar_kwargs, grammar_param, guided_kwargs
 from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE
+from radixrt.server.chat import ChatTemplateOptions, chat_messages, template_options
 from radixrt.server.fields import LENIENT, UnknownFields, decode_checked
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
@@ -107,27 +108,17 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
     except ValueError as e:
         raise ApiError(str(e), param="response_format") from None
     if isinstance(f, OpenAIFields):
-        kw.update(_guided(f, kw))
+        try:
+            kw.update(guided_kwargs(f, kw))
+        except ValueError as e:
+            raise ApiError(str(e), param=_guided_param(f)) from None
     _checked(kw, prefix)
     return kw
 
 
-# request fields that set structured output, in the order their errors name them
-GRAMMAR_FIELDS = (
-    "regex", "json_schema", "ebnf", "response_format", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
-)  # fmt: skip
-
-
-def grammar_param(f: Any, prefix: str = "") -> str | None:
-    """The field of `f` that set its structured output (None: none did)."""
-    given = [name for name in GRAMMAR_FIELDS if getattr(f, name, None) is not None]
-    if isinstance(getattr(f, "response_format", None), dict) and f.response_format.get("type") in (
-        None,
-        "text",
-    ):
-        given.remove("response_format")
-    return prefix + given[0] if given else None
+def _guided_param(f: OpenAIFields) -> str | None:
+    given = [n for n in GUIDED_FIELDS if getattr(f, n) is not None]
+    return given[0] if given else None
 
 
 def _stop_strings(value: str | list[str], param: str) -> tuple[str, ...]:
@@ -144,33 +135,6 @@ def _stop_strings(value: str | list[str], param: str) -> tuple[str, ...]:
                 param,
             )
     return tuple(stop)
-
-
-def _guided(f: OpenAIFields, kw: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's guided_* fields as SamplingParams keywords (at most one structured output)."""
-    out: dict[str, Any] = {}
-    if f.guided_json is not None:
-        out["json_schema"] = f.guided_json
-    if f.guided_regex is not None:
-        out["regex"] = f.guided_regex
-    if f.guided_choice is not None:
-        if not f.guided_choice or not all(f.guided_choice):
-            raise ApiError("guided_choice must be a list of non-empty strings", "guided_choice")
-        import regex
-
-        out["regex"] = "|".join(regex.escape(c) for c in f.guided_choice)
-    if f.guided_grammar is not None:
-        out["grammar"] = f.guided_grammar
-    guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    given = [k for k in ("regex", "json_schema", "grammar") if k in kw]
-    given += [name for name in guided if getattr(f, name) is not None]
-    if len(given) > 1:
-        raise ApiError(
-            "at most one structured output (response_format, guided_json, guided_regex, "
-            "guided_choice, guided_grammar, regex, json_schema, ebnf) per request",
-            param="guided_json" if f.guided_json is not None else None,
-        )
-    return out
 
 
 def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[int, float], ...]:
@@ -262,17 +226,8 @@ def _prompt_list(
         raise ApiError(f"{param} has {len(prompts)} prompts; at most {MAX_PROMPTS}", param)
     for p in prompts:
         if isinstance(p, str):
-            _check_text_length(len(p), param, model)
+            model.check_text_length(len(p), param)
     return prompts, batched
-
-
-def _check_text_length(chars: int, param: str, model: ModelInfo) -> None:
-    if chars > model.max_prompt_chars:
-        raise ApiError(
-            f"{param} has {chars} characters; this model's context of {model.max_model_len} "
-            f"tokens takes at most {model.max_prompt_chars}",
-            param,
-        )
 
 
 def _check_n(n: int, num_prompts: int, param: str = "n") -> None:
@@ -348,77 +303,6 @@ def parse_completion(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         grammar_param=grammar_param(req),
     )
-
-
-@dataclass(frozen=True)
-class ChatTemplateOptions:
-    """How the chat template renders a request's messages."""
-
-    add_generation_prompt: bool = True  # open an assistant turn after the messages
-    continue_final_message: bool = False  # leave the last message open (the model goes on)
-    extra: dict[str, Any] | None = None  # more template variables (chat_template_kwargs)
-
-
-# template keywords chat_template_kwargs may not set (the renderer's own arguments)
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_tensors", "return_dict", "tokenizer_kwargs", "chat_template", "tools", "documents"}
-)  # fmt: skip
-
-
-def chat_messages(req_messages: list, model: ModelInfo) -> list[dict[str, str]]:
-    """The messages as the chat template takes them (text parts joined); ApiError for
-    parts that are not text or a conversation too long to fit."""
-    messages = []
-    chars = 0
-    for i, m in enumerate(req_messages):
-        if isinstance(m.content, list):
-            bad = [p.type for p in m.content if p.type != "text" or p.text is None]
-            if bad:
-                raise ApiError(
-                    f"messages[{i}].content has a part of type {_short(bad[0])}; only text "
-                    "parts are supported",
-                    param=f"messages[{i}].content",
-                )
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
-        chars += len(content)
-        message = {"role": m.role, "content": content}
-        if m.name is not None:
-            message["name"] = m.name
-        if m.reasoning_content is not None:
-            message["reasoning_content"] = m.reasoning_content
-        messages.append(message)
-    _check_text_length(chars, "messages", model)
-    return messages
-
-
-def template_options(
-    add_generation_prompt: bool | None,
-    continue_final_message: bool,
-    extra: dict[str, Any] | None,
-    messages: list[dict[str, str]],
-) -> ChatTemplateOptions:
-    if add_generation_prompt is None:
-        add_generation_prompt = not continue_final_message
-    if add_generation_prompt and continue_final_message:
-        raise ApiError(
-            "continue_final_message and add_generation_prompt cannot both be true",
-            param="continue_final_message",
-        )
-    if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
-        raise ApiError(
-            "continue_final_message needs an assistant message last",
-            param="continue_final_message",
-        )
-    if extra:
-        bad = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
-        if bad:
-            raise ApiError(
-                f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs"
-            )
-    return ChatTemplateOptions(add_generation_prompt, continue_final_message, extra or None)
 
 
 def parse_chat(

@@ -19,11 +19,12 @@ from typing import Any
 
 from aiohttp import web
 
+from radixrt.server.chat import chat_messages, template_options
 from radixrt.server.fields import decode_checked
 from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_response, read_body
 from radixrt.server.protocol import ApiError, GenerationSpec, accepted_names
 from radixrt.server.schemas import DetokenizeRequest, TokenizeRequest
-from radixrt.server.validate import chat_messages, check_model, template_options
+from radixrt.server.validate import check_model
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # /health_generate: one token within this long
 
