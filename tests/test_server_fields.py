@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from radixrt.server.fields import UnknownFields, field_names, neutral_fields
+from radixrt.server.fields import UnknownFields, field_docs, field_names, neutral_fields
 from radixrt.server.protocol import ApiError, ModelInfo
 from radixrt.server.schemas import (
     ChatCompletionRequest,
@@ -535,3 +535,15 @@ def test_values_we_cannot_honour_are_400_naming_the_field(call, fields, param):
         spec.params(8)  # SamplingParams' own checks (regexes compile)
     assert e.value.status == 400
     assert e.value.param == param or (param is None and "structured output" in e.value.message)
+
+
+def test_field_docs_cover_every_field_with_its_kind():
+    rows = {r.name: r for r in field_docs(GenerateRequest)}
+    assert set(field_names(GenerateRequest)) <= set(rows)
+    assert {f"sampling_params.{n}" for n in field_names(GenerateSamplingParams)} <= set(rows)
+    assert rows["return_bytes"].accepted == (False,)
+    assert rows["top_logprobs_num"].range == "[0, 20]"
+    assert rows["sampling_params.min_new_tokens"].range == "[0, inf]"
+    chat_rows = {r.name for r in field_docs(ChatCompletionRequest)}
+    assert "messages.reasoning_content" in chat_rows
+    assert "stream_options.continuous_usage_stats" in chat_rows

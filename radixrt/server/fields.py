@@ -155,3 +155,34 @@ def decode_checked(
     unknown.check(body, schema, route)
     check_neutral(req)
     return req
+
+
+class FieldDoc(typing.NamedTuple):
+    name: str  # the JSON name (nested: "stream_options.include_usage")
+    type: str  # the JSON type, as msgspec's JSON schema spells it
+    range: str | None  # a static integer range ("[0, 64]"); model-dependent ones: validate
+    default: object  # the value when absent
+    accepted: tuple[object, ...] | None  # neutral: the only values accepted; None: any
+
+
+def field_docs(schema: type[msgspec.Struct], prefix: str = "") -> list[FieldDoc]:
+    """One row per field of `schema` and of the structs it holds (docs/api.md's tables)."""
+    neutral = {f.name: f.accepted for f in neutral_fields(schema)}
+    _, defs = msgspec.json.schema_components([schema])
+    props = defs[schema.__name__].get("properties", {})
+    nested = nested_schemas(schema)
+    rows = []
+    for f in msgspec.inspect.type_info(schema).fields:
+        prop = props.get(f.encode_name, {})
+        parts = prop.get("anyOf", [prop])
+        kind = " | ".join(str(p.get("type", p.get("$ref", "any"))).split("/")[-1] for p in parts)
+        bounds = [(p["minimum"], p.get("maximum")) for p in parts if "minimum" in p]
+        lo, hi = bounds[0] if bounds else (None, None)
+        span = None if lo is None else f"[{lo}, {'inf' if hi is None else hi}]"
+        default = None if f.default is msgspec.NODEFAULT else f.default
+        if f.default_factory is not msgspec.NODEFAULT:
+            default = "{}"
+        rows.append(FieldDoc(prefix + f.encode_name, kind, span, default, neutral.get(f.name)))
+        if f.encode_name in nested and nested[f.encode_name] is not schema:
+            rows += field_docs(nested[f.encode_name], f"{prefix}{f.encode_name}.")
+    return rows
