@@ -195,7 +195,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if top:
                 tops = st.top_logprobs if d is None else d.top_logprobs
                 m["output_top_logprobs"] = [[[lp, t, text_of(t)] for t, lp in k] for k in tops]
-        if g.logprob_start_len is not None and (reason is not None or d is None):
+        if g.logprob_start_len is not None and reason is not None:  # they come at the end
             start = max(1, g.logprob_start_len)
             lead = [[None, st.prompt_ids[0], text_of(st.prompt_ids[0])]]
             m["input_token_logprobs"] = (lead if g.logprob_start_len == 0 else []) + entries(
