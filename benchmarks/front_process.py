@@ -84,8 +84,12 @@ def front_main(args: FrontArgs, control: Connection | None = None) -> None:
     from radixrt.server.launch import ServeConfig, serve
 
     # event_loop only when asked: a front from before the option still runs (A/B runs)
-    loop = {} if args.event_loop == "auto" else {"event_loop": args.event_loop}
-    cfg = ServeConfig(model=args.model, port=args.port, device="cpu", dtype="float32", **loop)
+    options = {} if args.event_loop == "auto" else {"event_loop": args.event_loop}
+    # /generate streams deltas (the clients count every id once), as fronts before the
+    # option did by default
+    if "incremental_streaming" in ServeConfig.__dataclass_fields__:
+        options["incremental_streaming"] = True
+    cfg = ServeConfig(model=args.model, port=args.port, device="cpu", dtype="float32", **options)
     code = serve(cfg, start_scheduler=functools.partial(start_fake_scheduler, args.scheduler))
     raise SystemExit(code)
 

@@ -83,8 +83,15 @@ class ByteDecoder:
 
 
 class IncrementalDetokenizer:
-    """Streamed text of one output with its stop strings. Decodes with `token_bytes`
-    (`TokenBytes.build(tokenizer)`, built once per tokenizer) when given, else by windows."""
+    """Streamed text of one output with its stop strings and stop regexes. Decodes with
+    `token_bytes` (`TokenBytes.build(tokenizer)`, built once per tokenizer) when given, else
+    by windows.
+
+    A stop regex ends the text at its first match; text that could still grow into a match
+    (a partial match of the `regex` module at its end) is held back until it is decided, so
+    a match is never split by what was already returned. `include_stop` keeps the matched
+    stop string (or regex match) in the text. Before `min_tokens` tokens, nothing is
+    searched for stops (they do not end the output yet)."""
 
     def __init__(
         self,
@@ -93,8 +100,15 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         context_ids: Sequence[int] = (),
         token_bytes: TokenBytes | None = None,
+        stop_regex: Sequence[str] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.stop = tuple(stop)
+        self.stop_regex = [_compile(r) for r in stop_regex]
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # tokens fed so far
         self.decoder: WindowDecoder | ByteDecoder = (
             WindowDecoder(tokenizer, skip_special_tokens, context_ids)
             if token_bytes is None
@@ -103,27 +117,69 @@ class IncrementalDetokenizer:
         self.pending = ""  # decoded text not returned yet (may start a stop string)
         self.stopped = False  # a stop string was found (nothing more is returned)
 
+    @classmethod
+    def for_params(
+        cls,
+        tokenizer: Any,
+        params: Any,
+        context_ids: Sequence[int] = (),
+        token_bytes: TokenBytes | None = None,
+    ) -> IncrementalDetokenizer:
+        """The detokenizer of a request with these SamplingParams (stops, special tokens)."""
+        return cls(
+            tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            context_ids,
+            token_bytes,
+            params.stop_regex,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+        )
+
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Feed newly generated ids; return the text that is now safe to emit (with
         `final`, everything left, up to a stop string)."""
         if self.stopped:
             return ""
         text = self.decoder.decode(new_ids, final)
-        if not self.stop:
+        self.num_tokens += len(new_ids)
+        if not (self.stop or self.stop_regex):
             return text
         self.pending += text
+        if self.num_tokens < self.min_tokens:  # stops do not count yet
+            text, self.pending = self.pending, ""
+            return text
         return self._release(final)
 
     def _release(self, final: bool) -> str:
         text = self.pending
-        hits = [i for s in self.stop if (i := text.find(s)) >= 0]
+        # (start, end) of each stop string's / regex's first match
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s)) >= 0]
+        hits += [m.span() for r in self.stop_regex if (m := r.search(text)) is not None]
         if hits:
+            start, end = min(hits)
             self.stopped = True
             self.pending = ""
-            return text[: min(hits)]
+            return text[: end if self.include_stop else start]
         keep = 0 if final else _held_back(text, self.stop)
+        if self.stop_regex and not final:
+            keep = max(keep, *(_regex_held_back(text, r) for r in self.stop_regex))
         self.pending = text[len(text) - keep :]
         return text[: len(text) - keep]
+
+
+def _compile(pattern: str) -> Any:
+    import regex
+
+    return regex.compile(pattern)
+
+
+def _regex_held_back(text: str, pattern: Any) -> int:
+    """Length of the suffix of `text` from the start of a partial match of `pattern` (text
+    that further output could turn into a match)."""
+    m = pattern.search(text, partial=True)
+    return len(text) - m.start() if m is not None else 0
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -69,6 +69,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     stop: tuple[str, ...] = ()  # stop strings (output is cut before them)
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
+    # regular expressions (Python `regex` syntax) whose first match in the output ends it
+    stop_regex: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # keep the stop string / regex match in the text
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings ignored, before this
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     prompt_logprobs: bool = False  # return log p(prompt token i | tokens < i) ...
@@ -108,6 +112,10 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop_regex, str):
+            object.__setattr__(self, "stop_regex", (self.stop_regex,))
+        else:
+            object.__setattr__(self, "stop_regex", tuple(self.stop_regex))
         bias = self.logit_bias
         pairs = sorted(bias.items()) if isinstance(bias, Mapping) else bias
         object.__setattr__(self, "logit_bias", tuple(_pair(p) for p in pairs))
@@ -161,6 +169,13 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
+        _check(
+            all(isinstance(r, str) and _compiles(r) for r in self.stop_regex),
+            "stop_regex",
+            self.stop_regex,
+            "regular expressions that compile and match no empty string",
+        )
+        _check(_int_in(self.min_tokens, 0, MAX_INT), "min_tokens", self.min_tokens, _ints(0))
         _check(
             all(_int_in(t, 0, MAX_INT) for t in self.stop_token_ids),
             "stop_token_ids",
@@ -286,6 +301,19 @@ def _check_grammar(p: SamplingParams) -> None:
         except ValueError as e:
             _check(False, "json_schema", p.json_schema, f"a JSON object (not JSON: {e})")
         _check(isinstance(schema, (dict, bool)), "json_schema", p.json_schema, "a JSON object")
+
+
+def _compiles(pattern: str) -> bool:
+    """`pattern` is a non-empty regular expression (`regex` module) that compiles and does
+    not match the empty string (which would end every output at once)."""
+    import regex
+
+    if not pattern or len(pattern) > MAX_GRAMMAR_CHARS:
+        return False
+    try:
+        return regex.fullmatch(pattern, "") is None
+    except (regex.error, RecursionError, OverflowError):
+        return False
 
 
 def _int(x: object) -> bool:

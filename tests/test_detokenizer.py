@@ -84,3 +84,41 @@ def test_cost_per_step_does_not_grow_with_the_output():
     first, last = sorted(times[:500])[250], sorted(times[-500:])[250]  # medians
     assert last < 20 * first + 1e-3, (first, last)  # loose: shared CI machines
     assert len(detok.decoder.ids) <= 8  # only the decode window is kept
+
+
+def regex_stream(text: str, patterns: tuple[str, ...], include: bool, rng: random.Random):
+    ids = list(text.encode())
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop_regex=patterns, include_stop=include)
+    out, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, 5)
+        out.append(detok.add(ids[i : i + k], final=i + k >= len(ids)))
+        i += k
+    return "".join(out), detok.stopped
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_stop_regex_stream_equals_whole_text_cut_at_first_match(seed):
+    """Streamed in random chunks, the text is the whole text cut at the first match (or
+    after it with include_stop): held-back partial matches are never split."""
+    import re
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab1 2\n") for _ in range(rng.randint(0, 60)))
+    patterns = tuple(rng.sample([r"a\d+b", r"b{2,}", r"\n\n", r"1 2", r"a[ 12]*\n"], 2))
+    include = rng.random() < 0.5
+    matches = [m for p in patterns if (m := re.search(p, text))]
+    if matches:
+        first = min(matches, key=lambda m: m.span())
+        want = (text[: first.end() if include else first.start()], True)
+    else:
+        want = (text, False)
+    assert regex_stream(text, patterns, include, rng) == want
+
+
+def test_stop_strings_kept_with_include_stop_and_ignored_before_min_tokens():
+    detok = IncrementalDetokenizer(ByteTokenizer(), ("END",), include_stop=True)
+    assert detok.add(list(b"abc EN")) + detok.add(list(b"D more")) == "abc END"
+    detok = IncrementalDetokenizer(ByteTokenizer(), ("X",), min_tokens=4)
+    assert detok.add(list(b"aX")) == "aX"  # 2 tokens: too early to stop
+    assert detok.add(list(b"bX")) == "b" and detok.stopped  # 4 tokens now

@@ -100,9 +100,9 @@ BAD = {
     ),
     "generate_logprob_start": (
         GEN,
-        {"text": "a", "logprob_start_len": -1},
+        {"text": "a", "logprob_start_len": -2},
         "logprob_start_len",
-        ["[0, "],
+        [">= -1"],
     ),
     "generate_empty_text": (GEN, {"text": ""}, "text", ["empty"]),
     # passes the front's checks; the scheduler refuses it (KV pool of 16 blocks)
@@ -159,7 +159,7 @@ def test_good_request_unaffected_by_bad_ones(server):
         assert server.post(path, bad, timeout=10)[0] == 400
     t.join(30)
     assert events and events[-1]["meta_info"]["finish_reason"] == {"type": "length"}
-    assert sum(len(e["output_ids"]) for e in events) == 24
+    assert len(events[-1]["output_ids"]) == 24
     assert server.get("/health")[0] == 200
     status, out = server.post(COMP, {"prompt": "still fine", "max_tokens": 2})
     assert status == 200 and out["usage"]["completion_tokens"] <= 2

@@ -22,6 +22,14 @@ from typing import Any
 import pytest
 from server_utils import ServerProcess, http_call
 
+from radixrt.server.fields import field_names
+from radixrt.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateSamplingParams,
+)
+
 SEED = 20261201
 NUM_BODIES = 1200
 CONCURRENCY = 8
@@ -38,24 +46,13 @@ STRINGS = [
     "", " ", "a", "hi there", "é😀\u2028", "\x00", "x" * 300, "<|user|>", "\\", '"', "0",
     "-1", "null", "true", "y" * 20_000,
 ]  # fmt: skip
+# every field each route's schema declares (radixrt.server.schemas)
 FIELDS = {
-    COMP: [
-        "prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-        "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logit_bias", "ignore_eos", "skip_special_tokens", "model", "stream", "stream_options",
-        "logprobs", "echo", "best_of", "suffix", "user", "tools", "response_format",
-    ],
-    CHAT: [
-        "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
-        "top_k", "seed", "stop", "stop_token_ids", "logit_bias", "model", "stream",
-        "logprobs", "top_logprobs", "tools", "tool_choice", "functions", "user",
-    ],
-    GEN: [
-        "text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-        "return_prompt_logprob", "logprob_start_len", "top_logprobs_num",
-    ],
-}  # fmt: skip
-SAMPLING = ["max_new_tokens", "temperature", "top_k", "seed", "stop", "stop_token_ids", "min_p"]
+    COMP: list(field_names(CompletionRequest)),
+    CHAT: list(field_names(ChatCompletionRequest)),
+    GEN: list(field_names(GenerateRequest)),
+}
+SAMPLING = list(field_names(GenerateSamplingParams))
 
 
 def deep(depth: int) -> Any:

@@ -54,11 +54,18 @@ def test_stream_matches_non_stream(server):
     events = list(sse_events(server.url + "/generate", {**body, "stream": True}))
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length"}
-    assert "".join(e["text"] for e in events) == full["text"]
-    assert sum((e["output_ids"] for e in events), []) == full["output_ids"]
-    lps = sum((e["meta_info"]["output_token_logprobs"] for e in events), [])
-    assert lps == pytest.approx(full["meta_info"]["output_token_logprobs"], abs=1e-5)
-    assert len(lps) == 8 and all(lp <= 0 for lp in lps)
+    # SGLang's streaming: each event carries the text, ids and log-probs so far
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    last = events[-1]
+    assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
+    entries = last["meta_info"]["output_token_logprobs"]
+    expected = full["meta_info"]["output_token_logprobs"]
+    assert [e[1:] for e in entries] == [e[1:] for e in expected]
+    assert [e[0] for e in entries] == pytest.approx([e[0] for e in expected], abs=1e-5)
+    assert len(entries) == 8 and all(lp <= 0 and text is None for lp, _, text in entries)
+    assert [e[1] for e in entries] == full["output_ids"]
     batch = list(
         sse_events(server.url + "/generate", {"text": ["a b", "c d"], "sampling_params": GREEDY,
                                               "stream": True})
@@ -82,14 +89,22 @@ def test_prompt_logprobs_match_engine(server, tiny_model_dir):
         "logprob_start_len": 3,
     }
     out = generate(server, body)
-    lps = out["meta_info"]["input_token_logprobs"]
+    entries = out["meta_info"]["input_token_logprobs"]  # [logprob, token id, None]
+    lps = [e[0] for e in entries]
     assert len(lps) == exp.prompt_tokens - 3 > 0
     assert lps == pytest.approx(exp.prompt_logprobs, abs=1e-4)
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length"}
     from_zero = generate(server, {**body, "logprob_start_len": 0})
     first, *rest = from_zero["meta_info"]["input_token_logprobs"]
-    assert first is None and len(rest) == exp.prompt_tokens - 1
-    assert rest[2:] == pytest.approx(lps, abs=1e-4)
+    assert first[0] is None and len(rest) == exp.prompt_tokens - 1
+    assert [e[0] for e in rest[2:]] == pytest.approx(lps, abs=1e-4)
+    assert [first[1]] + [e[1] for e in rest] == engine_ids(tiny_model_dir, prompt)
+
+
+def engine_ids(model_dir, text):
+    from radixrt.hf_dir import load_tokenizer
+
+    return load_tokenizer(model_dir).encode(text)
 
 
 def test_abort_by_rid(server):
@@ -109,7 +124,7 @@ def test_abort_by_rid(server):
     t.join(15)
     assert not t.is_alive()
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort"}
-    assert len(sum((e["output_ids"] for e in events), [])) < 2000
+    assert len(events[-1]["output_ids"]) < 2000
     server.wait_idle(timeout=5)
 
 
@@ -141,7 +156,7 @@ def test_client_disconnect_frees_kv(server, stream):
     assert len(results) == 3
     for events in results:
         assert events[-1]["meta_info"]["finish_reason"] == {"type": "length"}
-        assert sum(len(e["output_ids"]) for e in events) == 8
+        assert len(events[-1]["output_ids"]) == 8
     st = server.wait_idle(timeout=5)
     # the vanished request was cut short: far fewer than its 2000 tokens were generated
     assert st["scheduler"]["generated_tokens"] - before < 3 * 8 + 1000

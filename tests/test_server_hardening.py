@@ -199,16 +199,15 @@ def test_model_names(server, tiny_model_dir):
     [
         (COMP, "best_of", 2),
         (COMP, "suffix", "tail"),
-        (COMP, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT, "tool_choice", "auto"),
+        (CHAT, "tool_choice", "required"),
         (CHAT, "functions", [{"name": "f"}]),
         (CHAT, "response_format", {"type": "yaml"}),
         (CHAT, "top_logprobs", 21),
         (COMP, "logprobs", 6),
         (COMP, "logit_bias", {"5": 150}),
         (COMP, "logit_bias", {"99999": 1}),
-        (COMP, "frobnicate", True),
+        (COMP, "return_hidden_states", True),
     ],
 )
 def test_unsupported_or_bad_openai_fields_are_400(server, path, field, value):
@@ -243,7 +242,7 @@ def test_echo_and_logprob_shapes(server):
     # the echoed prompt log-probs are the engine's prompt log-probs
     ref = {"text": prompt, "sampling_params": {"max_new_tokens": 0}, "return_prompt_logprob": True}
     status, native = server.post(GEN, ref)
-    exp = native["meta_info"]["input_token_logprobs"]
+    exp = [e[0] for e in native["meta_info"]["input_token_logprobs"]]
     assert lp["token_logprobs"][1 : usage["prompt_tokens"]] == pytest.approx(exp, abs=1e-4)
     # completions logprobs=0: sampled log-probs, no alternatives
     status, out = server.post(COMP, {"prompt": prompt, "max_tokens": 2, "logprobs": 0})

@@ -24,7 +24,7 @@ def comp(**fields):
 
 def chat(**fields):
     body = {"messages": [{"role": "user", "content": "hi"}], **fields}
-    return parse_chat(json.dumps(body).encode(), MODEL, lambda m: m[0]["content"])
+    return parse_chat(json.dumps(body).encode(), MODEL, lambda m, o: m[0]["content"])
 
 
 def gen(**fields):
@@ -67,17 +67,13 @@ def error(fn, **fields) -> ApiError:
         ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"suffix": "x"}, "suffix"),
-        ({"tools": []}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"functions": [{}]}, "functions"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
-        ({"unknown_field": 1}, "unknown_field"),
         ({"prompt": [1, 2048]}, "prompt"),
         ({"prompt": [[1], [BIG]]}, "prompt"),
         ({"prompt": "x" * (64 * 2048 + 1)}, "prompt"),
         ({"prompt": ["a"] * 3, "n": 100}, "n"),
-        ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ],
 )
 def test_completion_field_out_of_range_is_400_naming_it(fields, param):
@@ -91,8 +87,11 @@ def test_completion_field_out_of_range_is_400_naming_it(fields, param):
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, None),
-        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "t"}]}]}, None),
+        ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+        ({"tools": []}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{}]}, "functions"),
     ],
 )
 def test_chat_field_checks(fields, param):
@@ -106,13 +105,13 @@ def test_chat_field_checks(fields, param):
     [
         ({"rid": "r" * 257}, "rid"),
         ({"logprob_start_len": 2**63}, "logprob_start_len"),
-        ({"logprob_start_len": -1}, "logprob_start_len"),
+        ({"logprob_start_len": -2}, "logprob_start_len"),
         ({"top_logprobs_num": 21}, "top_logprobs_num"),
         ({"sampling_params": {"seed": 2**63}}, "sampling_params.seed"),
         ({"sampling_params": {"top_k": 2**63}}, "sampling_params.top_k"),
         ({"sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
         ({"sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
-        ({"sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ({"sampling_params": {"min_new_tokens": -1}}, "sampling_params.min_new_tokens"),
         ({"text": None, "input_ids": [[1], [2, BIG]]}, "input_ids"),
     ],
 )

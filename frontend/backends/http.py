@@ -76,18 +76,17 @@ class RuntimeEndpoint(Backend):
         if on_delta is None:
             return _result(self._request("POST", "/generate", body))
         body["stream"] = True
-        text: list[str] = []
-        ids: list[int] = []
-        meta: dict[str, Any] = {}
-        for event in self._stream("/generate", body):
-            if event.get("text"):
-                text.append(event["text"])
-                on_delta(event["text"])
-            ids += event.get("output_ids") or []
-            meta = event.get("meta_info") or meta
-        if not meta.get("finish_reason"):
+        text = ""
+        out: dict[str, Any] = {}
+        for event in self._stream("/generate", body):  # SGLang's: everything so far
+            new = event.get("text") or ""
+            if len(new) > len(text):
+                on_delta(new[len(text) :])
+                text = new
+            out = event
+        if not out.get("meta_info", {}).get("finish_reason"):
             raise BackendError(f"the stream from {self.url}/generate ended before finishing")
-        return _result({"text": "".join(text), "output_ids": ids, "meta_info": meta})
+        return _result({**out, "text": text})
 
     def score_continuations(
         self, prefix_ids: list[int], continuations: list[list[int]]
@@ -172,6 +171,12 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop_regex:
+        out["stop_regex"] = list(params.stop_regex)
+    if params.include_stop_str_in_output:
+        out["no_stop_trim"] = True
+    if params.min_tokens:
+        out["min_new_tokens"] = params.min_tokens
     for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
         if getattr(params, name) is not None:  # structured output
             out[key] = getattr(params, name)

@@ -358,6 +358,15 @@ class EngineCore:
             self._sent[req.rid] = req.num_output
         return delta
 
+    def flush_cache(self) -> int:
+        """Drop every unlocked prefix-cache entry on every tier, between steps; running
+        requests keep their locked paths, waiting ones match again (the cache's version
+        changes). Checks integrity after (AssertionError). Returns the blocks freed."""
+        free = self.allocator.num_free
+        self.cache.reset()
+        self.check_integrity()
+        return self.allocator.num_free - free
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         reporting = {rid for rid, r in self.scheduler.requests.items() if r.reports}

@@ -110,12 +110,8 @@ class Engine:
         aborting `rid` aborts them all."""
         rid = self.core.add_request(prompt_ids, params, rid)
         for r in [rid] if params.n == 1 else [fork_rid(rid, i) for i in range(params.n)]:
-            self._detok[r] = IncrementalDetokenizer(
-                self.tokenizer,
-                params.stop,
-                params.skip_special_tokens,
-                list(prompt_ids),
-                self._token_bytes,
+            self._detok[r] = IncrementalDetokenizer.for_params(
+                self.tokenizer, params, list(prompt_ids), self._token_bytes
             )
         return rid
 

@@ -8,6 +8,7 @@ non-greedy rows), and each row's last accepted sample kept in its slot for the n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from radixrt.engine.draft_verify import verify_stochastic
 from radixrt.engine.inputs import StepLayout
 from radixrt.engine.result import StepOutputs
-from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample
+from radixrt.engine.sampler import apply_logit_bias, apply_min_tokens, apply_penalties, sample
 from radixrt.engine.spec_penalties import penalty_output_ids
 from radixrt.plan import StepPlan
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 class RowSampling:
     device: torch.device
     last_tokens: torch.Tensor  # [slots] each row's last sample, on the device
+    eos_token_ids: Sequence[int]  # masked before a request's min_tokens
     _generator: torch.Generator | None
 
     def _sample(
@@ -43,11 +45,12 @@ class RowSampling:
         if logits is None:
             return out
         params = layout.sample_params
-        penalties = bias = want_logprobs = False
+        penalties = bias = want_logprobs = min_tokens = False
         top_k = 0
         for p in params:  # one pass over the samples' parameters
             penalties = penalties or p.has_penalties
             bias = bias or bool(p.logit_bias)
+            min_tokens = min_tokens or p.min_tokens > 0
             want_logprobs = want_logprobs or p.logprobs
             top_k = max(top_k, p.top_logprobs)
         if penalties:
@@ -60,6 +63,8 @@ class RowSampling:
             )
         if bias:
             apply_logit_bias(logits, params)  # log-probs are of the distribution sampled from
+        if min_tokens:  # EOS / stop ids cannot end a request before its min_tokens
+            apply_min_tokens(logits, params, layout.seed_offsets, self.eos_token_ids)
         masked, drafting = [], []
         for i, r in enumerate(plan.rows):
             if r.token_bitmask is not None:

@@ -63,6 +63,7 @@ class ModelRunner(RowSampling):
     ) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
+        self.eos_token_ids = tuple(model_cfg.eos_token_ids)  # masked before min_tokens
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size

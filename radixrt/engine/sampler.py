@@ -76,6 +76,26 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
         )
 
 
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output: Sequence[int],
+    eos_token_ids: Sequence[int],
+) -> None:
+    """Mask (-inf) the EOS ids and stop_token_ids of each sample whose request has
+    generated fewer than `min_tokens` tokens before it, in place ([S, V] float32;
+    `num_output[i]`: tokens generated before sample i)."""
+    rows, ids = [], []
+    for i, p in enumerate(params):
+        if num_output[i] < p.min_tokens:
+            banned = set(p.stop_token_ids) if p.ignore_eos else {*eos_token_ids, *p.stop_token_ids}
+            ids += sorted(banned)
+            rows += [i] * len(banned)
+    if rows:
+        dev = logits.device
+        logits[_on(dev, rows, torch.int64), _on(dev, ids, torch.int64)] = float("-inf")
+
+
 def sample(
     logits: torch.Tensor,  # [S, V] float32
     params: Sequence[SamplingParams],

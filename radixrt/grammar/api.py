@@ -1,7 +1,9 @@
 """Structured-output fields of the HTTP API -> SamplingParams keywords (torch-free: the front
 imports this).
 
-`/generate` sampling_params: `regex`, `json_schema` (object or string), `ebnf`. OpenAI routes:
+`/generate` sampling_params: `regex`, `json_schema` (object or string), `ebnf` (SGLang's
+completions and chat too). vLLM's `guided_json`, `guided_regex`, `guided_choice` (a regex
+alternation of the escaped choices), `guided_grammar`. OpenAI routes:
 `response_format` {"type": "text"} | {"type": "json_object"} (any JSON object) |
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
 Types and sizes are checked here and by SamplingParams; whether the text compiles is known
@@ -16,6 +18,8 @@ from radixrt.grammar.spec import JSON_OBJECT_EBNF
 
 # API field -> SamplingParams field
 GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "grammar"))
+# vLLM's structured-output fields (OpenAI routes)
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def grammar_kwargs(fields: Any) -> dict[str, Any]:
@@ -59,3 +63,46 @@ def response_format_kwargs(rf: Any) -> dict[str, Any]:
         raise ValueError(f"invalid response_format.json_schema: unknown fields {sorted(unknown)}")
     schema = spec["schema"]
     return {"json_schema": schema if isinstance(schema, dict) else str(schema).lower()}
+
+
+# request fields that set structured output, in the order errors name them
+GRAMMAR_FIELDS = (
+    "regex", "json_schema", "ebnf", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
+)  # fmt: skip
+
+
+def grammar_param(f: Any, prefix: str = "") -> str | None:
+    """The field of request `f` that set its structured output (None: none did)."""
+    rf = getattr(f, "response_format", None)
+    text_only = isinstance(rf, dict) and rf.get("type") in (None, "text")
+    for name in GRAMMAR_FIELDS:
+        if getattr(f, name, None) is not None and not (name == "response_format" and text_only):
+            return prefix + name
+    return None
+
+
+def guided_kwargs(f: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's guided_* fields of request `f` as SamplingParams keywords; `kw`: the keywords
+    the other structured-output fields set. ValueError unless at most one is set."""
+    out: dict[str, Any] = {}
+    if f.guided_json is not None:
+        out["json_schema"] = f.guided_json
+    if f.guided_regex is not None:
+        out["regex"] = f.guided_regex
+    if f.guided_choice is not None:
+        if not f.guided_choice or not all(f.guided_choice):
+            raise ValueError("guided_choice must be a list of non-empty strings")
+        import regex
+
+        out["regex"] = "|".join(regex.escape(c) for c in f.guided_choice)
+    if f.guided_grammar is not None:
+        out["grammar"] = f.guided_grammar
+    given = [k for k in ("regex", "json_schema", "grammar") if k in kw]
+    given += [name for name in GUIDED_FIELDS if getattr(f, name) is not None]
+    if len(given) > 1:
+        raise ValueError(
+            "at most one structured output (response_format, guided_json, guided_regex, "
+            "guided_choice, guided_grammar, regex, json_schema, ebnf) per request"
+        )
+    return out

@@ -39,7 +39,8 @@ class Lifecycle:
         """Why `req` stops after its newest output token `token` (already appended), if it
         does: an EOS or stop token id, max_tokens, the context length."""
         p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stops and req.num_output >= p.min_tokens:  # the runner masks them before that
             return FinishReason.STOP
         if req.num_output >= req.max_tokens or len(req.seq_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH

@@ -19,12 +19,15 @@ from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.server.channel import Channel
+from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
 from radixrt.server.groups import beam_params, check_group_fits
 from radixrt.server.liveness import Liveness, StallPolicy
 from radixrt.server.messages import (
     AbortRequest,
     BeamSearchRequest,
+    CacheFlushed,
+    FlushCache,
     FromScheduler,
     Ready,
     SchedulerSnapshot,
@@ -80,6 +83,7 @@ class Front(FrontOutputs):
         self._reader: asyncio.Task | None = None
         self.liveness = Liveness(stall_policy or StallPolicy())
         self._watchdog: asyncio.Task | None = None
+        self.flushes: dict[int, asyncio.Future[CacheFlushed]] = {}  # FlushCache in flight
         metrics.in_flight.set_function(lambda: len(self.states))
 
     # ---- lifecycle ----
@@ -190,12 +194,20 @@ class Front(FrontOutputs):
         return ModelInfo(self.model_name, self.ready.vocab_size, self.ready.max_model_len)
 
     # ---- requests in ----
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], options: ChatTemplateOptions | None = None
+    ) -> str:
+        """The chat template applied to `messages` (ApiError when it refuses them)."""
+        opts = options or ChatTemplateOptions()
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tokenize=False,
+                add_generation_prompt=opts.add_generation_prompt,
+                continue_final_message=opts.continue_final_message,
+                **(opts.extra or {}),
             )
-        except (TemplateError, ValueError) as e:  # ValueError: the model has no template
+        except (TemplateError, ValueError, TypeError) as e:  # ValueError: no template
             raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
 
     def generate(self, spec: GenerationSpec, client_rid: str | None = None) -> Generation:
@@ -268,12 +280,20 @@ class Front(FrontOutputs):
         """The front's state of output `index` of the HTTP request: choice `choice` of the
         scheduler request `rid` (its own detokenizer and stop strings)."""
         params = spec.params(max_tokens, choice=index % spec.n)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens, ids, self.token_bytes
-        )
+        detok = IncrementalDetokenizer.for_params(self.tokenizer, params, ids, self.token_bytes)
         beam = spec.beam_width is not None
         return RequestState(
-            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
+            rid,
+            index,
+            ids,
+            params,
+            detok,
+            events,
+            client_rid,
+            choice,
+            num_choices,
+            beam=beam,
+            grammar_param=spec.grammar_param,
         )
 
     def _prepare(
@@ -288,6 +308,8 @@ class Front(FrontOutputs):
             ids = self.tokenizer.encode(prompt, add_special_tokens=spec.add_special_tokens)
         else:
             ids = list(prompt)  # token ids: checked against the vocabulary by protocol
+        if spec.truncate_prompt_tokens is not None:
+            ids = ids[-spec.truncate_prompt_tokens :]
         if not ids:
             raise ApiError(f"{where} is empty: at least one token is needed", spec.prompt_param)
         limit, n = self.ready.max_model_len, len(ids)
@@ -324,6 +346,26 @@ class Front(FrontOutputs):
             self.stop_serving(f"the scheduler process is gone ({e})")
             return False
         return True
+
+    async def flush_cache(self) -> CacheFlushed:
+        """Flush the scheduler's prefix cache (unlocked entries only) and wait for its
+        answer; ApiError 503 while not serving."""
+        if not self.serving:
+            raise self.unavailable_error()
+        flush_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self.flushes[flush_id] = future
+        dead = asyncio.ensure_future(self.dead_event.wait())
+        try:
+            if not self._send(FlushCache(flush_id)):
+                raise self.unavailable_error()
+            await asyncio.wait([future, dead], return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():
+                raise self.unavailable_error()
+            return future.result()
+        finally:
+            dead.cancel()
+            self.flushes.pop(flush_id, None)
 
     def abort_states(self, states: list[RequestState]) -> None:
         """Client gone: end these outputs now; the scheduler frees their KV (one abort per

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from radixrt.server.messages import (
     AbortRequest,
+    CacheFlushed,
     FromScheduler,
     Ready,
     SchedulerFailed,
@@ -60,7 +61,8 @@ class FrontOutputs:
                 # a child's error fails that choice; the request's (a 400) every choice
                 for st in [group[err.index]] if err.parent_rid is not None else group:
                     if not st.finished:
-                        error = ApiError(err.message, err.param, status=err.status, type=kind)
+                        param = st.grammar_param if err.grammar else err.param
+                        error = ApiError(err.message, param, status=err.status, type=kind)
                         self._fail(st, error)
             self.snapshot = msg.snapshot
             self.metrics.update(msg.snapshot)
@@ -75,6 +77,10 @@ class FrontOutputs:
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
             )  # fmt: skip
             self._check_ready()
+        elif isinstance(msg, CacheFlushed):
+            future = self.flushes.get(msg.flush_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, SchedulerFailed):
             last = msg.message.strip().splitlines()[-1]
             self.stop_serving(f"the scheduler process failed ({last})")

@@ -80,6 +80,9 @@ _BEAM_REFUSED: tuple[tuple[str, tuple[object, ...]], ...] = (
     ("frequency_penalty", (0,)),
     ("repetition_penalty", (1,)),
     ("logit_bias", ({},)),
+    ("stop_regex", ([],)),
+    ("min_new_tokens", (0,)),
+    ("no_stop_trim", (False,)),
 )
 
 
@@ -109,7 +112,7 @@ def check_beam_fields(req: GenerateRequest, sp: GenerateSamplingParams, num_prom
         ("stream", req.stream),
         ("return_logprob", req.return_logprob),
         ("return_prompt_logprob", req.return_prompt_logprob),
-        ("top_logprobs_num", req.top_logprobs_num != 0),
+        ("top_logprobs_num", req.top_logprobs_num not in (0, None)),
     ):
         if bad:
             raise ApiError(

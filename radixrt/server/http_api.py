@@ -15,21 +15,25 @@ import msgspec
 from aiohttp import web
 
 from radixrt.server.connections import ConnectionLimits, body_deadline_middleware
+from radixrt.server.fields import UnknownFields, decode_checked
 from radixrt.server.front import Front
 from radixrt.server.http_util import (
     FRONT,
+    INCREMENTAL_STREAMING,
     MAX_BODY_BYTES,
     MODEL_NAME,
+    UNKNOWN_FIELDS,
     json_response,
     read_body,
     sse_response,
 )
 from radixrt.server.metrics import CONTENT_TYPE
 from radixrt.server.openai_routes import chat_completions, completions, models
-from radixrt.server.protocol import ApiError, decode
+from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import Delta, RequestState
 from radixrt.server.schemas import AbortBody
 from radixrt.server.validate import check_rid, parse_generate
+from radixrt.server.worker_routes import WorkerInfo, add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,16 @@ def create_app(
     api_key: str | None = None,
     debug: bool = False,
     body_timeout_s: float = ConnectionLimits.body_timeout_s,
+    worker: WorkerInfo | None = None,
+    strict_fields: bool = False,
+    incremental_streaming: bool = False,
 ) -> web.Application:
     """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
     its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
-    decodes bodies itself). A request body must arrive within `body_timeout_s` (408)."""
+    decodes bodies itself). A request body must arrive within `body_timeout_s` (408).
+    `worker`: what the routers' worker routes report (default: `model_name` as the model
+    path); `strict_fields`: refuse names no schema declares; `incremental_streaming`:
+    /generate streams only what is new per event."""
     middlewares = [
         _error_middleware,
         _auth_middleware(api_key),
@@ -54,6 +64,8 @@ def create_app(
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app[MODEL_NAME] = model_name
+    app[UNKNOWN_FIELDS] = UnknownFields(strict_fields)
+    app[INCREMENTAL_STREAMING] = incremental_streaming
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
@@ -61,6 +73,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
+    add_worker_routes(app, worker or WorkerInfo.of_model_dir(model_name, model_name))
     if debug:
         app.router.add_get("/debug/state", debug_state)
     return app
@@ -145,7 +158,9 @@ async def debug_state(request: web.Request) -> web.Response:
 
 
 async def abort(request: web.Request) -> web.Response:
-    body: AbortBody = decode(await read_body(request), AbortBody)
+    body: AbortBody = decode_checked(
+        await read_body(request), AbortBody, "/abort", request.app[UNKNOWN_FIELDS]
+    )
     check_rid(body.rid)
     n = request.app[FRONT].abort_client_rid(body.rid)
     return json_response({"rid": body.rid, "aborted": n})
@@ -153,13 +168,27 @@ async def abort(request: web.Request) -> web.Response:
 
 # ---- native /generate ----
 async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's /generate: one output object per prompt and choice (a list when the prompt
+    was a list or n > 1), `meta_info` with SGLang's fields, log-prob entries
+    [logprob, token_id, text or null]. A stream's events carry the text, output ids and
+    log-probs so far (SGLang's default), or only what is new with
+    --incremental-streaming-output."""
     front = request.app[FRONT]
     model = front.model_info()  # 503 while not serving
-    g = parse_generate(await read_body(request), model)
+    g = parse_generate(await read_body(request), model, request.app[UNKNOWN_FIELDS])
     spec = g.gen
-    params = spec.sampling
+    top = spec.sampling["top_logprobs"]
+    text_of = (
+        (lambda t: front.tokenizer.decode([t], skip_special_tokens=False))
+        if g.return_text_in_logprobs
+        else (lambda t: None)
+    )
+
+    def entries(lps: list, ids: list[int]) -> list[list]:
+        return [[lp, t, text_of(t)] for lp, t in zip(lps, ids)]
 
     def meta(st: RequestState, d: Delta | None) -> dict[str, Any]:
+        """meta_info: of the whole output (d None), or of delta `d` only."""
         reason = st.finish_reason if d is None else d.finish_reason
         m: dict[str, Any] = {
             "id": st.rid if st.client_rid is None else st.client_rid,
@@ -171,22 +200,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "finish_reason": None if reason is None else {"type": reason},
             "e2e_latency": time.perf_counter() - st.created,
         }
-        if params["logprobs"]:
-            m["output_token_logprobs"] = st.logprobs if d is None else d.logprobs
-            if params["top_logprobs"]:
-                top = st.top_logprobs if d is None else d.top_logprobs
-                m["output_top_logprobs"] = [[list(p) for p in t] for t in top]
-        if params["prompt_logprobs"] and reason is not None:
-            lead = [None] if g.logprob_start_len == 0 else []
-            m["input_token_logprobs"] = lead + st.prompt_logprobs
+        if g.return_logprob:
+            ids, lps = (st.output_ids, st.logprobs) if d is None else (d.token_ids, d.logprobs)
+            m["output_token_logprobs"] = entries(lps, ids)
+            if top:
+                tops = st.top_logprobs if d is None else d.top_logprobs
+                m["output_top_logprobs"] = [[[lp, t, text_of(t)] for t, lp in k] for k in tops]
+        if g.logprob_start_len is not None and reason is not None:  # they come at the end
+            start = max(1, g.logprob_start_len)
+            lead = [[None, st.prompt_ids[0], text_of(st.prompt_ids[0])]]
+            m["input_token_logprobs"] = (lead if g.logprob_start_len == 0 else []) + entries(
+                st.prompt_logprobs, st.prompt_ids[start:]
+            )
+        elif g.return_logprob:
+            m["input_token_logprobs"] = []
         return m
 
     many = spec.batched or spec.n > 1  # a list of outputs; streamed events carry "index"
     async with front.generate(spec, client_rid=g.rid) as gen:
         if spec.stream:
+            incremental = request.app[INCREMENTAL_STREAMING]
 
             def chunks(st: RequestState, d: Delta) -> list[dict]:
-                event = {"text": d.text, "output_ids": d.token_ids, "meta_info": meta(st, d)}
+                if incremental:
+                    event = {"text": d.text, "output_ids": d.token_ids, "meta_info": meta(st, d)}
+                else:  # everything so far (SGLang's default streaming)
+                    info = meta(st, None)
+                    info["finish_reason"] = (
+                        None if d.finish_reason is None else {"type": d.finish_reason}
+                    )
+                    event = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": info}
                 if many:
                     event["index"] = st.index
                 return [event]

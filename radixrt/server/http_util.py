@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixrt.server.fields import UnknownFields
 from radixrt.server.front import Front
 from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import Delta, Generation, RequestState
@@ -19,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 FRONT = web.AppKey("front", Front)
 MODEL_NAME = web.AppKey("model_name", str)
+UNKNOWN_FIELDS = web.AppKey("unknown_fields", UnknownFields)  # what to do with unknown names
+# /generate streams: only what is new per event (True), or everything so far (SGLang's default)
+INCREMENTAL_STREAMING = web.AppKey("incremental_streaming", bool)
 
 _json = msgspec.json.Encoder()
 

@@ -51,6 +51,7 @@ from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
+from radixrt.server.worker_routes import WorkerInfo
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger("radixrt.server")
@@ -73,6 +74,8 @@ class ServeConfig:
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
     stall: StallPolicy = field(default_factory=StallPolicy)  # when the scheduler is stalled
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # HTTP timeouts, cap
+    strict_fields: bool = False  # refuse request fields no schema declares (else: a warning)
+    incremental_streaming: bool = False  # /generate streams deltas (else SGLang's: all so far)
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -172,6 +175,17 @@ def add_serve_command(
         help="HTTP connections open at once; more are refused with 503 (default: "
         "%(default)d, at most the open-file limit less 128)",
     )
+    p.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields that no schema declares (default: ignore, warn once)",
+    )
+    p.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate streams only the new text and ids per event (default: all so far, "
+        "as SGLang)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -190,6 +204,8 @@ def add_serve_command(
                 debug_endpoints=args.enable_debug_endpoints,
                 cpu_threads=args.cpu_threads,
                 event_loop=args.event_loop,
+                strict_fields=args.strict_fields,
+                incremental_streaming=args.incremental_streaming_output,
                 stall=StallPolicy(args.stall_timeout, args.stall_timeout_warmup),
                 connections=ConnectionLimits(
                     header_timeout_s=args.header_timeout,
@@ -313,12 +329,18 @@ async def _serve_http(
     front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
     front.start()
     limits = cfg.connections
+    worker = WorkerInfo.of_model_dir(
+        cfg.model, model_name, int(cfg.options.get("tensor_parallel_size", 1) or 1)
+    )
     app = create_app(
         front,
         model_name=model_name,
         api_key=cfg.api_key,
         debug=cfg.debug_endpoints,
         body_timeout_s=limits.body_timeout_s,
+        worker=worker,
+        strict_fields=cfg.strict_fields,
+        incremental_streaming=cfg.incremental_streaming,
     )
     runner = web.AppRunner(
         app,

@@ -1,10 +1,10 @@
 """Typed messages between the front process and the scheduler process (msgpack via msgspec).
 
 front -> scheduler (`ToScheduler`): `TokenizedRequest` (n > 1: one message, the scheduler
-forks the children), `BeamSearchRequest`, `AbortRequest`, `Shutdown`.
+forks the children), `BeamSearchRequest`, `AbortRequest`, `FlushCache`, `Shutdown`.
 scheduler -> front (`FromScheduler`): `Ready` once after the model loads, then one
 `TokenBatchOut` per loop iteration that did something (a step, or handled messages), and
-`SchedulerFailed` if the loop dies of an exception.
+`SchedulerFailed` if the loop dies of an exception, `CacheFlushed` per `FlushCache`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,14 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-ToScheduler = TokenizedRequest | BeamSearchRequest | AbortRequest | Shutdown
+class FlushCache(msgspec.Struct, tag=True, frozen=True):
+    """Drop every unlocked prefix-cache entry (running requests keep their paths); the
+    scheduler answers with `CacheFlushed` carrying the same `flush_id`."""
+
+    flush_id: int
+
+
+ToScheduler = TokenizedRequest | BeamSearchRequest | AbortRequest | Shutdown | FlushCache
 
 
 # ---- scheduler -> front ----
@@ -103,6 +110,7 @@ class RequestError(msgspec.Struct, frozen=True):
     parent_rid: str | None = None  # a child of an n > 1 request: the rid it was sent with
     index: int = 0  # that child's choice index
     param: str | None = None  # 400: the request field at fault, when known
+    grammar: bool = False  # 400: the structured output did not compile
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True):
@@ -159,4 +167,10 @@ class SchedulerFailed(msgspec.Struct, tag=True, frozen=True):
     message: str  # the exception and traceback that ended the scheduler loop
 
 
-FromScheduler = Ready | TokenBatchOut | SchedulerFailed
+class CacheFlushed(msgspec.Struct, tag=True, frozen=True):
+    flush_id: int  # the FlushCache answered
+    freed_blocks: int  # KV blocks the flush returned to the free pool
+    error: str | None = None  # the integrity check's failure after the flush, if any
+
+
+FromScheduler = Ready | TokenBatchOut | SchedulerFailed | CacheFlushed

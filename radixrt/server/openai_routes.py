@@ -10,7 +10,14 @@ from typing import Any
 from aiohttp import web
 
 from radixrt.server.front import Front
-from radixrt.server.http_util import FRONT, MODEL_NAME, json_response, read_body, sse_response
+from radixrt.server.http_util import (
+    FRONT,
+    MODEL_NAME,
+    UNKNOWN_FIELDS,
+    json_response,
+    read_body,
+    sse_response,
+)
 from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
 from radixrt.server.validate import parse_chat, parse_completion
@@ -135,7 +142,9 @@ class _Ids:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    spec = parse_completion(await read_body(request), front.model_info())
+    spec = parse_completion(
+        await read_body(request), front.model_info(), request.app[UNKNOWN_FIELDS]
+    )
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:
@@ -150,7 +159,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     text = _prompt_text(front, spec, st)
                     offsets[st.index] = len(text)
                     choice = {"index": st.index, "text": text, "logprobs": None}
-                    out.append(_chunk(head, [{**choice, "finish_reason": None}], spec))
+                    out.append(_chunk(head, [{**choice, "finish_reason": None}], spec, gen))
                 return out
 
             def chunks(st: RequestState, d: Delta) -> list[dict]:
@@ -167,7 +176,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     "logprobs": lp,
                     "finish_reason": d.finish_reason,
                 }
-                return [_chunk(head, [choice], spec)]
+                return [_chunk(head, [choice], spec, gen)]
 
             closing = _usage_chunk(head, gen, spec)
             return await sse_response(request, gen, chunks, opening, closing)
@@ -189,7 +198,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    spec = parse_chat(await read_body(request), front.model_info(), front.render_chat)
+    spec = parse_chat(
+        await read_body(request), front.model_info(), front.render_chat, request.app[UNKNOWN_FIELDS]
+    )
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:
@@ -209,6 +220,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             }
                         ],
                         spec,
+                        gen,
                     )
                     for st in gen.states
                 ]
@@ -224,7 +236,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     ),
                     "finish_reason": d.finish_reason,
                 }
-                return [_chunk(chead, [choice], spec)]
+                return [_chunk(chead, [choice], spec, gen)]
 
             return await sse_response(request, gen, chunks, opening, _usage_chunk(chead, gen, spec))
         states = await gen.wait()
@@ -244,16 +256,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return json_response({**head, "choices": choices, "usage": _usage(states, spec.n)})
 
 
-def _chunk(head: dict, choices: list[dict], spec: GenerationSpec) -> dict:
+def _chunk(head: dict, choices: list[dict], spec: GenerationSpec, gen: Generation) -> dict:
+    """A stream chunk: usage null when only the last chunk has it, the usage so far with
+    continuous_usage_stats."""
     chunk = {**head, "choices": choices}
-    if spec.include_usage:
+    if spec.continuous_usage:
+        chunk["usage"] = _usage(gen.states, spec.n)
+    elif spec.include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def _usage_chunk(head: dict, gen: Generation, spec: GenerationSpec) -> Callable[[], list[dict]]:
     def closing() -> list[dict]:
-        if not spec.include_usage:
+        if not (spec.include_usage or spec.continuous_usage):
             return []
         return [{**head, "choices": [], "usage": _usage(gen.states, spec.n)}]
 

@@ -72,13 +72,26 @@ class ModelInfo:
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
-        """`model` values that name this model: its id, the id's last path part, "default"."""
-        base = self.name.rstrip("/").rsplit("/", 1)[-1]
-        return tuple(dict.fromkeys((self.name, base, MODEL_ALIAS)))
+        return accepted_names(self.name)
 
     @property
     def max_prompt_chars(self) -> int:
         return MAX_CHARS_PER_TOKEN * self.max_model_len
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """ApiError naming `param` for a text of `chars` characters that cannot fit."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(
+                f"{param} has {chars} characters; this model's context of "
+                f"{self.max_model_len} tokens takes at most {self.max_prompt_chars}",
+                param,
+            )
+
+
+def accepted_names(name: str) -> tuple[str, ...]:
+    """`model` values that name the model `name`: itself, its last path part, "default"."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return tuple(dict.fromkeys((name, base, MODEL_ALIAS)))
 
 
 # ---- validated result ----
@@ -98,12 +111,16 @@ class GenerationSpec:
     length_penalty: float = 1.0  # beam search: score = cumulative / length ** this
     stream: bool = False
     include_usage: bool = False  # stream: a final chunk with usage
-    add_special_tokens: bool = True  # False for chat-template text (it has its own)
+    continuous_usage: bool = False  # stream: usage so far in every chunk
+    add_special_tokens: bool = True  # BOS etc. added to text prompts (chat: on top of the
+    # template's own)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     batched: bool = False  # the prompt was given as a list (answer with a list)
     echo: bool = False  # /v1/completions: the prompt is part of the returned text
     prompt_param: str = "prompt"  # request fields to name in errors
     max_tokens_param: str = "max_tokens"
     n_param: str = "n"
+    grammar_param: str | None = None  # the field that set structured output, if any
     beam_width_param: str = "sampling_params.beam_width"
 
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
@@ -137,7 +154,7 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
+        raise _validation_error(str(e), body) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"invalid JSON body: {e}") from None
     except RecursionError:
@@ -146,7 +163,19 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
         raise ApiError(f"invalid {where or 'JSON body'}: {msg}", param=where) from None
 
 
-def _validation_error(text: str) -> ApiError:
+def _value_at(body: bytes, where: str) -> str | None:
+    """repr of the value at `where` ("a.b[2].c") in the JSON `body` (short), or None."""
+    try:
+        value: Any = msgspec.json.decode(body)
+        for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", where):
+            value = value[int(index)] if index else value[key]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError, RecursionError):
+        return None
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _validation_error(text: str, body: bytes = b"") -> ApiError:
     m = re.search(r" - at `\$\.?([^`]*)`$", text)
     where = m.group(1) if m else ""  # e.g. "max_tokens", "messages[0]"
     head = text[: m.start()] if m else text
@@ -156,5 +185,7 @@ def _validation_error(text: str) -> ApiError:
             return ApiError(f"missing required field {param}", param=param)
         return ApiError(f"unknown field {param}: this API does not define it", param=param)
     if where:  # "Expected `int | null`, got `str` - at `$.max_tokens`"
-        return ApiError(f"invalid {where}: {head}", param=where)
+        value = _value_at(body, where) if head.startswith("Expected `") else None
+        shown = where if value is None else f"{where}={value}"
+        return ApiError(f"invalid {shown}: {head}", param=where)
     return ApiError(f"invalid request: {text}")

@@ -29,6 +29,8 @@ from radixrt.server.messages import (
     AbortRequest,
     BeamOut,
     BeamSearchRequest,
+    CacheFlushed,
+    FlushCache,
     FromScheduler,
     Ready,
     RequestError,
@@ -181,7 +183,16 @@ class SchedulerLoop:
                     if d.finish_reason == "error":  # failed on our side: a 500
                         message = d.error or "internal error"
                         status = 400 if d.invalid_request else 500  # a bad grammar: 400
-                        errors.append(RequestError(d.rid, message, status, d.parent_rid, d.index))
+                        errors.append(
+                            RequestError(
+                                d.rid,
+                                message,
+                                status,
+                                d.parent_rid,
+                                d.index,
+                                grammar=d.invalid_request,
+                            )
+                        )
                     else:
                         outputs.append(_token_out(d))
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
@@ -221,7 +232,20 @@ class SchedulerLoop:
                 delta = self.core.abort(rid, FinishReason(msg.reason))
                 if delta is not None:
                     finished.append(delta)
+            elif isinstance(msg, FlushCache):
+                self.outbox.send(self._flush(msg))
         return errors, finished
+
+    def _flush(self, msg: FlushCache) -> CacheFlushed:
+        free = self.core.allocator.num_free
+        try:
+            freed = self.core.flush_cache()
+        except AssertionError:
+            error = traceback.format_exc()
+            logger.error("integrity check failed after a cache flush:\n%s", error)
+            return CacheFlushed(msg.flush_id, self.core.allocator.num_free - free, error)
+        logger.info("prefix cache flushed: %d blocks freed", freed)
+        return CacheFlushed(msg.flush_id, freed)
 
     def _snapshot(self) -> SchedulerSnapshot:
         core = self.core

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.grammar.api import grammar_kwargs
-from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
+from radixrt.grammar.api import GUIDED_FIELDS, grammar_kwargs, grammar_param, guided_kwargs
+from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE
+from radixrt.server.chat import ChatTemplateOptions, chat_messages, template_options
+from radixrt.server.fields import LENIENT, UnknownFields, decode_checked
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -33,7 +35,6 @@ from radixrt.server.protocol import (
     ApiError,
     GenerationSpec,
     ModelInfo,
-    decode,
     make_params,
 )
 from radixrt.server.schemas import (
@@ -43,6 +44,10 @@ from radixrt.server.schemas import (
     OpenAIFields,
     SamplingFields,
 )
+
+# `model` values that mean "the served model" on every route (routers send null or
+# "unknown" when their client named none)
+ANY_MODEL = (None, "", "unknown")
 
 
 # ---- field checks ----
@@ -79,21 +84,10 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
     if f.seed is not None:
         _int_in(f.seed, p("seed"), 0, SEED_RANGE - 1, "an integer in [0, 2^63)")
         kw["seed"] = f.seed
-    if f.stop is not None:
-        stop = [f.stop] if isinstance(f.stop, str) else f.stop
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(
-                f"{p('stop')} has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
-                p("stop"),
-            )
-        for s in stop:
-            if not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise ApiError(
-                    f"invalid {p('stop')} string of {len(s)} characters: each must have 1 to "
-                    f"{MAX_STOP_CHARS}",
-                    p("stop"),
-                )
-        kw["stop"] = tuple(stop)
+    for name in ("stop", "stop_regex"):
+        value = getattr(f, name)
+        if value is not None:
+            kw[name] = _stop_strings(value, p(name))
     if f.stop_token_ids is not None:
         if len(f.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ApiError(
@@ -108,12 +102,39 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         kw["logit_bias"] = _logit_bias(f.logit_bias, vocab, p("logit_bias"))
     kw["ignore_eos"] = f.ignore_eos
     kw["skip_special_tokens"] = f.skip_special_tokens
-    try:  # structured output: /generate's regex / json_schema / ebnf, OpenAI's response_format
+    kw["include_stop_str_in_output"] = f.no_stop_trim
+    try:  # structured output: regex / json_schema / ebnf, OpenAI's response_format
         kw.update(grammar_kwargs(f))
     except ValueError as e:
         raise ApiError(str(e), param="response_format") from None
+    if isinstance(f, OpenAIFields):
+        try:
+            kw.update(guided_kwargs(f, kw))
+        except ValueError as e:
+            raise ApiError(str(e), param=_guided_param(f)) from None
     _checked(kw, prefix)
     return kw
+
+
+def _guided_param(f: OpenAIFields) -> str | None:
+    given = [n for n in GUIDED_FIELDS if getattr(f, n) is not None]
+    return given[0] if given else None
+
+
+def _stop_strings(value: str | list[str], param: str) -> tuple[str, ...]:
+    stop = [value] if isinstance(value, str) else value
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(
+            f"{param} has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param
+        )
+    for s in stop:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise ApiError(
+                f"invalid {param} string of {len(s)} characters: each must have 1 to "
+                f"{MAX_STOP_CHARS}",
+                param,
+            )
+    return tuple(stop)
 
 
 def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[int, float], ...]:
@@ -205,17 +226,8 @@ def _prompt_list(
         raise ApiError(f"{param} has {len(prompts)} prompts; at most {MAX_PROMPTS}", param)
     for p in prompts:
         if isinstance(p, str):
-            _check_text_length(len(p), param, model)
+            model.check_text_length(len(p), param)
     return prompts, batched
-
-
-def _check_text_length(chars: int, param: str, model: ModelInfo) -> None:
-    if chars > model.max_prompt_chars:
-        raise ApiError(
-            f"{param} has {chars} characters; this model's context of {model.max_model_len} "
-            f"tokens takes at most {model.max_prompt_chars}",
-            param,
-        )
 
 
 def _check_n(n: int, num_prompts: int, param: str = "n") -> None:
@@ -228,37 +240,46 @@ def _check_n(n: int, num_prompts: int, param: str = "n") -> None:
         )
 
 
-def _check_openai(req: OpenAIFields, model: ModelInfo) -> None:
-    """`model`, and the OpenAI fields radixrt does not implement."""
-    if req.model is not None and req.model not in model.accepted_names:
-        names = ", ".join(repr(n) for n in model.accepted_names)
+def check_model(name: str | None, accepted_names: tuple[str, ...]) -> None:
+    """404 unless `name` names the served model (null, "" and "unknown" do, and
+    `ModelInfo.accepted_names`)."""
+    if name not in ANY_MODEL and name not in accepted_names:
+        names = ", ".join(repr(n) for n in accepted_names)
         raise ApiError(
-            f"the model {_short(req.model)} does not exist; this server serves {names}",
+            f"the model {_short(name)} does not exist; this server serves {names}",
             param="model",
             status=404,
             code="model_not_found",
         )
-    if req.best_of not in (None, 1):
-        raise ApiError(f"invalid best_of={_short(req.best_of)}: only 1 is supported", "best_of")
-    for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
-        if getattr(req, name) is not None:
-            raise ApiError(f"{name} is not supported: this server has no tool calling", name)
+
+
+def _check_openai(req: OpenAIFields, model: ModelInfo) -> dict[str, Any]:
+    """`model` and the fields of both OpenAI routes; the sampling keywords."""
+    check_model(req.model, model.accepted_names)
+    sampling = _sampling(req, model)
+    sampling["min_tokens"] = req.min_tokens
+    if req.include_stop_str_in_output:
+        sampling["include_stop_str_in_output"] = True
+    return sampling
 
 
 def _include_usage(req: OpenAIFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def _continuous_usage(req: OpenAIFields) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
 # ---- per endpoint ----
-def parse_completion(body: bytes, model: ModelInfo) -> GenerationSpec:
-    req: CompletionRequest = decode(body, CompletionRequest)
-    _check_openai(req, model)
-    if req.suffix is not None:
-        raise ApiError("suffix is not supported", param="suffix")
+def parse_completion(
+    body: bytes, model: ModelInfo, unknown: UnknownFields = LENIENT
+) -> GenerationSpec:
+    req: CompletionRequest = decode_checked(body, CompletionRequest, "/v1/completions", unknown)
+    sampling = _check_openai(req, model)
     prompts, batched = _prompt_list(req.prompt, "prompt", model)
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_n(req.n, len(prompts))
-    sampling = _sampling(req, model)
     if req.logprobs is not None:
         _int_in(req.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     sampling["logprobs"] = req.logprobs is not None
@@ -273,65 +294,55 @@ def parse_completion(body: bytes, model: ModelInfo) -> GenerationSpec:
         max_tokens=req.max_tokens,
         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
         n=req.n,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=_include_usage(req),
+        continuous_usage=_continuous_usage(req),
         batched=batched,
-        echo=req.echo,
+        echo=bool(req.echo),
+        add_special_tokens=req.add_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        grammar_param=grammar_param(req),
     )
 
 
 def parse_chat(
-    body: bytes, model: ModelInfo, render: Callable[[list[dict[str, str]]], str]
+    body: bytes,
+    model: ModelInfo,
+    render: Callable[[list[dict[str, str]], ChatTemplateOptions], str],
+    unknown: UnknownFields = LENIENT,
 ) -> GenerationSpec:
     """`render` applies the chat template (raises ApiError for messages it cannot take)."""
-    req: ChatCompletionRequest = decode(body, ChatCompletionRequest)
-    _check_openai(req, model)
+    req: ChatCompletionRequest = decode_checked(
+        body, ChatCompletionRequest, "/v1/chat/completions", unknown
+    )
+    sampling = _check_openai(req, model)
     if not req.messages:
         raise ApiError("messages is empty: at least one message is needed", param="messages")
-    messages = []
-    chars = 0
-    for i, m in enumerate(req.messages):
-        for name in ("tool_calls", "tool_call_id"):
-            if getattr(m, name) is not None:
-                raise ApiError(f"messages[{i}].{name} is not supported", f"messages[{i}].{name}")
-        if isinstance(m.content, list):
-            bad = [p.type for p in m.content if p.type != "text" or p.text is None]
-            if bad:
-                raise ApiError(
-                    f"messages[{i}].content has a part of type {_short(bad[0])}; only text "
-                    "parts are supported",
-                    param=f"messages[{i}].content",
-                )
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
-        chars += len(content)
-        message = {"role": m.role, "content": content}
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
-    _check_text_length(chars, "messages", model)
+    messages = chat_messages(req.messages, model)
+    options = template_options(
+        req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, messages
+    )
     max_tokens = req.max_completion_tokens
     name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = req.max_tokens, "max_tokens"
     _check_max_tokens(max_tokens, name)
     _check_n(req.n, 1)
-    sampling = _sampling(req, model)
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
-        _int_in(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    sampling["logprobs"] = req.logprobs
-    sampling["top_logprobs"] = req.top_logprobs or 0
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    sampling["logprobs"] = bool(req.logprobs)
+    sampling["top_logprobs"] = (req.top_logprobs or 0) if req.logprobs else 0
     return GenerationSpec(
-        prompts=[render(messages)],
+        prompts=[render(messages, options)],
         sampling=sampling,
         max_tokens=max_tokens,
         n=req.n,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=_include_usage(req),
-        add_special_tokens=False,
+        continuous_usage=_continuous_usage(req),
+        add_special_tokens=req.add_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        grammar_param=grammar_param(req),
         prompt_param="messages",
         max_tokens_param=name,
     )
@@ -343,7 +354,10 @@ class GenerateSpec:
 
     gen: GenerationSpec
     rid: str | None  # the client's id (opaque; only echoed back and used by /abort)
-    logprob_start_len: int  # as asked (0 allowed: the first prompt token has no log-prob)
+    # prompt log-probs from this prompt position on (0: the first is null); None: none
+    logprob_start_len: int | None
+    return_logprob: bool  # output (and, with logprob_start_len, prompt) log-probs
+    return_text_in_logprobs: bool  # log-prob entries [logprob, token_id, text]: text set
 
 
 def check_rid(rid: str, param: str = "rid") -> None:
@@ -351,8 +365,9 @@ def check_rid(rid: str, param: str = "rid") -> None:
         raise ApiError(f"{param} has {len(rid)} characters; at most {MAX_RID_CHARS}", param)
 
 
-def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
-    req: GenerateRequest = decode(body, GenerateRequest)
+def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIENT) -> GenerateSpec:
+    req: GenerateRequest = decode_checked(body, GenerateRequest, "/generate", unknown)
+    check_model(req.model, model.accepted_names)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError("pass exactly one of text or input_ids", param="text")
     if req.text is not None:
@@ -366,8 +381,8 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
     sp = req.sampling_params
     max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_tokens
     _check_max_tokens(max_tokens, "sampling_params.max_new_tokens")
-    _int_in(req.logprob_start_len, "logprob_start_len", 0, MAX_INT, f"an integer in [0, {MAX_INT}]")
-    _int_in(req.top_logprobs_num, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
+    if sp.sampling_seed is not None and sp.seed is None:
+        sp.seed = sp.sampling_seed
     length_penalty = 1.0
     if sp.beam_width is not None:
         length_penalty = check_beam_fields(req, sp, len(prompts))
@@ -379,10 +394,17 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         )
     _check_n(sp.n, len(prompts), "sampling_params.n")
     sampling = _sampling(sp, model, prefix="sampling_params.")
-    sampling["logprobs"] = req.return_logprob
-    sampling["top_logprobs"] = req.top_logprobs_num if req.return_logprob else 0
-    sampling["prompt_logprobs"] = req.return_prompt_logprob
-    sampling["logprob_start_len"] = max(1, req.logprob_start_len)
+    sampling["min_tokens"] = sp.min_new_tokens
+    return_logprob = bool(req.return_logprob)
+    start = req.logprob_start_len
+    if start == -1 or not (return_logprob or req.return_prompt_logprob):
+        start = None  # SGLang: no prompt log-probs
+    if req.return_prompt_logprob and start is None:
+        start = 1  # radixrt's: from the second prompt token on
+    sampling["logprobs"] = return_logprob
+    sampling["top_logprobs"] = (req.top_logprobs_num or 0) if return_logprob else 0
+    sampling["prompt_logprobs"] = start is not None
+    sampling["logprob_start_len"] = max(1, start or 1)
     gen = GenerationSpec(
         prompts=prompts,
         sampling=sampling,
@@ -396,5 +418,12 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         prompt_param="text" if req.text is not None else "input_ids",
         max_tokens_param="sampling_params.max_new_tokens",
         n_param="sampling_params.n",
+        grammar_param=grammar_param(sp, "sampling_params."),
     )
-    return GenerateSpec(gen=gen, rid=req.rid, logprob_start_len=req.logprob_start_len)
+    return GenerateSpec(
+        gen=gen,
+        rid=req.rid,
+        logprob_start_len=start,
+        return_logprob=return_logprob,
+        return_text_in_logprobs=req.return_text_in_logprobs,
+    )
