@@ -41,6 +41,11 @@ CPU_LIBRARIES = ("paged_decode", "paged_extend")
 CACHE_ENV = "RADIXRT_NATIVE_CACHE"  # where built libraries go (default ~/.cache/radixrt/native)
 
 
+def enabled() -> bool:
+    """False where RADIXRT_NATIVE_KERNELS=0 (nothing is built or loaded)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/radixrt/native"))
 
@@ -142,7 +147,7 @@ def _build(cc: str, source: Path, target: Path, defines: tuple[str, ...]) -> str
 def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `csrc/<name>.c`, built if needed; None (logged once) if it cannot be.
     `defines`: preprocessor macros (-D) the source reads (tests: RADIXRT_PORTABLE)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not enabled():
         logger.info("native kernels off (%s=0): %s uses the torch path", DISABLE_ENV, name)
         return None
     source = SOURCES / f"{name}.c"
@@ -164,7 +169,7 @@ def prebuild(names: tuple[str, ...]) -> None:
     largest. Does nothing where `load_library` would not build (no compiler, disabled);
     failures are left for `load_library` to report."""
     cc = find_compiler()
-    if cc is None or os.environ.get(DISABLE_ENV, "1") == "0":
+    if cc is None or not enabled():
         return
     jobs = []
     for name in names:
