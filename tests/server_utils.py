@@ -33,13 +33,15 @@ class ServerProcess:
     """`radixrt serve` (CPU, float32, debug endpoints) in its own session, so teardown can
     kill the front and the scheduler child by process group."""
 
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, model_dir: str | None, *args: str, api_key: str | None = None) -> None:
+        """`model_dir` None: no --model (the server's default, the tiny model)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.seen_loading = False  # wait_ready saw /health answer 503 "loading"
         cmd = [
-            sys.executable, "-m", "radixrt.cli", "serve", "--model", model_dir,
+            sys.executable, "-m", "radixrt.cli", "serve",
+            *(() if model_dir is None else ("--model", model_dir)),
             "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
             "--enable-debug-endpoints", "--log-level", "warning", *args,
         ]  # fmt: skip
@@ -129,7 +131,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, *args: str, api_key: str | None = None):
+def serving(model_dir: str | None, *args: str, api_key: str | None = None):
     """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
     idle (nothing in flight, integrity holds) and is stopped."""
     srv = ServerProcess(model_dir, *args, api_key=api_key)

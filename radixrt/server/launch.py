@@ -89,13 +89,32 @@ SchedulerStarter = Callable[
 ]
 
 
+def _tiny_model() -> str:
+    """The embedded tiny model's dir (`radixrt serve` without --model), trained first if this
+    machine has no copy yet; says so either way."""
+    from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
+
+    if tiny_model_ready():
+        logger.warning("no --model: serving the tiny model, %s", TINY_MODEL_LINE)
+    else:
+        logger.warning(
+            "no --model: serving the tiny model, training it first (%s): 1-2 minutes on a core",
+            TINY_MODEL_LINE,
+        )
+    return ensure_tiny_model()
+
+
 def add_serve_command(
     subparsers: argparse._SubParsersAction,
     add_engine_args: Callable[[argparse.ArgumentParser], None],
     engine_options: Callable[[argparse.Namespace], dict],
 ) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", required=True, help="local HF model dir")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF model dir (default: the embedded tiny model, trained on first use)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -126,7 +145,7 @@ def add_serve_command(
         )
         options = engine_options(args)
         cfg = ServeConfig(
-            model=args.model,
+            model=args.model or _tiny_model(),
             host=args.host,
             port=args.port,
             api_key=args.api_key,
