@@ -65,8 +65,11 @@ def write_tiny_tokenizer(
 def refresh_chat_template(model_dir: str) -> None:
     """Rewrite `model_dir`'s tokenizer_config.json with the current `CHAT_TEMPLATE` when it
     holds another (a tiny model built before the template changed; its weights do not
-    depend on it): atomically, so concurrent readers see the old file or the new one."""
+    depend on it): atomically, so concurrent readers see the old file or the new one. A dir
+    without the file is left as it is."""
     path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
     if config.get("chat_template") == CHAT_TEMPLATE:
