@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -89,19 +90,25 @@ SchedulerStarter = Callable[
 ]
 
 
+# run in a child process: the front imports no torch (the tiny model's code does)
+_TINY_MODEL_SCRIPT = """
+import sys
+from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
+what = ("serving the tiny model" if tiny_model_ready() else
+        "training the tiny model on first use (1-2 minutes on a core), then serving it")
+print(f"no --model: {what}, {TINY_MODEL_LINE}", file=sys.stderr, flush=True)
+print(ensure_tiny_model())
+"""
+
+
 def _tiny_model() -> str:
     """The embedded tiny model's dir (`radixrt serve` without --model), trained first if this
-    machine has no copy yet; says so either way."""
-    from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
-
-    if tiny_model_ready():
-        logger.warning("no --model: serving the tiny model, %s", TINY_MODEL_LINE)
-    else:
-        logger.warning(
-            "no --model: serving the tiny model, training it first (%s): 1-2 minutes on a core",
-            TINY_MODEL_LINE,
-        )
-    return ensure_tiny_model()
+    machine has no copy yet; says so either way (on stderr). Raises CalledProcessError if it
+    cannot be built."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TINY_MODEL_SCRIPT], stdout=subprocess.PIPE, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1]
 
 
 def add_serve_command(
