@@ -21,7 +21,7 @@ import torch
 
 def engine_and_workload(threads: int, size: str, block_size: int = 16):
     """The in-process engine as `bench_serving --backend engine` builds it on the trained
-    tiny model, warmed up, and the `random` workload at `size` (also bench_cpu_decode's)."""
+    tiny model, warmed up, and the `random` workload at `size`."""
     from benchmarks.backends import warmup_workload
     from benchmarks.engine_driver import run_engine
     from benchmarks.workloads import make_workload

@@ -37,8 +37,13 @@ DISABLE_ENV = "RADIXRT_NATIVE_KERNELS"  # "0": never build or load (the torch pa
 
 
 # every library a CPU float32 forward loads (what `prebuild` compiles when an engine starts)
-CPU_LIBRARIES = ("paged_decode", "paged_extend", "cpu_ops", "gemm_small", "llama_decode")
+CPU_LIBRARIES = ("paged_decode", "paged_extend")
 CACHE_ENV = "RADIXRT_NATIVE_CACHE"  # where built libraries go (default ~/.cache/radixrt/native)
+
+
+def enabled() -> bool:
+    """False where RADIXRT_NATIVE_KERNELS=0 (nothing is built or loaded)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
 def cache_dir() -> Path:
@@ -53,6 +58,36 @@ def check_status(rc: int, what: str) -> None:
     """Raise RuntimeError naming `what` and the failure if a native call returned rc != 0."""
     if rc != 0:
         raise RuntimeError(f"{what} failed: {STATUS.get(rc, f'status {rc}')}")
+
+
+# `bind` signature letters -> ctypes argument types
+_CTYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+class NativeFunction:
+    """One C entry point that returns a status (0: ok); calling it raises RuntimeError on any
+    other status (`check_status`)."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, what: str) -> None:
+        self._fn, self._what = fn, what
+
+    def __call__(self, *args: int | float | None) -> None:
+        check_status(self._fn(*args), self._what)
+
+
+def bind(
+    name: str, symbol: str, signature: str, defines: tuple[str, ...] = ()
+) -> NativeFunction | None:
+    """`symbol` of the library `csrc/<name>.c` built with `defines` (`load_library`), with its
+    argument types one letter each in `signature` (p: pointer, q: int64, i: int, f: float),
+    returning an int status; None where the library cannot be built or loaded."""
+    lib = load_library(name, defines)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_CTYPES[c] for c in signature]
+    return NativeFunction(fn, f"native {symbol}")
 
 
 def find_compiler() -> str | None:
@@ -112,7 +147,7 @@ def _build(cc: str, source: Path, target: Path, defines: tuple[str, ...]) -> str
 def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `csrc/<name>.c`, built if needed; None (logged once) if it cannot be.
     `defines`: preprocessor macros (-D) the source reads (tests: RADIXRT_PORTABLE)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not enabled():
         logger.info("native kernels off (%s=0): %s uses the torch path", DISABLE_ENV, name)
         return None
     source = SOURCES / f"{name}.c"
@@ -134,7 +169,7 @@ def prebuild(names: tuple[str, ...]) -> None:
     largest. Does nothing where `load_library` would not build (no compiler, disabled);
     failures are left for `load_library` to report."""
     cc = find_compiler()
-    if cc is None or os.environ.get(DISABLE_ENV, "1") == "0":
+    if cc is None or not enabled():
         return
     jobs = []
     for name in names:

@@ -9,24 +9,17 @@ The kernel (csrc/paged_decode.c, built by `radixrt.kernels.native`) takes float3
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from radixrt.kernels.native import check_status, load_library
-
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+from radixrt.kernels.native import NativeFunction, bind
 
 
 class PagedDecodeKernel:
     """The loaded kernel; see `__call__`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.radixrt_paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32]
-        fn.argtypes += [_F32, _I64, _I64, _I32]
+    def __init__(self, fn: NativeFunction) -> None:
         self._fn = fn
 
     def __call__(
@@ -58,7 +51,7 @@ class PagedDecodeKernel:
         assert lse is None or (lse.is_contiguous() and lse.dtype == torch.float32)
         if n == 0:
             return
-        rc = self._fn(
+        self._fn(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -79,14 +72,14 @@ class PagedDecodeKernel:
             k_cache.shape[0],
             num_threads,
         )
-        check_status(rc, "paged_decode kernel")
 
 
 @functools.cache
-def load_paged_decode() -> PagedDecodeKernel | None:
-    """The kernel, built on first use; None if it cannot be (see radixrt.kernels.native)."""
-    lib = load_library("paged_decode")
-    return None if lib is None else PagedDecodeKernel(lib)
+def load_paged_decode(defines: tuple[str, ...] = ()) -> PagedDecodeKernel | None:
+    """The kernel, built on first use; None if it cannot be (see radixrt.kernels.native).
+    `defines`: macros the source reads (tests: RADIXRT_PORTABLE, RADIXRT_NO_OPENMP)."""
+    fn = bind("paged_decode", "radixrt_paged_decode_f32", "ppppppppqqqiiiifqqi", defines)
+    return None if fn is None else PagedDecodeKernel(fn)
 
 
 def paged_decode_reference(

@@ -11,23 +11,17 @@ the tests compare it with.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from radixrt.kernels.native import check_status, load_library
-
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+from radixrt.kernels.native import NativeFunction, bind
 
 
 class PagedExtendKernel:
     """The loaded kernel; see `__call__`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.radixrt_paged_extend_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_P] * 10 + [_I64] * 6 + [_I32] * 4 + [_F32, _I32]
+    def __init__(self, fn: NativeFunction) -> None:
         self._fn = fn
 
     def __call__(
@@ -70,7 +64,7 @@ class PagedExtendKernel:
         )
         if n == 0:
             return
-        rc = self._fn(
+        self._fn(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -94,14 +88,14 @@ class PagedExtendKernel:
             scale,
             num_threads,
         )
-        check_status(rc, "paged_extend kernel")
 
 
 @functools.cache
-def load_paged_extend() -> PagedExtendKernel | None:
-    """The kernel, built on first use; None if it cannot be (see radixrt.kernels.native)."""
-    lib = load_library("paged_extend")
-    return None if lib is None else PagedExtendKernel(lib)
+def load_paged_extend(defines: tuple[str, ...] = ()) -> PagedExtendKernel | None:
+    """The kernel, built on first use; None if it cannot be (see radixrt.kernels.native).
+    `defines`: macros the source reads (tests: RADIXRT_PORTABLE, RADIXRT_NO_OPENMP)."""
+    fn = bind("paged_extend", "radixrt_paged_extend_f32", "ppppppppppqqqqqqiiiifi", defines)
+    return None if fn is None else PagedExtendKernel(fn)
 
 
 def paged_extend_reference(

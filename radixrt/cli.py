@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -121,75 +120,23 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     print(make_tiny_model(args.dir, seed=args.seed, random=args.random))
 
 
-DEMO_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and kindly. " * 4
-DEMO_QUESTIONS = ("Hello! Who are you?", "What is the weather like?", "Tell me a story.")
-DEMO_SHOTS = (
-    ("What color is the sky?", "Blue"),
-    ("What do bees make?", "Honey"),
-    ("What is the opposite of hot?", "Cold"),
-    ("What do you call a baby dog?", "A puppy"),
-    ("Where do fish live?", "In the water"),
-    ("What falls from clouds?", "Rain"),
-)
-DEMO_FEW_SHOT_QUESTIONS = (
-    "What color is grass?",
-    "What do hens lay?",
-    "What is the opposite of day?",
-    "What do you wear on your feet?",
-    "What season comes after winter?",
-    "What animal barks?",
-    "What do you read?",
-    "What do you drink when you are thirsty?",
-)
-
-
 def cmd_demo(args: argparse.Namespace) -> None:
-    """Multi-turn chat + shared-prefix few-shot batch on the tiny model, showing cache reuse."""
-    from radixrt import Engine, SamplingParams
-    from radixrt.model.tiny import ensure_tiny_model
+    """The runtime's features on the tiny model (radixrt.demo)."""
+    from radixrt import Engine
+    from radixrt.demo import run_demo
+    from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
 
+    if args.model is None and not tiny_model_ready():
+        print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
     model = args.model or ensure_tiny_model()
-    print(f"model: {model}")
+    line = f"{model}" if args.model else f"the tiny model, {TINY_MODEL_LINE} ({model})"
     engine = Engine(model, **engine_options(args))
-    tok = engine.tokenizer
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    messages = [{"role": "system", "content": DEMO_SYSTEM_PROMPT}]
-    print(f"\n== multi-turn chat ({engine.config.cache.prefix_cache} cache) ==")
-    for turn, question in enumerate(DEMO_QUESTIONS, 1):
-        messages.append({"role": "user", "content": question})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        t0 = time.perf_counter()
-        out = engine.generate([prompt], params)[0]
-        dt = time.perf_counter() - t0
-        messages.append({"role": "assistant", "content": out.text})
-        print(f"turn {turn}: user: {question}")
-        print(f"        assistant: {out.text!r}")
-        print(
-            f"        prompt {out.prompt_tokens} tok, cached {out.num_cached_tokens}, "
-            f"{out.completion_tokens} new, {dt * 1000:.0f} ms, "
-            f"{out.completion_tokens / dt:.0f} tok/s"
-        )
-    n = len(DEMO_FEW_SHOT_QUESTIONS)
-    print(f"\n== {n} questions sharing a few-shot prefix ==")
-    shots = "".join(f"Q: {q}\nA: {a}\n" for q, a in DEMO_SHOTS)
-    prompts = [f"{shots}Q: {q}\nA:" for q in DEMO_FEW_SHOT_QUESTIONS]
-    few_shot = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop=["\n"])
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, few_shot)
-    dt = time.perf_counter() - t0
-    for question, o in zip(DEMO_FEW_SHOT_QUESTIONS, outs):
-        cached = f"{o.prompt_tokens} tok prompt, {o.num_cached_tokens} cached"
-        print(f"  {cached}: {question} -> {o.text!r}")
-    new_tokens = sum(o.completion_tokens for o in outs)
-    print(f"  ... {n} requests in {dt * 1000:.0f} ms, {new_tokens / dt:.0f} tok/s")
-    stats = engine.stats()
-    print(
-        f"\ncache hit rate {stats['cache_hit_rate']:.1%} "
-        f"({stats['cached_tokens']}/{stats['prompt_tokens']} prompt tokens), "
-        f"{stats['cow_copies']} copy-on-write blocks, {stats['steps']} steps"
-    )
-    engine.check_integrity()
-    engine.shutdown()
+    try:
+        checks = run_demo(engine, args.max_tokens, line)
+    finally:
+        engine.shutdown()
+    if not all(checks.values()):
+        sys.exit(1)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -210,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="run a short demo on the tiny model (CPU is fine)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=24, help="per answer / sample")
     _engine_args(p)
     p.set_defaults(func=cmd_demo)
 

@@ -22,6 +22,8 @@ POLICIES = ("fcfs", "lpm", "dfs-weight")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 SPECULATIVE_METHODS = ("none", "ngram", "radix", "draft")
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
+ROPE_SCALING_TYPES = ("default", "linear", "llama3")  # what model.layers.rope_inv_freq computes
+HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a sliding attention window in force (Mistral's `sliding_window`, Qwen2's with
+    # `use_sliding_window`): every layer here attends the whole context, so the served
+    # context length may not exceed it (`limits.resolve_max_model_len`); None: no window
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +63,14 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        if self.rope_scaling and (kind or "default") not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"rope_scaling type {kind!r} is not implemented; supported: "
+                f"{', '.join(ROPE_SCALING_TYPES)}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
     @property
     def q_size(self) -> int:
@@ -72,6 +86,7 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
+        refuse_unimplemented(cfg, arch)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # transformers >= 5 nests rope settings under "rope_parameters".
@@ -100,6 +115,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window_in_force(cfg),
         )
 
     @classmethod
@@ -109,6 +125,51 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in {model_path!r}: expected an HF model dir")
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
+    """Raise ValueError naming the config.json field when `cfg` asks for something the model
+    code does not compute (the checkpoint would load and answer wrongly): another MLP
+    activation, biases beyond Qwen2's q/k/v ones, partial rotary, logit soft-capping. Rope
+    scaling types are checked by ModelConfig itself; a sliding window is honoured by limiting
+    the context (`window_in_force`)."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not implemented; supported: silu")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true (biases on the MLP) is not implemented")
+    if cfg.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise ValueError(
+            f"config.json: attention_bias=true for {arch} (biases on q/k/v and o_proj) is not "
+            "implemented; only Qwen2's q/k/v biases are"
+        )
+    factor = cfg.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise ValueError(
+            f"config.json: partial_rotary_factor={factor} is not implemented (rotary over "
+            "the whole head only)"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ValueError(f"config.json: {name}={cfg[name]} is not implemented")
+
+
+def window_in_force(cfg: dict[str, Any]) -> int | None:
+    """The sliding attention window a config.json applies to some layer, or None: Mistral's
+    `sliding_window` whenever set; with Qwen2/Qwen3's `use_sliding_window` only when true and
+    some layer is at or past `max_window_layers`; with `layer_types` (transformers >= 4.54)
+    only when a layer is "sliding_attention"."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if "layer_types" in cfg and cfg["layer_types"] is not None:
+        return window if "sliding_attention" in cfg["layer_types"] else None
+    if "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return None
+        first = cfg.get("max_window_layers", 0)
+        return window if cfg["num_hidden_layers"] > first else None
+    return window
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,34 @@ max_tokens must fit beside the prompt; an absent one (None) means all the room l
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(
+    requested: int | None, max_position_embeddings: int, sliding_window: int | None
+) -> int:
+    """The served context length: `requested`, else the model's max_position_embeddings;
+    with a sliding window in force (ModelConfig.sliding_window; every layer here attends the
+    whole context) at most the window: a default is clamped to it (and logged), a larger
+    explicit one is refused (ValueError naming the field)."""
+    length = requested or max_position_embeddings
+    if sliding_window is None or length <= sliding_window:
+        return length
+    if requested is not None:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's sliding_window={sliding_window}, "
+            "and sliding-window attention is not implemented: serve at most "
+            f"{sliding_window} tokens (max_model_len <= {sliding_window})"
+        )
+    logger.warning(
+        "sliding_window=%d is in force and not implemented: max_model_len clamped from %d "
+        "to %d (within the window every layer attends the whole context, as the model does)",
+        sliding_window, length, sliding_window,
+    )  # fmt: skip
+    return sliding_window
+
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
     """New tokens the request may generate. Raises ValueError naming the lengths."""

@@ -62,11 +62,13 @@ def tiny_random_model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def native_kernel():
-    """The native CPU decode kernel. Skips only where no C compiler exists; where one does,
-    a kernel that does not build fails the test."""
-    from radixrt.kernels.native import find_compiler
+    """The native CPU decode kernel. Skips only where no C compiler exists or native kernels
+    are off (RADIXRT_NATIVE_KERNELS=0); otherwise a kernel that does not build fails the test."""
+    from radixrt.kernels.native import DISABLE_ENV, enabled, find_compiler
     from radixrt.kernels.paged_decode_cpu import load_paged_decode
 
+    if not enabled():
+        pytest.skip(f"{DISABLE_ENV}=0: native kernels are off")
     if find_compiler() is None:
         pytest.skip("no C compiler: the native CPU kernel cannot be built")
     kernel = load_paged_decode()

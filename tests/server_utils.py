@@ -35,20 +35,22 @@ class ServerProcess:
 
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | None,
         *args: str,
         api_key: str | None = None,
         nofile: tuple[int, int] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        """`nofile`: the (soft, hard) open-file limit the server starts with; `env`: extra
-        environment variables (a PYTHONPATH given is searched after the repository's)."""
+        """`model_dir` None: no --model (the server's default, the tiny model); `nofile`: the
+        (soft, hard) open-file limit the server starts with; `env`: extra environment
+        variables (a PYTHONPATH given is searched after the repository's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.seen_loading = False  # wait_ready saw /health answer 503 "loading"
         cmd = [
-            sys.executable, "-m", "radixrt.cli", "serve", "--model", model_dir,
+            sys.executable, "-m", "radixrt.cli", "serve",
+            *(() if model_dir is None else ("--model", model_dir)),
             "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
             "--enable-debug-endpoints", "--log-level", "warning", *args,
         ]  # fmt: skip
@@ -150,7 +152,7 @@ def _set_nofile(limits: tuple[int, int]) -> None:
 
 @contextlib.contextmanager
 def serving(
-    model_dir: str,
+    model_dir: str | None,
     *args: str,
     api_key: str | None = None,
     nofile: tuple[int, int] | None = None,

@@ -14,12 +14,3 @@ def test_paired_bench_runs_both_each_round(tiny_model_dir, one_thread, capsys):
     assert len(rows) == 2 and all(hf > 0 and rt > 0 for hf, rt in rows)
     out = capsys.readouterr().out
     assert "round 1:" in out and "round 2:" in out and "per-round ratio median" in out
-
-
-def test_decode_paths_bench_runs_both(tiny_model_dir, one_thread, capsys):
-    from benchmarks.bench_cpu_decode import main
-
-    res = main(["--rounds", "1", "--threads", "1"])
-    assert set(res) == {"native forward", "layers"}
-    assert all(len(rows) == 1 and all(x > 0 for x in rows[0]) for rows in res.values())
-    assert "decode step ms" in capsys.readouterr().out

@@ -6,11 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixrt.kernels.gemm_cpu import load_gemm_small
 from radixrt.model.layers import RotaryEmbedding
 from radixrt.model.linear import (
     PACKED_MIN_ROWS,
-    SMALL_MAX_ROWS,
     Linear,
     can_prepack,
     prepack_linears,
@@ -32,9 +30,7 @@ def _linear(inp: int, out: int, bias: bool, **kw) -> Linear:
 
 
 @needs_onednn
-@pytest.mark.parametrize(
-    "rows", [1, 7, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1, 300]
-)
+@pytest.mark.parametrize("rows", [1, 7, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 128, 300])
 @pytest.mark.parametrize("shape", [(192, 320, False), (512, 192, False), (64, 48, True)])
 def test_packed_linear_matches_f_linear(rows: int, shape: tuple[int, int, bool]) -> None:
     inp, out, bias = shape
@@ -47,10 +43,8 @@ def test_packed_linear_matches_f_linear(rows: int, shape: tuple[int, int, bool])
     assert fast.shape == plain.shape and fast.is_contiguous()
     # a different summation order only: float32 rounding, relative to the output's scale
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
-    small = load_gemm_small() is not None and rows <= SMALL_MAX_ROWS
-    assert lin.takes_small(x) == small
-    if rows < PACKED_MIN_ROWS and not small:
-        assert torch.equal(fast, plain)  # few rows without the native kernel: F.linear itself
+    if rows < PACKED_MIN_ROWS:
+        assert torch.equal(fast, plain)  # few rows: F.linear itself
 
 
 @needs_onednn
@@ -66,7 +60,7 @@ def test_row_parts_and_stale_weight() -> None:
             torch.testing.assert_close(part, want, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         lin.weight.mul_(2.0)  # a changed weight: the packed copies are stale, F.linear is used
-    assert not lin.is_packed and not lin.takes_small(x)
+    assert not lin.is_packed
     with torch.inference_mode():
         assert torch.equal(lin.forward_rows(x, 0, 32), F.linear(x, lin.weight[:32], lin.bias[:32]))
     with pytest.raises(ValueError, match="row_parts"):
@@ -141,8 +135,7 @@ def test_mlp_split_gate_up_matches_fused(rows: int) -> None:
     ],
 )
 def test_rmsnorm_float32_equals_hf_formula_bitwise(shape, with_residual) -> None:
-    """The torch float32 path (torch.rms_norm; outside inference mode, where the native CPU op
-    does not run: tests/test_cpu_ops.py bounds that one) against HF LlamaRMSNorm's formula."""
+    """The torch float32 path (torch.rms_norm) against HF LlamaRMSNorm's formula."""
     from radixrt.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(len(shape))

@@ -38,6 +38,11 @@ def test_checkpoint_matches_hf(tmp_path, case):
     path = make_hf_checkpoint(str(tmp_path / case), **CASES[case])
     if CASES[case].get("max_shard_size"):
         assert (tmp_path / case / "model.safetensors.index.json").exists()
+    _assert_matches_hf(path)
+
+
+def _assert_matches_hf(path: str, **engine_kw) -> None:
+    """Prompt log-probs and 12 greedy tokens of IDS: our engine's equal HF's."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([IDS])).logits[0]
@@ -54,7 +59,7 @@ def test_checkpoint_matches_hf(tmp_path, case):
             pad_token_id=0,
             min_new_tokens=12,
         )[0, len(IDS) :].tolist()
-    engine = Engine(path, device="cpu", dtype="float32", block_size=4)
+    engine = Engine(path, device="cpu", dtype="float32", block_size=4, **engine_kw)
     out = engine.generate(
         prompt_token_ids=[IDS],
         sampling_params=SamplingParams(
@@ -64,6 +69,43 @@ def test_checkpoint_matches_hf(tmp_path, case):
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref_lp, atol=1e-4, rtol=1e-4)
     assert out.token_ids == ref_tokens
     engine.check_integrity()
+
+
+def _edit_config(path: str, **fields) -> None:
+    import json
+    import os
+
+    config = os.path.join(path, "config.json")
+    with open(config) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(config, "w") as f:
+        json.dump(cfg, f)
+
+
+def test_sliding_window_in_force_limits_the_context(tmp_path):
+    """Mistral with sliding_window=32 < max_position_embeddings (512): the default context is
+    clamped to the window, where every layer attends all keys as HF's does (equal tokens); a
+    larger explicit max_model_len is refused naming the field."""
+    path = make_hf_checkpoint(str(tmp_path / "m"), arch="mistral")
+    _edit_config(path, sliding_window=32)
+    _assert_matches_hf(path)  # 17 prompt + 12 new tokens: inside the window
+    engine = Engine(path, device="cpu", load_format="dummy")
+    assert engine.max_model_len == 32
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        Engine(path, device="cpu", load_format="dummy", max_model_len=64)
+    assert Engine(path, device="cpu", load_format="dummy", max_model_len=24).max_model_len == 24
+
+
+def test_sliding_window_not_in_force_is_served_whole(tmp_path):
+    """Qwen2's use_sliding_window=false, and a Mistral window >= max_position_embeddings:
+    the whole context is served."""
+    qwen = make_hf_checkpoint(str(tmp_path / "q"), arch="qwen2")
+    _edit_config(qwen, sliding_window=32, use_sliding_window=False, max_window_layers=0)
+    assert Engine(qwen, device="cpu", load_format="dummy").max_model_len == 512
+    mistral = make_hf_checkpoint(str(tmp_path / "m"), arch="mistral")
+    _edit_config(mistral, sliding_window=4096)
+    assert Engine(mistral, device="cpu", load_format="dummy").max_model_len == 512
 
 
 def test_missing_tensor_is_a_clear_error(tmp_path):

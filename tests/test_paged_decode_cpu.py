@@ -47,12 +47,10 @@ def test_kernel_matches_reference(native_kernel, block_size, kv_heads, group, he
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_portable_path_matches_reference(native_kernel, head_dim):
     """The portable C path (what CPUs without AVX2 run) on head dims the vector path takes."""
-    from radixrt.kernels.native import load_library
-    from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
+    from radixrt.kernels.paged_decode_cpu import load_paged_decode
 
-    lib = load_library("paged_decode", ("RADIXRT_PORTABLE",))
-    assert lib is not None
-    kernel = PagedDecodeKernel(lib)
+    kernel = load_paged_decode(("RADIXRT_PORTABLE",))
+    assert kernel is not None
     gen = torch.Generator().manual_seed(head_dim)
     q, kc, vc, idx, start, lens = _case(gen, 6, 4, 2, 3, head_dim)
     out, lse = torch.empty(6, 6, head_dim), torch.empty(6, 6)
@@ -67,12 +65,11 @@ def test_strided_output_and_threads(native_kernel, threading):
     """Results written through a strided view (rows of a larger buffer) and with 2, 5 and 64
     threads (more threads than work items too) equal the one-thread results, on OpenMP and
     on per-call threads (a build without OpenMP)."""
-    from radixrt.kernels.native import load_library
-    from radixrt.kernels.paged_decode_cpu import PagedDecodeKernel
+    from radixrt.kernels.paged_decode_cpu import load_paged_decode
 
     kernel = native_kernel
     if threading == "pthreads":
-        kernel = PagedDecodeKernel(load_library("paged_decode", ("RADIXRT_NO_OPENMP",)))
+        kernel = load_paged_decode(("RADIXRT_NO_OPENMP",))
     gen = torch.Generator().manual_seed(5)
     q, kc, vc, idx, start, lens = _case(gen, 3, 16, 2, 3, 32)
     one = torch.empty(3, 6, 32)

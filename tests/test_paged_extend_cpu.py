@@ -12,7 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.kernels.paged_extend_cpu import PagedExtendKernel, paged_extend_reference
+from radixrt.kernels.paged_extend_cpu import (
+    PagedExtendKernel,
+    load_paged_extend,
+    paged_extend_reference,
+)
 
 MIXED = [(0, 37), (100, 1), (0, 1), (45, 70), (3, 16), (200, 9)]  # (cached keys, new tokens)
 LONG = [(1100, 300), (0, 300), (517, 129), (0, 1), (64, 64)]
@@ -31,11 +35,9 @@ def extend_kernel(native_kernel):
 
 def _variant(*defines: str) -> PagedExtendKernel:
     """A build with `defines` (callers take the `extend_kernel` fixture: a compiler exists)."""
-    from radixrt.kernels.native import load_library
-
-    lib = load_library("paged_extend", defines)
-    assert lib is not None
-    return PagedExtendKernel(lib)
+    kernel = load_paged_extend(tuple(defines))
+    assert kernel is not None
+    return kernel
 
 
 def _case(gen, rows, block_size, kv_heads, group, head_dim):

@@ -259,3 +259,30 @@ def test_ensure_concurrent_callers(monkeypatch, tmp_path) -> None:
         t.join()
     assert not errors, errors
     assert sorted(os.listdir(tmp_path / "shared")) == ["tiny"]
+
+
+def test_chat_template_takes_developer_as_system(tokenizer) -> None:
+    """OpenAI's `developer` role renders exactly as `system`."""
+    as_system = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    developer = [{**m, "role": "developer"} if m["role"] == "system" else m for m in MESSAGES]
+    assert any(m["role"] == "developer" for m in developer)
+    got = tokenizer.apply_chat_template(developer, tokenize=False, add_generation_prompt=True)
+    assert got == as_system
+
+
+def test_stale_chat_template_is_refreshed(tmp_path) -> None:
+    """A tiny model dir written with an older template gets the current one (no retraining)."""
+    import json
+
+    from radixrt.model.tiny_tokenizer import (
+        CHAT_TEMPLATE,
+        refresh_chat_template,
+        write_tiny_tokenizer,
+    )
+
+    write_tiny_tokenizer(str(tmp_path), vocab_size=300)
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "chat_template": "old"}))
+    refresh_chat_template(str(tmp_path))
+    assert json.loads(path.read_text()) == {**config, "chat_template": CHAT_TEMPLATE}

@@ -92,7 +92,7 @@ class SdpaAttentionBackend:
         self.group_size = num_heads // num_kv_heads
         # decode queries per KV head as SDPA sees them: one zero query more when that makes a
         # multiple of 4 (CPU flash kernel, 32 rows x 160 keys, 2 KV heads: 0.28 ms at 3 queries,
-        # 0.17 at 4; 7 -> 8 also gains; 2, 5, 6 do not)
+        # 0.17 at 4; 7 -> 8 also gains; 2, 5, 6 do not: benchmarks/bench_cpu_paired.py)
         self.decode_group = self.group_size + (1 if self.group_size % 4 == 3 else 0)
         self.scale = head_dim**-0.5
         self.limits = limits
@@ -145,16 +145,6 @@ class SdpaAttentionBackend:
             skip if self.prefix_groups else None,
             leave_out=leave_out,
         )
-
-    def native_decode_plan(self) -> NativePlan | None:
-        """After `prepare`: the decode kernel's plan when the step is decode rows only, all
-        through it (a decode-only CPU step), else None. A model may then run the step's
-        forward in one native call (radixrt.model.cpu_decode) instead of calling `forward`
-        per layer."""
-        plan = self.native_plan
-        if self._native is None or self.groups or self.prefix_groups or plan is None:
-            return None
-        return plan if plan.extend is None and plan.token_index is None else None
 
     def _bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Group i's mask as an additive bias in `dtype`, made at the step's first layer (SDPA

@@ -23,7 +23,7 @@ from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.limits import resolve_max_tokens
+from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
@@ -79,7 +79,9 @@ class EngineCore:
         tokenizer when the ModelRunner is used and xgrammar is installed."""
         self.config = cfg
         self.model_config = model_config
-        self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(
+            cfg.max_model_len, model_config.max_position_embeddings, model_config.sliding_window
+        )
         num_slots = cfg.scheduler.max_running_requests
         own_runner = runner is None
         if runner is None and cfg.tensor_parallel_size > 1:

@@ -4,7 +4,7 @@ A CPU forward allocates and frees activations of a few MB each (a 4096-token pre
 tiny model: [4096, 512] float32 = 8 MB). glibc serves allocations above its mmap threshold
 with fresh `mmap` pages and gives heap tops back to the kernel above its trim threshold, so
 every step page-faults its activations in again: ~25-40k minor faults per 32 x (128 in / 32
-out) run of bench_serving's smoke random workload, 10-20% of its time. Raising both
+out) run, 10-20% of its time (benchmarks/bench_cpu_paired.py). Raising both
 thresholds (what `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` do) keeps that memory
 in the heap: the faults drop to ~0. The cost: the process keeps its peak heap instead of
 returning it to the kernel.

@@ -10,18 +10,12 @@ K and one V scale per layer (`KVScales`): `store` writes `clamp(x / scale, +-448
 and a reader dequantizes with `dequantize` (torch backends) or passes the scales to its
 kernel (FlashInfer). fp8 elements are 1 byte, so the same memory holds twice the tokens of
 bf16 (`bytes_per_block`).
-
-A float32 CPU pool stores new K/V with the native `store_kv` (radixrt.kernels.cpu_ops: one
-pass for K and V; 4096 tokens of the tiny model's layer 530 -> 117 us; at 32 tokens it is
-8.2 vs 10.8 us warm, but in a decode step, where the pool is cold, the two index_copy_ took
-~16 us each).
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixrt.kernels.cpu_ops import load_cpu_ops
 from radixrt.kv.scales import FP8_E4M3_MAX, KVScales
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -78,7 +72,6 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
-        self._native_store = self.kv.device.type == "cpu" and dtype == torch.float32
         # per-layer views, made once (a decode step would otherwise make ~5 a layer)
         self._k = [self.kv[i, 0] for i in range(num_layers)]
         self._v = [self.kv[i, 1] for i in range(num_layers)]
@@ -149,11 +142,6 @@ class KVPool:
         """Write new tokens' K/V (quantized as `quantize`). slots: [T] int64;
         k, v: [T, kv_heads, head_dim]. Mutates the pool."""
         k_flat, v_flat = self._k_flat[layer], self._v_flat[layer]
-        if self._native_store and k.dtype == v.dtype == torch.float32:
-            ops = load_cpu_ops()
-            if ops is not None:
-                ops.store_kv(k, v, slots, k_flat, v_flat)
-                return
         kq, vq = self.quantize(layer, k, v)
         if self.is_fp8:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
             k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)

@@ -2,11 +2,10 @@
 
 Each runs FlashInfer's fused CUDA kernel on CUDA half-precision tensors when flashinfer is
 installed (RMSNorm with the residual add fused in, in place; RoPE from the cos/sin cache, in
-place; SiLU-and-mul), the native CPU ops (radixrt.kernels.cpu_ops: RMSNorm with the residual
-add, in place; RoPE, in place) on float32 CPU tensors under inference mode (the engine's steps;
-autograd, e.g. training the tiny model, keeps torch), and plain torch everywhere else. All
-paths share one contract; the fused ones round differently (float32 inside; the native RMSNorm
-in the last bit of a few outputs, its RoPE not at all).
+place; SiLU-and-mul) and plain torch everywhere else (on a CPU: torch.rms_norm, one gathered
+rotary table a forward; fused C versions of these ops gained under 10% of a whole run in
+benchmarks/bench_cpu_paired.py and are not kept). Both paths share one contract; the fused one
+rounds differently (float32 inside).
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-
-from radixrt.kernels.cpu_ops import CpuOps, load_cpu_ops
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 ROPE_HEAD_DIMS = (64, 128, 256, 512)  # head dims FlashInfer's RoPE kernel takes
@@ -46,14 +43,6 @@ def _fast(x: torch.Tensor) -> ModuleType | None:
     return None
 
 
-def _cpu_ops(x: torch.Tensor) -> CpuOps | None:
-    """The native CPU ops when `x` can take them (float32 on the CPU, inference mode), else
-    None (also where they cannot be built: no C compiler, RADIXRT_NATIVE_KERNELS=0)."""
-    if x.dtype == torch.float32 and x.is_cpu and torch.is_inference_mode_enabled():
-        return load_cpu_ops()
-    return None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -65,9 +54,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] (or [T, heads, H] without residual). With `residual` [T, H]: returns
-        (norm(x + residual), x + residual). On the fused CUDA path and the native CPU path
-        (2-D x, weight of x's dtype) that pair is written into x and residual themselves (in
-        place)."""
+        (norm(x + residual), x + residual). On the fused CUDA path (2-D x, weight of x's
+        dtype) that pair is written into x and residual themselves (in place)."""
         weight = self.weight
         fused = x.dim() == 2 and weight.dtype == x.dtype
         if x.is_cuda:
@@ -76,13 +64,6 @@ class RMSNorm(nn.Module):
                 if residual is None:
                     return fi.norm.rmsnorm(x, weight, self.eps)
                 fi.norm.fused_add_rmsnorm(x, residual, weight, self.eps)
-                return x, residual
-        elif fused and x.stride(-1) == 1 and (residual is None or _rows_like(residual, x)):
-            ops = _cpu_ops(x)
-            if ops is not None:
-                if residual is None:
-                    return ops.rmsnorm(x, weight, self.eps)
-                ops.add_rmsnorm_(x, residual, weight, self.eps)
                 return x, residual
         if residual is not None:
             x = x + residual
@@ -99,28 +80,17 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def _rows_like(residual: torch.Tensor, x: torch.Tensor) -> bool:
-    return residual.dtype == x.dtype and residual.stride(-1) == 1 and residual.shape == x.shape
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2 * I] (gate | up) -> silu(gate) * up [T, I]."""
     fi = _fast(x)
     if fi is not None and x.is_contiguous() and x.shape[-1] * x.element_size() % 16 == 0:
         return fi.activation.silu_and_mul(x)
-    inter = x.shape[-1] // 2
-    ops = _cpu_ops(x) if x.dim() == 2 and x.stride(-1) == 1 else None
-    if ops is not None:
-        return ops.silu_mul(x[:, :inter], x[:, inter:])
     gate, up = x.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [T, I], written into gate (which is returned)."""
-    ops = _cpu_ops(gate) if gate.dim() == 2 and gate.stride(-1) == 1 else None
-    if ops is not None and up.stride(-1) == 1 and up.dtype == gate.dtype:
-        return ops.silu_mul(gate, up, gate)
     return nn.functional.silu(gate, inplace=True).mul_(up)
 
 
@@ -153,9 +123,8 @@ class RopeInputs(NamedTuple):
 
     positions: torch.Tensor  # [T] int64
     cos: torch.Tensor | None  # [T, 1, d] (cos | cos) in the model's dtype; None on the fused
-    # CUDA path and the native CPU path
+    # CUDA path
     sin: torch.Tensor | None  # [T, 1, d] (-sin | sin)
-    table: torch.Tensor | None = None  # the native CPU path: RotaryEmbedding.rope_table
 
 
 class RotaryEmbedding(nn.Module):
@@ -186,9 +155,6 @@ class RotaryEmbedding(nn.Module):
         if _fast(x) is not None and self.head_dim in ROPE_HEAD_DIMS:
             return RopeInputs(positions, None, None)
         d, table = self.head_dim, self.rope_table
-        native = table is not None and table.device == x.device and _cpu_ops(x) is not None
-        if native and positions.dtype == torch.int64 and positions.is_contiguous():
-            return RopeInputs(positions, None, None, table)  # no gather: the kernel reads it
         if table is not None:
             full = table.index_select(0, positions).to(x.dtype).unsqueeze(1)  # [T, 1, 2d]
         else:  # a model moved off the device it was built for
@@ -201,18 +167,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, hq, d], k [T, hkv, d] -> rotated (same shapes/dtypes). On the fused CUDA
         path (`rope.cos` is None) q and k are rotated in place (any token/head strides) and
-        returned, and on the native CPU path (`rope.table` set) too (heads contiguous, as the
-        views of a qkv output are); otherwise new tensors: when k's heads follow q's in one
+        returned; otherwise new tensors: when k's heads follow q's in one
         buffer (views of a merged qkv output) both are rotated at once and returned as the two
         parts of one [T, hq + hkv, d] tensor (heads and last dim contiguous, tokens hq + hkv
         heads apart), else each contiguous."""
-        if rope.table is not None:
-            ops = load_cpu_ops()
-            assert ops is not None  # prepare() checked
-            qk = _joint(q, k)
-            for heads in (q, k) if qk is None else (qk,):
-                ops.rope_(heads, heads.shape[1], rope.positions, rope.table)
-            return q, k
         if rope.cos is None:
             fi = _flashinfer()
             assert fi is not None

@@ -8,23 +8,16 @@ there the blocked layout also wins for decode batches: the tiny model's 21 decod
 took 1.52 vs 1.83 ms at 32 rows, 0.90 vs 0.94 at 16, 0.65 vs 0.65 at 8, but 0.44 vs 0.24 ms at
 one row (oneDNN's per-call overhead; with one hot weight it is also slower at 2-8 rows). So
 `forward` takes the packed path for inputs of at least `PACKED_MIN_ROWS` rows, and plain
-`F.linear` below.
+`F.linear` below (benchmarks/bench_cpu_paired.py measures the whole run).
 
-Decode batches of at most `SMALL_MAX_ROWS` rows take the native GEMM instead
-(radixrt.kernels.gemm_cpu, its own packed copy): oneDNN costs ~14 us a call before any
-arithmetic, which the tiny model's 17 decode GEMMs a step pay each time; the native kernel
-costs a few and reaches oneDNN's ~100 GFLOP/s at 30-36 rows, prefetching the next weight panel
-as it goes (with the caches flushed before each call, the 5 GEMM shapes of a layer plus the
-lm head: 32 rows 1.31 vs 1.68 ms, 64 rows 1.77 vs 2.07, 128 rows 2.66 vs 2.95, 192 rows 4.11
-vs 4.07, hence the bound; warm, 4096 rows, oneDNN is 1.0-1.35x faster).
-
-Numerics: oneDNN and the native kernel sum the K products in other orders than MKL, so results
+Numerics: oneDNN sums the K products in another order than MKL, so results
 differ in the last bits (relative ~1e-6 in float32; tests/test_cpu_linear.py bounds it against
 `F.linear`).
 
 Contract: `prepack()` snapshots the weight; a packed copy is used only while the weight is
 unchanged (its version counter is checked on every call, and a changed weight falls back to
-`F.linear` until `prepack()` runs again). The packed copy doubles the weight's memory.
+`F.linear` until `prepack()` runs again). The packed copy doubles the weight's memory: a CPU
+model holds its weights once (what `F.linear` reads below `PACKED_MIN_ROWS`) plus this copy.
 """
 
 from __future__ import annotations
@@ -33,10 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixrt.kernels.gemm_cpu import SmallGemm, load_gemm_small, pack_weight
-
 PACKED_MIN_ROWS = 8  # rows from which the packed oneDNN GEMM beats MKL's (see above)
-SMALL_MAX_ROWS = 128  # rows up to which the native GEMM runs (see above)
 PACK_HINT_ROWS = 128  # batch-size hint of oneDNN's weight reorder (the layout is the same)
 
 
@@ -73,19 +63,14 @@ class Linear(nn.Linear):
         self._packed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._full: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the whole's
         self._packed_version = -1  # weight._version when packed
-        # the native GEMM and its packed copy of the whole weight (gemm_cpu.pack_weight)
-        self._small: tuple[SmallGemm, torch.Tensor] | None = None
 
     def prepack(self) -> bool:
         """Make the oneDNN-packed copies of the current weight (the whole, or `row_parts`;
         see the module docstring). Returns whether they were made (False: not a float32 CPU
         weight, or no oneDNN)."""
-        self._packed, self._full, self._small = {}, None, None
+        self._packed, self._full = {}, None
         if not can_prepack(self.weight):
             return False
-        gemm = load_gemm_small()
-        if gemm is not None:
-            self._small = (gemm, pack_weight(self.weight.detach()))
         parts = self.row_parts or ((0, self.out_features),)
         with torch.no_grad():
             w = self.weight.detach()
@@ -104,24 +89,8 @@ class Linear(nn.Linear):
         """Whether packed copies exist and the weight is unchanged since they were made."""
         return bool(self._packed) and self._packed_version == self.weight._version
 
-    def takes_small(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` runs the native small GEMM (see the module docstring)."""
-        return (
-            self._small is not None
-            and x.dim() == 2
-            and x.shape[0] <= SMALL_MAX_ROWS
-            and x.is_cpu
-            and x.dtype == torch.float32
-            and x.stride(1) == 1
-            and self._packed_version == self.weight._version
-        )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]; the native GEMM for 2-D x of <= SMALL_MAX_ROWS rows,
-        the packed oneDNN one for >= PACKED_MIN_ROWS rows otherwise."""
-        if self.takes_small(x):
-            gemm, packed = self._small
-            return gemm(x, packed, self.out_features, self.bias)
+        """x [..., in] -> [..., out]; the packed oneDNN GEMM for >= PACKED_MIN_ROWS rows."""
         full = self._full
         if full is None or x.numel() < PACKED_MIN_ROWS * self.in_features or not x.is_cpu:
             return F.linear(x, self.weight, self.bias)

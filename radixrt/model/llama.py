@@ -16,8 +16,6 @@ from radixrt.attention.base import AttentionBackend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
 from radixrt.kv.pool import KVPool
-from radixrt.model import cpu_decode
-from radixrt.model.cpu_decode import CpuDecode
 from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
@@ -86,12 +84,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if (
-            x.is_cuda
-            or not gate_up.is_packed
-            or x.shape[0] < PACKED_MIN_ROWS
-            or gate_up.takes_small(x)
-        ):
+        if x.is_cuda or not gate_up.is_packed or x.shape[0] < PACKED_MIN_ROWS:
             # one GEMM (FlashInfer's silu_and_mul reads its halves; on CPU, few rows)
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         # CPU, many rows: the packed gate and up GEMMs apart, so that silu and mul run on
@@ -179,21 +172,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelLMHead(shard, cfg.hidden_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # decode steps on a CPU in one native call (radixrt.model.cpu_decode) where it applies;
-        # False: always layer by layer (tests compare the two)
-        self.cpu_decode = True
-        # (pool, CpuDecode.applies for it, the forward built for it or None)
-        self._cpu_decode: tuple[KVPool, bool, CpuDecode | None] | None = None
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         """Runs every new token of `batch`; returns hidden states [T, hidden] (normed)."""
-        native_plan = getattr(backend, "native_decode_plan", None)
-        if self.cpu_decode and native_plan is not None:
-            plan = native_plan()
-            if cpu_decode.takes(batch, plan):
-                fast = self._native_decode(pool)
-                if fast is not None:
-                    return fast.forward(batch, plan)
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.prepare(batch.positions, x)  # cos/sin gathered once for all layers
         residual = None
@@ -201,18 +182,6 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, backend, pool)
         x, _ = self.norm(x, residual)
         return x
-
-    def _native_decode(self, pool: KVPool) -> CpuDecode | None:
-        """The native decode forward over `pool`, or None where it does not apply: built
-        once, and again when the pool changes or a weight was replaced or repacked since."""
-        state = self._cpu_decode
-        if state is None or state[0] is not pool:
-            state = (pool, CpuDecode.applies(self, pool), None)
-        _, applies, fast = state
-        if applies and (fast is None or not fast.valid(pool)):
-            fast = CpuDecode.build(self, pool)  # None while a weight is not packed
-        self._cpu_decode = (pool, applies, fast)
-        return fast
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""

@@ -46,6 +46,7 @@ from radixrt.model.tiny_tokenizer import (  # noqa: F401  (re-exported: the tiny
     PAD_ID,
     ROLE_TOKENS,
     SPECIAL_TOKENS,
+    refresh_chat_template,
     trained_tokenizer_json,
     write_tiny_tokenizer,
 )
@@ -98,6 +99,18 @@ def default_tiny_model_dir(random: bool = False) -> str:
     return os.path.expanduser(f"~/.cache/radixrt/tiny-llama-{variant}-{key[:12]}")
 
 
+# what the tiny model is, in one line (the demo and `radixrt serve` without --model say it)
+TINY_MODEL_LINE = (
+    "a 2.4M-parameter Llama trained here on a few pages of simple English: it speaks simple, "
+    "often muddled English and knows no facts"
+)
+
+
+def tiny_model_ready(random: bool = False) -> bool:
+    """Whether `ensure_tiny_model(random=random)` finds its model built (no training)."""
+    return _read_marker(default_tiny_model_dir(random)) == _marker(random)
+
+
 def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
     """Return `path` (default: `default_tiny_model_dir(random)`) holding the seed-0 tiny
     model: trained with `TRAIN_SETTINGS` (1-2 minutes on one CPU core), or random weights.
@@ -111,6 +124,7 @@ def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
     path = os.path.abspath(os.path.expanduser(path or default_tiny_model_dir(random)))
     marker = _marker(random)
     if _read_marker(path) == marker:
+        refresh_chat_template(path)
         return path
     if os.path.isdir(path) and os.listdir(path) and _read_marker(path) is None:
         raise ValueError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 
 from radixrt.model import tiny_data
 
@@ -17,13 +18,15 @@ PAD_ID, BOS_ID, EOS_ID, END_OF_TURN_ID = 0, 1, 2, 6
 EOS_IDS = [EOS_ID, END_OF_TURN_ID]  # generation stops at either
 
 # "<|role|>\ncontent<|end|>\n" per message; add_generation_prompt appends "<|assistant|>\n".
+# OpenAI's `developer` role is the system role (rendered as <|system|>).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}"
+    "{%- if role not in ['system', 'user', 'assistant'] -%}"
     "{{ raise_exception('unsupported role ' + message['role']"
-    " + '; allowed: system, user, assistant') }}"
+    " + '; allowed: system (or developer), user, assistant') }}"
     "{%- endif -%}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{{ '<|' + role + '|>\\n' + message['content'] + '<|end|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
@@ -57,6 +60,26 @@ def write_tiny_tokenizer(
         json.dump(tokenizer_config, f, indent=2, sort_keys=True)
         f.write("\n")
     return actual_vocab_size
+
+
+def refresh_chat_template(model_dir: str) -> None:
+    """Rewrite `model_dir`'s tokenizer_config.json with the current `CHAT_TEMPLATE` when it
+    holds another (a tiny model built before the template changed; its weights do not
+    depend on it): atomically, so concurrent readers see the old file or the new one. A dir
+    without the file is left as it is."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("chat_template") == CHAT_TEMPLATE:
+        return
+    config["chat_template"] = CHAT_TEMPLATE
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer_config-", dir=model_dir)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 @functools.cache

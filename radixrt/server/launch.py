@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -107,13 +108,38 @@ SchedulerStarter = Callable[
 ]
 
 
+# run in a child process: the front imports no torch (the tiny model's code does)
+_TINY_MODEL_SCRIPT = """
+import sys
+from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
+what = ("serving the tiny model" if tiny_model_ready() else
+        "training the tiny model on first use (1-2 minutes on a core), then serving it")
+print(f"no --model: {what}, {TINY_MODEL_LINE}", file=sys.stderr, flush=True)
+print(ensure_tiny_model())
+"""
+
+
+def _tiny_model() -> str:
+    """The embedded tiny model's dir (`radixrt serve` without --model), trained first if this
+    machine has no copy yet; says so either way (on stderr). Raises CalledProcessError if it
+    cannot be built."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TINY_MODEL_SCRIPT], stdout=subprocess.PIPE, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
 def add_serve_command(
     subparsers: argparse._SubParsersAction,
     add_engine_args: Callable[[argparse.ArgumentParser], None],
     engine_options: Callable[[argparse.Namespace], dict],
 ) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", required=True, help="local HF model dir")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF model dir (default: the embedded tiny model, trained on first use)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -196,7 +222,7 @@ def add_serve_command(
         options = engine_options(args)
         try:
             cfg = ServeConfig(
-                model=args.model,
+                model=args.model or _tiny_model(),
                 host=args.host,
                 port=args.port,
                 api_key=args.api_key,
