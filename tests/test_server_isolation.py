@@ -70,7 +70,7 @@ def test_a_failing_beam_search_fails_alone_and_the_server_serves_on(server):
     assert "injected" in out["error"]["message"]
     t.join(60)
     assert events and events[-1]["meta_info"]["finish_reason"] == {"type": "length"}
-    assert sum(len(e["output_ids"]) for e in events) == 24
+    assert len(events[-1]["output_ids"]) == 24  # SGLang's streams carry everything so far
     assert server.get("/health")[0] == 200
     beams = generate(server, {"beam_width": 2, "max_new_tokens": 4, "length_penalty": 1.0})
     assert len(beams) == 2
