@@ -135,13 +135,11 @@ class Admission:
         kv = self.kv
         shorter: list[int] | None = None
         while True:
-            num_ops = len(ops)
             if kv.start(req, self.match(req), ops):
                 n = chunk_len(req, budget, self.cfg)
                 if kv.reserve(req, n) and (not shorter or kv.can_finish(req)):
                     return n
-                del ops[num_ops:]
-                kv.release(req)
+                kv.release(req)  # drops its copy-on-write op too
             if self.queues.running:
                 return None
             if shorter is None:

@@ -7,8 +7,11 @@ cached prefix (whole blocks by reference, a partial last block written on in pla
 a `CopyBlock` op, host-resident blocks loaded: `SwapIn` ops); `share_prefix` does the same
 between two requests (forks, beams); `reserve` adds blocks for the next tokens, evicting cache
 entries when the pool is short; `release` gives everything back. Block ops made outside
-`schedule()` (beam re-parenting while a result is applied) wait in `pending_ops`; the host
-tier's swap ops come from the cache (`swaps_first`).
+`schedule()` (beam re-parenting while a result is applied) wait in `pending_ops`, which is
+also the list a step's planning appends to until the plan takes it; the host tier's swap ops
+come from the cache (`swaps_first`). A block freed before its plan goes out loses the copy
+queued into it (`free`): the block may be reused at once, e.g. as a host load's target, and a
+plan runs its swap-ins before its copies.
 """
 
 from __future__ import annotations
@@ -67,9 +70,20 @@ class KVManager:
         """Free blocks past the request's computed KV (speculative rollback)."""
         keep = math.ceil(req.num_computed / self.block_size)
         if keep < len(req.block_table):
-            self.allocator.decref(req.block_table[keep:])
+            self.free(req.block_table[keep:])
             del req.block_table[keep:]
             req.num_table_sent = min(req.num_table_sent, keep)
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop a request's reference on each of `blocks`; a copy queued for the next plan
+        into a block that became free goes too (see the module docstring)."""
+        self.allocator.decref(blocks)
+        ref_counts = self.allocator.ref_counts
+        freed = {b for b in blocks if ref_counts[b] == 0}
+        if freed and self.pending_ops:
+            self.pending_ops[:] = [
+                op for op in self.pending_ops if not (isinstance(op, CopyBlock) and op.dst in freed)
+            ]
 
     def can_finish(self, req: Request) -> bool:
         """Whether the blocks free or evictable now cover the rest of `req` (all its tokens to
@@ -162,7 +176,7 @@ class KVManager:
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
             req.cache_handle = None
-        self.allocator.decref(req.block_table)
+        self.free(req.block_table)
         req.block_table = []
         if req.slot is not None:
             self.free_slots.append(req.slot)
@@ -201,9 +215,21 @@ class KVManager:
         swaps = [op for op in ops if is_swap(op)] + queued
         return swaps + [op for op in ops if not is_swap(op)]
 
-    def take_pending_ops(self) -> list[BlockOp]:
-        ops, self.pending_ops = self.pending_ops, []
+    def step_ops(self) -> list[BlockOp]:
+        """The list a step's planning appends its block ops to: `pending_ops` itself (ops
+        queued since the last plan first), so that `free` drops copies into blocks freed
+        while planning. The plan takes them with `launch_ops`."""
+        return self.pending_ops
+
+    def launch_ops(self) -> list[BlockOp]:
+        """The step's block ops for its plan, swaps first; nothing stays pending."""
+        ops = self.swaps_first(self.pending_ops)
+        self.pending_ops = []
         return ops
+
+    def keep_ops(self) -> None:
+        """No plan this step: the ops wait for the next one (swaps first)."""
+        self.pending_ops = self.swaps_first(self.pending_ops)
 
     # ---- integrity ----
     def check_integrity(
@@ -224,6 +250,8 @@ class KVManager:
         self.allocator.check_integrity(refs)
         self.cache.check_integrity()
         in_use = {b for r in running for b in r.block_table}
+        for op in self.pending_ops:  # a copy into a freed block would clobber its next use
+            assert not isinstance(op, CopyBlock) or op.dst in in_use, f"{op} into a free block"
         cached_only = set(self.cache.held_refs()) - in_use
         assert len(cached_only) <= self.cache.cached_blocks
         free, num_in_use, num_cached = self.allocator.num_free, len(in_use), len(cached_only)

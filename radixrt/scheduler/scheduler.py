@@ -37,7 +37,7 @@ from radixrt.cache.tiers import unmade_blocks
 from radixrt.config import SchedulerConfig
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import group_blocks_needed
-from radixrt.plan import BlockOp, CopyBlock, StepPlan, StepResult
+from radixrt.plan import BlockOp, StepPlan, StepResult
 from radixrt.sampling import BeamSearchParams
 from radixrt.scheduler.admission import Admission
 from radixrt.scheduler.features import Hooks, SchedulerFeature
@@ -277,7 +277,7 @@ class Scheduler:
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
         q, kv = self.queues, self.kv
         self.admission.new_step()
-        ops = kv.take_pending_ops()
+        ops = kv.step_ops()
         for hook in self.hooks.before_schedule:
             hook(ops)
         decode = self.planner.decode_rows()
@@ -298,13 +298,7 @@ class Scheduler:
         for req in q.waiting:
             req.waited_steps += 1
         if not decode and not extend:
-            # No row: copies into blocks a running request holds (a fork parent's whole
-            # prefix cached) wait for the next plan; the others were for forks or beams
-            # preempted since (their blocks are free now, nothing to copy).
-            held = {b for r in q.running for b in r.block_table}
-            kv.pending_ops = kv.swaps_first(
-                [op for op in ops if not isinstance(op, CopyBlock) or op.dst in held]
-            )
+            kv.keep_ops()  # no row: the ops wait (copies into blocks freed since went)
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
@@ -327,9 +321,9 @@ class Scheduler:
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
-            kv.pending_ops = [op for op in kv.swaps_first(ops) if is_swap(op)]
+            kv.keep_ops()
             return None
-        ops = kv.swaps_first(ops)
+        ops = kv.launch_ops()
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
