@@ -172,6 +172,8 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logit_bias:
+        out["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
     for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
         if getattr(params, name) is not None:  # structured output
             out[key] = getattr(params, name)
