@@ -125,6 +125,7 @@ class Plan:
     spec: ProgramSpec
     inputs: list[dict]  # the concurrent run
     latency_inputs: list[dict]  # run one at a time afterwards
+    warmup_inputs: list[dict]  # one program of other inputs (seed + 1), run first
     reference: list[Call]  # the dry run's calls
     working_set_tokens: int
     max_context: int  # longest prompt + output
@@ -140,6 +141,7 @@ def plan_programs(args: argparse.Namespace, tokenizer, max_len: int) -> list[Pla
         n = max(1, round(spec.sizes[args.size]["num_programs"] * args.scale))
         inputs = spec.inputs(words, args.size, args.seed, 0, n)
         latency = spec.inputs(words, args.size, args.seed, n, args.latency_programs)
+        warmup = spec.inputs(words, args.size, args.seed + 1, 0, 1)
         log = CallLog()
         run_dsl(spec, inputs, Recording(Dry(tokenizer, words.ids[0]), log), threads=1)
         calls = log.calls
@@ -147,7 +149,9 @@ def plan_programs(args: argparse.Namespace, tokenizer, max_len: int) -> list[Pla
         if context > max_len:
             raise ValueError(f"{name} needs {context} tokens of context, the model allows "
                              f"{max_len}; use --size smoke or a longer-context model")  # fmt: skip
-        plans.append(Plan(spec, inputs, latency, calls, replay(calls).unique_tokens, context))
+        plans.append(
+            Plan(spec, inputs, latency, warmup, calls, replay(calls).unique_tokens, context)
+        )
     return plans
 
 
@@ -160,44 +164,40 @@ def kv_blocks(args: argparse.Namespace, plans: list[Plan]) -> int | None:
     return max(math.ceil(args.kv_fraction * largest / bs), floor)
 
 
-def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace) -> dict:
-    """One program under one config on `target` (an engine or a server URL)."""
-    from radixrt.frontend import EngineBackend, RuntimeEndpoint
-
+def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, history: list) -> dict:
+    """One program under one config on `target` (an Engine or a server URL): a warm-up
+    program (other inputs: grammar compiles, first-call costs), the concurrent run, then
+    the latency runs. `history`: every call `target` served since its cache was last empty
+    (extended here); the optimum of the run replays it first."""
+    spec, engine = plan.spec, not isinstance(target, str)
     threads = min(args.max_concurrency, len(plan.inputs))
+    warm = CallLog()
+    run_client(cfg, spec, plan.warmup_inputs, target, args, warm, 1)
+    if engine:  # the engine's cache starts empty; a server's keeps what it served
+        target.cache.reset()
+        history.clear()
+    else:
+        history += warm.calls
     log = CallLog()
-    spec, model = plan.spec, args.resolved_model
-    if cfg.client == "dsl":
-        backend = EngineBackend(target)
-    elif cfg.client == "dsl-http":
-        backend = RuntimeEndpoint(target, model_path=model)
     before = _counters(target)
     start = time.perf_counter()
-    if cfg.client in ("dsl", "dsl-http"):
-        run_dsl(spec, plan.inputs, Recording(backend, log), threads=threads, hints=cfg.hints,
-                parallel=cfg.parallel)  # fmt: skip
-    else:
-        from benchmarks.programs import openai_clients
-
-        run = openai_clients.run_async if cfg.client == "openai-async" else (
-            openai_clients.run_sequential)  # fmt: skip
-        run(spec, plan.inputs, target, model, args.tokenizer, log, threads)
+    run_client(cfg, spec, plan.inputs, target, args, log, threads)
     duration = time.perf_counter() - start
     after = _counters(target)
+    rp = replay(log.calls, history)
+    history += log.calls
     latencies = []
     for kw in plan.latency_inputs:
+        lat = CallLog()
         t0 = time.perf_counter()
-        if cfg.client in ("dsl", "dsl-http"):
-            run_dsl(spec, [kw], backend, threads=1, hints=cfg.hints, parallel=cfg.parallel)
-        else:
-            run(spec, [kw], target, model, args.tokenizer, CallLog(), 1)
+        run_client(cfg, spec, [kw], target, args, lat, 1)
         latencies.append(time.perf_counter() - t0)
-    if cfg.client == "dsl":
-        backend.close()
+        history += lat.calls
+    if engine:
         target.check_integrity()
         target.cache.reset()
+        history.clear()
     calls = log.calls
-    rp = replay(calls)
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     cached = after["cached_tokens"] - before["cached_tokens"]
     optimal = rp.optimal_cached_tokens
@@ -224,6 +224,29 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace) -> dic
         "working_set_tokens": plan.working_set_tokens,
         "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
     }
+
+
+def run_client(cfg: Config, spec: ProgramSpec, inputs: list[dict], target,
+               args: argparse.Namespace, log: CallLog, threads: int) -> None:  # fmt: skip
+    """Run `spec` on `inputs` with the config's client, recording its requests in `log`."""
+    from radixrt.frontend import EngineBackend, RuntimeEndpoint
+
+    if cfg.client in ("openai-seq", "openai-async"):
+        from benchmarks.programs import openai_clients
+
+        run = openai_clients.run_async if cfg.client == "openai-async" else (
+            openai_clients.run_sequential)  # fmt: skip
+        run(spec, inputs, target, args.resolved_model, args.tokenizer, log, threads)
+        return
+    if cfg.client == "dsl":
+        backend = EngineBackend(target)
+    else:
+        backend = RuntimeEndpoint(target, model_path=args.resolved_model)
+    try:
+        run_dsl(spec, inputs, Recording(backend, log), threads=threads, hints=cfg.hints,
+                parallel=cfg.parallel)  # fmt: skip
+    finally:
+        backend.close()
 
 
 def _counters(target) -> dict:
@@ -281,9 +304,10 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
     for key, group in targets_of(cfgs):
         opts = engine_options(args, group[0].cache, group[0].policy, kv)
         with _target(key, model, opts, args) as target:
+            history: list[Call] = []
             for plan in plans:
                 for cfg in group:
-                    row = run_config(cfg, plan, target, args)
+                    row = run_config(cfg, plan, target, args, history)
                     results["rows"].append(row)
                     print(_one_line(row), flush=True)
                     _write(results, args, plans)

@@ -58,30 +58,32 @@ class CallLog:
 class Replay:
     prompt_tokens: int  # over every request sent (hints too)
     optimal_cached_tokens: int  # what a perfect cache serves of them
-    unique_tokens: int  # tokens a cache holds to serve all of it (the trie's size)
+    unique_tokens: int  # tokens `calls` add to the cache (all of them: the trie's size)
 
     @property
     def optimal_hit_rate(self) -> float:
         return self.optimal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def replay(calls: Sequence[Call]) -> Replay:
-    """Replay `calls` (send order) through a perfect infinite cache."""
+def replay(calls: Sequence[Call], history: Sequence[Call] = ()) -> Replay:
+    """Replay `calls` (send order) through a perfect infinite cache that served `history`
+    before them (counted: `calls` only). A finished request leaves its prompt and all its
+    output tokens but the last (which was sampled, never fed to the model) in the cache."""
     root: dict = {}
     prompt = cached = unique = 0
-    for call in calls:
+    for n, call in enumerate((*history, *calls)):
+        counted = n >= len(history)
         node, hit = root, True
-        seq = call.prompt_ids + call.output_ids
-        for i, token in enumerate(seq):
+        for i, token in enumerate(call.prompt_ids + call.output_ids[:-1]):
             nxt = node.get(token)
             if nxt is None:
                 hit = False
                 nxt = node[token] = {}
-                unique += 1
+                unique += counted
             elif hit and i < call.match_limit:
-                cached += 1
+                cached += counted
             node = nxt
-        prompt += len(call.prompt_ids)
+        prompt += counted * len(call.prompt_ids)
     return Replay(prompt, cached, unique)
 
 

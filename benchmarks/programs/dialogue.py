@@ -44,7 +44,7 @@ async def json_extract_plain(llm: PlainLLM, system: str, document: str, max_toke
 
 
 def chat_inputs(words: Words, seed: int, p: dict, index: int) -> dict:
-    shared = seeded(seed, "chat-system")
+    shared = seeded(seed, "chat-system", p["output_len"])
     rng = seeded(seed, "chat", p["output_len"], index)
     return {
         "system_prompt": "You are a helpful assistant." + words.text(shared, p["system_len"]),
