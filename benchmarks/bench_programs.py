@@ -288,6 +288,8 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
         if name not in CONFIGS:
             raise ValueError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
         cfgs.append(CONFIGS[name])
+    if any(c.client.startswith("openai") for c in cfgs):
+        import openai  # noqa: F401  (the openai configs need it: pip install openai)
     kv = kv_blocks(args, plans)
     os.makedirs(args.out, exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k != "tokenizer"}

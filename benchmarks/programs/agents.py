@@ -133,7 +133,7 @@ PROGRAMS = [
                 output_len=4,
             ),
             "full": dict(
-                num_programs=48,
+                num_programs=32,
                 identity_len=600,
                 num_calls=8,
                 memory_len=150,

@@ -30,7 +30,9 @@ class ProgramSpec:
     dsl: Program  # dsl.run(**inputs)
     plain: Callable[..., Awaitable[None]]  # await plain(llm, **inputs)
     make_inputs: Callable[[Words, int, dict, int], dict]  # (words, seed, size, index)
-    sizes: dict[str, dict]  # "smoke" | "full" -> parameters; "num_programs" among them
+    # "smoke" | "full" -> parameters, "num_programs" among them (at full size chosen so the
+    # working sets are alike, 55-80k tokens, and one KV pool presses every program)
+    sizes: dict[str, dict]
     fork_heavy: bool  # runs branches in parallel (the latency target applies)
 
     def inputs(self, words: Words, size: str, seed: int, start: int, count: int) -> list[dict]:

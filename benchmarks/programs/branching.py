@@ -159,7 +159,7 @@ PROGRAMS = [
                 answer_len=4,
             ),
             "full": dict(
-                num_programs=32,
+                num_programs=64,
                 system_len=300,
                 question_len=200,
                 branches=3,
@@ -187,7 +187,7 @@ PROGRAMS = [
                 point_len=8,
             ),
             "full": dict(
-                num_programs=32,
+                num_programs=48,
                 system_len=200,
                 question_len=80,
                 skeleton_len=48,

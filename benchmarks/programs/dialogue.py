@@ -90,7 +90,7 @@ PROGRAMS = [
         json_inputs,
         {
             "smoke": dict(num_programs=4, system_len=20, document_len=40, max_tokens=24),
-            "full": dict(num_programs=64, system_len=200, document_len=600, max_tokens=64),
+            "full": dict(num_programs=96, system_len=200, document_len=600, max_tokens=64),
         },
         fork_heavy=False,
     ),
@@ -100,7 +100,7 @@ PROGRAMS = [
         chat,
         chat_plain,
         chat_inputs,
-        _chat_sizes(4, 32, 48, 6),
+        _chat_sizes(4, 32, 72, 6),
         fork_heavy=False,
     ),
     ProgramSpec(
@@ -109,7 +109,7 @@ PROGRAMS = [
         chat,
         chat_plain,
         chat_inputs,
-        _chat_sizes(16, 256, 32, 4),
+        _chat_sizes(16, 256, 40, 4),
         fork_heavy=False,
     ),
 ]

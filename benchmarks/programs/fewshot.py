@@ -78,7 +78,7 @@ PROGRAMS = [
                 num_programs=12, num_subjects=2, num_shots=5, question_len=16, option_len=4
             ),
             "full": dict(
-                num_programs=256, num_subjects=8, num_shots=5, question_len=60, option_len=12
+                num_programs=384, num_subjects=8, num_shots=5, question_len=60, option_len=12
             ),
         },  # fmt: skip
         fork_heavy=False,
