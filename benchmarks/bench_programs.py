@@ -29,50 +29,16 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import tempfile
-import time
-import urllib.request
-from dataclasses import asdict, dataclass
 
 from benchmarks.backends import engine_options
-from benchmarks.programs import PROGRAMS, ProgramSpec, Words
-from benchmarks.programs.accounting import Call, CallLog, replay, same_calls
+from benchmarks.programs import PROGRAMS, Words
+from benchmarks.programs.accounting import Call, CallLog, replay
 from benchmarks.programs.dsl_clients import Dry, Recording, run_dsl
 from benchmarks.programs.report import check_targets, format_table, plot_rows
-
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    client: str  # dsl (in-process engine) | dsl-http | openai-seq | openai-async (server)
-    cache: str = "radix"
-    policy: str = "lpm"
-    hints: bool = True  # frontend hints: prefixes sent ahead
-    parallel: bool = True  # frontend parallelism: forks run concurrently
-
-    @property
-    def on_server(self) -> bool:
-        return self.client != "dsl"
-
-
-CONFIGS = {
-    c.name: c
-    for c in (
-        Config("radix", "dsl"),
-        Config("blockhash", "dsl", "blockhash", "fcfs"),
-        Config("no-cache", "dsl", "none", "fcfs"),
-        Config("fcfs", "dsl", "radix", "fcfs"),
-        Config("random", "dsl", "radix", "random"),
-        Config("no-parallel", "dsl", parallel=False),
-        Config("no-hints", "dsl", hints=False),
-        Config("dsl-http", "dsl-http"),
-        Config("openai-seq", "openai-seq"),
-        Config("openai-async", "openai-async"),
-    )
-}
+from benchmarks.programs.runner import CONFIGS, Config, Plan, run_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,17 +86,6 @@ def resolve_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-@dataclass
-class Plan:
-    spec: ProgramSpec
-    inputs: list[dict]  # the concurrent run
-    latency_inputs: list[dict]  # run one at a time afterwards
-    warmup_inputs: list[dict]  # one program of other inputs (seed + 1), run first
-    reference: list[Call]  # the dry run's calls
-    working_set_tokens: int
-    max_context: int  # longest prompt + output
-
-
 def plan_programs(args: argparse.Namespace, tokenizer, max_len: int) -> list[Plan]:
     words = Words(tokenizer)
     plans = []
@@ -162,107 +117,6 @@ def kv_blocks(args: argparse.Namespace, plans: list[Plan]) -> int | None:
     largest = max(p.working_set_tokens for p in plans)
     floor = 2 * max(math.ceil(p.max_context / bs) for p in plans)
     return max(math.ceil(args.kv_fraction * largest / bs), floor)
-
-
-def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, history: list) -> dict:
-    """One program under one config on `target` (an Engine or a server URL): a warm-up
-    program (other inputs: grammar compiles, first-call costs), the concurrent run, then
-    the latency runs. `history`: every call `target` served since its cache was last empty
-    (extended here); the optimum of the run replays it first."""
-    spec, engine = plan.spec, not isinstance(target, str)
-    threads = min(args.max_concurrency, len(plan.inputs))
-    warm = CallLog()
-    run_client(cfg, spec, plan.warmup_inputs, target, args, warm, 1)
-    if engine:  # the engine's cache starts empty; a server's keeps what it served
-        target.cache.reset()
-        history.clear()
-    else:
-        history += warm.calls
-    log = CallLog()
-    before = _counters(target)
-    start = time.perf_counter()
-    run_client(cfg, spec, plan.inputs, target, args, log, threads)
-    duration = time.perf_counter() - start
-    after = _counters(target)
-    rp = replay(log.calls, history)
-    history += log.calls
-    latencies = []
-    for kw in plan.latency_inputs:
-        lat = CallLog()
-        t0 = time.perf_counter()
-        run_client(cfg, spec, [kw], target, args, lat, 1)
-        latencies.append(time.perf_counter() - t0)
-        history += lat.calls
-    if engine:
-        target.check_integrity()
-        target.cache.reset()
-        history.clear()
-    calls = log.calls
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    optimal = rp.optimal_cached_tokens
-    return {
-        "program": spec.name,
-        "config": cfg.name,
-        **{k: v for k, v in asdict(cfg).items() if k != "name"},
-        "num_programs": len(plan.inputs),
-        "duration_s": duration,
-        "programs_per_s": len(plan.inputs) / duration,
-        "latency_s": sum(latencies) / len(latencies) if latencies else None,
-        "latencies_s": latencies,
-        "calls": sum(c.kind != "hint" for c in calls),
-        "hint_calls": sum(c.kind == "hint" for c in calls),
-        "prompt_tokens": prompt,
-        "recorded_prompt_tokens": rp.prompt_tokens,  # the client's count of the same
-        "cached_tokens": cached,
-        "prompt_tokens_computed": after["prompt_tokens_computed"]
-        - before["prompt_tokens_computed"],
-        "hit_rate": cached / prompt if prompt else 0.0,
-        "optimal_hit_rate": optimal / rp.prompt_tokens if rp.prompt_tokens else 0.0,
-        "hit_over_optimal": cached / optimal if optimal else None,
-        "same_calls": same_calls(calls, plan.reference),
-        "working_set_tokens": plan.working_set_tokens,
-        "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
-    }
-
-
-def run_client(cfg: Config, spec: ProgramSpec, inputs: list[dict], target,
-               args: argparse.Namespace, log: CallLog, threads: int) -> None:  # fmt: skip
-    """Run `spec` on `inputs` with the config's client, recording its requests in `log`."""
-    from radixrt.frontend import EngineBackend, RuntimeEndpoint
-
-    if cfg.client in ("openai-seq", "openai-async"):
-        from benchmarks.programs import openai_clients
-
-        run = openai_clients.run_async if cfg.client == "openai-async" else (
-            openai_clients.run_sequential)  # fmt: skip
-        run(spec, inputs, target, args.resolved_model, args.tokenizer, log, threads)
-        return
-    if cfg.client == "dsl":
-        backend = EngineBackend(target)
-    else:
-        backend = RuntimeEndpoint(target, model_path=args.resolved_model)
-    try:
-        run_dsl(spec, inputs, Recording(backend, log), threads=threads, hints=cfg.hints,
-                parallel=cfg.parallel)  # fmt: skip
-    finally:
-        backend.close()
-
-
-def _counters(target) -> dict:
-    """Prompt, cached and computed prompt tokens (and preemptions) so far."""
-    if not isinstance(target, str):
-        s = target.stats()
-        keys = ("prompt_tokens", "cached_tokens", "prompt_tokens_computed", "preemptions")
-        return {k: int(s[k]) for k in keys}
-    with urllib.request.urlopen(target + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out = {}
-    for key in ("prompt_tokens", "cached_tokens"):
-        m = re.search(rf"^radixrt_{key}_total (\S+)$", text, re.M)
-        out[key] = int(float(m.group(1))) if m else 0
-    out["prompt_tokens_computed"] = out["prompt_tokens"] - out["cached_tokens"]
-    return out
 
 
 def targets_of(cfgs: list[Config]) -> list[tuple[tuple, list[Config]]]:

@@ -99,37 +99,48 @@ class OpenAIPlain:
         return [await b for b in branches]
 
 
-def run_sequential(spec: ProgramSpec, inputs: Sequence[dict], url: str, model: str,
-                   tokenizer: Any, log: CallLog, threads: int) -> None:  # fmt: skip
-    """Each program a plain loop of sync calls; `threads` programs at a time."""
-    import openai
+class OpenAIRunner:
+    """Runs programs with one OpenAI client, made once: `concurrent=False` the sync client,
+    each program a plain loop in its own thread; True the async client on one event loop,
+    a program's branches gathered. `threads` programs at a time either way."""
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S,
-                           max_retries=0)  # fmt: skip
-    llm = OpenAIPlain(client, model, tokenizer, log, concurrent=False)
-    with ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(asyncio.run, spec.plain(llm, **kw)) for kw in inputs]
-        for f in futures:
-            f.result()
-    client.close()
+    def __init__(self, url: str, model: str, tokenizer: Any, concurrent: bool) -> None:
+        import openai
 
+        self.model, self.tokenizer, self.concurrent = model, tokenizer, concurrent
+        kw = {"base_url": url + "/v1", "api_key": "none", "timeout": TIMEOUT_S, "max_retries": 0}
+        if concurrent:
+            self.loop = asyncio.new_event_loop()
+            self.client = self.loop.run_until_complete(_make_async(openai.AsyncOpenAI, kw))
+        else:
+            self.client = openai.OpenAI(**kw)
 
-def run_async(spec: ProgramSpec, inputs: Sequence[dict], url: str, model: str,
-              tokenizer: Any, log: CallLog, threads: int) -> None:  # fmt: skip
-    """Every program on one event loop, `threads` at a time, branches gathered."""
-    import openai
-
-    async def main() -> None:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S,
-                                    max_retries=0)  # fmt: skip
-        llm = OpenAIPlain(client, model, tokenizer, log, concurrent=True)
+    def run(self, spec: ProgramSpec, inputs: Sequence[dict], log: CallLog, threads: int):
+        llm = OpenAIPlain(self.client, self.model, self.tokenizer, log, self.concurrent)
+        if not self.concurrent:
+            with ThreadPoolExecutor(threads) as pool:
+                futures = [pool.submit(asyncio.run, spec.plain(llm, **kw)) for kw in inputs]
+                for f in futures:
+                    f.result()
+            return
         gate = asyncio.Semaphore(threads)
 
         async def one(kw: dict) -> None:
             async with gate:
                 await spec.plain(llm, **kw)
 
-        await asyncio.gather(*(one(kw) for kw in inputs))
-        await client.close()
+        async def main() -> None:
+            await asyncio.gather(*(one(kw) for kw in inputs))
 
-    asyncio.run(main())
+        self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        if self.concurrent:
+            self.loop.run_until_complete(self.client.close())
+            self.loop.close()
+        else:
+            self.client.close()
+
+
+async def _make_async(cls, kw: dict) -> Any:
+    return cls(**kw)
