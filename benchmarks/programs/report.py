@@ -88,10 +88,12 @@ def plot_rows(rows: Sequence[dict], path: str, title: str = "") -> None:
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set_ylabel("programs/s / radix")
     axes[1].set_xticks(range(len(programs)), programs, rotation=20, ha="right")
-    axes[0].legend(ncol=min(5, len(configs)), fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(10, len(configs)), fontsize=8,
+               bbox_to_anchor=(0.5, 0.965))  # fmt: skip
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
