@@ -159,7 +159,7 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
     )
     for key, group in targets_of(cfgs):
         opts = engine_options(args, group[0].cache, group[0].policy, kv)
-        with _target(key, model, opts, args) as target:
+        with _Target(key, model, opts, args) as target:
             history: list[Call] = []
             for plan in plans:
                 for cfg in group:
@@ -170,7 +170,7 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
     return results
 
 
-class _target:
+class _Target:
     """An in-process Engine (warmed up) or a fresh `radixrt serve` (its URL)."""
 
     def __init__(self, key: tuple, model: str, opts: dict, args: argparse.Namespace) -> None:

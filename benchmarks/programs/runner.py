@@ -66,6 +66,7 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
     warm = CallLog()
     client.run(spec, plan.warmup_inputs, warm, 1)
     if engine:  # the engine's cache starts empty; a server's keeps what it served
+        # (the client's engine thread is idle between runs: nothing is pending)
         target.cache.reset()
         history.clear()
     else:
