@@ -56,6 +56,7 @@ class GenParams:
     regex: str | None = None  # structured output: the text matches this regex ...
     json_schema: str | None = None  # ... or is JSON valid under this schema (a dict is
     # kept as canonical JSON text)
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
@@ -68,6 +69,10 @@ class GenParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(
+                self, "logit_bias", SamplingParams(logit_bias=self.logit_bias).logit_bias
+            )
         self.resolve(None)  # validate now, where the user wrote gen(...)
 
     def set_values(self) -> dict[str, object]:
@@ -132,11 +137,13 @@ def gen(
     stop_token_ids: Sequence[int] | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
     (max_tokens 128, temperature 1.0). `regex` / `json_schema` (at most one) constrain the
-    text (structured output: it stops when the regex / JSON is complete). Raises ValueError
+    text (structured output: it stops when the regex / JSON is complete). `logit_bias`
+    ({token id: bias}) is added to those tokens' logits at every step. Raises ValueError
     for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
@@ -151,6 +158,7 @@ def gen(
         ignore_eos=ignore_eos,
         regex=regex,
         json_schema=json_schema,  # type: ignore[arg-type]
+        logit_bias=logit_bias,  # type: ignore[arg-type]
     )
     return Gen(name, params)
 

@@ -12,7 +12,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     g.add_argument("--prefix-cache", default="radix", choices=["radix", "blockhash", "none"])
-    g.add_argument("--policy", default="auto", help="fcfs | lpm | dfs-weight | auto")
+    g.add_argument("--policy", default="auto", help="fcfs | lpm | dfs-weight | random | auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=0.85)

@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 PREFIX_CACHES = ("radix", "blockhash", "none")
-POLICIES = ("fcfs", "lpm", "dfs-weight")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "random")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 SPECULATIVE_METHODS = ("none", "ngram", "radix", "draft")
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
@@ -232,7 +232,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens (prefill + decode) in one forward
     max_running_requests: int = 256
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: no cap
-    policy: str = "fcfs"  # fcfs | lpm | dfs-weight (Engine resolves "auto")
+    policy: str = "fcfs"  # fcfs | lpm | dfs-weight | random (Engine resolves "auto")
     # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
     # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
     aging_tokens_per_step: float = 4.0

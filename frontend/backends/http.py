@@ -177,6 +177,8 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["no_stop_trim"] = True
     if params.min_tokens:
         out["min_new_tokens"] = params.min_tokens
+    if params.logit_bias:
+        out["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
     for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
         if getattr(params, name) is not None:  # structured output
             out[key] = getattr(params, name)

@@ -1,6 +1,8 @@
 """Waiting-queue policies: which waiting request is admitted first.
 
 - fcfs: arrival order.
+- random: a shuffle of the queue, seeded by its arrival numbers (an ablation: the order a
+  cache-unaware scheduler that ignores arrival could pick; reproducible run to run).
 - lpm: longest cached prefix first (more reuse, less compute), plus aging.
 - dfs-weight: walk the radix tree depth-first, children before the node itself and heavier
   subtrees (more waiting requests below) first, so requests sharing a prefix run back to
@@ -18,6 +20,7 @@ step and passes the results in (`matched`).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 from radixrt.cache.base import MatchResult
@@ -52,6 +55,10 @@ def order_waiting(
 ) -> list[Request]:
     """Return `waiting` (given in FCFS order) in admission order. `matched(req)` is the
     request's prefix match of this step."""
+    if policy == "random":
+        order = list(waiting)
+        random.Random(hash(tuple(r.arrival for r in order))).shuffle(order)
+        return order
     if policy == "fcfs" or len(waiting) <= 1 or len(waiting) > MAX_QUEUE_FOR_MATCHING:
         return list(waiting)
     matches = {req: matched(req) for req in waiting}

@@ -1,0 +1,86 @@
+"""The program suite's accounting (bench_programs): configs send the same calls, the optimum
+bounds the achieved hit rate, radix reaches it on a chain program; its DSL and scheduler
+additions (gen's logit_bias, the random policy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.programs.accounting import Call, replay, same_calls
+from radixrt.sampling import SamplingParams
+
+
+def test_replay_counts_what_a_perfect_cache_serves():
+    a = Call("gen", (1, 2, 3, 4), 3, 3, (5, 6, 7))
+    # the next turn extends a's prompt and output; a's last output token has no KV
+    b = Call("gen", (1, 2, 3, 4, 5, 6, 7, 8), 1, 7, (9,))
+    score = Call("score", (1, 2, 9), 0, 1)  # capped at logprob_start_len - 1
+    r = replay([a, b, score])
+    assert r.prompt_tokens == 4 + 8 + 3
+    assert r.optimal_cached_tokens == 0 + 6 + 1
+    assert r.unique_tokens == 6 + 2 + 1  # a: 1-6, b: 7-8, the score: 9
+    # history is served before and not counted
+    assert replay([b], [a]).optimal_cached_tokens == 6
+    assert replay([b], [a]).prompt_tokens == 8
+    hint = Call("hint", (1, 2), 0, 1)
+    assert same_calls([a, hint, b], [b, a]) and not same_calls([a], [b])
+
+
+def test_suite_smoke_two_configs(tmp_path):
+    """Two configs on the smoke size of a chain, a fork and a select program: the same calls
+    everywhere, achieved <= optimal, and radix on an ample pool equals the optimum on the
+    chain program (chat) and comes within 10% of it on the others."""
+    from benchmarks import bench_programs
+
+    programs = "chat-short,skeleton-of-thought,hellaswag"
+    bench_programs.main(["--size", "smoke", "--programs", programs, "--configs",
+                         "radix,blockhash", "--latency-programs", "1", "--device", "cpu",
+                         "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+    with open(tmp_path / "t.json") as f:
+        rows = {(r["program"], r["config"]): r for r in json.load(f)["rows"]}
+    assert len(rows) == 6
+    assert (tmp_path / "t.md").exists() and (tmp_path / "t.png").exists()
+    for r in rows.values():
+        assert r["same_calls"], r
+        assert r["prompt_tokens"] == r["recorded_prompt_tokens"], r
+        assert r["cached_tokens"] <= r["optimal_hit_rate"] * r["prompt_tokens"] + 1e-6, r
+        assert r["prompt_tokens_computed"] == r["prompt_tokens"] - r["cached_tokens"], r
+        assert r["programs_per_s"] > 0 and r["latency_s"] > 0
+    assert rows["chat-short", "radix"]["hit_over_optimal"] == 1.0
+    for p in ("skeleton-of-thought", "hellaswag"):
+        assert rows[p, "radix"]["hit_over_optimal"] >= 0.9
+        assert rows[p, "radix"]["hit_rate"] >= rows[p, "blockhash"]["hit_rate"]
+    assert rows["chat-short", "radix"]["calls"] == 12  # 4 users x 3 turns
+    assert rows["hellaswag", "radix"]["calls"] == 8 * 4  # one score per ending
+
+
+def test_gen_logit_bias_forces_a_token(tiny_model_dir):
+    from radixrt.frontend import Runtime, function, gen
+    from radixrt.frontend.backends.http import sampling_json
+
+    @function
+    def prog(s):
+        s += "Once upon a time" + gen("x", max_tokens=5, temperature=0, ignore_eos=True,
+                                      logit_bias={266: 100.0})  # fmt: skip
+
+    with Runtime(tiny_model_dir, device="cpu") as backend:
+        state = prog.run(backend=backend)
+    assert state.meta("x")["output_ids"] == [266] * 5
+    params = gen("y", logit_bias={3: -1.5}).params.resolve(None)
+    assert params.logit_bias == ((3, -1.5),)
+    assert sampling_json(params)["logit_bias"] == {"3": -1.5}
+    with pytest.raises(ValueError, match="logit_bias"):
+        gen("z", logit_bias={3: 1000.0})
+
+
+def test_random_policy_is_a_reproducible_permutation():
+    from radixrt.scheduler.policy import order_waiting
+    from radixrt.scheduler.request import Request
+
+    waiting = [Request(f"r{i}", 3, [1, 2, 3], SamplingParams(), 4) for i in range(20)]
+    order = order_waiting(waiting, "random", lambda r: None, 0.0)
+    assert sorted(r.rid for r in order) == sorted(r.rid for r in waiting)
+    assert order != waiting
+    assert order == order_waiting(waiting, "random", lambda r: None, 0.0)
