@@ -5,7 +5,8 @@ imports this).
 `response_format` {"type": "text"} | {"type": "json_object"} (any JSON object) |
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
 Types and sizes are checked here and by SamplingParams; whether the text compiles is known
-only in the scheduler process (a compile error is a 400 from there).
+only in the scheduler process (a compile error is a 400 from there, whose `param` the front
+replaces by `grammar_param`: the field the client used).
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from radixrt.grammar.spec import JSON_OBJECT_EBNF
 
 # API field -> SamplingParams field
 GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "grammar"))
+SAMPLING_FIELDS = tuple(key for _, key in GENERATE_FIELDS)  # the constraint's, in SamplingParams
+
+
+def grammar_param(fields: Any, prefix: str = "") -> str | None:
+    """The request field that holds the constraint (named in its errors), or None: the
+    /generate field (after `prefix`) or `response_format`."""
+    if getattr(fields, "response_format", None) is not None:
+        return "response_format"
+    name = next((n for n, _ in GENERATE_FIELDS if getattr(fields, n, None) is not None), None)
+    return None if name is None else prefix + name
 
 
 def grammar_kwargs(fields: Any) -> dict[str, Any]:

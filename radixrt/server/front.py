@@ -211,8 +211,9 @@ class Front(FrontOutputs):
         )
         beam = spec.beam_width is not None
         return RequestState(
-            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam
-        )
+            rid, index, ids, params, detok, events, client_rid, choice, num_choices, beam=beam,
+            grammar_param=spec.grammar_param,
+        )  # fmt: skip
 
     def _prepare(
         self, spec: GenerationSpec, prompt: str | list[int], index: int

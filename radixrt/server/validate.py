@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.grammar.api import grammar_kwargs
+from radixrt.grammar.api import SAMPLING_FIELDS, grammar_kwargs, grammar_param
 from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
@@ -112,7 +112,7 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         kw.update(grammar_kwargs(f))
     except ValueError as e:
         raise ApiError(str(e), param="response_format") from None
-    _checked(kw, prefix)
+    _checked(kw, prefix, grammar_param(f, prefix))
     return kw
 
 
@@ -139,12 +139,16 @@ def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[i
     return tuple(sorted(pairs))
 
 
-def _checked(kw: dict[str, Any], prefix: str) -> None:
-    """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field."""
+def _checked(kw: dict[str, Any], prefix: str, constraint_param: str | None) -> None:
+    """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field, or
+    for the constraint's fields `constraint_param` (the request field that held it)."""
     try:
         make_params(**kw)
     except ApiError as e:
-        e.param = None if e.param is None else prefix + e.param
+        if e.param in SAMPLING_FIELDS and constraint_param is not None:
+            e.param = constraint_param
+        else:
+            e.param = None if e.param is None else prefix + e.param
         raise
 
 
@@ -272,6 +276,7 @@ def parse_completion(body: bytes, model: ModelInfo) -> GenerationSpec:
         sampling=sampling,
         max_tokens=req.max_tokens,
         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+        grammar_param=grammar_param(req),
         n=req.n,
         stream=req.stream,
         include_usage=_include_usage(req),
@@ -328,6 +333,7 @@ def parse_chat(
         prompts=[render(messages)],
         sampling=sampling,
         max_tokens=max_tokens,
+        grammar_param=grammar_param(req),
         n=req.n,
         stream=req.stream,
         include_usage=_include_usage(req),
@@ -388,6 +394,7 @@ def parse_generate(body: bytes, model: ModelInfo) -> GenerateSpec:
         sampling=sampling,
         max_tokens=max_tokens,
         default_max_tokens=GENERATE_DEFAULT_MAX_TOKENS,
+        grammar_param=grammar_param(sp, "sampling_params."),
         n=sp.n,
         beam_width=sp.beam_width,
         length_penalty=length_penalty,
