@@ -93,15 +93,33 @@ def test_openai_response_format(server):
 @pytest.mark.parametrize(
     "path, body, param, message",
     [
-        ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, None, "invalid regex: "),
-        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "(ab"}}, None,
+        ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, "sampling_params.regex",
          "invalid regex: "),
-        ("/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "nope"}}}, None,
-         "invalid json_schema: "),
-        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= "}}, None,
-         "invalid grammar: "),
+        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "(ab"}},
+         "sampling_params.regex", "invalid regex: "),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "nope"}}},
+         "sampling_params.json_schema", "invalid json_schema: "),
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= "}},
+         "sampling_params.ebnf", "invalid grammar: "),
+        # empty languages: a 400, not a 500
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= root"}},
+         "sampling_params.ebnf", "no output can match"),
+        ("/generate", {"text": "x", "sampling_params": {"regex": "[^\\s\\S]"}},
+         "sampling_params.regex", "no output can match"),
+        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "[^\\s\\S]"}},
+         "sampling_params.regex", "no output can match"),
+        # over a complexity limit, before compiling
+        ("/generate", {"text": "x", "sampling_params": {"regex": "(a|b|c|d)?" * 3000}},
+         "sampling_params.regex", "at most 64 are allowed"),
+        # keywords structured output cannot enforce
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}}}}},
+         "sampling_params.json_schema", 'keyword "not" at /properties/n/not'),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
+         "json_schema": {"name": "t", "schema": {"type": "number", "multipleOf": 0.5}}}},
+         "response_format", '"multipleOf" at /multipleOf'),
         ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "b"}},
-         "sampling_params.grammar", "at most one"),
+         "sampling_params.ebnf", "at most one"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "[1"}},
          "sampling_params.json_schema", "not JSON"),
         ("/generate", {"text": "x", "sampling_params": {"regex": 5}}, "sampling_params.regex", ""),
@@ -113,7 +131,7 @@ def test_openai_response_format(server):
          "response_format", "schema"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-         None, "invalid json_schema: "),
+         "response_format", "invalid json_schema: "),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_400(server, path, body, param, message):
@@ -121,8 +139,33 @@ def test_bad_constraints_are_400(server, path, body, param, message):
     assert status == 400, out
     err = out["error"]
     assert message in err["message"], err
-    if param is not None:
-        assert err.get("param") == param, err
+    assert err.get("param") == param, err
+
+
+def test_grammar_cache_counters_and_no_internal_errors_on_metrics(server):
+    """Each distinct constraint is a miss, a repeat a hit; bad grammars count no internal
+    error."""
+    before = _metrics(server)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "[0-9]{3}-metrics"}}
+    for _ in range(2):
+        status, out = server.post("/generate", body)
+        assert status == 200 and re.fullmatch("[0-9]{3}-metrics", out["text"]), out
+    bad = {"text": "x", "sampling_params": {"ebnf": "root ::= root root"}}
+    assert server.post("/generate", bad)[0] == 400
+    after = _metrics(server)
+    assert after["radixrt_grammar_cache_misses"] - before["radixrt_grammar_cache_misses"] == 2
+    assert after["radixrt_grammar_cache_hits"] - before["radixrt_grammar_cache_hits"] == 1
+    assert after["radixrt_grammar_cache_bytes"] > 0
+    assert "radixrt_grammar_cache_evictions" in after
+    assert after["radixrt_internal_errors_total"] == 0
+
+
+def _metrics(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = server.get("/metrics")
+    assert status == 200
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 @function

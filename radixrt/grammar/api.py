@@ -20,13 +20,19 @@ GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", 
 SAMPLING_FIELDS = tuple(key for _, key in GENERATE_FIELDS)  # the constraint's, in SamplingParams
 
 
-def grammar_param(fields: Any, prefix: str = "") -> str | None:
-    """The request field that holds the constraint (named in its errors), or None: the
-    /generate field (after `prefix`) or `response_format`."""
+def constraint_param(fields: Any, sampling_field: str, prefix: str = "") -> str:
+    """The request field that held the constraint SamplingParams got as `sampling_field`
+    (named in its errors): `response_format`, or the /generate field after `prefix`."""
     if getattr(fields, "response_format", None) is not None:
         return "response_format"
-    name = next((n for n, _ in GENERATE_FIELDS if getattr(fields, n, None) is not None), None)
-    return None if name is None else prefix + name
+    return prefix + next(name for name, key in GENERATE_FIELDS if key == sampling_field)
+
+
+def grammar_param(fields: Any, prefix: str = "") -> str | None:
+    """`constraint_param` of the constraint the request has, or None."""
+    kw = grammar_kwargs(fields)
+    key = next((k for k in SAMPLING_FIELDS if k in kw), None)
+    return None if key is None else constraint_param(fields, key, prefix)
 
 
 def grammar_kwargs(fields: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.grammar.api import SAMPLING_FIELDS, grammar_kwargs, grammar_param
+from radixrt.grammar.api import SAMPLING_FIELDS, constraint_param, grammar_kwargs, grammar_param
 from radixrt.sampling import LOGIT_BIAS_RANGE, MAX_INT, MAX_TOP_LOGPROBS, SEED_RANGE
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
@@ -112,7 +112,7 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         kw.update(grammar_kwargs(f))
     except ValueError as e:
         raise ApiError(str(e), param="response_format") from None
-    _checked(kw, prefix, grammar_param(f, prefix))
+    _checked(kw, prefix, f)
     return kw
 
 
@@ -139,14 +139,14 @@ def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[i
     return tuple(sorted(pairs))
 
 
-def _checked(kw: dict[str, Any], prefix: str, constraint_param: str | None) -> None:
+def _checked(kw: dict[str, Any], prefix: str, f: SamplingFields) -> None:
     """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field, or
-    for the constraint's fields `constraint_param` (the request field that held it)."""
+    for a constraint the request field of `f` that held it."""
     try:
         make_params(**kw)
     except ApiError as e:
-        if e.param in SAMPLING_FIELDS and constraint_param is not None:
-            e.param = constraint_param
+        if e.param in SAMPLING_FIELDS:
+            e.param = constraint_param(f, e.param, prefix)
         else:
             e.param = None if e.param is None else prefix + e.param
         raise
