@@ -107,7 +107,6 @@ def test_enforced_schemas_pass():
 # ---- the compile workers ----
 def _backend(tiny_model_dir, **kwargs):
     from radixrt.grammar.xgrammar_backend import XGrammarBackend
-
     from radixrt.model.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
@@ -193,24 +192,24 @@ def test_grammar_cache_stays_within_its_bytes(tiny_model_dir):
     recent one is a hit, of an evicted one a miss (it compiles again)."""
     import json
 
+    def schema(i: int) -> GrammarSpec:
+        text = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+        return GrammarSpec("json_schema", text)
+
     bound = 40_000
     backend = _backend(tiny_model_dir, cache_bytes=bound, num_workers=1)
     try:
         sizes = []
         for i in range(30):
-            schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
-            spec = GrammarSpec("json_schema", json.dumps(schema))
-            assert _outcome(backend, backend.submit(spec)).error is None
+            assert _outcome(backend, backend.submit(schema(i))).error is None
             backend.check_integrity()
             sizes.append(backend.cache_stats.bytes)
         s = backend.stats()
         assert max(sizes) <= bound and s.grammar_cache_bytes <= bound
         assert s.grammar_cache_evictions > 0 and s.grammar_cache_misses == 30
-        last = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"k29": {"type": "integer"}}}))  # fmt: skip
-        assert _outcome(backend, backend.submit(last)).error is None
+        assert _outcome(backend, backend.submit(schema(29))).error is None
         assert backend.stats().grammar_cache_hits == 1
-        first = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"k0": {"type": "integer"}}}))  # fmt: skip
-        assert _outcome(backend, backend.submit(first)).error is None
+        assert _outcome(backend, backend.submit(schema(0))).error is None
         assert backend.stats().grammar_cache_misses == 31
         backend.check_integrity()
     finally:
