@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -26,9 +28,17 @@ SCHEMA = {
 }
 
 
+COMPILE_LIMIT_S = 5.0  # the server's grammar compile time limit (every other compile: < 1 s)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serving(tiny_model_dir) as srv:
+    with serving(tiny_model_dir, "--grammar-compile-timeout-s", str(COMPILE_LIMIT_S)) as srv:
+        # the compile workers start with the scheduler but may still be loading: a first
+        # constrained request waits for them (on a loaded machine, longer than a test call)
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 2, "regex": "[0-9]+"}}
+        status, out = srv.post("/generate", body, timeout=600)
+        assert status == 200, out
         yield srv
 
 
@@ -146,7 +156,7 @@ def test_grammar_cache_counters_and_no_internal_errors_on_metrics(server):
     """Each distinct constraint is a miss, a repeat a hit; bad grammars count no internal
     error."""
     before = _metrics(server)
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "[0-9]{3}-metrics"}}
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 30, "regex": "[0-9]{3}-metrics"}}
     for _ in range(2):
         status, out = server.post("/generate", body)
         assert status == 200 and re.fullmatch("[0-9]{3}-metrics", out["text"]), out
@@ -158,6 +168,37 @@ def test_grammar_cache_counters_and_no_internal_errors_on_metrics(server):
     assert after["radixrt_grammar_cache_bytes"] > 0
     assert "radixrt_grammar_cache_evictions" in after
     assert after["radixrt_internal_errors_total"] == 0
+
+
+def test_other_clients_grammars_compile_during_a_slow_compile_attack(server):
+    """Two grammars that would compile for minutes hold both compile slots; another client's
+    regex request completes, correct, well before they are stopped at the time limit."""
+    slow = "root ::= " + ' ("a" | "b" | "c" | "d")?' * 600
+    results: list[tuple[int, dict]] = []
+
+    def attack(i: int) -> None:
+        body = {"text": "x", "sampling_params": {"ebnf": f'{slow} "{i}"'}}
+        results.append(server.post("/generate", body))
+
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both compiles running
+    t0 = time.monotonic()
+    body = {"text": "d", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": DATE}}
+    status, out = server.post("/generate", body)
+    latency = time.monotonic() - t0
+    assert status == 200 and re.fullmatch(DATE, out["text"]), out
+    assert latency < COMPILE_LIMIT_S, latency  # it did not wait for the slow ones to stop
+    for t in threads:
+        t.join()
+    for status, out in results:
+        assert status == 400, out
+        assert out["error"]["param"] == "sampling_params.ebnf"
+        assert "took longer than" in out["error"]["message"]
+    metrics = _metrics(server)
+    assert metrics["radixrt_grammar_compile_timeouts"] >= 2
+    assert metrics["radixrt_grammar_compile_preemptions"] >= 1
 
 
 def _metrics(server) -> dict[str, float]:

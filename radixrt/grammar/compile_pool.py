@@ -82,7 +82,6 @@ class _Worker:
 class PoolStats:
     num_timeouts: int = 0  # compiles killed at the time limit
     num_preemptions: int = 0  # compiles killed to let a waiting one run (then requeued)
-    num_worker_starts: int = 0  # workers started, replacements included
 
 
 class CompilePool:
@@ -184,14 +183,16 @@ class CompilePool:
 
     def _enforce_limits(self) -> float:
         """Kill compiles over the limit, preempt one if a job waits; the seconds until the
-        next compile reaches its limit or slice (the manager's wait)."""
+        next compile reaches its limit or slice (the manager's wait), 0 after a kill."""
         now = time.monotonic()
         busy = [w for w in self._workers if w.job is not None]
+        killed = False
         for w in busy:
             job = w.job
             assert job is not None
             if job.attained_s + now - w.started >= self.time_limit_s:
                 self.stats.num_timeouts += 1
+                killed = True
                 self._kill(w)
                 job.future.set_exception(
                     CompileError(
@@ -213,7 +214,9 @@ class CompilePool:
                 job.attained_s += ran
                 with self._lock:
                     heapq.heappush(self._queue, job)
-                busy.remove(w)
+                killed = True
+        if killed:
+            return 0.0  # start a replacement, hand the queue's head to the spare, now
         next_event = [self.time_limit_s - w.job.attained_s - (now - w.started) for w in busy]
         if head is not None:
             next_event += [self.slice_s - (now - w.started) for w in busy]
@@ -296,7 +299,6 @@ class CompilePool:
         conn = Connection(ours.detach())
         conn.send(self.setup)
         self._workers.append(_Worker(proc, conn))
-        self.stats.num_worker_starts += 1
 
     def _kill(self, w: _Worker) -> None:
         """Stop `w` now (its job, if any, is the caller's to settle)."""

@@ -80,6 +80,7 @@ class XGrammarBackend:
         # finished ones (None: not yet accounted)
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._sizes: dict[GrammarSpec, int | None] = {}
+        self._compiling: set[GrammarSpec] = set()  # the entries whose size is None
         self.mask_threads = mask_threads
         self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
 
@@ -102,6 +103,7 @@ class XGrammarBackend:
             assert self._pool is not None
             future = self._cache[spec] = self._pool.submit(spec)
             self._sizes[spec] = None
+            self._compiling.add(spec)
         self._account()
         return Ticket(spec, future)
 
@@ -110,6 +112,10 @@ class XGrammarBackend:
         if not f.done():
             return None
         self._account()
+        if f.cancelled():  # the backend was closed
+            return CompileOutcome(
+                error="internal error: the grammar compiler stopped", internal=True
+            )
         error = f.exception()
         if error is None:
             return CompileOutcome(grammar=f.result())
@@ -166,6 +172,7 @@ class XGrammarBackend:
 
     def check_integrity(self) -> None:
         assert set(self._sizes) == set(self._cache)
+        assert self._compiling == {spec for spec, n in self._sizes.items() if n is None}
         sizes = [n for n in self._sizes.values() if n is not None]
         assert self.cache_stats.bytes == sum(sizes)
         assert self.cache_stats.entries == len(self._cache)
@@ -177,14 +184,17 @@ class XGrammarBackend:
         recently used finished entries while the cache holds more than `cache_bytes`
         (the newest entry stays: matchers being made from it)."""
         s = self.cache_stats
-        for spec, size in self._sizes.items():
+        for spec in [spec for spec in self._compiling if self._cache[spec].done()]:
             f = self._cache[spec]
-            if size is None and f.done():
-                size = ERROR_ENTRY_BYTES
-                if not f.cancelled() and f.exception() is None:
-                    size = _entry_bytes(f.result())
-                self._sizes[spec] = size
-                s.bytes += size
+            size = ERROR_ENTRY_BYTES
+            if not f.cancelled() and f.exception() is None:
+                size = _entry_bytes(f.result())
+            self._sizes[spec] = size
+            self._compiling.discard(spec)
+            s.bytes += size
+        if s.bytes <= self.cache_bytes:
+            s.entries = len(self._cache)
+            return
         for spec in list(self._cache):
             if s.bytes <= self.cache_bytes or len(self._cache) <= 1:
                 break
