@@ -228,8 +228,9 @@ def test_empty_languages_and_limits_fail_as_the_requests_fault(make_engine):
         SamplingParams(max_tokens=5, regex="[^\\s\\S]"),
         SamplingParams(max_tokens=5, regex="(a|b|c|d)?" * 3000),
         SamplingParams(max_tokens=5, json_schema={"type": "integer", "not": {"const": 3}}),
+        SamplingParams(max_tokens=5, grammar='root ::= "a" b\nb ::= b'),  # empty after "a"
     ]
-    outs = engine.generate(["a", "b", "c", "d", "e"], params)
+    outs = engine.generate(["a", "b", "c", "d", "e", "f"], params)
     assert outs[0].finish_reason is FinishReason.STOP
     for o, message in zip(
         outs[1:],
@@ -238,10 +239,11 @@ def test_empty_languages_and_limits_fail_as_the_requests_fault(make_engine):
             "invalid regex: no output can match it",
             "regex is too complex to compile: 3000 consecutive optional items",
             'unsupported json_schema keyword "not" at /not',
+            "invalid grammar: no output can match it (no token may follow the 1 output tokens",
         ],
     ):
         assert o.finish_reason is FinishReason.ERROR and o.invalid_request, o
         assert o.error.startswith(message), o.error
     stats = engine.stats()
-    assert stats["failed_requests"] == 0 and stats["grammar_errors"] == 4
-    assert stats["grammar_cache_misses"] == 5
+    assert stats["failed_requests"] == 0 and stats["grammar_errors"] == 5
+    assert stats["grammar_cache_misses"] == 6

@@ -87,8 +87,8 @@ class GrammarScheduling:
                 seq.grammar = self.grammar_backend.new_matcher(outcome.grammar)
                 for token in seq.output_token_ids:  # none yet, unless re-added
                     assert seq.grammar.accept(token)
-            if g is None and self.jump_forward:
-                self._jump_forward(req)
+            if g is None and not (self.jump_forward and self._jump_forward(req)):
+                self._dead_end(req)  # after forced tokens (the start is checked at compile)
 
     def _reject(self, req: Request, error: str, invalid: bool) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
@@ -116,13 +116,38 @@ class GrammarScheduling:
             fill(matchers)
 
     def _jump_forward_all(self, reqs: list[Request]) -> None:
-        """Jump-forward for the running constrained requests that got tokens in `update`."""
+        """Jump-forward for the running constrained requests that got tokens in `update`;
+        then fail those whose grammar allows no next token (`_dead_end`)."""
         reqs = [r for r in reqs if r.grammar is not None and r.status is Status.RUNNING]
-        if not reqs or not self.jump_forward:
+        if not reqs:
             return
         self._fill_masks(reqs)
         for req in reqs:
-            self._jump_forward(req)
+            if self.jump_forward and self._jump_forward(req):
+                continue
+            if req.status is Status.RUNNING:
+                self._dead_end(req)
+
+    def _dead_end(self, req: Request) -> None:
+        """Stop `req` with ERROR (the request's fault: a 400) when its grammar allows no
+        token now: the grammar's language is empty past this point (`root ::= "a" b` with
+        `b ::= b`), and a sample from an all-masked row would be garbage."""
+        if req.grammar.is_terminated():
+            return
+        mask = req.grammar.next_mask()
+        if mask.count(0) != len(mask):
+            return
+        field = grammar_spec(req.params).field
+        req.error = (
+            f"invalid {field}: no output can match it (no token may follow the "
+            f"{req.num_output} output tokens it allowed)"
+        )
+        req.invalid_request = True
+        self.stats.num_grammar_errors += 1
+        was_waiting = req.status is Status.WAITING
+        self._stop(req, FinishReason.ERROR)
+        if was_waiting:
+            self._finished_outside_update.append(req)
 
     @staticmethod
     def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:
