@@ -14,22 +14,23 @@ hands queued jobs to idle workers and
   `slice_s` whatever slow compiles are in flight, while a slow job keeps its place in line
   and fails once its total reaches the limit.
 
-`num_workers` compiles run at once, on `num_workers + SPARE_WORKERS` processes: a started
-spare takes the next job at once when a worker is killed, and a preemption waits for a ready
-spare, so kills never outpace start-ups (each costs seconds of CPU: a stream of slow grammars
-cannot turn into a stream of process starts).
+`num_workers` compiles run at once, each in a worker forked from one template process that
+loaded the tokenizer (`radixrt.grammar.compile_worker`): replacing a killed worker takes
+milliseconds, not the seconds of a fresh interpreter importing xgrammar.
 Waiting for a worker does not count toward the limit. Compiled grammars come back as
 xgrammar's serialized JSON (`CompiledGrammar.serialize_json`); `decode` turns them into the
-futures' results on the manager thread. A worker that cannot start (no tokenizer) fails the
-pool: every job then fails as an internal error.
+futures' results on the manager thread. A template that cannot start (no tokenizer) or dies
+fails the pool: every job then fails as an internal error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from typing import Any
 
 from radixrt.grammar.compile_worker import (
     BOOT,
+    FORK,
     CompileError,
     Ready,
     Reply,
@@ -54,7 +56,6 @@ from radixrt.grammar.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 
 PREEMPT_SLICE_S = 1.0  # a compile that ran this much longer than the queue's head may yield
-SPARE_WORKERS = 1  # started workers beyond the compile slots (replacements ready to go)
 
 
 class InternalCompileError(RuntimeError):
@@ -71,9 +72,8 @@ class _Job:
 
 @dataclass(eq=False)
 class _Worker:
-    proc: subprocess.Popen
+    pid: int  # a child of the template process (which reaps it)
     conn: Connection
-    ready: bool = False  # sent Ready
     job: _Job | None = None  # running, since `started`
     started: float = 0.0
 
@@ -110,6 +110,9 @@ class CompilePool:
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._workers: list[_Worker] = []  # the manager thread's
+        self._template: subprocess.Popen | None = None
+        self._template_conn: Connection | None = None
+        self._template_sock: socket.socket | None = None
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="grammar-pool", daemon=True)
@@ -135,7 +138,11 @@ class CompilePool:
     @property
     def worker_pids(self) -> list[int]:
         """Pids of the live workers (tests)."""
-        return [w.proc.pid for w in list(self._workers)]
+        return [w.pid for w in list(self._workers)]
+
+    @property
+    def template_pid(self) -> int | None:
+        return None if self._template is None else self._template.pid
 
     # ---- the manager thread ----
     def _run(self) -> None:
@@ -148,6 +155,7 @@ class CompilePool:
         finally:
             for w in list(self._workers):
                 self._kill(w)
+            self._stop_template()
             with self._lock:
                 jobs, self._queue = self._queue, []
             for job in jobs:
@@ -156,21 +164,25 @@ class CompilePool:
     def _step(self) -> None:
         if self.failure is not None:
             self._fail_pool(self.failure)  # jobs submitted since
-        while self.failure is None and len(self._workers) < self.num_workers + SPARE_WORKERS:
-            self._start_worker()
+        if self.failure is None and self._template is None:
+            self._start_template()
+        while self.failure is None and self.ready and len(self._workers) < self.num_workers:
+            self._fork_worker()
         self._dispatch()
         timeout = self._enforce_limits()
         conns = {w.conn: w for w in self._workers}
-        for ready in wait([*conns, self._wake_r], timeout):
+        template = [] if self._template_conn is None else [self._template_conn]
+        for ready in wait([*conns, *template, self._wake_r], timeout):
             if ready == self._wake_r:
                 os.read(self._wake_r, 4096)
-            else:
+            elif ready in conns:
                 self._receive(conns[ready])
+            else:
+                self._template_message()
 
     def _dispatch(self) -> None:
-        busy = sum(w.job is not None for w in self._workers)
         for w in self._workers:
-            if busy < self.num_workers and w.ready and w.job is None:
+            if w.job is None:
                 with self._lock:
                     if not self._queue:
                         return
@@ -179,7 +191,6 @@ class CompilePool:
                     continue
                 w.job, w.started = job, time.monotonic()
                 w.conn.send((job.seq, job.spec))
-                busy += 1
 
     def _enforce_limits(self) -> float:
         """Kill compiles over the limit, preempt one if a job waits; the seconds until the
@@ -203,8 +214,7 @@ class CompilePool:
         busy = [w for w in self._workers if w.job is not None]
         with self._lock:
             head = self._queue[0] if self._queue else None
-        spare = any(w.ready and w.job is None for w in self._workers)
-        if head is not None and spare and len(busy) >= self.num_workers:
+        if head is not None and len(busy) >= self.num_workers:
             w = max(busy, key=lambda w: w.job.attained_s + now - w.started)
             ran = now - w.started
             if ran >= self.slice_s and w.job.attained_s + ran >= head.attained_s + self.slice_s:
@@ -216,7 +226,7 @@ class CompilePool:
                     heapq.heappush(self._queue, job)
                 killed = True
         if killed:
-            return 0.0  # start a replacement, hand the queue's head to the spare, now
+            return 0.0  # fork a replacement and hand it the queue's head now
         next_event = [self.time_limit_s - w.job.attained_s - (now - w.started) for w in busy]
         if head is not None:
             next_event += [self.slice_s - (now - w.started) for w in busy]
@@ -224,23 +234,31 @@ class CompilePool:
 
     def _receive(self, w: _Worker) -> None:
         try:
-            msg = w.conn.recv()
+            reply = w.conn.recv()
         except (EOFError, OSError):
             self._exited(w)
             return
+        assert isinstance(reply, Reply) and w.job is not None and reply.job_id == w.job.seq
+        job, w.job = w.job, None
+        self._resolve(job, reply)
+
+    def _template_message(self) -> None:
+        """Ready or SetupFailed; end-of-file: the template died."""
+        assert self._template_conn is not None
+        try:
+            msg = self._template_conn.recv()
+        except (EOFError, OSError):
+            code = self._stop_template()
+            self._fail_pool(f"internal error: the grammar compiler exited ({code})")
+            return
         if isinstance(msg, Ready):
-            w.ready = True
-            if self.ready is None:
-                self.ready = msg
-        elif isinstance(msg, SetupFailed):
-            logger.error("a grammar compile worker could not start:\n%s", msg.traceback)
-            self._kill(w)
+            self.ready = msg
+        else:
+            assert isinstance(msg, SetupFailed), msg
+            logger.error("the grammar compiler could not start:\n%s", msg.traceback)
+            self._stop_template()
             last = msg.traceback.strip().splitlines()[-1]
             self._fail_pool(f"internal error: the grammar compiler cannot start ({last})")
-        else:
-            assert isinstance(msg, Reply) and w.job is not None and msg.job_id == w.job.seq
-            job, w.job = w.job, None
-            self._resolve(job, msg)
 
     def _resolve(self, job: _Job, reply: Reply) -> None:
         if reply.error is not None:
@@ -258,32 +276,28 @@ class CompilePool:
 
     def _exited(self, w: _Worker) -> None:
         """A worker that we did not kill exited (it crashed, or was killed from outside)."""
-        code = w.proc.wait()
         self._workers.remove(w)
         w.conn.close()
         if w.job is not None:
-            logger.error("grammar compile worker %d exited (%s) compiling a %s",
-                         w.proc.pid, code, w.job.spec.kind)  # fmt: skip
+            logger.error("grammar compile worker %d exited compiling a %s", w.pid, w.job.spec.kind)
             w.job.future.set_exception(
                 InternalCompileError(f"internal error: the {w.job.spec.field} compile crashed")
             )
-        elif not w.ready:
-            self._fail_pool(f"internal error: the grammar compiler exited at start ({code})")
 
     def _fail_pool(self, message: str) -> None:
         if self.failure is None:
             self.failure = message
         with self._lock:
             jobs, self._queue = self._queue, []
-        for w in self._workers:
+        for w in list(self._workers):
             if w.job is not None:
                 jobs.append(w.job)
-                w.job = None
+            self._kill(w)
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(InternalCompileError(message))
 
-    def _start_worker(self) -> None:
+    def _start_template(self) -> None:
         import radixrt
 
         env = dict(os.environ)
@@ -291,19 +305,45 @@ class CompilePool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        proc = subprocess.Popen(
+        self._template = subprocess.Popen(
             [sys.executable, "-c", BOOT, str(fd)], pass_fds=(fd,), env=env,
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
-        conn = Connection(ours.detach())
-        conn.send(self.setup)
-        self._workers.append(_Worker(proc, conn))
+        self._template_sock = ours
+        self._template_conn = Connection(os.dup(ours.fileno()))
+        self._template_conn.send(self.setup)
+
+    def _fork_worker(self) -> None:
+        """Ask the template for a worker: its pid, then our end of its socket (SCM_RIGHTS)."""
+        assert self._template_conn is not None and self._template_sock is not None
+        try:
+            self._template_conn.send(FORK)
+            pid = self._template_conn.recv()
+            _, fds, _, _ = socket.recv_fds(self._template_sock, 1, 1)
+        except (EOFError, OSError):
+            code = self._stop_template()
+            self._fail_pool(f"internal error: the grammar compiler exited ({code})")
+            return
+        assert isinstance(pid, int) and len(fds) == 1, (pid, fds)
+        self._workers.append(_Worker(pid, Connection(fds[0])))
+
+    def _stop_template(self) -> int | None:
+        """Kill the template (if running); its exit code."""
+        if self._template is None:
+            return None
+        self._template.kill()
+        code = self._template.wait()
+        for closable in (self._template_conn, self._template_sock):
+            if closable is not None:
+                closable.close()
+        self._template_conn = self._template_sock = None
+        return code
 
     def _kill(self, w: _Worker) -> None:
         """Stop `w` now (its job, if any, is the caller's to settle)."""
-        w.proc.kill()
-        w.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # it exited on its own (reaped)
+            os.kill(w.pid, signal.SIGKILL)
         w.conn.close()
         if w in self._workers:
             self._workers.remove(w)

@@ -1,13 +1,17 @@
-"""A grammar compile worker: a plain subprocess that compiles one spec at a time (the parent's
-side is `radixrt.grammar.compile_pool`).
+"""Grammar compile workers: a template process that forks them (the parent's side is
+`radixrt.grammar.compile_pool`).
 
 The parent starts `python -c BOOT <fd>` with one end of a socket pair and sends a
-`WorkerSetup`; the worker loads the tokenizer, builds xgrammar's TokenizerInfo and compiler
-and answers `Ready` (the TokenizerInfo as xgrammar's JSON, which the parent needs to
-deserialize compiled grammars, and the control-byte mask of JSON schemas). Then, per
-`(job_id, GrammarSpec)` it receives, it checks the spec's limits, compiles it and answers
-`Reply` with the compiled grammar as `CompiledGrammar.serialize_json()` text, or the error.
-It exits when the parent closes the socket (or dies); the parent kills it to stop a compile.
+`WorkerSetup`; this template process loads the tokenizer and builds xgrammar's TokenizerInfo
+once (seconds: xgrammar imports torch) and answers `Ready` (the TokenizerInfo as xgrammar's
+JSON, which the parent needs to deserialize compiled grammars, and the control-byte mask of
+JSON schemas). Then each `FORK` it receives forks a worker (milliseconds, memory shared
+copy-on-write) and answers the worker's pid, passing the parent its end of a new socket pair
+(SCM_RIGHTS). It holds no thread when it forks: the worker builds its compiler (and
+xgrammar's thread pool) after the fork. A worker compiles one `(job_id, GrammarSpec)` at a
+time: it checks the spec's limits, compiles it and answers `Reply` with the compiled grammar
+as `CompiledGrammar.serialize_json()` text, or the error. The parent kills a worker to stop
+its compile; the template reaps it. Both exit when the parent closes its socket (or dies).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from radixrt.grammar.spec import GrammarSpec
 
 BOOT = "import sys; from radixrt.grammar.compile_worker import main; main(int(sys.argv[1]))"
+FORK = "fork"  # the parent's request for one more worker
 COMPILE_THREADS = 4  # threads xgrammar uses inside one compile
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -61,26 +66,51 @@ class CompileError(ValueError):
 
 
 def main(fd: int) -> None:
+    """The template process."""
+    import signal
+    import socket
     from multiprocessing.connection import Connection
 
     os.dup2(2, 1)  # stray prints of libraries go to stderr
-    conn = Connection(fd)
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
     setup: WorkerSetup = conn.recv()
     try:
-        worker = _Worker(setup)
+        template = _Template(setup)
     except Exception:
         conn.send(SetupFailed(traceback.format_exc()))
         return
-    conn.send(Ready(worker.info.serialize_json(), worker.no_control.tobytes()))
+    conn.send(Ready(template.info.serialize_json(), template.no_control.tobytes()))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     while True:
         try:
-            job_id, spec = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(worker.compile(job_id, spec))
+        assert request == FORK, request
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            conn.close()
+            sock.close()
+            ours.close()
+            code = 0
+            try:
+                template.serve(Connection(theirs.detach()))
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        theirs.close()
+        conn.send(pid)
+        socket.send_fds(sock, [b"w"], [ours.fileno()])
+        ours.close()
 
 
-class _Worker:
+class _Template:
+    """What every worker starts from: the tokenizer's xgrammar view, built once."""
+
     def __init__(self, setup: WorkerSetup) -> None:
         import xgrammar as xgr
 
@@ -90,13 +120,30 @@ class _Worker:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tok, vocab_size=setup.vocab_size, stop_token_ids=list(setup.stop_token_ids)
         )
-        # no cache here: the parent caches compiled grammars (bounded in bytes)
-        self.compiler = xgr.GrammarCompiler(
-            self.info, max_threads=COMPILE_THREADS, cache_enabled=False
-        )
         keep = [*self.info.stop_token_ids, *tok.all_special_ids]
         self.no_control = no_control_mask(self.info, setup.vocab_size, keep)
         self.vocab_size = setup.vocab_size
+
+    def serve(self, conn) -> None:
+        """A worker's life: compile what the parent sends until it closes the socket."""
+        worker = _Worker(self)
+        while True:
+            try:
+                job_id, spec = conn.recv()
+            except (EOFError, OSError):
+                return
+            conn.send(worker.compile(job_id, spec))
+
+
+class _Worker:
+    def __init__(self, template: _Template) -> None:
+        import xgrammar as xgr
+
+        # no cache here: the parent caches compiled grammars (bounded in bytes)
+        self.compiler = xgr.GrammarCompiler(
+            template.info, max_threads=COMPILE_THREADS, cache_enabled=False
+        )
+        self.vocab_size = template.vocab_size
 
     def compile(self, job_id: int, spec: GrammarSpec) -> Reply:
         try:
