@@ -6,6 +6,7 @@ its bytes, and grammars that match nothing fail as the request's fault."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -179,6 +180,17 @@ def test_slow_compiles_are_killed_and_do_not_starve_other_clients(tiny_model_dir
         t = time.monotonic()
         again = _outcome(backend, backend.submit(GrammarSpec("ebnf", SLOW_EBNF + ' "0"')))
         assert "took longer" in again.error and time.monotonic() - t < 0.5
+        # a worker that dies mid-compile fails that compile as the engine's fault; the
+        # pool replaces it
+        crash = backend.submit(GrammarSpec("ebnf", SLOW_EBNF + ' "crash"'))
+        deadline = time.monotonic() + 30
+        while not (busy := [w.pid for w in backend.pool._workers if w.job is not None]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(busy[0], signal.SIGKILL)
+        outcome = _outcome(backend, crash)
+        assert outcome.internal and "compile crashed" in outcome.error, outcome
+        assert _outcome(backend, backend.submit(GrammarSpec("regex", "[a-c]{2}"))).error is None
         backend.check_integrity()
         pids = [*backend.pool.worker_pids, backend.pool.template_pid]
     finally:

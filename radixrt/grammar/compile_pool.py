@@ -6,7 +6,7 @@ runs in a worker process (`radixrt.grammar.compile_worker`); a manager thread of
 hands queued jobs to idle workers and
 
 - kills a worker whose job has run `time_limit_s` in total: the job fails with the time
-  limit (a 400), and a fresh worker is started in its place;
+  limit (a 400), and a fresh worker takes its place;
 - preempts the longest-running compile when jobs wait, every compile slot is busy and that
   compile has run at least `slice_s` longer than the job at the head of the queue has: its
   worker is killed and the job goes back to the queue with the time it has run. The queue is
@@ -59,7 +59,7 @@ PREEMPT_SLICE_S = 1.0  # a compile that ran this much longer than the queue's he
 
 
 class InternalCompileError(RuntimeError):
-    """A compile failed on the engine's side (a worker that crashed or cannot start)."""
+    """A compile failed on the engine's side (a worker crashed, the template cannot start)."""
 
 
 @dataclass(order=True)
@@ -104,8 +104,8 @@ class CompilePool:
         self.slice_s = slice_s
         self.decode = decode
         self.stats = PoolStats()
-        self.ready: Ready | None = None  # the first worker's (all workers send the same)
-        self.failure: str | None = None  # a worker could not start: every job fails
+        self.ready: Ready | None = None  # the template's, once it has loaded the tokenizer
+        self.failure: str | None = None  # the template failed: every job fails
         self._queue: list[_Job] = []  # heap, guarded by _lock
         self._lock = threading.Lock()
         self._seq = itertools.count()
@@ -181,7 +181,7 @@ class CompilePool:
                 self._template_message()
 
     def _dispatch(self) -> None:
-        for w in self._workers:
+        for w in list(self._workers):
             if w.job is None:
                 with self._lock:
                     if not self._queue:
@@ -189,8 +189,14 @@ class CompilePool:
                     job = heapq.heappop(self._queue)
                 if job.future.done():  # cancelled by close()
                     continue
+                try:
+                    w.conn.send((job.seq, job.spec))
+                except OSError:  # the worker died idle: the job waits for its replacement
+                    with self._lock:
+                        heapq.heappush(self._queue, job)
+                    self._exited(w)
+                    continue
                 w.job, w.started = job, time.monotonic()
-                w.conn.send((job.seq, job.spec))
 
     def _enforce_limits(self) -> float:
         """Kill compiles over the limit, preempt one if a job waits; the seconds until the
