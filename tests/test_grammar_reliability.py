@@ -190,6 +190,9 @@ def test_slow_compiles_are_killed_and_do_not_starve_other_clients(tiny_model_dir
         os.kill(busy[0], signal.SIGKILL)
         outcome = _outcome(backend, crash)
         assert outcome.internal and "compile crashed" in outcome.error, outcome
+        misses = backend.stats().grammar_cache_misses
+        backend.submit(GrammarSpec("ebnf", SLOW_EBNF + ' "crash"'))  # not cached: compiles again
+        assert backend.stats().grammar_cache_misses == misses + 1
         assert _outcome(backend, backend.submit(GrammarSpec("regex", "[a-c]{2}"))).error is None
         backend.check_integrity()
         pids = [*backend.pool.worker_pids, backend.pool.template_pid]

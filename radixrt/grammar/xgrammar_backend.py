@@ -54,7 +54,8 @@ class XGrammarBackend:
     """See the module docstring. The worker processes start on `start()` (the server's
     scheduler process calls it at start-up) or on the first submit. A compile fails once it
     has run `compile_timeout_s` (waiting for a worker does not count); its worker is killed.
-    Failed compiles are cached too (a resubmitted slow grammar fails at once)."""
+    Compiles that failed on the request's fault are cached too (a resubmitted slow grammar
+    fails at once); internal failures are not."""
 
     def __init__(
         self,
@@ -186,11 +187,12 @@ class XGrammarBackend:
         s = self.cache_stats
         for spec in [spec for spec in self._compiling if self._cache[spec].done()]:
             f = self._cache[spec]
-            size = ERROR_ENTRY_BYTES
-            if not f.cancelled() and f.exception() is None:
-                size = _entry_bytes(f.result())
-            self._sizes[spec] = size
             self._compiling.discard(spec)
+            if f.cancelled() or isinstance(f.exception(), InternalCompileError):
+                del self._cache[spec], self._sizes[spec]  # the engine's fault: retry next time
+                continue
+            size = ERROR_ENTRY_BYTES if f.exception() is not None else _entry_bytes(f.result())
+            self._sizes[spec] = size
             s.bytes += size
         if s.bytes <= self.cache_bytes:
             s.entries = len(self._cache)
