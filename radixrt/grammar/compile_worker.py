@@ -11,7 +11,7 @@ copy-on-write) and answers the worker's pid, passing the parent its end of a new
 xgrammar's thread pool) after the fork. A worker compiles one `(job_id, GrammarSpec)` at a
 time: it checks the spec's limits, compiles it and answers `Reply` with the compiled grammar
 as `CompiledGrammar.serialize_json()` text, or the error. The parent kills a worker to stop
-its compile; the template reaps it. Both exit when the parent closes its socket (or dies).
+its compile; the template reaps it. Both exit when the parent closes its socket or dies.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main(fd: int) -> None:
     import socket
     from multiprocessing.connection import Connection
 
+    _die_with_parent()
     os.dup2(2, 1)  # stray prints of libraries go to stderr
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
@@ -91,6 +92,7 @@ def main(fd: int) -> None:
         ours, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:  # the worker
+            _die_with_parent()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             conn.close()
             sock.close()
@@ -106,6 +108,17 @@ def main(fd: int) -> None:
         conn.send(pid)
         socket.send_fds(sock, [b"w"], [ours.fileno()])
         ours.close()
+
+
+def _die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent exits: a worker in a
+    long compile reads no socket, so it would not notice a parent that crashed."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class _Template:
