@@ -153,8 +153,10 @@ class CompilePool:
             logger.exception("the grammar compile pool failed")
             self._fail_pool("the grammar compile pool failed (see the server log)")
         finally:
+            pids = [w.pid for w in self._workers]
             for w in list(self._workers):
                 self._kill(w)
+            _wait_gone(pids, timeout_s=2.0)  # reaped by the template while it lives
             self._stop_template()
             with self._lock:
                 jobs, self._queue = self._queue, []
@@ -353,3 +355,15 @@ class CompilePool:
         w.conn.close()
         if w in self._workers:
             self._workers.remove(w)
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    """Wait until these killed processes are gone (reaped), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.005)
