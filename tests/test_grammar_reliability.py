@@ -31,7 +31,7 @@ SLOW_EBNF = "root ::= " + ' ("a" | "b" | "c" | "d")?' * 600
         ("(" + "a?" * 40 + ")" + "b*" * 40, 80),  # a group without quantifier is inlined
         ("[ab]?" * 30 + "(x|)" * 40, 70),
     ],
-    ids=["issue", "65", "inlined-group", "mixed"],
+    ids=["3000-groups", "65", "inlined-group", "mixed"],
 )
 def test_regexes_with_long_optional_runs_are_refused(regex, run):
     assert regex_cost(regex).longest_optional_run == run
