@@ -75,7 +75,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="also append forced strings as xgrammar tokenizes them (not output-identical)",
     )
     g.add_argument(
-        "--grammar-compile-timeout-s", type=float, default=30.0, help="a slower compile fails"
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=30.0,
+        help="a compile that runs longer fails (its worker process is killed)",
+    )
+    g.add_argument(
+        "--grammar-compile-workers", type=int, default=2, help="grammar compiles at once"
+    )
+    g.add_argument(
+        "--grammar-cache-mb",
+        type=float,
+        default=256.0,
+        help="compiled grammars kept (least recently used dropped first), MiB",
     )
 
 
@@ -104,6 +116,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "ngram_max_n": args.ngram_max_n,
         "speculative_draft_model": args.speculative_draft_model,
         "grammar_compile_timeout_s": args.grammar_compile_timeout_s,
+        "grammar_compile_workers": args.grammar_compile_workers,
+        "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
         "jump_forward": not args.disable_jump_forward,
         "jump_forward_retokenize": args.jump_forward_retokenize,
     }

@@ -301,17 +301,24 @@ class GrammarConfig:
     # with jump_forward: also append the string the grammar forces, as xgrammar tokenizes it
     # (fewer steps; NOT output-identical: the model might have picked other tokens for it)
     jump_forward_retokenize: bool = False
-    grammar_compile_timeout_s: float = 30.0  # a request whose compile takes longer fails
-    grammar_compile_threads: int = 2  # compile worker threads (off the scheduler's thread)
+    # a compile that has run this long fails (its worker process is killed); waiting for a
+    # worker does not count
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_workers: int = 2  # compiles at once, each in a worker process
     grammar_mask_threads: int = 4  # threads filling a step's token bitmasks together
+    # compiled grammars kept (LRU, by xgrammar's memory_size_bytes): 256 MiB
+    grammar_cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         t = self.grammar_compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"grammar_compile_timeout_s must be a number > 0, got {t!r}")
-        n = self.grammar_compile_threads
+        n = self.grammar_compile_workers
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
-            raise ValueError(f"grammar_compile_threads must be an integer in 1..64, got {n!r}")
+            raise ValueError(f"grammar_compile_workers must be an integer in 1..64, got {n!r}")
+        n = self.grammar_cache_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"grammar_cache_bytes must be an integer >= 0, got {n!r}")
         n = self.grammar_mask_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import jsonschema
 import pytest
@@ -265,32 +264,23 @@ def test_bad_grammar_fails_its_request_only(make_engine, field, value, message):
     assert engine.stats()["failed_requests"] == 0  # not an engine fault
 
 
-def test_compile_timeout_fails_that_request_only(make_engine, monkeypatch):
-    from radixrt.grammar.xgrammar_backend import XGrammarBackend
-
-    release = threading.Event()
-    compile_ = XGrammarBackend._compile
-
-    def slow(self, spec):
-        if spec.text == "never":
-            release.wait()
-        return compile_(self, spec)
-
-    monkeypatch.setattr(XGrammarBackend, "_compile", slow)
-    engine = make_engine(grammar_compile_timeout_s=0.3)
-    try:
-        outs = engine.generate(
-            PROMPTS[:3],
-            [
-                SamplingParams(max_tokens=40, temperature=0, regex=DATE),
-                SamplingParams(max_tokens=40, regex="never"),
-                SamplingParams(max_tokens=8, temperature=0),
-            ],
-        )
-    finally:
-        release.set()
+def test_compile_timeout_fails_that_request_only(make_engine):
+    """A grammar that compiles for far longer than the limit (an EBNF with 600 optional
+    items in a row: minutes) fails alone; its worker is killed."""
+    engine = make_engine(grammar_compile_timeout_s=0.5)
+    slow = "root ::= " + ' ("a" | "b" | "c" | "d")?' * 600
+    outs = engine.generate(
+        PROMPTS[:3],
+        [
+            SamplingParams(max_tokens=40, temperature=0, regex=DATE),
+            SamplingParams(max_tokens=40, grammar=slow),
+            SamplingParams(max_tokens=8, temperature=0),
+        ],
+    )
     assert outs[1].finish_reason is FinishReason.ERROR and "took longer" in outs[1].error
+    assert outs[1].invalid_request
     assert re.fullmatch(DATE, outs[0].text) and outs[2].finish_reason is FinishReason.LENGTH
+    assert engine.stats()["grammar_compile_timeouts"] == 1
 
 
 def test_sampling_params_validation():
@@ -412,7 +402,7 @@ def test_control_byte_mask_equals_xgrammars_special_ids_reference(tmp_path):
     import numpy as np
     import xgrammar as xgr
 
-    from radixrt.grammar.xgrammar_backend import _no_control_mask
+    from radixrt.grammar.compile_worker import no_control_mask as _no_control_mask
     from radixrt.hf_dir import load_tokenizer
     from radixrt.model.presets import write_dummy_model_dir
 

@@ -240,6 +240,22 @@ def test_compile_error_fails_that_request_with_invalid_request(n):
     assert core.stats()["grammar_errors"] == 1 and core.stats()["failed_requests"] == 0
 
 
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_grammar_that_allows_nothing_after_a_token_fails_as_invalid(jump_forward):
+    """A grammar whose language is empty past its first token (the mask after it is all
+    zero) stops the request as the request's fault, instead of sampling from nothing."""
+    core, runner, backend = make(overlap=False, jump_forward=jump_forward)
+    dead = json.dumps([[5, 6], [], [7]])
+    backend.ready.add(dead)
+    params = SamplingParams(max_tokens=10, grammar=dead)
+    out, done = drive(core, [([100, 101, 102], params, "d"), ([100, 101, 102, 200], FREE, "f")])
+    reason, error, invalid = done["d"]
+    assert (reason, invalid) == (FinishReason.ERROR, True) and out["d"] in ([5], [6])
+    assert error.startswith("invalid grammar: no output can match it"), error
+    assert done["f"][0] is FinishReason.LENGTH
+    assert core.stats()["grammar_errors"] == 1 and core.stats()["failed_requests"] == 0
+
+
 def test_engine_fault_while_compiling_is_not_the_requests_fault():
     core, runner, backend = make(overlap=False)
     out, done = drive(core, [([100, 101, 102], SamplingParams(grammar="boom"), "x")])

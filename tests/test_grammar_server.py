@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -26,9 +28,17 @@ SCHEMA = {
 }
 
 
+COMPILE_LIMIT_S = 5.0  # the server's grammar compile time limit (every other compile: < 1 s)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serving(tiny_model_dir) as srv:
+    with serving(tiny_model_dir, "--grammar-compile-timeout-s", str(COMPILE_LIMIT_S)) as srv:
+        # the compile workers start with the scheduler but may still be loading: a first
+        # constrained request waits for them (on a loaded machine, longer than a test call)
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 2, "regex": "[0-9]+"}}
+        status, out = srv.post("/generate", body, timeout=600)
+        assert status == 200, out
         yield srv
 
 
@@ -103,8 +113,25 @@ def test_openai_response_format(server):
          "sampling_params.ebnf", "invalid grammar: "),
         ("/v1/completions", {"prompt": "x", "guided_choice": ["\u0000"]}, "guided_choice",
          "invalid regex"),
+        # empty languages: a 400, not a 500
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= root"}},
+         "sampling_params.ebnf", "no output can match"),
+        ("/generate", {"text": "x", "sampling_params": {"regex": "[^\\s\\S]"}},
+         "sampling_params.regex", "no output can match"),
+        ("/generate", {"text": "x", "stream": True, "sampling_params": {"regex": "[^\\s\\S]"}},
+         "sampling_params.regex", "no output can match"),
+        # over a complexity limit, before compiling
+        ("/generate", {"text": "x", "sampling_params": {"regex": "(a|b|c|d)?" * 3000}},
+         "sampling_params.regex", "at most 64 are allowed"),
+        # keywords structured output cannot enforce
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}}}}},
+         "sampling_params.json_schema", 'keyword "not" at /properties/n/not'),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
+         "json_schema": {"name": "t", "schema": {"type": "number", "multipleOf": 0.5}}}},
+         "response_format", '"multipleOf" at /multipleOf'),
         ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "b"}},
-         "sampling_params.grammar", "at most one"),
+         "sampling_params.ebnf", "at most one"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "[1"}},
          "sampling_params.json_schema", "not JSON"),
         ("/generate", {"text": "x", "sampling_params": {"regex": 5}}, "sampling_params.regex", ""),
@@ -116,7 +143,7 @@ def test_openai_response_format(server):
          "response_format", "schema"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-         None, "invalid json_schema: "),
+         "response_format", "invalid json_schema: "),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_400(server, path, body, param, message):
@@ -124,8 +151,68 @@ def test_bad_constraints_are_400(server, path, body, param, message):
     assert status == 400, out
     err = out["error"]
     assert message in err["message"], err
-    if param is not None:
-        assert err.get("param") == param, err
+    assert err.get("param") == param, err
+
+
+def test_grammar_cache_counters_and_no_internal_errors_on_metrics(server):
+    """Each distinct constraint is a miss, a repeat a hit; bad grammars count no internal
+    error."""
+    before = _metrics(server)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 30, "regex": "[0-9]{3}-metrics"}}
+    for _ in range(2):
+        status, out = server.post("/generate", body)
+        assert status == 200 and re.fullmatch("[0-9]{3}-metrics", out["text"]), out
+    bad = {"text": "x", "sampling_params": {"ebnf": "root ::= root root"}}
+    assert server.post("/generate", bad)[0] == 400
+    after = _metrics(server)
+    assert after["radixrt_grammar_cache_misses"] - before["radixrt_grammar_cache_misses"] == 2
+    assert after["radixrt_grammar_cache_hits"] - before["radixrt_grammar_cache_hits"] == 1
+    assert after["radixrt_grammar_cache_bytes"] > 0
+    assert "radixrt_grammar_cache_evictions" in after
+    assert after["radixrt_internal_errors_total"] == 0
+
+
+def test_other_clients_grammars_compile_during_a_slow_compile_attack(server):
+    """Two grammars that would compile for minutes hold both compile slots; another client's
+    regex request completes, correct, well before they are stopped at the time limit."""
+    slow = "root ::= " + ' ("a" | "b" | "c" | "d")?' * 600
+    results: list[tuple[int, dict]] = []
+
+    def attack(i: int) -> None:
+        body = {"text": "x", "sampling_params": {"ebnf": f'{slow} "{i}"'}}
+        results.append(server.post("/generate", body))
+
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both compiles running
+    t0 = time.monotonic()
+    regex = DATE + " attack"  # not cached: it must compile
+    body = {
+        "text": "d",
+        "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": regex},
+    }
+    status, out = server.post("/generate", body)
+    latency = time.monotonic() - t0
+    assert status == 200 and re.fullmatch(regex, out["text"]), out
+    assert latency < COMPILE_LIMIT_S, latency  # it did not wait for the slow ones to stop
+    for t in threads:
+        t.join()
+    for status, out in results:
+        assert status == 400, out
+        assert out["error"]["param"] == "sampling_params.ebnf"
+        assert "took longer than" in out["error"]["message"]
+    metrics = _metrics(server)
+    assert metrics["radixrt_grammar_compile_timeouts"] >= 2
+    assert metrics["radixrt_grammar_compile_preemptions"] >= 1
+
+
+def _metrics(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = server.get("/metrics")
+    assert status == 200
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 @function

@@ -219,5 +219,23 @@ def test_scheduler_fault_on_one_request_is_a_500():
         with pytest.raises(ApiError) as e:
             await g.wait()
         assert (e.value.status, e.value.type) == (500, "server_error") and front.states == {}
+        assert front.metrics.internal_errors._value.get() == 1  # a server bug, counted
+
+
+def test_scheduler_grammar_error_names_the_field_the_client_used():
+    """The scheduler names the SamplingParams field ("grammar"); the client sent "ebnf"."""
+
+    async def main():
+        front = make_front()
+        body = b'{"text": "ab", "sampling_params": {"ebnf": "root ::= root"}}'
+        gen, _ = spec(body)
+        g = front.generate(gen)
+        rid = g.states[0].rid
+        error = RequestError(rid, "invalid grammar: no output can match it", 400, param="grammar")
+        front._dispatch(batch(errors=[error]))
+        with pytest.raises(ApiError) as e:
+            await g.wait()
+        assert (e.value.status, e.value.param) == (400, "sampling_params.ebnf")
+        assert front.metrics.internal_errors._value.get() == 0
 
     run(main())

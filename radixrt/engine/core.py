@@ -17,11 +17,13 @@ import itertools
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
+from radixrt.grammar.base import GrammarStats
+from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
@@ -49,6 +51,7 @@ class RequestDelta:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None  # with FinishReason.ERROR: what failed
     invalid_request: bool = False  # with ERROR: the request's fault (bad grammar): a 400
+    error_param: str | None = None  # with invalid_request: the SamplingParams field at fault
     new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
@@ -346,6 +349,7 @@ class EngineCore:
             else req.num_cached_tokens,
             error=req.error,
             invalid_request=req.invalid_request,
+            error_param=_constraint_field(req) if req.invalid_request else None,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
@@ -371,6 +375,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        check_grammar_cache = getattr(self.grammar_backend, "check_integrity", None)
+        if check_grammar_cache is not None:
+            check_grammar_cache()
         reporting = {rid for rid, r in self.scheduler.requests.items() if r.reports}
         pending = {r.rid for r in self._aborted}
         assert set(self._sent) - pending == reporting, "delta bookkeeping leaked"
@@ -428,7 +435,13 @@ class EngineCore:
             "spec_mean_acceptance_length": sp.mean_acceptance_length,
             **spec,
             **host_tier_stats(self.cache, s, self.runner),
+            **self._grammar_stats(),
         }
+
+    def _grammar_stats(self) -> dict[str, int]:
+        """GrammarStats fields (zero without a backend or one without stats)."""
+        stats = getattr(self.grammar_backend, "stats", None)
+        return asdict(stats() if stats is not None else GrammarStats())
 
 
 _BEAMS_DONE = (FinishReason.STOP, FinishReason.LENGTH)  # a beam search that has results
@@ -457,9 +470,18 @@ def _xgrammar_backend(cfg: EngineConfig, model_config: ModelConfig, eos_token_id
         model_config.vocab_size,
         eos_token_ids,
         compile_timeout_s=g.grammar_compile_timeout_s,
-        num_threads=g.grammar_compile_threads,
+        num_workers=g.grammar_compile_workers,
         mask_threads=g.grammar_mask_threads,
+        cache_bytes=g.grammar_cache_bytes,
     )
+
+
+def _constraint_field(req: Request) -> str:
+    """The SamplingParams field of the request's constraint (a request fails as invalid only
+    for its grammar)."""
+    spec = grammar_spec(req.params)
+    assert spec is not None, f"{req.rid} failed as invalid without a constraint"
+    return spec.field
 
 
 def _unique(reqs: list[Request]) -> list[Request]:

@@ -7,7 +7,8 @@ alternation of the escaped choices), `guided_grammar`. OpenAI routes:
 `response_format` {"type": "text"} | {"type": "json_object"} (any JSON object) |
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
 Types and sizes are checked here and by SamplingParams; whether the text compiles is known
-only in the scheduler process (a compile error is a 400 from there).
+only in the scheduler process (a compile error is a 400 from there, whose `param` the front
+replaces by `grammar_param`: the field the client used).
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ from radixrt.grammar.spec import JSON_OBJECT_EBNF
 GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "grammar"))
 # vLLM's structured-output fields (OpenAI routes)
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+SAMPLING_FIELDS = tuple(key for _, key in GENERATE_FIELDS)  # the constraint's, in SamplingParams
+
+
+def constraint_param(fields: Any, sampling_field: str, prefix: str = "") -> str:
+    """The request field that held the constraint SamplingParams got as `sampling_field`
+    (named in its errors): the /generate field of that name when the request set it, else
+    the field that set a constraint (`grammar_param`: response_format, vLLM's guided_*)."""
+    name = next(name for name, key in GENERATE_FIELDS if key == sampling_field)
+    if getattr(fields, name, None) is not None:
+        return prefix + name
+    given = grammar_param(fields, prefix)
+    return given if given is not None else prefix + name
 
 
 def grammar_kwargs(fields: Any) -> dict[str, Any]:

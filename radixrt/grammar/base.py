@@ -1,9 +1,11 @@
 """The scheduler's view of grammars: opaque handles behind two small protocols (torch-free).
 
 The scheduler submits a request's `GrammarSpec` when it is added, polls the ticket each step
-(the request waits, grammar-pending, while its grammar compiles on a worker thread), then holds
+(the request waits, grammar-pending, while its grammar compiles in a worker process), then holds
 one `GrammarMatcher` per sequence: it asks it for the next token bitmask (bytes that go into
-the plan row) and feeds it every token the sequence gets.
+the plan row) and feeds it every token the sequence gets. A compile error's message starts
+with the SamplingParams field at fault (`GrammarSpec.field`); the server names the request
+field the client used instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ class CompileOutcome:
     grammar: Any = None
     error: str | None = None
     internal: bool = False  # the error is the engine's (a 500), not the request's (a 400)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarStats:
+    """Compile cache and compile workers, since start (`GrammarBackend.stats`)."""
+
+    grammar_cache_hits: int = 0  # constrained requests whose grammar was cached (or compiling)
+    grammar_cache_misses: int = 0  # constrained requests that started a compile
+    grammar_cache_evictions: int = 0  # compiled grammars dropped to stay within the bound
+    grammar_cache_bytes: int = 0  # bytes the cached grammars take now
+    grammar_compile_timeouts: int = 0  # compiles stopped at the time limit (worker killed)
+    grammar_compile_preemptions: int = 0  # compiles stopped for a waiting one (requeued)
 
 
 class GrammarMatcher(Protocol):
@@ -82,6 +96,10 @@ class GrammarBackend(Protocol):
 
     def close(self) -> None:
         """Stop the compile workers; idempotent."""
+        ...
+
+    def stats(self) -> GrammarStats:
+        """Optional (looked up with getattr): counters for /metrics."""
         ...
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:

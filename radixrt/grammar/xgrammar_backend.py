@@ -1,36 +1,30 @@
-"""GrammarBackend on xgrammar: compiles on a thread pool against the model's tokenizer and
-caches compiled grammars by (kind, text). Imports torch and xgrammar (the scheduler process
-and the Engine only; never the front)."""
+"""GrammarBackend on xgrammar: compiles in killable worker processes
+(`radixrt.grammar.compile_pool`) against the model's tokenizer and caches compiled grammars by
+(kind, text) in an LRU bounded in bytes. Imports torch and xgrammar (the scheduler process and
+the Engine only; never the front)."""
 
 from __future__ import annotations
 
 import logging
-import re
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import numpy as np
 import xgrammar as xgr
 
-from radixrt.grammar.base import CompileOutcome
+from radixrt.grammar.base import CompileOutcome, GrammarStats
+from radixrt.grammar.compile_pool import CompilePool, InternalCompileError
+from radixrt.grammar.compile_worker import CompileError, Ready, WorkerSetup
 from radixrt.grammar.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
 MIN_BATCH_FILL = 8  # fewer stale masks are filled one by one (no thread hand-off)
-COMPILE_THREADS = 4  # threads xgrammar uses inside one compile
-
-
-class CompileError(ValueError):
-    """The spec does not compile (bad regex, schema or grammar)."""
+DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar's memory_size_bytes)
+ERROR_ENTRY_BYTES = 1024  # what a cached compile error counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +39,23 @@ class Compiled:
 class Ticket:
     spec: GrammarSpec
     future: Future
-    deadline: float  # clock() value after which the compile counts as timed out
+
+
+@dataclass(slots=True)
+class GrammarCacheStats:
+    hits: int = 0  # submits that found their spec cached (compiled, failed or compiling)
+    misses: int = 0  # submits that started a compile
+    evictions: int = 0  # entries dropped to keep the cache within its bytes
+    bytes: int = 0  # bytes the finished entries take
+    entries: int = 0  # entries, compiling ones included
 
 
 class XGrammarBackend:
-    """See the module docstring. The tokenizer is loaded (and xgrammar's TokenizerInfo built)
-    on the first compile, on a worker thread. `clock` is for tests."""
+    """See the module docstring. The worker processes start on `start()` (the server's
+    scheduler process calls it at start-up) or on the first submit. A compile fails once it
+    has run `compile_timeout_s` (waiting for a worker does not count); its worker is killed.
+    Compiles that failed on the request's fault are cached too (a resubmitted slow grammar
+    fails at once); internal failures are not."""
 
     def __init__(
         self,
@@ -59,47 +64,67 @@ class XGrammarBackend:
         stop_token_ids: Sequence[int],
         *,
         compile_timeout_s: float = 30.0,
-        num_threads: int = 2,
+        num_workers: int = 2,
         mask_threads: int = 4,
-        clock: Callable[[], float] = time.monotonic,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        self.model_path = model_path
         self.vocab_size = vocab_size  # the model's (logits width); may exceed the tokenizer's
-        self.stop_token_ids = sorted(stop_token_ids)
+        self.setup = WorkerSetup(model_path, vocab_size, tuple(sorted(stop_token_ids)))
         self.compile_timeout_s = compile_timeout_s
-        self.clock = clock
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
-        self._lock = threading.Lock()  # guards _compiler's creation
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._no_control: np.ndarray | None = None  # [W] int32: tokens without bytes < 0x20
-        self._cache: dict[GrammarSpec, Future] = {}  # scheduler thread only
+        self.num_workers = num_workers
+        self.cache_bytes = cache_bytes
+        self.cache_stats = GrammarCacheStats()
+        self._pool: CompilePool | None = None
+        self._info: xgr.TokenizerInfo | None = None  # the manager thread's, from Ready
+        self._no_control: np.ndarray | None = None
+        # scheduler thread only: spec -> compile, least recently used first; sizes of the
+        # finished ones (None: not yet accounted)
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._sizes: dict[GrammarSpec, int | None] = {}
+        self._compiling: set[GrammarSpec] = set()  # the entries whose size is None
         self.mask_threads = mask_threads
         self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
+
+    def start(self) -> None:
+        """Start the compile workers (idempotent)."""
+        if self._pool is None:
+            self._pool = CompilePool(
+                self.setup, self.num_workers, self.compile_timeout_s, self._decode
+            )
 
     # ---- GrammarBackend ----
     def submit(self, spec: GrammarSpec) -> Ticket:
         future = self._cache.get(spec)
-        if future is None:
-            future = self._cache[spec] = self._pool.submit(self._compile, spec)
-        return Ticket(spec, future, self.clock() + self.compile_timeout_s)
+        if future is not None:
+            self.cache_stats.hits += 1
+            self._cache.move_to_end(spec)
+        else:
+            self.cache_stats.misses += 1
+            self.start()
+            assert self._pool is not None
+            future = self._cache[spec] = self._pool.submit(spec)
+            self._sizes[spec] = None
+            self._compiling.add(spec)
+        self._account()
+        return Ticket(spec, future)
 
     def poll(self, ticket: Ticket) -> CompileOutcome | None:
         f = ticket.future
-        if f.done():
-            error = f.exception()
-            if error is None:
-                return CompileOutcome(grammar=f.result())
-            if not isinstance(error, CompileError):  # not the request's fault
-                logger.error("compiling a %s failed", ticket.spec.kind, exc_info=error)
-                message = f"internal error compiling the {ticket.spec.field}: {error!r}"
-                return CompileOutcome(error=message, internal=True)
-            return CompileOutcome(error=str(error))
-        if self.clock() > ticket.deadline:
+        if not f.done():
+            return None
+        self._account()
+        if f.cancelled():  # the backend was closed
             return CompileOutcome(
-                error=f"compiling the {ticket.spec.field} took longer than "
-                f"{self.compile_timeout_s:g} s (the time limit)"
+                error="internal error: the grammar compiler stopped", internal=True
             )
-        return None
+        error = f.exception()
+        if error is None:
+            return CompileOutcome(grammar=f.result())
+        if isinstance(error, CompileError):
+            return CompileOutcome(error=str(error))
+        assert isinstance(error, InternalCompileError), error
+        logger.error("compiling a %s failed: %s", ticket.spec.kind, error)
+        return CompileOutcome(error=str(error), internal=True)
 
     def wait(self, tickets: Sequence[Ticket], timeout_s: float) -> None:
         if tickets:
@@ -126,40 +151,75 @@ class XGrammarBackend:
             m._words, m._fresh = words[i], True
 
     def close(self) -> None:
-        """Stop the workers (compiles queued but not started are dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Kill the compile workers (queued compiles are cancelled)."""
+        if self._pool is not None:
+            self._pool.close()
 
-    # ---- worker side ----
-    def compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                from radixrt.hf_dir import load_tokenizer
+    @property
+    def pool(self) -> CompilePool | None:
+        return self._pool
 
-                tok = load_tokenizer(self.model_path)
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-                )
-                # threads of one compile (its token-mask cache); the pool runs several
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
-                self._no_control = _no_control_mask(
-                    info, self.vocab_size, [*info.stop_token_ids, *tok.all_special_ids]
-                )
-            return self._compiler
+    def stats(self) -> GrammarStats:
+        c = self.cache_stats
+        p = self._pool.stats if self._pool is not None else None
+        return GrammarStats(
+            grammar_cache_hits=c.hits,
+            grammar_cache_misses=c.misses,
+            grammar_cache_evictions=c.evictions,
+            grammar_cache_bytes=c.bytes,
+            grammar_compile_timeouts=p.num_timeouts if p else 0,
+            grammar_compile_preemptions=p.num_preemptions if p else 0,
+        )
 
-    def _compile(self, spec: GrammarSpec) -> Compiled:
-        c = self.compiler()
-        try:
-            if spec.kind == "regex":
-                return Compiled(c.compile_regex(spec.text))
-            if spec.kind == "json_schema":
-                # compact JSON (no free whitespace): bounded outputs, more forced tokens
-                grammar = c.compile_json_schema(spec.text, any_whitespace=False)
-                return Compiled(grammar, self._no_control)
-            assert spec.kind == "ebnf", spec.kind
-            return Compiled(c.compile_grammar(spec.text))
-        except (RuntimeError, ValueError, TypeError) as e:
-            message = _LOCATION.sub("", str(e).strip())
-            raise CompileError(f"invalid {spec.field}: {message}") from None
+    def check_integrity(self) -> None:
+        assert set(self._sizes) == set(self._cache)
+        assert self._compiling == {spec for spec, n in self._sizes.items() if n is None}
+        sizes = [n for n in self._sizes.values() if n is not None]
+        assert self.cache_stats.bytes == sum(sizes)
+        assert self.cache_stats.entries == len(self._cache)
+        assert self.cache_stats.bytes <= self.cache_bytes or len(sizes) <= 1
+
+    # ---- the cache ----
+    def _account(self) -> None:
+        """Count the bytes of compiles finished since the last call, then drop least
+        recently used finished entries while the cache holds more than `cache_bytes`
+        (the newest entry stays: matchers being made from it)."""
+        s = self.cache_stats
+        for spec in [spec for spec in self._compiling if self._cache[spec].done()]:
+            f = self._cache[spec]
+            self._compiling.discard(spec)
+            if f.cancelled() or isinstance(f.exception(), InternalCompileError):
+                del self._cache[spec], self._sizes[spec]  # the engine's fault: retry next time
+                continue
+            size = ERROR_ENTRY_BYTES if f.exception() is not None else _entry_bytes(f.result())
+            self._sizes[spec] = size
+            s.bytes += size
+        if s.bytes <= self.cache_bytes:
+            s.entries = len(self._cache)
+            return
+        for spec in list(self._cache):
+            if s.bytes <= self.cache_bytes or len(self._cache) <= 1:
+                break
+            size = self._sizes[spec]
+            if size is None:
+                continue  # compiling
+            del self._cache[spec], self._sizes[spec]
+            s.bytes -= size
+            s.evictions += 1
+        s.entries = len(self._cache)
+
+    # ---- the manager thread ----
+    def _decode(self, ready: Ready, spec: GrammarSpec, grammar_json: str) -> Compiled:
+        if self._info is None:
+            self._info = xgr.TokenizerInfo.deserialize_json(ready.tokenizer_info_json)
+            self._no_control = np.frombuffer(ready.no_control_mask, dtype=np.int32).copy()
+        grammar = xgr.CompiledGrammar.deserialize_json(grammar_json, self._info)
+        return Compiled(grammar, self._no_control if spec.kind == "json_schema" else None)
+
+
+def _entry_bytes(compiled: Compiled) -> int:
+    extra = 0 if compiled.and_mask is None else compiled.and_mask.nbytes
+    return compiled.grammar.memory_size_bytes + extra
 
 
 class XGrammarMatcher:
@@ -214,19 +274,3 @@ class XGrammarMatcher:
         if w & (w - 1):
             return None
         return int(nonzero[0]) * 32 + w.bit_length() - 1
-
-
-def _no_control_mask(info: xgr.TokenizerInfo, vocab_size: int, keep_ids) -> np.ndarray:
-    """[ceil(V / 32)] int32: bit t set unless token t's bytes hold a control byte (< 0x20);
-    `keep_ids` (stop and special tokens) stay allowed. Ids past the tokenizer's vocabulary
-    (a padded model vocabulary) decode to b"" and stay allowed too (xgrammar masks them).
-    Not `info.special_token_ids`: for a padded vocabulary it lists every padding id, one
-    FFI call each, which under GIL contention took minutes."""
-    allowed = np.ones(vocab_size, dtype=bool)
-    keep = set(keep_ids)
-    for t, piece in enumerate(info.decoded_vocab[:vocab_size]):
-        if t not in keep and any(b < 0x20 for b in piece):
-            allowed[t] = False
-    padded = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
-    padded[:vocab_size] = allowed
-    return np.packbits(padded, bitorder="little").view(np.int32).copy()

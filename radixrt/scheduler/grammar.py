@@ -99,19 +99,44 @@ class GrammarFeature(SchedulerFeature):
         return FinishReason.STOP if m.is_terminated() else None
 
     def after_update(self, changed: list[Request]) -> None:
-        """Jump-forward for the running constrained requests that got tokens. One that
-        raises fails alone (its group with it): the failed requests join `changed`."""
+        """Jump-forward for the running constrained requests that got tokens; then fail
+        those whose grammar allows no next token (`_dead_end`). One that raises fails alone
+        (its group with it): the failed requests join `changed`."""
         reqs = [r for r in changed if r.grammar is not None and r.status is Status.RUNNING]
-        if not reqs or not self.jump_forward:
+        if not reqs:
             return
         self._fill_masks(reqs)
         for req in reqs:
             if req.status is not Status.RUNNING:
                 continue  # its group failed with an earlier member
             try:
-                self._jump_forward(req)
+                if self.jump_forward and self._jump_forward(req):
+                    continue
+                if req.status is Status.RUNNING:
+                    self._dead_end(req)
             except Exception as e:
                 changed += self.lifecycle.fail(req, e)
+
+    def _dead_end(self, req: Request) -> None:
+        """Stop `req` with ERROR (the request's fault: a 400) when its grammar allows no
+        token now: the grammar's language is empty past this point (`root ::= "a" b` with
+        `b ::= b`), and a sample from an all-masked row would be garbage."""
+        if req.grammar.is_terminated():
+            return
+        mask = req.grammar.next_mask()
+        if mask.count(0) != len(mask):
+            return
+        field = grammar_spec(req.params).field
+        req.error = (
+            f"invalid {field}: no output can match it (no token may follow the "
+            f"{req.num_output} output tokens it allowed)"
+        )
+        req.invalid_request = True
+        self.stats.num_grammar_errors += 1
+        was_waiting = req.status is Status.WAITING
+        self.lifecycle.stop(req, FinishReason.ERROR)
+        if was_waiting:
+            self.lifecycle.finished_outside_update.append(req)
 
     def check_integrity(self) -> None:
         for req in self.queues.requests.values():
@@ -168,8 +193,8 @@ class GrammarFeature(SchedulerFeature):
             seq.grammar = self.backend.new_matcher(grammar)
             for token in seq.output_token_ids:  # none yet, unless re-added
                 assert seq.grammar.accept(token)
-        if g is None and self.jump_forward:
-            self._jump_forward(req)
+        if g is None and not (self.jump_forward and self._jump_forward(req)):
+            self._dead_end(req)  # after forced tokens (the start is checked at compile)
 
     def _reject(self, req: Request, error: str, invalid: bool) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the

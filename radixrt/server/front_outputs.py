@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from radixrt.grammar.api import SAMPLING_FIELDS
 from radixrt.server.messages import (
     AbortRequest,
     CacheFlushed,
@@ -58,10 +59,14 @@ class FrontOutputs:
                 if group is None:
                     continue
                 kind = "server_error" if err.status >= 500 else "invalid_request_error"
+                if err.status >= 500:
+                    self.metrics.internal_errors.inc()
                 # a child's error fails that choice; the request's (a 400) every choice
                 for st in [group[err.index]] if err.parent_rid is not None else group:
                     if not st.finished:
-                        param = st.grammar_param if err.grammar else err.param
+                        param = err.param
+                        if (err.grammar or param in SAMPLING_FIELDS) and st.grammar_param:
+                            param = st.grammar_param  # the field the client used
                         error = ApiError(err.message, param, status=err.status, type=kind)
                         self._fail(st, error)
             self.snapshot = msg.snapshot

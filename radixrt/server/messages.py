@@ -155,6 +155,13 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_seconds: float = 0.0
+    # structured output since start: radixrt.grammar.base.GrammarStats, field for field
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    grammar_cache_evictions: int = 0
+    grammar_cache_bytes: int = 0
+    grammar_compile_timeouts: int = 0
+    grammar_compile_preemptions: int = 0
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -169,7 +169,19 @@ class ServerMetrics:
                 ("swap_seconds", "Seconds of host <-> device KV transfers, since start"),
             )
         }
-        self._scheduler_gauges = (*self.host_tier.values(),
+        # structured output (radixrt.grammar.base.GrammarStats): snapshot field -> gauge
+        self.grammar = {
+            field: g(f"radixrt_{field}", doc)
+            for field, doc in (
+                ("grammar_cache_hits", "Constrained requests whose grammar was cached"),
+                ("grammar_cache_misses", "Constrained requests that started a grammar compile"),
+                ("grammar_cache_evictions", "Compiled grammars dropped to bound the cache"),
+                ("grammar_cache_bytes", "Bytes the grammar cache holds"),
+                ("grammar_compile_timeouts", "Grammar compiles stopped at the time limit"),
+                ("grammar_compile_preemptions", "Grammar compiles stopped for a waiting one"),
+            )
+        }
+        self._scheduler_gauges = (*self.host_tier.values(), *self.grammar.values(),
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
             self.failed_requests, self.failed_steps, self.spec_draft_tokens,
@@ -192,6 +204,8 @@ class ServerMetrics:
         for name, gauge in self.group_gauges.items():
             gauge.set(getattr(snap, name))
         for field, gauge in self.host_tier.items():
+            gauge.set(getattr(snap, field))
+        for field, gauge in self.grammar.items():
             gauge.set(getattr(snap, field))
 
     def scheduler_gone(self) -> None:

@@ -51,7 +51,7 @@ class RequestState:
     choice: int = 0  # the child index inside its scheduler request (0..n-1)
     num_choices: int = 1  # n of its scheduler request (1 for a beam search)
     beam: bool = False  # a beam search: no deltas but the last, results in `beams`
-    grammar_param: str | None = None  # the request field of its structured output, if any
+    grammar_param: str | None = None  # the request field holding its constraint, if any
     beams: list[BeamResult] = field(default_factory=list)  # beam search: best first
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None

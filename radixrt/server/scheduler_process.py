@@ -18,11 +18,12 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import zmq
 
+from radixrt.grammar.base import GrammarStats
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.liveness import HEARTBEAT_S
 from radixrt.server.messages import (
@@ -132,7 +133,11 @@ def build_core(args: SchedulerProcessArgs):
     options = {"cpu_threads": threads, "freeze_gc": True, **args.options}
     cfg = resolve_config(args.model_path, args.device, args.dtype, **options)
     model_config = ModelConfig.from_pretrained(args.model_path)
-    return EngineCore(cfg, model_config, args.eos_token_ids)
+    core = EngineCore(cfg, model_config, args.eos_token_ids)
+    start_grammar_workers = getattr(core.grammar_backend, "start", None)
+    if start_grammar_workers is not None:  # warm before the first constrained request
+        start_grammar_workers()
+    return core
 
 
 class SchedulerLoop:
@@ -190,6 +195,7 @@ class SchedulerLoop:
                                 status,
                                 d.parent_rid,
                                 d.index,
+                                d.error_param,
                                 grammar=d.invalid_request,
                             )
                         )
@@ -285,9 +291,11 @@ class SchedulerLoop:
             beam_copied_blocks=int(s["beam_copied_blocks"]),
             **{k: int(s[k]) for k in HOST_TIER_FIELDS},
             swap_seconds=float(s["swap_seconds"]),
+            **{k: int(s[k]) for k in GRAMMAR_STATS_FIELDS},
         )
 
 
+GRAMMAR_STATS_FIELDS = tuple(f.name for f in fields(GrammarStats))
 HOST_TIER_FIELDS = (
     "host_hit_tokens",
     "host_written_back_blocks",

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.grammar.api import GUIDED_FIELDS, grammar_kwargs, grammar_param, guided_kwargs
+from radixrt.grammar.api import (
+    GUIDED_FIELDS,
+    SAMPLING_FIELDS,
+    constraint_param,
+    grammar_kwargs,
+    grammar_param,
+    guided_kwargs,
+)
 from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE
 from radixrt.server.chat import ChatTemplateOptions, chat_messages, template_options
 from radixrt.server.fields import LENIENT, UnknownFields, decode_checked
@@ -112,7 +119,7 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
             kw.update(guided_kwargs(f, kw))
         except ValueError as e:
             raise ApiError(str(e), param=_guided_param(f)) from None
-    _checked(kw, prefix)
+    _checked(kw, prefix, f)
     return kw
 
 
@@ -160,12 +167,16 @@ def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[i
     return tuple(sorted(pairs))
 
 
-def _checked(kw: dict[str, Any], prefix: str) -> None:
-    """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field."""
+def _checked(kw: dict[str, Any], prefix: str, f: SamplingFields) -> None:
+    """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field, or
+    for a constraint the request field of `f` that held it."""
     try:
         make_params(**kw)
     except ApiError as e:
-        e.param = None if e.param is None else prefix + e.param
+        if e.param in SAMPLING_FIELDS:
+            e.param = constraint_param(f, e.param, prefix)
+        else:
+            e.param = None if e.param is None else prefix + e.param
         raise
 
 

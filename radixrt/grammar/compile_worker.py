@@ -1,0 +1,224 @@
+"""Grammar compile workers: a template process that forks them (the parent's side is
+`radixrt.grammar.compile_pool`).
+
+The parent starts `python -c BOOT <fd>` with one end of a socket pair and sends a
+`WorkerSetup`; this template process loads the tokenizer and builds xgrammar's TokenizerInfo
+once (seconds: xgrammar imports torch) and answers `Ready` (the TokenizerInfo as xgrammar's
+JSON, which the parent needs to deserialize compiled grammars, and the control-byte mask of
+JSON schemas). Then each `FORK` it receives forks a worker (milliseconds, memory shared
+copy-on-write) and answers the worker's pid, passing the parent its end of a new socket pair
+(SCM_RIGHTS). It holds no thread when it forks: the worker builds its compiler (and
+xgrammar's thread pool) after the fork. A worker compiles one `(job_id, GrammarSpec)` at a
+time: it checks the spec's limits, compiles it and answers `Reply` with the compiled grammar
+as `CompiledGrammar.serialize_json()` text, or the error. The parent kills a worker to stop
+its compile; the template reaps it. Both exit when the parent closes its socket or dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+
+from radixrt.grammar.spec import GrammarSpec
+
+BOOT = "import sys; from radixrt.grammar.compile_worker import main; main(int(sys.argv[1]))"
+FORK = "fork"  # the parent's request for one more worker
+COMPILE_THREADS = 4  # threads xgrammar uses inside one compile
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    model_path: str
+    vocab_size: int  # the model's (logits width); may exceed the tokenizer's
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    tokenizer_info_json: str  # xgr.TokenizerInfo.serialize_json()
+    no_control_mask: bytes  # [ceil(V / 32)] int32: tokens without bytes < 0x20 (see below)
+
+
+@dataclass(frozen=True, slots=True)
+class SetupFailed:
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A finished compile: exactly one of `grammar_json` and `error`."""
+
+    job_id: int
+    grammar_json: str | None = None  # xgr.CompiledGrammar.serialize_json()
+    error: str | None = None  # the request's fault (a 400), or with `internal` the engine's
+    internal: bool = False
+
+
+class CompileError(ValueError):
+    """The spec does not compile (bad regex, schema or grammar, over a limit, or a language
+    no output can match)."""
+
+
+def main(fd: int) -> None:
+    """The template process."""
+    import signal
+    import socket
+    from multiprocessing.connection import Connection
+
+    _die_with_parent()
+    os.dup2(2, 1)  # stray prints of libraries go to stderr
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    setup: WorkerSetup = conn.recv()
+    try:
+        template = _Template(setup)
+    except Exception:
+        conn.send(SetupFailed(traceback.format_exc()))
+        return
+    conn.send(Ready(template.info.serialize_json(), template.no_control.tobytes()))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        assert request == FORK, request
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            _die_with_parent()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            conn.close()
+            sock.close()
+            ours.close()
+            code = 0
+            try:
+                template.serve(Connection(theirs.detach()))
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        theirs.close()
+        conn.send(pid)
+        socket.send_fds(sock, [b"w"], [ours.fileno()])
+        ours.close()
+
+
+def _die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent exits: a worker in a
+    long compile reads no socket, so it would not notice a parent that crashed."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class _Template:
+    """What every worker starts from: the tokenizer's xgrammar view, built once."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        import xgrammar as xgr
+
+        from radixrt.hf_dir import load_tokenizer
+
+        tok = load_tokenizer(setup.model_path)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=setup.vocab_size, stop_token_ids=list(setup.stop_token_ids)
+        )
+        keep = [*self.info.stop_token_ids, *tok.all_special_ids]
+        self.no_control = no_control_mask(self.info, setup.vocab_size, keep)
+        self.vocab_size = setup.vocab_size
+
+    def serve(self, conn) -> None:
+        """A worker's life: compile what the parent sends until it closes the socket."""
+        worker = _Worker(self)
+        while True:
+            try:
+                job_id, spec = conn.recv()
+            except (EOFError, OSError):
+                return
+            conn.send(worker.compile(job_id, spec))
+
+
+class _Worker:
+    def __init__(self, template: _Template) -> None:
+        import xgrammar as xgr
+
+        # no cache here: the parent caches compiled grammars (bounded in bytes)
+        self.compiler = xgr.GrammarCompiler(
+            template.info, max_threads=COMPILE_THREADS, cache_enabled=False
+        )
+        self.vocab_size = template.vocab_size
+
+    def compile(self, job_id: int, spec: GrammarSpec) -> Reply:
+        try:
+            return Reply(job_id, grammar_json=self._compile(spec).serialize_json())
+        except CompileError as e:
+            return Reply(job_id, error=str(e))
+        except Exception as e:  # not the request's fault
+            print(traceback.format_exc(), file=sys.stderr)
+            return Reply(job_id, error=f"internal error compiling the {spec.field}: {e!r}",
+                         internal=True)  # fmt: skip
+
+    def _compile(self, spec: GrammarSpec):
+        import xgrammar as xgr
+
+        from radixrt.grammar.json_schema_support import check_json_schema
+        from radixrt.grammar.regex_limits import check_regex
+
+        try:  # limits and unsupported keywords, before any compile time is spent
+            if spec.kind == "regex":
+                check_regex(spec.text, spec.field)
+            elif spec.kind == "json_schema":
+                check_json_schema(json.loads(spec.text), spec.field)
+        except ValueError as e:
+            raise CompileError(str(e)) from None
+        c = self.compiler
+        try:
+            if spec.kind == "regex":
+                grammar = c.compile_regex(spec.text)
+            elif spec.kind == "json_schema":
+                # compact JSON (no free whitespace): bounded outputs, more forced tokens
+                grammar = c.compile_json_schema(spec.text, any_whitespace=False)
+            else:
+                assert spec.kind == "ebnf", spec.kind
+                grammar = c.compile_grammar(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            message = _LOCATION.sub("", str(e).strip())
+            raise CompileError(f"invalid {spec.field}: {message}") from None
+        matcher = xgr.GrammarMatcher(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.numpy().any():
+            raise CompileError(
+                f"invalid {spec.field}: no output can match it (it matches no string, or no "
+                "token of the model's vocabulary starts a match)"
+            )
+        return grammar
+
+
+def no_control_mask(info, vocab_size: int, keep_ids):
+    """[ceil(V / 32)] int32: bit t set unless token t's bytes hold a control byte (< 0x20);
+    `keep_ids` (stop and special tokens) stay allowed. Ids past the tokenizer's vocabulary
+    (a padded model vocabulary) decode to b"" and stay allowed too (xgrammar masks them).
+    Not `info.special_token_ids`: for a padded vocabulary it lists every padding id, one
+    FFI call each, which under GIL contention took minutes. JSON forbids raw control bytes
+    in strings, which xgrammar 0.2.9 lets maxLength strings take."""
+    import numpy as np
+
+    allowed = np.ones(vocab_size, dtype=bool)
+    keep = set(keep_ids)
+    for t, piece in enumerate(info.decoded_vocab[:vocab_size]):
+        if t not in keep and any(b < 0x20 for b in piece):
+            allowed[t] = False
+    padded = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    padded[:vocab_size] = allowed
+    return np.packbits(padded, bitorder="little").view(np.int32).copy()
