@@ -112,13 +112,11 @@ class Admission:
         never run."""
         shorter: list[int] | None = None
         while True:
-            num_ops = len(ops)
             if self._start(req, ops):
                 n = self._chunk(req, budget)
                 if self._reserve(req, n) and (not shorter or self._can_finish(req)):
                     return n
-                del ops[num_ops:]
-                self._release(req)
+                self._release(req)  # drops its copy-on-write op too
             if self.running:
                 return None
             if shorter is None:

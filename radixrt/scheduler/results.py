@@ -15,7 +15,7 @@ import logging
 import math
 
 from radixrt.cache.tiers import unmade_blocks
-from radixrt.plan import PlanRow, StepPlan, StepResult, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, PlanRow, StepPlan, StepResult, SwapIn, SwapOut
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status
 
 logger = logging.getLogger("radixrt.scheduler.scheduler")
@@ -182,7 +182,7 @@ class ResultApplication:
         """Free blocks past the request's computed KV (speculative rollback)."""
         keep = math.ceil(req.num_computed / self.block_size)
         if keep < len(req.block_table):
-            self.allocator.decref(req.block_table[keep:])
+            self._free(req.block_table[keep:])
             del req.block_table[keep:]
             req.num_table_sent = min(req.num_table_sent, keep)
 
@@ -255,6 +255,8 @@ class ResultApplication:
         self.cache.check_integrity()
         self._check_grammar_integrity()
         in_use = {b for r in self.running for b in r.block_table}
+        for op in self._pending_ops:  # a copy into a freed block would clobber its next use
+            assert not isinstance(op, CopyBlock) or op.dst in in_use, f"{op} into a free block"
         cached_only = set(self.cache.held_refs()) - in_use
         assert len(cached_only) <= self.cache.cached_blocks
         free, num_in_use, num_cached = self.allocator.num_free, len(in_use), len(cached_only)

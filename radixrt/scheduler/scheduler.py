@@ -163,8 +163,9 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         """Plan the next step, or None when no row can run now. Mutates request and cache
         state (blocks, locks, slots); the plan counts as in flight until `update`."""
         self._matches.clear()
+        # The step's block ops so far: the same list as `_pending_ops` until the plan takes
+        # it, so that `_free` drops the copies into blocks freed while planning.
         ops: list = self._pending_ops
-        self._pending_ops = []
         if self.grammar_backend is not None:
             self._poll_grammars()
         for parent in [r for r in self.running if r.group is not None and r.group.ready]:
@@ -188,13 +189,8 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         for req in self.waiting:
             req.waited_steps += 1
         if not decode and not extend:
-            # No row: copies into blocks a running request holds (a fork parent's whole
-            # prefix cached) wait for the next plan; the others were for forks or beams
-            # preempted since (their blocks are free now, nothing to copy).
-            held = {b for r in self.running for b in r.block_table}
-            self._pending_ops = self._swaps_first(
-                [op for op in ops if not isinstance(op, CopyBlock) or op.dst in held]
-            )
+            # No row: the ops wait for the next plan (copies into blocks freed since went).
+            self._pending_ops = self._swaps_first(ops)
             return None
         step_id = next(self._step_ids)
         # one-token rows first (the decode kernel), then rows with drafts, then prefill chunks
@@ -216,9 +212,10 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
             kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         if not rows:
-            self._pending_ops = [op for op in self._swaps_first(ops) if _is_swap(op)]
+            self._pending_ops = self._swaps_first(ops)
             return None
         ops = self._swaps_first(ops)
+        self._pending_ops = []
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
         self.stats.num_steps += 1
         return StepPlan(step_id, rows, ops)
@@ -226,7 +223,8 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
     def _swaps_first(self, ops: list) -> list:
         """`ops` with the host tier's swap ops (earlier pending ones, then those the cache
         made since) first, then the copies. Swaps never touch a copy's blocks (a copy reads
-        a locked block and writes a fresh one), so running them first is safe, and the
+        a block its request holds and writes a fresh one it holds; `_free` drops a copy whose
+        target was freed before its plan went out), so running them first is safe, and the
         runner can start every transfer before the step's device work."""
         swaps = [op for op in ops if _is_swap(op)] + self._take_swap_ops()
         return swaps + [op for op in ops if not _is_swap(op)]
@@ -274,7 +272,7 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
             req.cache_handle = None
-        self.allocator.decref(req.block_table)
+        self._free(req.block_table)
         req.block_table = []
         if req.slot is not None:
             self._free_slots.append(req.slot)
@@ -286,6 +284,16 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         req.num_computed = req.num_kv_done = req.num_table_sent = 0
         req.num_inflight_samples = 0
         req.awaiting_host_result = False
+
+    def _free(self, blocks: list[int]) -> None:
+        """Drop a request's reference on each of `blocks`. A copy queued for the next plan
+        into a block that becomes free goes too: the block may be reused before that plan
+        runs, e.g. as a host load's target, and the plan runs swap-ins before copies."""
+        self.allocator.decref(blocks)
+        freed = {b for b in blocks if self.allocator.ref_counts[b] == 0}
+        if not freed:
+            return
+        self._pending_ops[:] = [op for op in self._pending_ops if not _copies_into(op, freed)]
 
     def _preempt(self, req: Request) -> None:
         """Free the request's KV and put it at the head of the waiting queue (it will be
@@ -313,6 +321,10 @@ class Scheduler(Admission, RowPlanning, GroupScheduling, GrammarScheduling, Resu
         seq.epoch += 1
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+
+
+def _copies_into(op: object, blocks: set[int]) -> bool:
+    return isinstance(op, CopyBlock) and op.dst in blocks
 
 
 def _is_swap(op: object) -> bool:
