@@ -32,11 +32,10 @@ from typing import Any
 REFERENCE_ARGS = ["--num-kv-blocks", "1024", "--block-size", "8"]
 # Feature rows: name -> serve args. Small pools, so that eviction, write-back and preemption
 # happen all the time under the workload.
-PRESSURE = ["--num-kv-blocks", "48", "--block-size", "4", "--max-running-requests", "8"]
+PRESSURE = ["--num-kv-blocks", "48", "--block-size", "4", "--max-running-requests", "12"]
 HOST = ["--host-kv-gb", "0.001"]  # ~130 host blocks of 4 tokens: the host tier evicts too
 NGRAM = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
 CONFIGS: dict[str, list[str]] = {
-    "pressure": PRESSURE,
     "host": PRESSURE + HOST,
     "ngram": PRESSURE + NGRAM,
     "host+ngram": PRESSURE + HOST + NGRAM,
@@ -44,12 +43,12 @@ CONFIGS: dict[str, list[str]] = {
 
 GREEDY_KINDS = ("greedy", "stream", "grammar", "greedy_n", "beam")
 KINDS = {  # kind -> weight in the mix
-    "greedy": 6,
-    "stream": 3,
+    "greedy": 5,
+    "stream": 2,
     "grammar": 2,
-    "greedy_n": 2,
-    "sampled_n": 2,
-    "beam": 2,
+    "greedy_n": 3,
+    "sampled_n": 3,
+    "beam": 3,
     "sampled": 1,
 }
 FATES = {"complete": 0.8, "abort": 0.1, "disconnect": 0.1}
