@@ -28,7 +28,7 @@ from benchmarks.differential import (
 )
 
 SEED = 7
-NUM_REQUESTS = 150
+NUM_REQUESTS = 100
 CONCURRENCY = 12
 
 
