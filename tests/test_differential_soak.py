@@ -65,7 +65,7 @@ def test_greedy_answers_match_the_plain_server(tiny_model_dir, workload, referen
     assert {"abort", "disconnect"} <= fates
 
 
-ENGINE_SEED = 2  # with this seed, the copy-after-load ordering bug showed up on "host"
+ENGINE_SEED = 2  # a run where a copy queued into a freed block met a host load into it
 ENGINE_REQUESTS = 150
 
 
