@@ -306,10 +306,9 @@ class CompilePool:
                 job.future.set_exception(InternalCompileError(message))
 
     def _start_template(self) -> None:
-        import radixrt
-
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(radixrt.__file__)))
+        # this file is <root>/radixrt/grammar/compile_pool.py
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
