@@ -112,7 +112,11 @@ def test_wire_format_is_vllms():
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
     assert raw == [
         1.5,
-        [["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU"], ["BlockRemoved", [11], "CPU"], ["AllBlocksCleared"]],
+        [
+            ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU"],
+            ["BlockRemoved", [11], "CPU"],
+            ["AllBlocksCleared"],
+        ],
         0,
     ]
 

@@ -47,6 +47,7 @@ from radixrt.server.connections import (
 )
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
+from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
@@ -73,6 +74,7 @@ class ServeConfig:
     event_loop: str = "auto"  # the front's asyncio loop: auto (uvloop when installed) | ...
     stall: StallPolicy = field(default_factory=StallPolicy)  # when the scheduler is stalled
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # HTTP timeouts, cap
+    kv_events: KVEventsConfig | None = None  # where the scheduler publishes KV events; None: off
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -172,6 +174,18 @@ def add_serve_command(
         help="HTTP connections open at once; more are refused with 503 (default: "
         "%(default)d, at most the open-file limit less 128)",
     )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events in vLLM's format on this ZMQ PUB address, bound (e.g. "
+        "tcp://127.0.0.1:5557; default: off)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER address, bound, that replays buffered event batches from a sequence "
+        "number (e.g. tcp://127.0.0.1:5558; default: none)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -181,6 +195,12 @@ def add_serve_command(
         )
         options = engine_options(args)
         try:
+            kv_events = None
+            if args.kv_events_endpoint is not None:
+                kv_events = KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+                options["kv_events"] = True
+            elif args.kv_events_replay_endpoint is not None:
+                raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
             cfg = ServeConfig(
                 model=args.model,
                 host=args.host,
@@ -200,6 +220,7 @@ def add_serve_command(
                 device=options.pop("device"),
                 dtype=options.pop("dtype"),
                 options=options,
+                kv_events=kv_events,
             )
         except ValueError as e:
             p.error(str(e))
@@ -287,6 +308,7 @@ def _start_scheduler(
         debug=cfg.debug_endpoints,
         cpu_threads=cfg.cpu_threads,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        kv_events=cfg.kv_events,
     )
     proc = multiprocessing.get_context("spawn").Process(
         target=scheduler_main, args=(args,), name="radixrt-scheduler", daemon=True
