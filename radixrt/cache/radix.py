@@ -47,8 +47,8 @@ from sortedcontainers import SortedKeyList
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
 from radixrt.cache.kv_events import MEDIUM_GPU
 from radixrt.cache.radix_check import RadixChecks
-from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
 from radixrt.cache.radix_events import RadixEventRecorder
+from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
 from radixrt.cache.radix_node import RadixNode
 from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
