@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from radixrt.cache.kv_events import KVEventBatch
-
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay
@@ -75,6 +73,9 @@ class ZmqEventPublisher:
     `publish` is called from one thread (the scheduler loop); `shutdown` stops the sender."""
 
     def __init__(self, cfg: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
+        from radixrt.cache.kv_events import KVEventBatch  # the scheduler process's side only
+
+        self._batch = KVEventBatch
         self.cfg = cfg
         self._ctx = ctx or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -84,7 +85,7 @@ class ZmqEventPublisher:
         if cfg.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(cfg.replay_endpoint)
-        self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # KVEventBatch, None: stop
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._topic = cfg.topic.encode()
         self._next_seq = 0
@@ -93,7 +94,7 @@ class ZmqEventPublisher:
 
     def publish(self, events: list) -> None:
         """Queue one batch of `events` (radixrt.cache.kv_events), stamped now."""
-        self._queue.put(KVEventBatch(time.time(), events, self.cfg.data_parallel_rank))
+        self._queue.put(self._batch(time.time(), events, self.cfg.data_parallel_rank))
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (within `timeout_s`), then close the sockets."""
