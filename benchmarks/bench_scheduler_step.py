@@ -5,6 +5,9 @@ shorter than the device's. Only radixrt's public modules are imported, so the sa
 times another checkout (`PYTHONPATH=... python benchmarks/bench_scheduler_step.py`).
 
     python -m benchmarks.bench_scheduler_step --batch 1,32,256 --cases plain,penalties,ngram
+
+`--kv-events` records KV events and publishes each step's batch on a loopback ZMQ PUB socket
+(as `radixrt serve --kv-events-endpoint` does), timed with the step.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ CASES = {
 }
 
 
-def make_core(batch: int, case: str, block_size: int) -> EngineCore:
+def make_core(batch: int, case: str, block_size: int, kv_events: bool = False) -> EngineCore:
     params, spec = CASES[case]
     sched = SchedulerConfig(max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8))
     cfg = EngineConfig(model_path="-", overlap_schedule=True, scheduler=sched)
-    cfg = replace(cfg, cache=replace(cfg.cache, block_size=block_size))
+    cache = replace(cfg.cache, block_size=block_size, kv_events=kv_events, kv_events_hash_seed="0")
+    cfg = replace(cfg, cache=cache)
     if spec != "none":
         cfg = replace(cfg, speculative=replace(cfg.speculative, speculative_method=spec))
     runner = ScriptedRunner(batch, block_size, lambda rid, pos: 11 + pos % 5000)
@@ -50,9 +54,17 @@ def make_core(batch: int, case: str, block_size: int) -> EngineCore:
     return EngineCore(cfg, MODEL, [2], runner=runner, num_kv_blocks=blocks)
 
 
-def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: int) -> float:
-    """Median wall µs of one step once every row decodes."""
-    core = make_core(batch, case, block_size)
+def time_steps(
+    batch: int, case: str, prompt_len: int, steps: int, block_size: int, kv_events: bool = False
+) -> float:
+    """Median wall µs of one step once every row decodes (with `kv_events`, taking and
+    publishing the step's KV events too)."""
+    core = make_core(batch, case, block_size, kv_events)
+    publisher = None
+    if kv_events:
+        from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:0"))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + prompt_len, ignore_eos=True, **CASES[case][0])
     for _ in range(batch):
@@ -64,11 +76,18 @@ def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: i
         core.step()
     for _ in range(5):
         core.step()
+    core.take_kv_events()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         core.step()
+        if publisher is not None:
+            events = core.take_kv_events()
+            if events:
+                publisher.publish(events)
         times.append(time.perf_counter() - t)
+    if publisher is not None:
+        publisher.shutdown()
     return statistics.median(times) * 1e6
 
 
@@ -79,11 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-events", action="store_true", help="record and publish KV events")
     args = ap.parse_args(argv)
     print("| case | B | µs / step |\n|---|---|---|")
     for case in args.cases.split(","):
         for b in map(int, args.batch.split(",")):
-            us = time_steps(b, case, args.prompt_len, args.steps, args.block_size)
+            us = time_steps(b, case, args.prompt_len, args.steps, args.block_size, args.kv_events)
             print(f"| {case} | {b} | {us:.0f} |", flush=True)
 
 
