@@ -114,6 +114,23 @@ class RadixEventRecorder:
         """External hashes of the full blocks the tree holds on `medium` now."""
         return {external_hash(h) for h in self._held[medium]}
 
+    def check_integrity(self, root: RadixNode) -> None:
+        """Every node's hashes cover its full blocks, and the counts per medium are the
+        nodes holding each hash on it (the tree's state, not the events sent)."""
+        bs = self.block_size
+        want = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            hashes = node.block_hashes
+            assert hashes is not None and len(hashes) == node.end // bs - node.start // bs
+            if node.blocks:
+                want[MEDIUM_GPU].update(hashes)
+            if node.host_blocks:
+                want[MEDIUM_CPU].update(hashes)
+            stack += node.children.values()
+        assert want == self._held, "KV event counts out of sync with the tree"
+
     # ---- internals ----
     def _emit_stored(
         self, node: RadixNode, first: int, hashes: list[bytes], lo: int, hi: int, medium: str
