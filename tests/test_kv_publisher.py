@@ -117,6 +117,41 @@ def test_publisher_sequences_and_replays():
         ctx.term()
 
 
+def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[int]:
+    """Sequence numbers a replay from `start` returns."""
+    req = ctx.socket(zmq.DEALER)
+    req.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    req.connect(endpoint)
+    req.send_multipart((b"", start.to_bytes(8, "big")))
+    seqs = []
+    while True:
+        _, seq, _ = req.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            req.close(linger=0)
+            return seqs
+        seqs.append(int.from_bytes(seq, "big"))
+
+
+def test_replay_buffer_is_bounded():
+    ctx = zmq.Context()
+    cfg = KVEventsConfig("inproc://kv-pub", "inproc://kv-replay", buffer_steps=3)
+    pub = ZmqEventPublisher(cfg, ctx)
+    try:
+        for i in range(7):
+            pub.publish([BlockRemoved([i], "GPU")])
+        seqs = []
+        for _ in range(1000):  # until the sender thread has sent all seven
+            seqs = replay(ctx, cfg.replay_endpoint, 0)
+            if seqs and seqs[-1] == 6:
+                break
+        assert seqs == [4, 5, 6]
+        assert replay(ctx, cfg.replay_endpoint, 6) == [6]
+        assert replay(ctx, cfg.replay_endpoint, 7) == []
+    finally:
+        pub.shutdown()
+        ctx.term()
+
+
 def test_sources_and_config():
     assert kv_event_sources(None, 16) == []
     cfg = KVEventsConfig("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
