@@ -6,8 +6,9 @@ times another checkout (`PYTHONPATH=... python benchmarks/bench_scheduler_step.p
 
     python -m benchmarks.bench_scheduler_step --batch 1,32,256 --cases plain,penalties,ngram
 
-`--kv-events` records KV events and publishes each step's batch on a loopback ZMQ PUB socket
-(as `radixrt serve --kv-events-endpoint` does), timed with the step.
+`--kv-events on` records KV events and publishes each step's batch on a loopback ZMQ PUB socket
+(as `radixrt serve --kv-events-endpoint` does), timed with the step; `--kv-events both` times
+a core without and one with events, their steps interleaved.
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ def make_core(batch: int, case: str, block_size: int, kv_events: bool = False) -
     return EngineCore(cfg, MODEL, [2], runner=runner, num_kv_blocks=blocks)
 
 
-def time_steps(
-    batch: int, case: str, prompt_len: int, steps: int, block_size: int, kv_events: bool = False
-) -> float:
-    """Median wall µs of one step once every row decodes (with `kv_events`, taking and
-    publishing the step's KV events too)."""
+def ready_core(
+    batch: int, case: str, prompt_len: int, steps: int, block_size: int, kv_events: bool
+):
+    """A core whose `batch` rows all decode, and (with `kv_events`) a loopback publisher."""
     core = make_core(batch, case, block_size, kv_events)
     publisher = None
     if kv_events:
@@ -77,18 +77,32 @@ def time_steps(
     for _ in range(5):
         core.step()
     core.take_kv_events()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        core.step()
+    return core, publisher
+
+
+def time_steps(
+    batch: int, case: str, prompt_len: int, steps: int, block_size: int, modes: list[bool]
+) -> list[float]:
+    """Median wall µs of one step once every row decodes, per KV-events mode (on: taking and
+    publishing the step's events too). Several modes run side by side, one step of each in
+    turn (the order alternating), so load on the machine hits them alike."""
+    cores = [ready_core(batch, case, prompt_len, steps, block_size, on) for on in modes]
+    times: list[list[float]] = [[] for _ in modes]
+    for i in range(steps):
+        order = range(len(cores)) if i % 2 == 0 else reversed(range(len(cores)))
+        for k in order:
+            core, publisher = cores[k]
+            t = time.perf_counter()
+            core.step()
+            if publisher is not None:
+                events = core.take_kv_events()
+                if events:
+                    publisher.publish(events)
+            times[k].append(time.perf_counter() - t)
+    for _, publisher in cores:
         if publisher is not None:
-            events = core.take_kv_events()
-            if events:
-                publisher.publish(events)
-        times.append(time.perf_counter() - t)
-    if publisher is not None:
-        publisher.shutdown()
-    return statistics.median(times) * 1e6
+            publisher.shutdown()
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,13 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-events", action="store_true", help="record and publish KV events")
+    ap.add_argument(
+        "--kv-events",
+        default="off",
+        choices=["off", "on", "both"],
+        help="record and publish KV events (both: a core of each, steps interleaved)",
+    )
     args = ap.parse_args(argv)
-    print("| case | B | µs / step |\n|---|---|---|")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.kv_events]
+    print("| case | B | KV events | µs / step |\n|---|---|---|---|")
     for case in args.cases.split(","):
         for b in map(int, args.batch.split(",")):
-            us = time_steps(b, case, args.prompt_len, args.steps, args.block_size, args.kv_events)
-            print(f"| {case} | {b} | {us:.0f} |", flush=True)
+            times = time_steps(b, case, args.prompt_len, args.steps, args.block_size, modes)
+            for on, us in zip(modes, times):
+                print(f"| {case} | {b} | {'on' if on else 'off'} | {us:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
