@@ -5,6 +5,10 @@ shorter than the device's. Only radixrt's public modules are imported, so the sa
 times another checkout (`PYTHONPATH=... python benchmarks/bench_scheduler_step.py`).
 
     python -m benchmarks.bench_scheduler_step --batch 1,32,256 --cases plain,penalties,ngram
+
+`--kv-events on` records KV events and publishes each step's batch on a loopback ZMQ PUB socket
+(as `radixrt serve --kv-events-endpoint` does), timed with the step; `--kv-events both` times
+a core without and one with events, their steps interleaved.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ CASES = {
 }
 
 
-def make_core(batch: int, case: str, block_size: int) -> EngineCore:
+def make_core(batch: int, case: str, block_size: int, kv_events: bool = False) -> EngineCore:
     params, spec = CASES[case]
     sched = SchedulerConfig(max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8))
     cfg = EngineConfig(model_path="-", overlap_schedule=True, scheduler=sched)
-    cfg = replace(cfg, cache=replace(cfg.cache, block_size=block_size))
+    cache = replace(cfg.cache, block_size=block_size, kv_events=kv_events, kv_events_hash_seed="0")
+    cfg = replace(cfg, cache=cache)
     if spec != "none":
         cfg = replace(cfg, speculative=replace(cfg.speculative, speculative_method=spec))
     runner = ScriptedRunner(batch, block_size, lambda rid, pos: 11 + pos % 5000)
@@ -50,9 +55,16 @@ def make_core(batch: int, case: str, block_size: int) -> EngineCore:
     return EngineCore(cfg, MODEL, [2], runner=runner, num_kv_blocks=blocks)
 
 
-def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: int) -> float:
-    """Median wall µs of one step once every row decodes."""
-    core = make_core(batch, case, block_size)
+def ready_core(
+    batch: int, case: str, prompt_len: int, steps: int, block_size: int, kv_events: bool
+):
+    """A core whose `batch` rows all decode, and (with `kv_events`) a loopback publisher."""
+    core = make_core(batch, case, block_size, kv_events)
+    publisher = None
+    if kv_events:
+        from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:0"))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + prompt_len, ignore_eos=True, **CASES[case][0])
     for _ in range(batch):
@@ -64,12 +76,33 @@ def time_steps(batch: int, case: str, prompt_len: int, steps: int, block_size: i
         core.step()
     for _ in range(5):
         core.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    core.take_kv_events()
+    return core, publisher
+
+
+def time_steps(
+    batch: int, case: str, prompt_len: int, steps: int, block_size: int, modes: list[bool]
+) -> list[float]:
+    """Median wall µs of one step once every row decodes, per KV-events mode (on: taking and
+    publishing the step's events too). Several modes run side by side, one step of each in
+    turn (the order alternating), so load on the machine hits them alike."""
+    cores = [ready_core(batch, case, prompt_len, steps, block_size, on) for on in modes]
+    times: list[list[float]] = [[] for _ in modes]
+    for i in range(steps):
+        order = range(len(cores)) if i % 2 == 0 else reversed(range(len(cores)))
+        for k in order:
+            core, publisher = cores[k]
+            t = time.perf_counter()
+            core.step()
+            if publisher is not None:
+                events = core.take_kv_events()
+                if events:
+                    publisher.publish(events)
+            times[k].append(time.perf_counter() - t)
+    for _, publisher in cores:
+        if publisher is not None:
+            publisher.shutdown()
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,12 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--kv-events",
+        default="off",
+        choices=["off", "on", "both"],
+        help="record and publish KV events (both: a core of each, steps interleaved)",
+    )
     args = ap.parse_args(argv)
-    print("| case | B | µs / step |\n|---|---|---|")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.kv_events]
+    print("| case | B | KV events | µs / step |\n|---|---|---|---|")
     for case in args.cases.split(","):
         for b in map(int, args.batch.split(",")):
-            us = time_steps(b, case, args.prompt_len, args.steps, args.block_size)
-            print(f"| {case} | {b} | {us:.0f} |", flush=True)
+            times = time_steps(b, case, args.prompt_len, args.steps, args.block_size, modes)
+            for on, us in zip(modes, times):
+                print(f"| {case} | {b} | {'on' if on else 'off'} | {us:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
+        "--kv-events-hash-seed",
+        default=None,
+        help="KV events: the seed of vLLM's NONE_HASH (block 0's parent hash); default: "
+        "$PYTHONHASHSEED, else random (routers that hash tokens need the same seed)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "--tp",
         type=int,
@@ -103,6 +109,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "mem_fraction": args.mem_fraction,
         "kv_cache_dtype": args.kv_cache_dtype,
         "host_kv_gb": args.host_kv_gb,
+        "kv_events_hash_seed": args.kv_events_hash_seed,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_running_requests": args.max_running_requests,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,

@@ -189,6 +189,12 @@ class CacheConfig:
     # this many GiB (pinned on CUDA) and loaded again on a match; 0: off.
     host_kv_gb: float = 0.0
     num_host_kv_blocks: int | None = None  # explicit host pool size (tests); overrides host_kv_gb
+    # KV events (radix only): record vLLM BlockStored / BlockRemoved events of the full blocks
+    # the cache holds per tier (EngineCore.take_kv_events; the server publishes them)
+    kv_events: bool = False
+    # seed of the first block's parent hash (vLLM's NONE_HASH = sha256_cbor(seed)); None:
+    # $PYTHONHASHSEED, else random, as vLLM does. Routers that hash tokens need the same seed.
+    kv_events_hash_seed: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -209,6 +215,8 @@ class CacheConfig:
             raise ValueError(f"host_kv_gb must be >= 0 (0: no host tier), got {self.host_kv_gb}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 1:
             raise ValueError(f"num_host_kv_blocks must be >= 1, got {self.num_host_kv_blocks}")
+        if self.kv_events and self.prefix_cache != "radix":
+            raise ValueError(f"kv_events need prefix_cache 'radix', got {self.prefix_cache!r}")
         if self.host_tier and self.prefix_cache != "radix":
             raise ValueError(
                 "a host KV tier (host_kv_gb > 0 or num_host_kv_blocks) needs prefix_cache "

@@ -45,7 +45,9 @@ from collections.abc import Sequence
 from sortedcontainers import SortedKeyList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.kv_events import MEDIUM_GPU
 from radixrt.cache.radix_check import RadixChecks
+from radixrt.cache.radix_events import RadixEventRecorder
 from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
 from radixrt.cache.radix_node import RadixNode
 from radixrt.cache.tiers import HostTier
@@ -62,13 +64,20 @@ class RadixCache(HostTierMixin, RadixChecks):
     """
 
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, host: HostTier | None = None
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        host: HostTier | None = None,
+        events: RadixEventRecorder | None = None,
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.allocator = allocator
         self.block_size = block_size
         self.host = host  # the host KV tier, or None
+        # KV events (radixrt.cache.radix_events): told of every change to the set of full
+        # blocks held on each tier; None: off
+        self.events = events
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
@@ -233,6 +242,8 @@ class RadixCache(HostTierMixin, RadixChecks):
                 self._unlist(node.parent)
                 node.blocks = list(blocks[node.start // bs : (node.end - 1) // bs + 1])
                 self._hold(node, node.blocks)
+                if self.events is not None:
+                    self.events.stored(node, MEDIUM_GPU)
                 self._relist(node.parent)
                 self._relist(node)
         node = path[-1] if path else self.root
@@ -269,6 +280,8 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     def reset(self) -> None:
         """Remove every unlocked node, on both tiers (locked paths stay)."""
+        if self.events is not None:
+            self.events.reset_started()
         freed = 0
         while self._evictable:
             self.version += 1
@@ -279,6 +292,8 @@ class RadixCache(HostTierMixin, RadixChecks):
             self.version += 1
             self._evict_host_one()
         self.stats.num_evicted_blocks += freed
+        if self.events is not None:
+            self.events.reset_done()
 
     # ---- removal and the candidate lists ---------------------------------------------------
 
@@ -378,6 +393,8 @@ class RadixCache(HostTierMixin, RadixChecks):
         leaf.parent = parent
         self._hold(leaf, leaf.blocks)
         self._total_tokens += len(leaf.key)
+        if self.events is not None:
+            self.events.added(leaf)
         self._relist(leaf)
         self._relist(parent)
 
@@ -403,6 +420,10 @@ class RadixCache(HostTierMixin, RadixChecks):
         node.host_blocks = node.host_blocks[first_lower:]
         node.key = node.key[k:]
         node.start = cut
+        if node.block_hashes is not None:  # the full blocks ending before the cut go up
+            num_up = cut // bs - s // bs
+            upper.block_hashes = node.block_hashes[:num_up]
+            node.block_hashes = node.block_hashes[num_up:]
         if cut % bs:
             if upper.blocks:
                 self._hold(upper, [upper.blocks[-1]])
@@ -426,6 +447,9 @@ class RadixCache(HostTierMixin, RadixChecks):
         dropped = node.blocks[keep:]
         del node.blocks[keep:]
         new_len = (first + keep) * bs - node.start
+        if self.events is not None:
+            self.events.removed(node, MEDIUM_GPU, keep=keep)
+            del node.block_hashes[keep:]
         self._total_tokens -= len(node.key) - new_len
         del node.key[new_len:]
         for b in dropped:
@@ -443,6 +467,8 @@ class RadixCache(HostTierMixin, RadixChecks):
         self._total_tokens -= len(node.key)
         for b in node.blocks:
             self._drop(self._refs, b)
+        if self.events is not None and node.blocks:  # (discard_copies may have dropped them)
+            self.events.removed(node, MEDIUM_GPU)
         self._relist(parent)
         return self.allocator.decref(node.blocks)
 

@@ -1,6 +1,6 @@
 """The radix cache's self-checks and printing: `check_integrity` (tree shape, tier
-residency, lock counts, reference counters of both tiers, the eviction candidate lists)
-and `format_tree`.
+residency, lock counts, reference counters of both tiers, the eviction candidate lists, the
+KV event recorder's counts) and `format_tree`.
 
 `RadixChecks` is a mixin of `radixrt.cache.radix.RadixCache` (it reads the tree's root,
 counters and candidate lists).
@@ -76,6 +76,8 @@ class RadixChecks:
             alloc = self.host.allocator
             alloc.check_integrity(host_refs)
             assert alloc.num_free + len(host_refs) == alloc.num_blocks, "host blocks leaked"
+        if self.events is not None:
+            self.events.check_integrity(self.root)
 
     def format_tree(self) -> str:
         """One line per node: tokens, position range, blocks, lock_ref, last_access."""

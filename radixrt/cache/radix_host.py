@@ -5,6 +5,7 @@ swap ops collect in the `HostTier` outbox (`radixrt.cache.tiers`)."""
 
 from __future__ import annotations
 
+from radixrt.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixrt.cache.radix_node import RadixNode
 
 
@@ -50,6 +51,8 @@ class HostTierMixin:
                 held.add(b)
                 self._refs[b] += 1
                 self._locked_refs[b] += 1
+            if self.events is not None:
+                self.events.stored(node, MEDIUM_GPU)
             self._relist(node.parent)
             self._relist(node)
         return self._table(path)
@@ -90,6 +93,8 @@ class HostTierMixin:
                 for b in dropped:
                     self._drop(self._refs, b)
                 self.allocator.decref(dropped)
+                if self.events is not None:
+                    self.events.removed(node, MEDIUM_GPU)
             if node.blocks or node.host_blocks:
                 self._relist(node)
                 self._relist(parent)
@@ -141,11 +146,15 @@ class HostTierMixin:
             leaf.host_blocks = host_blocks  # one reference each: the node's
             for b in host_blocks:
                 self._host_refs[b] += 1
+            if self.events is not None:
+                self.events.stored(leaf, MEDIUM_CPU)
         self._unlist(leaf)
         self._unlist(leaf.parent)
         dropped, leaf.blocks = leaf.blocks, []
         for b in dropped:
             self._drop(self._refs, b)
+        if self.events is not None:
+            self.events.removed(leaf, MEDIUM_GPU)
         self._relist(leaf)
         self._relist(leaf.parent)
         return self.allocator.decref(dropped)
@@ -180,6 +189,8 @@ class HostTierMixin:
         dropped, node.host_blocks = node.host_blocks, []
         for b in dropped:
             self._drop(self._host_refs, b)
+        if dropped and self.events is not None:
+            self.events.removed(node, MEDIUM_CPU)
         return self.host.allocator.decref(dropped) if dropped else 0
 
     def _is_host_candidate(self, node: RadixNode) -> bool:

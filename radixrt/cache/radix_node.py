@@ -18,6 +18,7 @@ class RadixNode:
         "last_access",
         "in_lru",
         "in_host_lru",
+        "block_hashes",
     )
 
     def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
@@ -33,6 +34,10 @@ class RadixNode:
         self.last_access = 0  # cache clock at the last match/insert through this node
         self.in_lru = False  # listed as a device eviction candidate
         self.in_host_lru = False  # listed as a host eviction candidate
+        # vLLM hashes of the full blocks whose last token is on the edge (block indices
+        # start // B .. end // B - 1); filled only when KV events are on
+        # (radixrt.cache.radix_events)
+        self.block_hashes: list[bytes] | None = None
 
     @property
     def end(self) -> int:

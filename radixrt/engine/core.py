@@ -108,8 +108,13 @@ class EngineCore:
         num_host_blocks = (
             runner.num_host_blocks if own_runner else cfg.cache.num_host_kv_blocks or 0
         )
+        self.kv_events = _kv_event_recorder(cfg)  # None: KV events off
         self.cache = create_prefix_cache(
-            cfg.cache.prefix_cache, self.allocator, cfg.cache.block_size, num_host_blocks
+            cfg.cache.prefix_cache,
+            self.allocator,
+            cfg.cache.block_size,
+            num_host_blocks,
+            self.kv_events,
         )
         self.scheduler = Scheduler(
             cfg.scheduler,
@@ -252,6 +257,12 @@ class EngineCore:
             return None
         req = self.scheduler.abort(rid, reason)
         return None if req is None else self._delta(req)
+
+    def take_kv_events(self) -> list:
+        """The KV cache events (vLLM's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`,
+        radixrt.cache.kv_events) of the steps since the last call, in order; [] when
+        `kv_events` is off. The server publishes them once per step."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def check_health(self) -> None:
         """Raise (TensorParallelError) if the runner can no longer run steps: a
@@ -449,6 +460,15 @@ _BEAMS_DONE = (FinishReason.STOP, FinishReason.LENGTH)  # a beam search that has
 
 class FatalEngineError(RuntimeError):
     """The engine cannot go on (the device failed); the process should exit."""
+
+
+def _kv_event_recorder(cfg: EngineConfig):
+    if not cfg.cache.kv_events:
+        return None
+    from radixrt.cache.kv_events import BlockHasher
+    from radixrt.cache.radix_events import RadixEventRecorder
+
+    return RadixEventRecorder(BlockHasher(cfg.cache.block_size, cfg.cache.kv_events_hash_seed))
 
 
 def _is_fatal(error: Exception) -> bool:

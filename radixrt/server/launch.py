@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -48,6 +48,7 @@ from radixrt.server.connections import (
 )
 from radixrt.server.front import Front, eos_token_ids
 from radixrt.server.http_api import create_app
+from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
@@ -77,6 +78,7 @@ class ServeConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # HTTP timeouts, cap
     strict_fields: bool = False  # refuse request fields no schema declares (else: a warning)
     incremental_streaming: bool = False  # /generate streams deltas (else SGLang's: all so far)
+    kv_events: KVEventsConfig | None = None  # where the scheduler publishes KV events; None: off
 
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
@@ -212,6 +214,18 @@ def add_serve_command(
         help="/generate streams only the new text and ids per event (default: all so far, "
         "as SGLang)",
     )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events in vLLM's format on this ZMQ PUB address, bound (e.g. "
+        "tcp://127.0.0.1:5557; default: off)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER address, bound, that replays buffered event batches from a sequence "
+        "number (e.g. tcp://127.0.0.1:5558; default: none)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -221,6 +235,12 @@ def add_serve_command(
         )
         options = engine_options(args)
         try:
+            kv_events = None
+            if args.kv_events_endpoint is not None:
+                kv_events = KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+                options["kv_events"] = True
+            elif args.kv_events_replay_endpoint is not None:
+                raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
             cfg = ServeConfig(
                 model=args.model or _tiny_model(),
                 host=args.host,
@@ -242,6 +262,7 @@ def add_serve_command(
                 device=options.pop("device"),
                 dtype=options.pop("dtype"),
                 options=options,
+                kv_events=kv_events,
             )
         except ValueError as e:
             p.error(str(e))
@@ -329,6 +350,7 @@ def _start_scheduler(
         debug=cfg.debug_endpoints,
         cpu_threads=cfg.cpu_threads,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        kv_events=cfg.kv_events,
     )
     proc = multiprocessing.get_context("spawn").Process(
         target=scheduler_main, args=(args,), name="radixrt-scheduler", daemon=True
@@ -358,6 +380,7 @@ async def _serve_http(
     worker = WorkerInfo.of_model_dir(
         cfg.model, model_name, int(cfg.options.get("tensor_parallel_size", 1) or 1)
     )
+    worker = replace(worker, kv_events=cfg.kv_events)
     app = create_app(
         front,
         model_name=model_name,

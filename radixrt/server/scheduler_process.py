@@ -25,6 +25,7 @@ import zmq
 
 from radixrt.grammar.base import GrammarStats
 from radixrt.server.channel import Channel, MsgpackCodec
+from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
 from radixrt.server.liveness import HEARTBEAT_S
 from radixrt.server.messages import (
     AbortRequest,
@@ -65,6 +66,7 @@ class SchedulerProcessArgs:
     debug: bool = False  # run check_integrity() whenever the engine goes idle
     cpu_threads: int | None = None  # torch threads on CPU; None: all cores but one (the front's)
     log_level: str = "INFO"
+    kv_events: KVEventsConfig | None = None  # publish KV events there; None: off
 
 
 def scheduler_main(args: SchedulerProcessArgs) -> None:
@@ -84,9 +86,12 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
     )
     code = 0
     core = None
+    publisher = None
     try:
         core = build_core(args)
-        SchedulerLoop(core, inbox, outbox, args.parent_pid, args.debug).run()
+        if args.kv_events is not None:
+            publisher = ZmqEventPublisher(args.kv_events, ctx)
+        SchedulerLoop(core, inbox, outbox, args.parent_pid, args.debug, publisher).run()
     except SystemExit:
         logger.info("terminated by SIGTERM")
     except Exception:
@@ -97,6 +102,8 @@ def scheduler_main(args: SchedulerProcessArgs) -> None:
     finally:
         if core is not None:
             core.shutdown()  # tensor-parallel workers
+        if publisher is not None:
+            publisher.shutdown()
         inbox.close()
         outbox.close()
         ctx.term()
@@ -148,8 +155,10 @@ class SchedulerLoop:
         outbox: Channel[FromScheduler],
         parent_pid: int,
         debug: bool = False,
+        kv_publisher: ZmqEventPublisher | None = None,
     ) -> None:
         self.core = core
+        self.kv_publisher = kv_publisher  # gets the KV events of each step
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
@@ -178,6 +187,10 @@ class SchedulerLoop:
             errors, finished = self._handle(msgs)
             stepped = core.has_work
             changed = core.step() if stepped else []
+            if self.kv_publisher is not None:
+                events = core.take_kv_events()  # this step's, and those of aborts before it
+                if events:
+                    self.kv_publisher.publish(events)
             now = time.monotonic()
             # a heartbeat (an empty batch) when steps go by without output: the front
             # takes any message as progress (radixrt.server.liveness)

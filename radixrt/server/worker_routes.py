@@ -22,6 +22,8 @@ from aiohttp import web
 from radixrt.server.chat import chat_messages, template_options
 from radixrt.server.fields import decode_checked
 from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_response, read_body
+from radixrt.server.kv_publisher import KVEventsConfig
+from radixrt.server.kv_publisher import kv_event_sources as kv_event_sources_of
 from radixrt.server.protocol import ApiError, GenerationSpec, accepted_names
 from radixrt.server.schemas import DetokenizeRequest, TokenizeRequest
 from radixrt.server.validate import check_model
@@ -49,6 +51,7 @@ class WorkerInfo:
     dp_size: int = 1  # one replica is one data-parallel rank
     version: str = field(default_factory=version)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process's id
+    kv_events: KVEventsConfig | None = None  # where the scheduler publishes KV events
 
     @classmethod
     def of_model_dir(cls, model_path: str, served_model_name: str, tp_size: int = 1) -> WorkerInfo:
@@ -206,8 +209,10 @@ async def get_version(request: web.Request) -> web.Response:
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
-    """The KV event publishers of this replica (none yet)."""
-    return json_response([])
+    """The KV event publishers of this replica ([] when events are off)."""
+    ready = request.app[FRONT].ready
+    block_size = ready.block_size if ready is not None else 0
+    return json_response(kv_event_sources_of(request.app[WORKER_INFO].kv_events, block_size))
 
 
 async def model_card(request: web.Request) -> web.Response:

@@ -1,0 +1,182 @@
+"""KV events of the radix tree: which full blocks it holds on each tier, as vLLM events.
+
+What is stored: a node owns the full blocks whose last token lies on its edge, block indices
+start // B .. end // B - 1 (a block that ends inside a child's edge belongs to the child; an
+edge inside one block owns none). The tree holds a full block on the device when the node
+owning it is on the device (its recorded block holds the whole block's KV: the tree's
+copy-on-write invariant), on the host when that node has a host copy. The recorder keeps a
+reference count per (medium, hash) of the nodes holding it and emits `BlockStored` when a
+hash appears on a medium and `BlockRemoved` when it disappears, so the event stream replayed
+into an empty index equals `held()` at every step (tests/test_kv_events_engine.py).
+
+Transitions (the `RadixCache` calls these hooks; nothing when events are off):
+- a new leaf (insert) or a host-only node taking the caller's blocks (insert), a host-only
+  node loaded back (SwapIn): Stored GPU;
+- device eviction that writes back: Stored CPU (unless the node had a host copy), Removed GPU;
+  eviction without a host tier, or with no room on the host: Removed GPU (and CPU, for the
+  host copies of the removed subtree); trimming a long leaf's tail: Removed GPU for the full
+  blocks it loses;
+- host eviction (a host copy dropped, or a host-only leaf leaving the tree): Removed CPU;
+- `discard_copies` after a failed step: Removed for each copy it forgets;
+- `reset`: Removed per dropped node, or one `AllBlocksCleared` when nothing stays cached;
+- a split moves ownership between the two halves and emits nothing.
+A node's hashes are computed once, when it enters the tree (kept in `node.block_hashes`; a
+split divides them, a trim cuts them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from radixrt.cache.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_hash,
+)
+from radixrt.cache.radix_node import RadixNode
+
+
+class RadixEventRecorder:
+    """Turns the radix tree's node transitions into vLLM KV events (see the module
+    docstring). Plain Python; the owner takes the events once per step (`take`)."""
+
+    def __init__(self, hasher: BlockHasher) -> None:
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self._held = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}  # hash -> nodes holding it
+        self._events: list[KVCacheEvent] = []
+        self._reset_mark: int | None = None
+
+    # ---- hooks (RadixCache) ----
+    def added(self, node: RadixNode) -> None:
+        """`node` entered the tree on the device (a new leaf): hash its full blocks."""
+        self._compute(node)
+        self.stored(node, MEDIUM_GPU)
+
+    def stored(self, node: RadixNode, medium: str) -> None:
+        """`node`'s KV is now on `medium` (it was not)."""
+        hashes = node.block_hashes
+        if not hashes:
+            return
+        held = self._held[medium]
+        first = node.start // self.block_size
+        run_start = None  # index in hashes of the current run of new hashes
+        for i, h in enumerate(hashes):
+            held[h] += 1
+            if held[h] == 1 and run_start is None:
+                run_start = i
+            elif held[h] > 1 and run_start is not None:
+                self._emit_stored(node, first, hashes, run_start, i, medium)
+                run_start = None
+        if run_start is not None:
+            self._emit_stored(node, first, hashes, run_start, len(hashes), medium)
+
+    def removed(self, node: RadixNode, medium: str, keep: int = 0) -> None:
+        """`node`'s KV left `medium`; with `keep`, only its full blocks from the keep-th on
+        (a trimmed leaf)."""
+        hashes = node.block_hashes
+        if not hashes or keep >= len(hashes):
+            return
+        held = self._held[medium]
+        gone = []
+        for h in hashes[keep:]:
+            if held[h] == 1:
+                del held[h]
+                gone.append(external_hash(h))
+            else:
+                held[h] -= 1
+        if gone:
+            self._events.append(BlockRemoved(gone, medium))
+
+    def reset_started(self) -> None:
+        self._reset_mark = len(self._events)
+
+    def reset_done(self) -> None:
+        """A reset left nothing cached: one AllBlocksCleared replaces its removals."""
+        assert self._reset_mark is not None
+        if not self._held[MEDIUM_GPU] and not self._held[MEDIUM_CPU]:
+            del self._events[self._reset_mark :]
+            self._events.append(AllBlocksCleared())
+        self._reset_mark = None
+
+    # ---- the owner ----
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call, in order (clears them)."""
+        events, self._events = self._events, []
+        return events
+
+    def held(self, medium: str) -> set[int]:
+        """External hashes of the full blocks the tree holds on `medium` now."""
+        return {external_hash(h) for h in self._held[medium]}
+
+    def check_integrity(self, root: RadixNode) -> None:
+        """Every node's hashes cover its full blocks, and the counts per medium are the
+        nodes holding each hash on it (the tree's state, not the events sent)."""
+        bs = self.block_size
+        want = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            hashes = node.block_hashes
+            assert hashes is not None and len(hashes) == node.end // bs - node.start // bs
+            if node.blocks:
+                want[MEDIUM_GPU].update(hashes)
+            if node.host_blocks:
+                want[MEDIUM_CPU].update(hashes)
+            stack += node.children.values()
+        assert want == self._held, "KV event counts out of sync with the tree"
+
+    # ---- internals ----
+    def _emit_stored(
+        self, node: RadixNode, first: int, hashes: list[bytes], lo: int, hi: int, medium: str
+    ) -> None:
+        """BlockStored for hashes[lo:hi] (block indices first + lo ..)."""
+        bs = self.block_size
+        parent = self._hash_before(node, first + lo) if lo == 0 else hashes[lo - 1]
+        tokens = self._tokens(node, (first + lo) * bs, (first + hi) * bs)
+        self._events.append(
+            BlockStored(
+                [external_hash(h) for h in hashes[lo:hi]],
+                None if parent is None else external_hash(parent),
+                tokens,
+                bs,
+                None,
+                medium,
+            )
+        )
+
+    def _compute(self, node: RadixNode) -> None:
+        """Fill `node.block_hashes` (its parent's are filled: it entered the tree first)."""
+        bs = self.block_size
+        first, end = node.start // bs, node.end // bs
+        if end <= first:
+            node.block_hashes = []
+            return
+        parent = self._hash_before(node, first)
+        node.block_hashes = self.hasher.chain(parent, self._tokens(node, first * bs, end * bs))
+
+    def _hash_before(self, node: RadixNode, index: int) -> bytes | None:
+        """Hash of block index-1 of node's path (None for index 0): an ancestor owns it."""
+        if index == 0:
+            return None
+        last = index * self.block_size - 1  # its last token
+        anc = node.parent
+        while anc.start > last:
+            anc = anc.parent
+        return anc.block_hashes[index - 1 - anc.start // self.block_size]
+
+    @staticmethod
+    def _tokens(node: RadixNode, lo: int, hi: int) -> list[int]:
+        """Tokens of positions lo..hi-1 of node's path (hi <= node.end)."""
+        parts = [node.key[max(lo - node.start, 0) : hi - node.start]]
+        anc = node
+        while anc.start > lo:
+            anc = anc.parent
+            parts.append(anc.key[max(lo - anc.start, 0) :])
+        parts.reverse()
+        return [t for part in parts for t in part]
