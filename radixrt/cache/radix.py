@@ -28,6 +28,12 @@ covers both tiers: a locked host-only node is never evicted. After a failed step
 in `radixrt.cache.radix_host`. Without a host tier the tree behaves as before (a long leaf's
 tail is trimmed first).
 
+Cache salt (tenants): the tree has one root per salt (`salt=None`: the unsalted root `root`;
+a salted root is made by its first insert and dropped when its last child leaves). The salt
+is part of every key, so a walk never leaves its salt's subtree: requests with different
+salts share no node, hence no block on either tier, while eviction stays one LRU over the
+whole pool. A root has an empty key and no blocks; every other node has a non-empty key.
+
 Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
 - match: O(d + m) plus C-level list comparisons of the edges; at most one split.
 - insert: O(d + new tokens / B); at most one split and one new leaf.
@@ -73,7 +79,9 @@ class RadixCache(HostTierMixin, RadixChecks):
         self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
         self._clock = 0
-        self.root = RadixNode(next(self._ids), [], 0, [])
+        self.root = RadixNode(next(self._ids), [], 0, [])  # the unsalted root
+        self._salt_roots: dict[str, RadixNode] = {}  # cache salt -> its root
+        self._root_salts: dict[int, str] = {}  # a salted root's node id -> its salt
         # Device eviction candidates (unlocked non-root device leaves), LRU first.
         self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
@@ -86,16 +94,18 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- queries -------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens` (token-exact), on either tier. Splits a node when
-        the match ends inside an edge, so the handle ends exactly at the match; refreshes
-        access times along the path. Takes no references for the caller; a split inside a
-        block adds the cache's reference for the second node recording it (see base.py).
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of `tokens` (token-exact) under `salt`, on either tier.
+        Splits a node when the match ends inside an edge, so the handle ends exactly at the
+        match; refreshes access times along the path. Takes no references for the caller; a
+        split inside a block adds the cache's reference for the second node recording it
+        (see base.py).
         `blocks` cover the device-resident part; `num_host_tokens` tokens follow on the host
         only (`load` brings them to the device)."""
         tokens = list(tokens)
-        path, pos = self._walk(tokens)
-        node = path[-1] if path else self.root
+        top = self._root_of(salt, create=False)
+        path, pos = self._walk(tokens, top)
+        node = path[-1] if path else top
         num_host = sum(len(n.key) for n in path if not n.blocks)
         return MatchResult(self._table(path), pos, node, num_host)
 
@@ -110,26 +120,62 @@ class RadixCache(HostTierMixin, RadixChecks):
             table.extend(node.blocks)
         return table
 
+    def _root_of(self, salt: str | None, create: bool) -> RadixNode:
+        """The root of `salt`'s subtree (made when `create`; otherwise a fresh empty node
+        that is not in the tree stands for a salt nothing was cached under)."""
+        if salt is None:
+            return self.root
+        top = self._salt_roots.get(salt)
+        if top is None:
+            top = RadixNode(next(self._ids), [], 0, [])
+            if create:
+                self._salt_roots[salt] = top
+                self._root_salts[top.id] = salt
+        return top
+
+    def salt_of(self, handle: RadixNode) -> str | None:
+        """The cache salt of the subtree the live node `handle` lies in (None: unsalted)."""
+        node = handle
+        while node.key:
+            node = node.parent
+        return self._root_salts.get(node.id)
+
+    @property
+    def roots(self) -> list[RadixNode]:
+        """The unsalted root, then one root per salt with cached entries."""
+        return [self.root, *self._salt_roots.values()]
+
+    def _prune_root(self, node: RadixNode) -> None:
+        """Drop a salted root left without children (no memory per forgotten salt)."""
+        if not node.key and not node.children and node.id in self._root_salts:
+            del self._salt_roots[self._root_salts.pop(node.id)]
+
     def _path(self, handle: RadixNode) -> list[RadixNode]:
         """Nodes root..handle, root excluded, root side first."""
         path = []
         node = handle
-        while node is not self.root:
+        while node.key:
             path.append(node)
             node = node.parent
         path.reverse()
         return path
 
-    def peek_continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` cached tokens that follow `tokens`, when all of `tokens` is
-        cached ([] otherwise, and for empty `tokens`): the rest of the edge the walk ends in,
-        then down the most recently used child at each node. Read-only: splits no node,
-        refreshes no access time, takes no reference and counts nothing (speculative
-        drafts read it every decode step)."""
+    def peek_continuation(
+        self, tokens: Sequence[int], max_tokens: int, salt: str | None = None
+    ) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow `tokens` under `salt`, when all of
+        `tokens` is cached ([] otherwise, and for empty `tokens`): the rest of the edge the
+        walk ends in, then down the most recently used child at each node. Read-only:
+        splits no node, refreshes no access time, takes no reference and counts nothing
+        (speculative drafts read it every decode step)."""
         if not tokens or max_tokens <= 0:
             return []
         tokens = list(tokens)
-        node, pos, offset = self.root, 0, 0  # offset: tokens of node.key consumed
+        node, pos, offset = (
+            self._root_of(salt, create=False),
+            0,
+            0,
+        )  # offset: tokens of node.key consumed
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -185,9 +231,9 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     def lock(self, handle: RadixNode) -> None:
         """Protect the path root..handle from eviction on both tiers (nestable)."""
-        assert handle is self.root or handle.parent is not None, "lock of an evicted node"
+        assert not handle.key or handle.parent is not None, "lock of an evicted node"
         node = handle
-        while node is not self.root:
+        while node.key:
             if node.lock_ref == 0:
                 self._unlist(node)
                 for b in node.blocks:
@@ -201,7 +247,7 @@ class RadixCache(HostTierMixin, RadixChecks):
     def unlock(self, handle: RadixNode) -> None:
         """Undo one `lock(handle)`."""
         node = handle
-        while node is not self.root:
+        while node.key:
             assert node.lock_ref > 0, "unlock without lock"
             if node.lock_ref == 1:
                 self._unlist(node)
@@ -215,18 +261,21 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- mutation ------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
-        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]).
+    def insert(
+        self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None
+    ) -> InsertResult:
+        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]) under `salt`.
 
         Cached tokens keep their blocks (a host-only node on the path takes the caller's
         blocks for its positions and is on both tiers after); the uncached tail becomes one
         new leaf that takes a reference on each block it records. Returns the node ending at
         len(tokens) (split if needed; the root for no tokens): lock it before anything
-        can evict."""
+        can evict (the salt's root for no tokens)."""
         tokens = list(tokens)
         n, bs = len(tokens), self.block_size
         assert len(blocks) >= -(-n // bs), f"{len(blocks)} blocks cannot hold {n} tokens"
-        path, pos = self._walk(tokens)
+        top = self._root_of(salt, create=bool(tokens))
+        path, pos = self._walk(tokens, top)
         for node in path:
             if not node.blocks:  # host-only: the caller computed these tokens itself
                 self._unlist(node)
@@ -235,7 +284,7 @@ class RadixCache(HostTierMixin, RadixChecks):
                 self._hold(node, node.blocks)
                 self._relist(node.parent)
                 self._relist(node)
-        node = path[-1] if path else self.root
+        node = path[-1] if path else top
         num_new = n - pos
         if num_new:
             leaf = RadixNode(
@@ -305,7 +354,7 @@ class RadixCache(HostTierMixin, RadixChecks):
     def _is_device_leaf(self, node: RadixNode) -> bool:
         """A device eviction candidate: unlocked, on the device, no child on the device."""
         return (
-            node is not self.root
+            bool(node.key)
             and node.lock_ref == 0
             and bool(node.blocks)
             and not any(c.blocks for c in node.children.values())
@@ -331,12 +380,13 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- internals -----------------------------------------------------------------
 
-    def _walk(self, tokens: list[int]) -> tuple[list[RadixNode], int]:
-        """Nodes on the path of the longest cached prefix of `tokens` and its length. The
-        last node is split to end exactly there; all are stamped with a new clock."""
+    def _walk(self, tokens: list[int], top: RadixNode) -> tuple[list[RadixNode], int]:
+        """Nodes below the root `top` on the path of the longest cached prefix of `tokens`
+        and its length. The last node is split to end exactly there; all are stamped with a
+        new clock."""
         self._clock += 1
         path: list[RadixNode] = []
-        node, pos = self.root, 0
+        node, pos = top, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -444,6 +494,7 @@ class RadixCache(HostTierMixin, RadixChecks):
         for b in node.blocks:
             self._drop(self._refs, b)
         self._relist(parent)
+        self._prune_root(parent)
         return self.allocator.decref(node.blocks)
 
 
