@@ -73,12 +73,21 @@ def order_waiting(
         levels: dict[int, list[Request]] = {}
         for req in waiting:
             levels.setdefault(effective_priority(req, priority_aging_steps), []).append(req)
-        if len(levels) > 1:
-            return [
-                req
-                for level in sorted(levels)
-                for req in order_waiting(levels[level], policy, matched, aging_per_step)
-            ]
+        return [
+            req
+            for level in sorted(levels)
+            for req in _order_level(levels[level], policy, matched, aging_per_step)
+        ]
+    return _order_level(waiting, policy, matched, aging_per_step)
+
+
+def _order_level(
+    waiting: Sequence[Request],
+    policy: str,
+    matched: Callable[[Request], MatchResult],
+    aging_per_step: float,
+) -> list[Request]:
+    """Requests of one effective priority in `policy` order."""
     if policy == "fcfs" or len(waiting) <= 1 or len(waiting) > MAX_QUEUE_FOR_MATCHING:
         return list(waiting)
     matches = {req: matched(req) for req in waiting}
