@@ -56,6 +56,8 @@ class GenParams:
     regex: str | None = None  # structured output: the text matches this regex ...
     json_schema: str | None = None  # ... or is JSON valid under this schema (a dict is
     # kept as canonical JSON text)
+    cache_salt: str | None = None  # shares cached KV only with requests of this salt
+    priority: int | None = None  # lower runs first (vLLM's convention)
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
@@ -132,12 +134,16 @@ def gen(
     stop_token_ids: Sequence[int] | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    cache_salt: str | None = None,
+    priority: int | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
     (max_tokens 128, temperature 1.0). `regex` / `json_schema` (at most one) constrain the
-    text (structured output: it stops when the regex / JSON is complete). Raises ValueError
-    for an invalid value."""
+    text (structured output: it stops when the regex / JSON is complete). `cache_salt`
+    (vLLM's): the gen shares cached KV only with requests of the same salt (set it for a
+    whole program with `gen_defaults={"cache_salt": ...}`); `priority`: lower runs first.
+    Raises ValueError for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
         max_tokens=max_tokens,
@@ -151,6 +157,8 @@ def gen(
         ignore_eos=ignore_eos,
         regex=regex,
         json_schema=json_schema,  # type: ignore[arg-type]
+        cache_salt=cache_salt,
+        priority=priority,
     )
     return Gen(name, params)
 

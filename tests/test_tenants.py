@@ -249,3 +249,15 @@ def test_priority_and_salt_are_validated():
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
     SamplingParams(priority=MIN_PRIORITY, cache_salt="x")
+
+
+def test_dsl_gen_takes_cache_salt_and_priority():
+    from radixrt.frontend.ir import gen
+    from radixrt.frontend.program import _gen_defaults
+
+    params = gen("x", cache_salt="t", priority=-2).params.resolve(None)
+    assert (params.cache_salt, params.priority) == ("t", -2)
+    defaults = _gen_defaults({"cache_salt": "prog"})
+    assert gen("y").params.resolve(defaults).cache_salt == "prog"
+    with pytest.raises(ValueError, match="cache_salt"):
+        gen("z", cache_salt="")

@@ -73,6 +73,10 @@ class RuntimeEndpoint(Backend):
         on_delta: DeltaCallback | None = None,
     ) -> GenResult:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_json(params)}
+        if params.cache_salt is not None:  # /generate takes these beside sampling_params
+            body["cache_salt"] = params.cache_salt
+        if params.priority:
+            body["priority"] = params.priority
         if on_delta is None:
             return _result(self._request("POST", "/generate", body))
         body["stream"] = True
