@@ -261,3 +261,41 @@ def test_dsl_gen_takes_cache_salt_and_priority():
     assert gen("y").params.resolve(defaults).cache_salt == "prog"
     with pytest.raises(ValueError, match="cache_salt"):
         gen("z", cache_salt="")
+
+
+def test_eviction_takes_lower_priority_entries_first():
+    cache = RadixCache(BlockAllocator(8), 4)
+    for base, priority in ((0, 0), (1, 5), (2, 0)):  # the priority-5 entry is not the LRU
+        blocks = cache.allocator.allocate(2)
+        cache.insert([base] * 8, blocks, priority=priority)
+        cache.allocator.decref(blocks)
+    cache.check_integrity()
+    assert cache.evict(2) == 2
+    assert cache.match([1] * 8).num_cached_tokens == 0
+    assert cache.match([0] * 8).num_cached_tokens == 8
+    # re-inserted by a more urgent request, an entry takes its priority
+    blocks = cache.allocator.allocate(2)
+    cache.insert([0] * 8, blocks, priority=7)
+    cache.allocator.decref(blocks)
+    assert cache.evict(2) == 2
+    assert cache.match([0] * 8).num_cached_tokens == 0
+    assert cache.match([2] * 8).num_cached_tokens == 8
+    cache.check_integrity()
+
+
+def test_finished_low_priority_requests_lose_their_cache_first():
+    core = make_core(num_kv_blocks=24)
+    for rid, base, p in (("hi", 800, -1), ("lo", 900, 3)):
+        core.add_request(
+            [base + i for i in range(40)],
+            SamplingParams(max_tokens=1, ignore_eos=True, priority=p),
+            rid=rid,
+        )
+        run(core)
+    core.add_request([700 + i for i in range(40)], SamplingParams(max_tokens=1), rid="new")
+    run(core)  # needs blocks: evicts lo's prefix, not the older hi's
+    hit = {}
+    for rid, base in (("hi2", 800), ("lo2", 900)):
+        core.add_request([base + i for i in range(40)], SamplingParams(max_tokens=1), rid=rid)
+        hit.update(run(core))
+    assert hit["hi2"] >= 36

@@ -24,6 +24,8 @@ Ownership rules (all implementations):
 - `salt` (tenants): `match` and `insert` take a cache salt (None: unsalted); entries inserted
   under one salt are never matched under another (radix: one root per salt; blockhash: the
   salt seeds the hash chain, as vLLM puts it in the first block's extra keys).
+- `priority` (`insert`): the inserting request's priority; the radix tree evicts entries of
+  the least urgent priority (the highest number) first, LRU within one (others ignore it).
 - `version` increases whenever an entry is removed (evict, reset): a MatchResult taken
   before may name freed blocks and must be matched again.
 """
@@ -79,7 +81,11 @@ class PrefixCache(Protocol):
     def unlock(self, handle: Any) -> None: ...
 
     def insert(
-        self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
     ) -> InsertResult: ...
 
     def evict(self, num_blocks: int) -> int: ...

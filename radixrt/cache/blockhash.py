@@ -120,7 +120,11 @@ class BlockHashCache:
     # ---- mutation ------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
     ) -> InsertResult:
         """Cache blocks[i] under H_i for every full block i whose hash is not cached yet
         (one new reference each). Returns the tuple of the cached blocks for all full

@@ -25,7 +25,11 @@ class NoCache:
         pass
 
     def insert(
-        self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
     ) -> InsertResult:
         return InsertResult(None, 0)
 

@@ -82,8 +82,9 @@ class RadixCache(HostTierMixin, RadixChecks):
         self.root = RadixNode(next(self._ids), [], 0, [])  # the unsalted root
         self._salt_roots: dict[str, RadixNode] = {}  # cache salt -> its root
         self._root_salts: dict[int, str] = {}  # a salted root's node id -> its salt
-        # Device eviction candidates (unlocked non-root device leaves), LRU first.
-        self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        # Device eviction candidates (unlocked non-root device leaves): the least urgent
+        # priority (highest number) of the requests that inserted them first, LRU within one.
+        self._evictable = SortedKeyList(key=lambda n: (-n.priority, n.last_access, n.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
         # unlocked host-only leaves), in eviction order (`host_eviction_key`).
         self._host_evictable = SortedKeyList(key=host_eviction_key)
@@ -262,9 +263,14 @@ class RadixCache(HostTierMixin, RadixChecks):
     # ---- mutation ------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
     ) -> InsertResult:
-        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]) under `salt`.
+        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]) under `salt`;
+        the nodes of the path take `priority` (eviction takes the highest first).
 
         Cached tokens keep their blocks (a host-only node on the path takes the caller's
         blocks for its positions and is on both tiers after); the uncached tail becomes one
@@ -277,6 +283,10 @@ class RadixCache(HostTierMixin, RadixChecks):
         top = self._root_of(salt, create=bool(tokens))
         path, pos = self._walk(tokens, top)
         for node in path:
+            if node.priority != priority:
+                self._unlist(node)
+                node.priority = priority
+                self._relist(node)
             if not node.blocks:  # host-only: the caller computed these tokens itself
                 self._unlist(node)
                 self._unlist(node.parent)
@@ -291,6 +301,7 @@ class RadixCache(HostTierMixin, RadixChecks):
                 next(self._ids), tokens[pos:], pos, list(blocks[pos // bs : (n - 1) // bs + 1])
             )
             leaf.last_access = self._clock
+            leaf.priority = priority
             self._attach(node, leaf)
             node = leaf
         self.stats.num_inserted_tokens += num_new
@@ -444,6 +455,7 @@ class RadixCache(HostTierMixin, RadixChecks):
         upper.host_blocks = node.host_blocks[:num_upper]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.priority = node.priority
         upper.parent = node.parent
         upper.children = {node.key[k]: node}
         node.parent.children[node.key[0]] = upper

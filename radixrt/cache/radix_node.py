@@ -18,6 +18,7 @@ class RadixNode:
         "last_access",
         "in_lru",
         "in_host_lru",
+        "priority",
     )
 
     def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
@@ -33,6 +34,7 @@ class RadixNode:
         self.last_access = 0  # cache clock at the last match/insert through this node
         self.in_lru = False  # listed as a device eviction candidate
         self.in_host_lru = False  # listed as a host eviction candidate
+        self.priority = 0  # of the request that inserted it last (device eviction order)
 
     @property
     def end(self) -> int:

@@ -179,7 +179,9 @@ class KVManager:
     def cache_progress(self, req: Request, end: int) -> None:
         """Insert the first `end` computed tokens so others can share them; the request's
         lock moves to the deeper node."""
-        result = self.cache.insert(req.seq_token_ids[:end], req.block_table, req.cache_salt)
+        result = self.cache.insert(
+            req.seq_token_ids[:end], req.block_table, req.cache_salt, req.priority
+        )
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = result.handle
@@ -189,7 +191,9 @@ class KVManager:
         still write the rest: that is not cached)."""
         done = min(req.num_kv_done, len(req.seq_token_ids))
         if done:
-            self.cache.insert(req.seq_token_ids[:done], req.block_table, req.cache_salt)
+            self.cache.insert(
+                req.seq_token_ids[:done], req.block_table, req.cache_salt, req.priority
+            )
 
     # ---- block ops ----
     def swaps_first(self, ops: list[BlockOp]) -> list[BlockOp]:
