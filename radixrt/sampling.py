@@ -58,6 +58,7 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile
 MIN_PRIORITY = -(2**31)
 MAX_PRIORITY = 2**31 - 1
 MAX_CACHE_SALT_CHARS = 1024  # a cache salt's length at most
+MAX_CACHE_TTL_S = 86400.0  # cache_ttl_s at most (the engine caps it lower: retention_max_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,18 @@ class SamplingParams:
     # the server puts a tenant's name in front of it (radixrt.server.tenants)
     cache_salt: str | None = None
     priority: int = 0  # admission / preemption order: lower first (vLLM's convention)
+    # retention hint: keep the prompt cached this many seconds after the request finishes
+    # (radixrt.scheduler.retention; 0: plain LRU)
+    cache_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_tenancy(self)
+        _check(
+            _num(self.cache_ttl_s) and 0 <= self.cache_ttl_s <= MAX_CACHE_TTL_S,
+            "cache_ttl_s",
+            self.cache_ttl_s,
+            f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
+        )
         if isinstance(self.json_schema, Mapping):
             # checked first: json.dumps and repr recurse once per level
             _check(

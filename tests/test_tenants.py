@@ -299,3 +299,78 @@ def test_finished_low_priority_requests_lose_their_cache_first():
         core.add_request([base + i for i in range(40)], SamplingParams(max_tokens=1), rid=rid)
         hit.update(run(core))
     assert hit["hi2"] >= 36
+
+
+# ---- retention hints ----
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def retention_core(**s):
+    core = make_core(num_kv_blocks=40, **s)
+    clock = core.scheduler.retention.clock = FakeClock()
+    return core, clock
+
+
+def fill(core, base, n=3):
+    """`n` unrelated prompts of 40 tokens (10 blocks each): evicts what is not held."""
+    for i in range(n):
+        core.add_request([base + 50 * i + j for j in range(40)], SamplingParams(max_tokens=1))
+        run(core)
+
+
+def test_retention_keeps_a_prompt_through_pressure_then_expires():
+    core, clock = retention_core(retention_max_share=0.5)
+    agent = [400 + j for j in range(40)]
+    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="step0")
+    run(core)
+    retention = core.scheduler.retention
+    assert retention.num_held_blocks == 10
+    fill(core, 1000)
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="step1")
+    assert run(core)["step1"] >= 36  # kept under pressure
+    clock.now = 31
+    core.step()  # the hold expires
+    assert retention.num_held_blocks == 0 and core.scheduler.stats.num_retention_expired == 1
+    fill(core, 2000, n=4)
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="step2")
+    assert run(core)["step2"] < 36  # plain LRU again
+    core.check_integrity()
+
+
+def test_retention_is_bounded_and_released_early_or_when_short():
+    core, clock = retention_core(retention_max_share=0.25, retention_max_ttl_s=5)
+    retention = core.scheduler.retention
+    for i in range(3):  # 10 blocks each, at most 10 held: each new hold releases the older
+        core.add_request(
+            [3000 + 50 * i + j for j in range(40)],
+            SamplingParams(max_tokens=1, cache_ttl_s=1000),
+            rid=f"h{i}",
+        )
+        run(core)
+        assert retention.num_held_blocks <= 10
+    assert list(retention.holds) == ["h2"] and core.scheduler.stats.num_retention_released == 2
+    assert retention.holds["h2"].expires == 5  # capped by retention_max_ttl_s
+    assert retention.release("h2") and not retention.release("h2")
+    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    run(core)
+    # a request that needs the whole pool gets it: the hold is given up, not a deadlock
+    core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
+    run(core)
+    assert not retention.holds
+    core.check_integrity()
+
+
+def test_retention_hold_goes_to_the_host_tier():
+    core = make_core(num_kv_blocks=40, host_blocks=200, retention_max_share=0.5)
+    agent = [400 + j for j in range(40)]
+    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="a")
+    run(core)
+    core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
+    run(core)  # needs the whole pool: the hold is released and written back, not dropped
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="again")
+    assert run(core)["again"] >= 36 and core.scheduler.stats.num_host_hit_tokens > 0

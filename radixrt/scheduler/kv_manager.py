@@ -14,6 +14,7 @@ tier's swap ops come from the cache (`swaps_first`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from radixrt.cache.base import MatchResult, PrefixCache, host_tier_of
 from radixrt.kv.allocator import BlockAllocator
@@ -40,6 +41,9 @@ class KVManager:
         self.pending_ops: list[BlockOp] = []
         # the cache with its host KV tier, None without one
         self.host_cache = host_tier_of(cache)
+        # gives up retention holds (locks on finished requests' prompts) for `n` blocks when
+        # nothing else is evictable (radixrt.scheduler.retention sets it)
+        self.reclaim: Callable[[int], None] | None = None
 
     # ---- blocks ----
     def allocate(self, n: int) -> list[int] | None:
@@ -47,6 +51,10 @@ class KVManager:
         short = n - self.allocator.num_free
         if short > 0:
             self.cache.evict(short)
+            short = n - self.allocator.num_free
+            if short > 0 and self.reclaim is not None:
+                self.reclaim(short)
+                self.cache.evict(short)
             if self.allocator.num_free < n:
                 return None
         return self.allocator.allocate(n)
