@@ -1,8 +1,9 @@
-"""Retention hints: a finished request's prompt stays cached for `cache_ttl_s` seconds
-(`SamplingParams.cache_ttl_s`), e.g. an agent's context while it waits for a tool call.
+"""Retention hints: a finished request's context (prompt and output) stays cached for
+`cache_ttl_s` seconds (`SamplingParams.cache_ttl_s`), e.g. an agent's context while it waits
+for a tool call.
 
-A hold is a lock on the prompt's cached path, taken when the request finishes (its prompt was
-just inserted). Held blocks are evicted only after every unheld entry: when the pool is short
+A hold is a lock on the sequence's cached path, taken when the request finishes (its finish
+just inserted it). Held blocks are evicted only after every unheld entry: when the pool is short
 and nothing else is evictable, the KV manager asks `reclaim` to give up holds (the soonest to
 expire first), and the path becomes an ordinary LRU entry again, which a host tier writes back
 rather than drops. Bounds: the held blocks stay within `retention_max_share` of the pool
@@ -70,7 +71,7 @@ class RetentionFeature(SchedulerFeature):
 
     def _hold(self, req: Request) -> None:
         cache = self.kv.cache
-        m = cache.match(req.prompt_token_ids, req.cache_salt)
+        m = cache.match(req.seq_token_ids, req.cache_salt)  # what its finish inserted
         if m.num_cached_tokens == 0 or len(m.blocks) > self.max_blocks:
             return
         self.release(req.rid)  # a request id held again: the newer hold counts
