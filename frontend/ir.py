@@ -58,6 +58,7 @@ class GenParams:
     # kept as canonical JSON text)
     cache_salt: str | None = None  # shares cached KV only with requests of this salt
     priority: int | None = None  # lower runs first (vLLM's convention)
+    cache_ttl_s: float | None = None  # keep the context cached this long after the gen
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
@@ -136,13 +137,16 @@ def gen(
     json_schema: str | dict | None = None,
     cache_salt: str | None = None,
     priority: int | None = None,
+    cache_ttl_s: float | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
     (max_tokens 128, temperature 1.0). `regex` / `json_schema` (at most one) constrain the
     text (structured output: it stops when the regex / JSON is complete). `cache_salt`
     (vLLM's): the gen shares cached KV only with requests of the same salt (set it for a
-    whole program with `gen_defaults={"cache_salt": ...}`); `priority`: lower runs first.
+    whole program with `gen_defaults={"cache_salt": ...}`); `priority`: lower runs first;
+    `cache_ttl_s`: keep the context cached this long after the gen finishes (e.g. while a
+    tool runs before the next gen extends it).
     Raises ValueError for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
@@ -159,6 +163,7 @@ def gen(
         json_schema=json_schema,  # type: ignore[arg-type]
         cache_salt=cache_salt,
         priority=priority,
+        cache_ttl_s=cache_ttl_s,
     )
     return Gen(name, params)
 

@@ -106,12 +106,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_tenancy(self)
-        _check(
-            _num(self.cache_ttl_s) and 0 <= self.cache_ttl_s <= MAX_CACHE_TTL_S,
-            "cache_ttl_s",
-            self.cache_ttl_s,
-            f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
-        )
         if isinstance(self.json_schema, Mapping):
             # checked first: json.dumps and repr recurse once per level
             _check(
@@ -262,6 +256,7 @@ class BeamSearchParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     cache_salt: str | None = None  # as SamplingParams.cache_salt
     priority: int = 0  # as SamplingParams.priority
+    cache_ttl_s: float = 0.0  # as SamplingParams.cache_ttl_s
 
     def __post_init__(self) -> None:
         _check_tenancy(self)
@@ -340,6 +335,12 @@ def _compiles(pattern: str) -> bool:
 
 
 def _check_tenancy(p: SamplingParams | BeamSearchParams) -> None:
+    _check(
+        _num(p.cache_ttl_s) and 0 <= p.cache_ttl_s <= MAX_CACHE_TTL_S,
+        "cache_ttl_s",
+        p.cache_ttl_s,
+        f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
+    )
     salt = p.cache_salt
     _check(
         salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS),

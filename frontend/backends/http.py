@@ -77,6 +77,8 @@ class RuntimeEndpoint(Backend):
             body["cache_salt"] = params.cache_salt
         if params.priority:
             body["priority"] = params.priority
+        if params.cache_ttl_s:
+            body["cache_ttl_s"] = params.cache_ttl_s
         if on_delta is None:
             return _result(self._request("POST", "/generate", body))
         body["stream"] = True

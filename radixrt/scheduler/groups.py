@@ -76,6 +76,7 @@ class GroupsFeature(SchedulerFeature):
             top_logprobs=k,
             cache_salt=params.cache_salt,
             priority=params.priority,
+            cache_ttl_s=params.cache_ttl_s,
         )
         ids = list(prompt_ids)
         req = Request(rid, len(ids), ids, beam_params, max_tokens)

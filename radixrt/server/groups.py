@@ -57,6 +57,7 @@ def beam_params(
         skip_special_tokens=bool(spec.sampling.get("skip_special_tokens", True)),
         cache_salt=spec.sampling.get("cache_salt"),
         priority=spec.sampling.get("priority", 0),
+        cache_ttl_s=spec.sampling.get("cache_ttl_s", 0.0),
     )
     try:
         beam.check_candidates(ready.num_eos_ids)

@@ -155,6 +155,11 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_seconds: float = 0.0
+    # retention hints (cache_ttl_s; see radixrt.scheduler.retention)
+    retention_holds: int = 0  # finished contexts held cached, since start
+    retention_expired: int = 0  # of those, ended by their time to live
+    retention_released: int = 0  # of those, given up for room
+    retention_held_blocks: int = 0  # device blocks held now
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -26,6 +26,7 @@ import msgspec
 
 from radixrt.sampling import (
     MAX_CACHE_SALT_CHARS,
+    MAX_CACHE_TTL_S,
     MAX_INT,
     MAX_N,
     MAX_PRIORITY,
@@ -63,6 +64,9 @@ NoLora = Annotated[Any, neutral(None, why="no LoRA adapters")]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None
 # vLLM's priority: lower runs first (admission, preemption and eviction order)
 Priority = Annotated[int, ints(MIN_PRIORITY, MAX_PRIORITY)] | None
+# radixrt's retention hint: keep the context cached this many seconds after the request
+# finishes (radixrt.scheduler.retention; the engine caps it at retention_max_ttl_s)
+CacheTtl = Annotated[float, msgspec.Meta(ge=0, le=MAX_CACHE_TTL_S)] | None
 AnyBool = bool  # either value is honoured (the field's comment says how)
 
 
@@ -135,6 +139,7 @@ class OpenAIFields(SamplingFields, kw_only=True):
     logits_processors: Unset = None
     return_tokens_as_token_ids: Annotated[bool | None, neutral(None, False)] = None
     cache_salt: CacheSalt = None
+    cache_ttl_s: CacheTtl = None
     kv_transfer_params: NoDisagg = None
     vllm_xargs: Unset = None
     # SGLang's extensions
@@ -301,6 +306,7 @@ class GenerateRequest(Body, kw_only=True):
     watermark: Unset = None
     extra_key: Unset = None
     cache_salt: CacheSalt = None
+    cache_ttl_s: CacheTtl = None
     kv_hints: Unset = None
     http_worker_ipc: Unset = None
     data_parallel_rank: Rank = None
