@@ -374,3 +374,44 @@ def test_retention_hold_goes_to_the_host_tier():
     run(core)  # needs the whole pool: the hold is released and written back, not dropped
     core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="again")
     assert run(core)["again"] >= 36 and core.scheduler.stats.num_host_hit_tokens > 0
+
+
+@pytest.mark.parametrize("host_blocks", [None, 96])
+def test_salted_mixed_load_matches_an_unconstrained_run(host_blocks):
+    """Agents of three salts and none, sharing a system prompt, with priorities and retention
+    hints, on a pool far smaller than their working set: every output equals that of a run
+    with a large pool and no salts (the scripted runner reads the KV back, so a block shared
+    or loaded wrongly changes the output), and integrity holds on both tiers."""
+    system = list(range(100, 160))
+
+    def workload(core, salted):
+        out: dict[str, list[int]] = {}
+        hist = {a: system + [300 + a] for a in range(8)}
+        for step in range(4):
+            for a in range(8):
+                salt = ("abc"[a % 3] if a % 4 else None) if salted else None
+                sp = SamplingParams(
+                    max_tokens=4,
+                    ignore_eos=True,
+                    cache_salt=salt,
+                    priority=a % 3 - 1 if salted else 0,
+                    cache_ttl_s=10 if salted else 0,
+                )
+                core.add_request(hist[a], sp, rid=f"a{a}s{step}")
+            while core.has_work:
+                for d in core.step():
+                    out.setdefault(d.rid, []).extend(d.new_token_ids)
+            core.check_integrity()
+            for a in range(8):
+                hist[a] = hist[a] + out[f"a{a}s{step}"] + [500 + 7 * a + step] * 5
+        return out
+
+    reference = workload(make_core(num_kv_blocks=1024), salted=False)
+    core = make_core(
+        num_kv_blocks=60,
+        host_blocks=host_blocks,
+        max_num_batched_tokens=64,
+        retention_max_share=0.3,
+    )
+    assert workload(core, salted=True) == reference
+    assert core.scheduler.stats.num_preemptions + core.cache.stats.num_evicted_blocks > 0
