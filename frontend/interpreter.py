@@ -71,6 +71,9 @@ class Executor:
     ) -> None:
         self.backend = backend
         self.gen_defaults = gen_defaults
+        # the program's cache salt (gen_defaults), for what it sends besides gens (select
+        # scoring, prefix prefills)
+        self.cache_salt = gen_defaults.cache_salt if gen_defaults is not None else None
         self.sink = sink
         self.tracing = tracing
         self.text = ""
@@ -140,7 +143,7 @@ class Executor:
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
-            self.backend.cache_prefix(prefix_ids)
+            self.backend.cache_prefix(prefix_ids, self.cache_salt)
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True)
@@ -242,8 +245,8 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
-        self.backend.cache_prefix(prefix_ids)
-        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids)
+        self.backend.cache_prefix(prefix_ids, self.cache_salt)
+        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
         best = max(range(len(scores)), key=scores.__getitem__)  # first of equal maxima

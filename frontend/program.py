@@ -118,7 +118,7 @@ class Program:
         if prefix_hint and len(batch_kwargs) > 1:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
-                backend.cache_prefix(prefix)
+                backend.cache_prefix(prefix, defaults.cache_salt if defaults else None)
         from tqdm.auto import tqdm
 
         threads = num_threads or min(len(batch_kwargs), MAX_BATCH_THREADS)

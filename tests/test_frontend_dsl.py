@@ -63,11 +63,11 @@ class Spy:
             self.barrier.wait(timeout=30)  # fails unless the branches run concurrently
         return self.inner.generate(ids, params, on_delta)
 
-    def cache_prefix(self, ids):
+    def cache_prefix(self, ids, cache_salt=None):
         self.calls.append(("cache_prefix", list(ids)))
         return self.inner.cache_prefix(ids)
 
-    def score_continuations(self, prefix, conts):
+    def score_continuations(self, prefix, conts, cache_salt=None):
         self.calls.append(("score", list(prefix), [list(c) for c in conts]))
         return self.inner.score_continuations(prefix, conts)
 
@@ -207,7 +207,7 @@ class FixedScores(Spy):
         super().__init__(inner)
         self.token_logprobs = token_logprobs
 
-    def score_continuations(self, prefix, conts):
+    def score_continuations(self, prefix, conts, cache_salt=None):
         return self.token_logprobs
 
 

@@ -415,3 +415,41 @@ def test_salted_mixed_load_matches_an_unconstrained_run(host_blocks):
     )
     assert workload(core, salted=True) == reference
     assert core.scheduler.stats.num_preemptions + core.cache.stats.num_evicted_blocks > 0
+
+
+def test_dsl_program_salt_covers_gens_selects_and_prefills():
+    from radixrt.frontend import Backend, GenResult, function, gen, select
+
+    class Tok:
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    class Recorder(Backend):
+        tokenizer = Tok()
+
+        def __init__(self):
+            self.salts = []
+
+        def generate(self, prompt_ids, params, on_delta=None):
+            self.salts.append(("gen", params.cache_salt))
+            return GenResult("ok", [1], "length", len(prompt_ids), 1, 0)
+
+        def score_continuations(self, prefix_ids, continuations, cache_salt=None):
+            self.salts.append(("score", cache_salt))
+            return [[-1.0] * len(c) for c in continuations]
+
+    @function
+    def prog(s):
+        s += "Q:" + gen("a", max_tokens=1)
+        s += select("b", ["x", "yy"])
+        forks = s.fork(2)
+        for f in forks:
+            f += gen("c", max_tokens=1)
+        forks.join()
+
+    backend = Recorder()
+    prog.run(backend=backend, gen_defaults={"cache_salt": "tenant-1"})
+    assert backend.salts and all(salt == "tenant-1" for _, salt in backend.salts)
+    assert {kind for kind, _ in backend.salts} == {"gen", "score"}

@@ -50,17 +50,17 @@ class Backend(ABC):
 
     @abstractmethod
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         """Log-prob of each continuation token given prefix + the continuation's earlier
         tokens: one list per continuation, all scored in one batched submission with
-        max_tokens=0 and logprob_start_len = len(prefix_ids). Send the prefix first
-        (`cache_prefix`) so every continuation reuses its cached KV."""
+        max_tokens=0 and logprob_start_len = len(prefix_ids), under `cache_salt`. Send the
+        prefix first (`cache_prefix`) so every continuation reuses its cached KV."""
 
-    def cache_prefix(self, prompt_ids: list[int]) -> GenResult:
+    def cache_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> GenResult:
         """Prefill `prompt_ids` without generating (max_tokens=0) so the prefix cache holds
-        them for the requests that follow."""
-        return self.generate(prompt_ids, SamplingParams(max_tokens=0))
+        them (under `cache_salt`) for the requests that follow."""
+        return self.generate(prompt_ids, SamplingParams(max_tokens=0, cache_salt=cache_salt))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt: special tokens (BOS) are added unless the text already

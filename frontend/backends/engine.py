@@ -83,10 +83,13 @@ class EngineBackend(Backend):
         return self.submit([prompt_ids], params, on_delta)[0].result()
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         params = SamplingParams(
-            max_tokens=0, prompt_logprobs=True, logprob_start_len=max(1, len(prefix_ids))
+            max_tokens=0,
+            prompt_logprobs=True,
+            logprob_start_len=max(1, len(prefix_ids)),
+            cache_salt=cache_salt,
         )
         futures = self.submit([prefix_ids + c for c in continuations], params)
         return [f.result().prompt_logprobs for f in futures]

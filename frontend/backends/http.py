@@ -95,7 +95,7 @@ class RuntimeEndpoint(Backend):
         return _result({**out, "text": text})
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         body = {
             "input_ids": [prefix_ids + c for c in continuations],
@@ -103,6 +103,8 @@ class RuntimeEndpoint(Backend):
             "return_prompt_logprob": True,
             "logprob_start_len": max(1, len(prefix_ids)),
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         outs = self._request("POST", "/generate", body)
         if not isinstance(outs, list) or len(outs) != len(continuations):
             raise BackendError(f"/generate answered {len(continuations)} prompts with {outs!r}")
