@@ -66,7 +66,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    api_keys_file: str | None = None  # `KEY TENANT` lines (radixrt.server.tenants)
+    tenants: Tenants | None = None  # API keys -> tenants (radixrt.server.tenants)
     served_model_name: str | None = None  # /v1/models id; None: the model path
     debug_endpoints: bool = False  # GET /debug/state and integrity checks when idle
     cpu_threads: int | None = None  # scheduler's torch threads on CPU; None: cores - 1
@@ -208,7 +208,7 @@ def add_serve_command(
                 host=args.host,
                 port=args.port,
                 api_key=args.api_key,
-                api_keys_file=args.api_keys_file,
+                tenants=Tenants.load(args.api_keys_file),
                 served_model_name=args.served_model_name,
                 debug_endpoints=args.enable_debug_endpoints,
                 cpu_threads=args.cpu_threads,
@@ -226,7 +226,7 @@ def add_serve_command(
                 dtype=options.pop("dtype"),
                 options=options,
             )
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: an unreadable --api-keys-file
             p.error(str(e))
         code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
@@ -345,7 +345,7 @@ async def _serve_http(
         front,
         model_name=model_name,
         api_key=cfg.api_key,
-        tenants=Tenants.load(cfg.api_keys_file),
+        tenants=cfg.tenants,
         debug=cfg.debug_endpoints,
         body_timeout_s=limits.body_timeout_s,
         worker=worker,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -39,7 +39,7 @@ TENANT = "radixrt.tenant"  # key of the authenticated request's tenant in the ai
 class Tenants:
     """API key -> tenant name (frozen after loading)."""
 
-    by_key: dict[str, str]
+    by_key: dict[str, str] = field(repr=False)  # secrets: never in a log line
 
     def __post_init__(self) -> None:
         for key, tenant in self.by_key.items():
