@@ -82,6 +82,9 @@ class Executor:
         self.messages: list[dict[str, str]] = []
         self.open_role: _OpenRole | None = None
         self.children: list[Executor] = []  # forks, finished with this executor
+        # requests of gens with a retention hint (cache_ttl_s), shared with the forks: the
+        # program releases their holds when it ends
+        self.held_rids: list[str] = []
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
@@ -147,6 +150,7 @@ class Executor:
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True)
+            child.held_rids = self.held_rids
             child.text = self.text
             child.variables = dict(self.variables)
             child.meta = copy.deepcopy(self.meta)
@@ -227,6 +231,8 @@ class Executor:
             sink, name = self.sink, op.name
             on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
         result = self.backend.generate(prompt_ids, params, on_delta)
+        if params.cache_ttl_s > 0 and result.rid is not None:
+            self.held_rids.append(result.rid)
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         if op.name is not None:
             self.variables[op.name] = result.text

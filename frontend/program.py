@@ -83,6 +83,8 @@ class Program:
             self.func(state, *args, **kwargs)
         finally:
             error = executor.finish()  # joins the forks even when the body failed
+            if executor.held_rids:  # the program's contexts need not stay cached past its end
+                executor.backend.release_cache_holds(executor.held_rids)
         if error is not None:
             raise error
         return state

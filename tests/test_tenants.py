@@ -431,10 +431,15 @@ def test_dsl_program_salt_covers_gens_selects_and_prefills():
 
         def __init__(self):
             self.salts = []
+            self.released = []
 
         def generate(self, prompt_ids, params, on_delta=None):
-            self.salts.append(("gen", params.cache_salt))
-            return GenResult("ok", [1], "length", len(prompt_ids), 1, 0)
+            self.salts.append(("gen" if params.max_tokens else "prefill", params.cache_salt))
+            rid = f"r{len(self.salts)}"
+            return GenResult("ok", [1], "length", len(prompt_ids), 1, 0, rid=rid)
+
+        def release_cache_holds(self, rids):
+            self.released += rids
 
         def score_continuations(self, prefix_ids, continuations, cache_salt=None):
             self.salts.append(("score", cache_salt))
@@ -452,4 +457,10 @@ def test_dsl_program_salt_covers_gens_selects_and_prefills():
     backend = Recorder()
     prog.run(backend=backend, gen_defaults={"cache_salt": "tenant-1"})
     assert backend.salts and all(salt == "tenant-1" for _, salt in backend.salts)
-    assert {kind for kind, _ in backend.salts} == {"gen", "score"}
+    assert {kind for kind, _ in backend.salts} == {"gen", "score", "prefill"}
+    assert backend.released == []  # no retention hint, nothing held
+    # a program's retention hint holds its contexts while it runs: released at its end
+    backend = Recorder()
+    prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
+    gens = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind == "gen"]
+    assert sorted(backend.released) == sorted(gens) and len(gens) == 3
