@@ -356,6 +356,14 @@ def test_retention_is_bounded_and_released_early_or_when_short():
     assert list(retention.holds) == ["h2"] and core.scheduler.stats.num_retention_released == 2
     assert retention.holds["h2"].expires == 5  # capped by retention_max_ttl_s
     assert retention.release("h2") and not retention.release("h2")
+    assert not core.release_cache_hold("h2")
+    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    run(core)
+    core.add_request([2901] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h4")
+    run(core)
+    assert list(retention.holds) == ["h4"]  # the share bound: one 10-block hold
+    core.flush_cache()  # a flush ends the holds too
+    assert not retention.holds and core.cache.cached_blocks == 0
     core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
     run(core)
     # a request that needs the whole pool gets it: the hold is given up, not a deadlock

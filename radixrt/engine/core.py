@@ -364,10 +364,13 @@ class EngineCore:
         return delta
 
     def flush_cache(self) -> int:
-        """Drop every unlocked prefix-cache entry on every tier, between steps; running
-        requests keep their locked paths, waiting ones match again (the cache's version
-        changes). Checks integrity after (AssertionError). Returns the blocks freed."""
+        """Drop every unlocked prefix-cache entry on every tier, between steps, retention
+        holds ended first; running requests keep their locked paths, waiting ones match again
+        (the cache's version changes). Checks integrity after (AssertionError). Returns the
+        blocks freed."""
         free = self.allocator.num_free
+        for rid in list(self.scheduler.retention.holds):
+            self.scheduler.retention.release(rid)
         self.cache.reset()
         self.check_integrity()
         return self.allocator.num_free - free
