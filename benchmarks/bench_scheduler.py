@@ -28,6 +28,22 @@ from radixrt.model.tiny import ensure_tiny_model
 from radixrt.testing import ScriptedRunner
 
 
+class StepClock:
+    """Virtual time for the simulation: each executed step takes `step_s` seconds, sleeping
+    skips ahead; the driver's pacing, tool pauses and retention hints all read it, so a run is
+    deterministic whatever the machine's load."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def simulate(
     workload,
     cache: str,
@@ -37,10 +53,12 @@ def simulate(
     host_blocks: int = 0,
     cache_ttl_s: float = 0.0,
     request_rate: float = math.inf,
+    step_s: float = 0.0,
     **options,
 ) -> dict:
     """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks; `cache_ttl_s`:
     every call's retention hint; `request_rate`: programs per second (inf: all at once);
+    `step_s` > 0: virtual time, each step taking that long (`StepClock`); 0: wall time;
     `options`: more engine options (resolve_config)."""
     model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
     host = {"num_host_kv_blocks": host_blocks} if cache == "radix-host" else {}
@@ -59,8 +77,15 @@ def simulate(
     core = EngineCore(
         cfg, ModelConfig.from_pretrained(model_dir), [], runner=runner, num_kv_blocks=num_kv_blocks
     )
+    timing = {}
+    if step_s > 0:
+        clock = StepClock(step_s)
+        core.scheduler.retention.clock = clock
+        execute = runner.execute
+        runner.execute = lambda plan: (clock.sleep(step_s), execute(plan))[1]
+        timing = {"clock": clock, "sleep": clock.sleep}
     start = time.perf_counter()
-    run_engine(core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate)
+    run_engine(core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, **timing)
     core.check_integrity()
     stats = core.stats()
     minimum = math.ceil(workload.prompt_tokens * (1 - workload.best_hit_rate()))
@@ -96,6 +121,9 @@ def main() -> None:
     p.add_argument("--cache-ttl-s", default="0", help="retention hints to run, comma-separated")
     p.add_argument("--retention-max-share", type=float, default=0.25)
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
+    p.add_argument(
+        "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
+    )
     args = p.parse_args()
     extra = {"tool_pause_s": args.tool_pause_s} if args.tool_pause_s else {}
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
@@ -114,6 +142,7 @@ def main() -> None:
                 args.num_host_kv_blocks,
                 ttl,
                 args.request_rate,
+                args.step_s,
                 retention_max_share=args.retention_max_share,
             )
             print(

@@ -35,6 +35,8 @@ def run_engine(
     timeout_s: float | None = None,
     on_call_done: Callable[[], None] | None = None,
     cache_ttl_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> DriverResult:
     """Run every call of `workload` on `engine` (which must be idle) and time it.
 
@@ -43,7 +45,7 @@ def run_engine(
     `on_call_done` is called once per finished call (progress bars). `cache_ttl_s`: every
     call that a later call of its program extends asks that its context stay cached this
     long (a retention hint; a program's last calls ask nothing); holds left are released at
-    the end."""
+    the end. `clock` / `sleep`: the time source (a simulation passes a virtual one)."""
     core = getattr(engine, "core", engine)  # an Engine, or an EngineCore (simulations)
     alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
@@ -60,9 +62,9 @@ def run_engine(
     outputs: dict[str, list[int]] = {}  # rid -> output token ids so far
     peak_used = peak_active = alloc.num_used
     complete = True
-    start = time.perf_counter()
+    start = clock()
     while not disp.done:
-        now = time.perf_counter() - start
+        now = clock() - start
         if timeout_s is not None and now > timeout_s:
             complete = False
             break
@@ -73,10 +75,10 @@ def run_engine(
         if not core.has_work:  # every program left waits for its arrival time
             nxt = disp.next_arrival()
             assert nxt is not None, "nothing running, nothing ready, programs left"
-            time.sleep(max(0.0, nxt - now))
+            sleep(max(0.0, nxt - now))
             continue
         changed = core.step()
-        t = time.perf_counter() - start
+        t = clock() - start
         used = alloc.num_used
         peak_used = max(peak_used, used)
         peak_active = max(peak_active, used - cache.evictable_blocks)
@@ -94,7 +96,7 @@ def run_engine(
                 disp.finish(call, outputs.pop(d.rid), t)
                 if on_call_done is not None:
                     on_call_done()
-    duration = time.perf_counter() - start
+    duration = clock() - start
     for rid in list(inflight):
         core.abort(rid)
     while core.has_work:  # a step still in flight

@@ -7,7 +7,8 @@ just inserted it). Held blocks are evicted only after every unheld entry: when t
 and nothing else is evictable, the KV manager asks `reclaim` to give up holds (the soonest to
 expire first), and the path becomes an ordinary LRU entry again, which a host tier writes back
 rather than drops. Bounds: the held blocks stay within `retention_max_share` of the pool
-(a new hold releases the oldest ones first, or is not taken when it alone is too large), a
+(a new hold ends the holds on prefixes of its sequence, then releases the oldest ones, or is
+not taken when it alone is too large), a
 TTL is capped at `retention_max_ttl_s`, a hold ends on time (checked each step) or early
 (`release`, e.g. when a program ends). A request finished by abort or error holds nothing.
 """
@@ -32,6 +33,8 @@ class Hold:
     handle: Any  # the locked cache path
     expires: float  # clock time
     num_blocks: int  # device blocks of the path when the hold was taken
+    tokens: list[int]  # the held sequence
+    salt: str | None  # its cache salt
 
 
 class RetentionFeature(SchedulerFeature):
@@ -75,12 +78,19 @@ class RetentionFeature(SchedulerFeature):
         if m.num_cached_tokens == 0 or len(m.blocks) > self.max_blocks:
             return
         self.release(req.rid)  # a request id held again: the newer hold counts
+        tokens = req.seq_token_ids
+        for rid, h in list(self.holds.items()):  # holds the new one covers (an agent's
+            # earlier steps: its next step extends the context) end now
+            if h.salt == req.cache_salt and tokens[: len(h.tokens)] == h.tokens:
+                self._drop(rid)
         while self.holds and self.num_held_blocks + len(m.blocks) > self.max_blocks:
             self._drop(next(iter(self.holds)))
             self.stats.num_retention_released += 1
         cache.lock(m.handle)
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
-        self.holds[req.rid] = Hold(m.handle, self.clock() + ttl, len(m.blocks))
+        self.holds[req.rid] = Hold(
+            m.handle, self.clock() + ttl, len(m.blocks), tokens, req.cache_salt
+        )
         self.stats.num_retention_holds += 1
 
     def release(self, rid: str) -> bool:
