@@ -5,11 +5,19 @@ under memory pressure, in seconds on a CPU and independent of GPU timing noise.
 
     python -m benchmarks.bench_scheduler --workload agent --num-kv-blocks 575 \
         --configs radix+lpm,blockhash+lpm,blockhash+fcfs
+
+Retention hints (agents pausing for tool calls while others fill the pool): each config runs
+once per `--cache-ttl-s` value; `recomputed` is the prompt tokens computed beyond the
+workload's minimum (every prompt token an ideal cache could not have served).
+
+    python -m benchmarks.bench_scheduler --workload agent --tool-pause-s 0.05 \
+        --num-kv-blocks 300 --configs radix+lpm --cache-ttl-s 0,5
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from benchmarks.engine_driver import run_engine
@@ -20,10 +28,38 @@ from radixrt.model.tiny import ensure_tiny_model
 from radixrt.testing import ScriptedRunner
 
 
+class StepClock:
+    """Virtual time for the simulation: each executed step takes `step_s` seconds, sleeping
+    skips ahead; the driver's pacing, tool pauses and retention hints all read it, so a run is
+    deterministic whatever the machine's load."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def simulate(
-    workload, cache: str, policy: str, num_kv_blocks: int, block_size: int, host_blocks: int = 0
+    workload,
+    cache: str,
+    policy: str,
+    num_kv_blocks: int,
+    block_size: int,
+    host_blocks: int = 0,
+    cache_ttl_s: float = 0.0,
+    request_rate: float = math.inf,
+    step_s: float = 0.0,
+    **options,
 ) -> dict:
-    """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks."""
+    """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks; `cache_ttl_s`:
+    every call's retention hint; `request_rate`: programs per second (inf: all at once);
+    `step_s` > 0: virtual time, each step taking that long (`StepClock`); 0: wall time;
+    `options`: more engine options (resolve_config)."""
     model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
     host = {"num_host_kv_blocks": host_blocks} if cache == "radix-host" else {}
     cfg = resolve_config(
@@ -35,16 +71,27 @@ def simulate(
         block_size=block_size,
         max_model_len=1 << 20,
         **host,
+        **options,
     )
     runner = ScriptedRunner(cfg.scheduler.max_running_requests, block_size, lambda rid, pos: 11)
     core = EngineCore(
         cfg, ModelConfig.from_pretrained(model_dir), [], runner=runner, num_kv_blocks=num_kv_blocks
     )
+    timing = {}
+    if step_s > 0:
+        clock = StepClock(step_s)
+        core.scheduler.retention.clock = clock
+        execute = runner.execute
+        runner.execute = lambda plan: (clock.sleep(step_s), execute(plan))[1]
+        timing = {"clock": clock, "sleep": clock.sleep}
     start = time.perf_counter()
-    run_engine(core, workload)
+    run_engine(core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, **timing)
     core.check_integrity()
     stats = core.stats()
+    minimum = math.ceil(workload.prompt_tokens * (1 - workload.best_hit_rate()))
     return {
+        "prompt_computed": stats["prompt_tokens_computed"],
+        "recomputed": stats["prompt_tokens_computed"] - minimum,
         "steps": stats["steps"],
         "computed_tokens": runner.num_computed_tokens,
         "preemptions": stats["preemptions"],
@@ -70,22 +117,41 @@ def main() -> None:
         help="<cache>+<policy>; cache radix-host: radix + --num-host-kv-blocks",
     )
     p.add_argument("--num-host-kv-blocks", type=int, default=8192)
+    p.add_argument("--tool-pause-s", type=float, default=0.0, help="agent: pause per tool call")
+    p.add_argument("--cache-ttl-s", default="0", help="retention hints to run, comma-separated")
+    p.add_argument("--retention-max-share", type=float, default=0.25)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
+    p.add_argument(
+        "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
+    )
     args = p.parse_args()
+    extra = {"tool_pause_s": args.tool_pause_s} if args.tool_pause_s else {}
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
-    wl = make_workload(args.workload, size=args.size, scale=args.scale, vocab_size=2048)
+    wl = make_workload(args.workload, size=args.size, scale=args.scale, vocab_size=2048, **extra)
     print(f"{args.workload} ({args.size}, scale {args.scale}), {args.num_kv_blocks} blocks")
     print(f"{'config':>16} {'steps':>6} {'computed':>9} {'preempt':>7} {'evicted':>7} {'hit':>6}")
     for config in args.configs.split(","):
-        cache, policy = config.split("+")
-        r = simulate(
-            wl, cache, policy, args.num_kv_blocks, args.block_size, args.num_host_kv_blocks
-        )
-        print(
-            f"{config:>16} {r['steps']:>6} {r['computed_tokens']:>9} {r['preemptions']:>7} "
-            f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f} host {r['host_hit_tokens']:>8} "
-            f"loaded {r['loaded_blocks']:>7} written back {r['written_back_blocks']:>7} "
-            f"{r['wall_s']:6.1f} s"
-        )
+        for ttl in map(float, args.cache_ttl_s.split(",")):
+            cache, policy = config.split("+")
+            r = simulate(
+                wl,
+                cache,
+                policy,
+                args.num_kv_blocks,
+                args.block_size,
+                args.num_host_kv_blocks,
+                ttl,
+                args.request_rate,
+                args.step_s,
+                retention_max_share=args.retention_max_share,
+            )
+            print(
+                f"{config:>16} ttl {ttl:g} recomputed {r['recomputed']:>8} "
+                f"{r['steps']:>6} {r['computed_tokens']:>9} {r['preemptions']:>7} "
+                f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f} host {r['host_hit_tokens']:>8} "
+                f"loaded {r['loaded_blocks']:>7} written back {r['written_back_blocks']:>7} "
+                f"{r['wall_s']:6.1f} s"
+            )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class Dispatcher:
         self._children = [p.children() for p in workload.programs]
         self._remaining = [len(p.calls) for p in workload.programs]
         self._ready: deque[ReadyCall] = deque()
+        self._paused: list[tuple[float, ReadyCall]] = []  # (when it is ready, call)
         self._next_program = 0
         self._active = 0
         self.num_finished_calls = 0
@@ -78,18 +79,24 @@ class Dispatcher:
                     self._ready.append(ReadyCall(p, i, list(call.input_ids), call.max_tokens))
         ready = list(self._ready)
         self._ready.clear()
+        if self._paused:
+            ready += [c for t, c in self._paused if t <= now]
+            self._paused = [(t, c) for t, c in self._paused if t > now]
         return ready
 
     def next_arrival(self) -> float | None:
-        """When the next program may start, if one is left and a slot is free."""
-        if self._next_program == len(self.workload.programs):
-            return None
-        if self.max_concurrency is not None and self._active >= self.max_concurrency:
-            return None
-        return self.arrivals[self._next_program]
+        """When the next program may start (if one is left and a slot is free) or the next
+        paused call becomes ready, whichever is first."""
+        times = [t for t, _ in self._paused]
+        if self._next_program < len(self.workload.programs) and (
+            self.max_concurrency is None or self._active < self.max_concurrency
+        ):
+            times.append(self.arrivals[self._next_program])
+        return min(times) if times else None
 
-    def finish(self, call: ReadyCall, output_ids: Sequence[int]) -> None:
-        """Record that `call` finished with `output_ids`; its children become ready."""
+    def finish(self, call: ReadyCall, output_ids: Sequence[int], now: float = 0.0) -> None:
+        """Record that `call` finished with `output_ids` at `now`; its children become ready
+        (a child with a pause at now + its pause)."""
         if len(output_ids) != call.max_tokens:
             raise RuntimeError(
                 f"program {call.program} call {call.index}: got {len(output_ids)} output "
@@ -100,9 +107,11 @@ class Dispatcher:
         for k in self._children[call.program][call.index]:
             child = program.calls[k]
             context = call.prompt + list(output_ids) if child.extends_output else call.prompt
-            self._ready.append(
-                ReadyCall(call.program, k, context + list(child.input_ids), child.max_tokens)
-            )
+            ready = ReadyCall(call.program, k, context + list(child.input_ids), child.max_tokens)
+            if child.pause_s > 0:
+                self._paused.append((now + child.pause_s, ready))
+            else:
+                self._ready.append(ready)
         self.num_finished_calls += 1
         self._remaining[call.program] -= 1
         if self._remaining[call.program] == 0:

@@ -34,19 +34,27 @@ def run_engine(
     seed: int = 0,
     timeout_s: float | None = None,
     on_call_done: Callable[[], None] | None = None,
+    cache_ttl_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> DriverResult:
     """Run every call of `workload` on `engine` (which must be idle) and time it.
 
     After the run (or the timeout, which aborts what is left) the engine is idle: its
     integrity check passes and only the prefix cache holds blocks; the cache is kept.
-    `on_call_done` is called once per finished call (progress bars)."""
+    `on_call_done` is called once per finished call (progress bars). `cache_ttl_s`: every
+    call that a later call of its program extends asks that its context stay cached this
+    long (a retention hint; a program's last calls ask nothing); holds left are released at
+    the end. `clock` / `sleep`: the time source (a simulation passes a virtual one)."""
     core = getattr(engine, "core", engine)  # an Engine, or an EngineCore (simulations)
     alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
     params = {
-        n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        (n, ttl): SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, cache_ttl_s=ttl)
         for n in {c.max_tokens for p in workload.programs for c in p.calls}
+        for ttl in {0.0, cache_ttl_s}
     }
+    has_children = [[bool(k) for k in p.children()] for p in workload.programs]
     disp = Dispatcher(workload, max_concurrency, request_rate, seed)
     before = engine.stats()
     inflight: dict[str, tuple[ReadyCall, CallRecord]] = {}
@@ -54,22 +62,23 @@ def run_engine(
     outputs: dict[str, list[int]] = {}  # rid -> output token ids so far
     peak_used = peak_active = alloc.num_used
     complete = True
-    start = time.perf_counter()
+    start = clock()
     while not disp.done:
-        now = time.perf_counter() - start
+        now = clock() - start
         if timeout_s is not None and now > timeout_s:
             complete = False
             break
         for call in disp.pop_ready(now):
-            rid = core.add_request(call.prompt, params[call.max_tokens])
+            ttl = cache_ttl_s if has_children[call.program][call.index] else 0.0
+            rid = core.add_request(call.prompt, params[call.max_tokens, ttl])
             inflight[rid] = (call, CallRecord(len(call.prompt), 0, 0, now, now, now))
         if not core.has_work:  # every program left waits for its arrival time
             nxt = disp.next_arrival()
             assert nxt is not None, "nothing running, nothing ready, programs left"
-            time.sleep(max(0.0, nxt - now))
+            sleep(max(0.0, nxt - now))
             continue
         changed = core.step()
-        t = time.perf_counter() - start
+        t = clock() - start
         used = alloc.num_used
         peak_used = max(peak_used, used)
         peak_active = max(peak_active, used - cache.evictable_blocks)
@@ -84,14 +93,16 @@ def run_engine(
                 rec.first_token = rec.token_times[0] if rec.token_times else t
                 rec.end = t
                 records.append(rec)
-                disp.finish(call, outputs.pop(d.rid))
+                disp.finish(call, outputs.pop(d.rid), t)
                 if on_call_done is not None:
                     on_call_done()
-    duration = time.perf_counter() - start
+    duration = clock() - start
     for rid in list(inflight):
         core.abort(rid)
     while core.has_work:  # a step still in flight
         core.step()
+    for rid in list(core.scheduler.retention.holds):
+        core.scheduler.retention.release(rid)
     engine.check_integrity()
     assert alloc.num_used == cache.cached_blocks, "a finished run left blocks held by requests"
     after = engine.stats()

@@ -157,7 +157,7 @@ async def _run(
                     call = tasks.pop(task)
                     rec, output_ids = task.result()
                     records.append(rec)
-                    disp.finish(call, output_ids)
+                    disp.finish(call, output_ids, time.perf_counter() - start)
                     if on_done is not None:
                         on_done()
             duration = time.perf_counter() - start

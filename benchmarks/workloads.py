@@ -40,6 +40,7 @@ class Call:
     input_ids: tuple[int, ...]  # tokens appended after the parent's context (root: the prompt)
     max_tokens: int  # output tokens (ignore_eos: exactly this many); 0: prefill only
     extends_output: bool = True  # the prompt includes the parent's output (False: select)
+    pause_s: float = 0.0  # the client sends it this long after the parent finished (a tool)
 
 
 @dataclass(frozen=True)
@@ -223,15 +224,18 @@ def agent(
     task_len: int,
     action_len: int,
     observation_len: tuple[int, int],
+    tool_pause_s: float = 0.0,
 ) -> list[Program]:
     """ReAct loops: a shared tool-description prompt, a task, then `num_steps` steps of
-    thought + action (`action_len` tokens) each followed by an observation of random length."""
+    thought + action (`action_len` tokens) each followed by an observation of random length,
+    sent `tool_pause_s` seconds after the step finished (the tool runs meanwhile)."""
     system = tok(system_len)
     programs = []
     for _ in range(num_agents):
         calls = [Call(None, system + tok(task_len), action_len)]
         for step in range(1, num_steps):
-            calls.append(Call(step - 1, tok(tok.uniform(*observation_len)), action_len))
+            observation = tok(tok.uniform(*observation_len))
+            calls.append(Call(step - 1, observation, action_len, pause_s=tool_pause_s))
         programs.append(Program(tuple(calls)))
     return programs
 

@@ -71,6 +71,9 @@ class Executor:
     ) -> None:
         self.backend = backend
         self.gen_defaults = gen_defaults
+        # the program's cache salt (gen_defaults), for what it sends besides gens (select
+        # scoring, prefix prefills)
+        self.cache_salt = gen_defaults.cache_salt if gen_defaults is not None else None
         self.sink = sink
         self.tracing = tracing
         self.text = ""
@@ -79,6 +82,9 @@ class Executor:
         self.messages: list[dict[str, str]] = []
         self.open_role: _OpenRole | None = None
         self.children: list[Executor] = []  # forks, finished with this executor
+        # requests of gens with a retention hint (cache_ttl_s), shared with the forks: the
+        # program releases their holds when it ends
+        self.held_rids: list[str] = []
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
@@ -140,10 +146,11 @@ class Executor:
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
-            self.backend.cache_prefix(prefix_ids)
+            self.backend.cache_prefix(prefix_ids, self.cache_salt)
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True)
+            child.held_rids = self.held_rids
             child.text = self.text
             child.variables = dict(self.variables)
             child.meta = copy.deepcopy(self.meta)
@@ -224,6 +231,8 @@ class Executor:
             sink, name = self.sink, op.name
             on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
         result = self.backend.generate(prompt_ids, params, on_delta)
+        if params.cache_ttl_s > 0 and result.rid is not None:
+            self.held_rids.append(result.rid)
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         if op.name is not None:
             self.variables[op.name] = result.text
@@ -242,8 +251,8 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
-        self.backend.cache_prefix(prefix_ids)
-        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids)
+        self.backend.cache_prefix(prefix_ids, self.cache_salt)
+        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
         best = max(range(len(scores)), key=scores.__getitem__)  # first of equal maxima

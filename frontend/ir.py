@@ -57,6 +57,9 @@ class GenParams:
     json_schema: str | None = None  # ... or is JSON valid under this schema (a dict is
     # kept as canonical JSON text)
     logit_bias: tuple[tuple[int, float], ...] | None = None  # token id -> added to its logit
+    cache_salt: str | None = None  # shares cached KV only with requests of this salt
+    priority: int | None = None  # lower runs first (vLLM's convention)
+    cache_ttl_s: float | None = None  # keep the context cached this long after the gen
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
@@ -138,13 +141,20 @@ def gen(
     regex: str | None = None,
     json_schema: str | dict | None = None,
     logit_bias: dict[int, float] | None = None,
+    cache_salt: str | None = None,
+    priority: int | None = None,
+    cache_ttl_s: float | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
     (max_tokens 128, temperature 1.0). `regex` / `json_schema` (at most one) constrain the
     text (structured output: it stops when the regex / JSON is complete). `logit_bias`
-    ({token id: bias}) is added to those tokens' logits at every step. Raises ValueError
-    for an invalid value."""
+    ({token id: bias}) is added to those tokens' logits at every step. `cache_salt`
+    (vLLM's): the gen shares cached KV only with requests of the same salt (set it for a
+    whole program with `gen_defaults={"cache_salt": ...}`); `priority`: lower runs first;
+    `cache_ttl_s`: keep the context cached this long after the gen finishes (e.g. while a
+    tool runs before the next gen extends it).
+    Raises ValueError for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
         max_tokens=max_tokens,
@@ -159,6 +169,9 @@ def gen(
         regex=regex,
         json_schema=json_schema,  # type: ignore[arg-type]
         logit_bias=logit_bias,  # type: ignore[arg-type]
+        cache_salt=cache_salt,
+        priority=priority,
+        cache_ttl_s=cache_ttl_s,
     )
     return Gen(name, params)
 

@@ -83,6 +83,8 @@ class Program:
             self.func(state, *args, **kwargs)
         finally:
             error = executor.finish()  # joins the forks even when the body failed
+            if executor.held_rids:  # the program's contexts need not stay cached past its end
+                executor.backend.release_cache_holds(executor.held_rids)
         if error is not None:
             raise error
         return state
@@ -118,7 +120,7 @@ class Program:
         if prefix_hint and len(batch_kwargs) > 1:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
-                backend.cache_prefix(prefix)
+                backend.cache_prefix(prefix, defaults.cache_salt if defaults else None)
         from tqdm.auto import tqdm
 
         threads = num_threads or min(len(batch_kwargs), MAX_BATCH_THREADS)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixrt.sampling import MAX_CACHE_TTL_S
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -244,6 +246,14 @@ class SchedulerConfig:
     # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
     # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
     aging_tokens_per_step: float = 4.0
+    # priority (SamplingParams.priority): each this many steps a request waits makes it one
+    # level more urgent, so a low priority waits a bounded time (radixrt.scheduler.policy);
+    # 0: priorities never age
+    priority_aging_steps: int = 256
+    # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held prompts
+    # take at most this share of the KV pool, for at most this many seconds
+    retention_max_share: float = 0.25
+    retention_max_ttl_s: float = 600.0
     num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
 
     def __post_init__(self) -> None:
@@ -259,6 +269,19 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.aging_tokens_per_step < 0:
             raise ValueError("aging_tokens_per_step must be >= 0")
+        if not 0 <= self.retention_max_share <= 1:
+            raise ValueError(
+                f"retention_max_share must be in [0, 1], got {self.retention_max_share}"
+            )
+        if not 0 <= self.retention_max_ttl_s <= MAX_CACHE_TTL_S:
+            raise ValueError(
+                f"retention_max_ttl_s must be in [0, {MAX_CACHE_TTL_S}], "
+                f"got {self.retention_max_ttl_s}"
+            )
+        if self.priority_aging_steps < 0:
+            raise ValueError(
+                f"priority_aging_steps must be >= 0 (0: no aging), got {self.priority_aging_steps}"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"

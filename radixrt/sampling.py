@@ -12,6 +12,7 @@ and the range); the bounds are the constants below, for the HTTP schema and the 
     seed                  [0, SEED_RANGE)        n                  [1, MAX_N]
     top_logprobs          [0, MAX_TOP_LOGPROBS]  logprob_start_len  [1, MAX_INT]
     stop_token_ids        [0, MAX_INT] each
+    priority              [MIN_PRIORITY, MAX_PRIORITY]   cache_salt  1..MAX_CACHE_SALT_CHARS chars
     BeamSearchParams: beam_width [1, MAX_BEAM_WIDTH], max_tokens [1, MAX_INT],
     length_penalty [-LENGTH_PENALTY_RANGE, LENGTH_PENALTY_RANGE]
 
@@ -53,6 +54,11 @@ LENGTH_PENALTY_RANGE = 10.0
 MAX_N = 64  # SamplingParams.n at most
 MAX_BEAM_WIDTH = 10  # BeamSearchParams.beam_width at most (see BeamSearchParams)
 MAX_GRAMMAR_CHARS = 64 * 1024  # regex / schema / EBNF text at most (the compile is costly)
+# priority is in [-2^31, 2^31) (vLLM's int priority; lower runs first, default 0)
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
+MAX_CACHE_SALT_CHARS = 1024  # a cache salt's length at most
+MAX_CACHE_TTL_S = 86400.0  # cache_ttl_s at most (the engine caps it lower: retention_max_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,16 @@ class SamplingParams:
     regex: str | None = None  # this regular expression (whole output)
     json_schema: str | None = None  # this JSON schema (a dict is turned into canonical JSON)
     grammar: str | None = None  # this EBNF grammar (xgrammar / GBNF syntax, rule `root`)
+    # Tenants: requests share cached KV only with requests of the same salt (None: unsalted);
+    # the server puts a tenant's name in front of it (radixrt.server.tenants)
+    cache_salt: str | None = None
+    priority: int = 0  # admission / preemption order: lower first (vLLM's convention)
+    # retention hint: keep the prompt cached this many seconds after the request finishes
+    # (radixrt.scheduler.retention; 0: plain LRU)
+    cache_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_tenancy(self)
         if isinstance(self.json_schema, Mapping):
             # checked first: json.dumps and repr recurse once per level
             _check(
@@ -240,8 +254,12 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     ignore_eos: bool = False  # EOS ids are plain tokens (every beam runs max_tokens)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    cache_salt: str | None = None  # as SamplingParams.cache_salt
+    priority: int = 0  # as SamplingParams.priority
+    cache_ttl_s: float = 0.0  # as SamplingParams.cache_ttl_s
 
     def __post_init__(self) -> None:
+        _check_tenancy(self)
         _check(
             _int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
             "beam_width",
@@ -314,6 +332,28 @@ def _compiles(pattern: str) -> bool:
         return regex.fullmatch(pattern, "") is None
     except (regex.error, RecursionError, OverflowError):
         return False
+
+
+def _check_tenancy(p: SamplingParams | BeamSearchParams) -> None:
+    _check(
+        _num(p.cache_ttl_s) and 0 <= p.cache_ttl_s <= MAX_CACHE_TTL_S,
+        "cache_ttl_s",
+        p.cache_ttl_s,
+        f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
+    )
+    salt = p.cache_salt
+    _check(
+        salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS),
+        "cache_salt",
+        salt,
+        f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or None",
+    )
+    _check(
+        _int_in(p.priority, MIN_PRIORITY, MAX_PRIORITY),
+        "priority",
+        p.priority,
+        f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower runs first)",
+    )
 
 
 def _int(x: object) -> bool:

@@ -63,11 +63,11 @@ class Spy:
             self.barrier.wait(timeout=30)  # fails unless the branches run concurrently
         return self.inner.generate(ids, params, on_delta)
 
-    def cache_prefix(self, ids):
+    def cache_prefix(self, ids, cache_salt=None):
         self.calls.append(("cache_prefix", list(ids)))
         return self.inner.cache_prefix(ids)
 
-    def score_continuations(self, prefix, conts):
+    def score_continuations(self, prefix, conts, cache_salt=None):
         self.calls.append(("score", list(prefix), [list(c) for c in conts]))
         return self.inner.score_continuations(prefix, conts)
 
@@ -207,7 +207,7 @@ class FixedScores(Spy):
         super().__init__(inner)
         self.token_logprobs = token_logprobs
 
-    def score_continuations(self, prefix, conts):
+    def score_continuations(self, prefix, conts, cache_salt=None):
         return self.token_logprobs
 
 
@@ -505,3 +505,25 @@ def test_closed_backend_raises(backend):
 
     with pytest.raises(BackendError, match="closed"):
         prog.run(backend=backend)
+
+
+def test_a_programs_retention_holds_end_with_it(backend):
+    import time
+
+    from radixrt.frontend import function
+
+    retention = backend.engine.core.scheduler.retention
+    seen: list[int] = []
+
+    @function
+    def prog(s):
+        s += "An agent step:" + gen("a", max_tokens=3, temperature=0)
+        s += " tool output." + gen("b", max_tokens=3, temperature=0)
+        seen.append(retention.num_held_blocks)  # read while the program runs
+
+    prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
+    assert seen[0] > 0
+    deadline = time.monotonic() + 10
+    while retention.holds and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not retention.holds

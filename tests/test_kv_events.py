@@ -276,3 +276,20 @@ def test_host_tier_moves_blocks_between_media():
     check(cache, rec, index)
     cache.reset()
     check(cache, rec, index)
+
+
+def test_salted_subtrees_publish_their_own_hashes():
+    """The same tokens under different cache salts are different blocks to a router: the
+    first block's extra keys carry the salt (as vLLM's cache_salt), so no hash is shared;
+    under one salt they are the same blocks."""
+    cache, alloc, recorder, _ = make()
+    tokens = list(range(100, 116))  # 4 full blocks
+    stored: dict[str | None, list[int]] = {}
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a"):
+        cache.insert(tokens, alloc.allocate(4), salt=salt)
+        hashes = [h for e in recorder.take() if isinstance(e, BlockStored) for h in e.block_hashes]
+        stored.setdefault(salt, []).extend(hashes)
+    assert len(stored[None]) == len(stored["tenant-b"]) == 4
+    assert len(stored["tenant-a"]) == 4  # the second insert under tenant-a stored nothing new
+    assert len(set(stored[None]) | set(stored["tenant-a"]) | set(stored["tenant-b"])) == 12
+    cache.check_integrity()

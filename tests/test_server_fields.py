@@ -313,16 +313,17 @@ VLLM_CHAT = [
 VLLM_STREAM_OPTIONS = ["include_usage", "continuous_usage_stats"]
 
 # OpenAI's deprecated function calling, and SGLang completion fields radixrt shares with chat
-RADIXRT_CHAT = ["functions", "function_call", "json_schema", "custom_labels"]
+RADIXRT_CHAT = ["functions", "function_call", "json_schema", "custom_labels", "cache_ttl_s"]
+RADIXRT_COMPLETION = ["cache_ttl_s"]  # a retention hint (radixrt.scheduler.retention)
 # radixrt's own /generate fields (beyond SGLang's)
-RADIXRT_GENERATE = ["model", "return_prompt_logprob"]
+RADIXRT_GENERATE = ["model", "return_prompt_logprob", "cache_ttl_s"]
 RADIXRT_SAMPLING = ["max_tokens", "seed", "beam_width", "length_penalty"]
 
 
 @pytest.mark.parametrize(
     "schema, upstream",
     [
-        (CompletionRequest, SGLANG_COMPLETION + VLLM_COMPLETION),
+        (CompletionRequest, SGLANG_COMPLETION + VLLM_COMPLETION + RADIXRT_COMPLETION),
         (ChatCompletionRequest, SGLANG_CHAT + VLLM_CHAT + RADIXRT_CHAT),
         (StreamOptions, SGLANG_STREAM_OPTIONS + VLLM_STREAM_OPTIONS),
         (ChatMessage, SGLANG_MESSAGE),

@@ -243,7 +243,7 @@ def test_scripted_always_wrong_drafts_roll_back():
     class Wrong:
         drafts_on_device = False
 
-        def propose(self, tokens, max_drafts):
+        def propose(self, tokens, max_drafts, salt=None):
             return [1] * max_drafts
 
     reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(4)]
@@ -311,7 +311,7 @@ class HalfRight:
 
     drafts_on_device = False
 
-    def propose(self, tokens, max_drafts):
+    def propose(self, tokens, max_drafts, salt=None):
         n = len(tokens)
         rid = f"r{tokens[6] - 3}"
         true = [cyclic_token(rid, n + i) for i in range(max_drafts)]

@@ -118,7 +118,7 @@ def test_always_wrong_drafts_change_nothing(make_engine, reference):
     class Wrong:
         drafts_on_device = False
 
-        def propose(self, tokens, max_drafts):
+        def propose(self, tokens, max_drafts, salt=None):
             last = tokens[-1]
             return [(last + 1 + i) % 50 + 100 for i in range(max_drafts)]
 

@@ -196,7 +196,7 @@ class PrefixProposer:
     def __init__(self, good: int) -> None:
         self.good = good
 
-    def propose(self, tokens, max_drafts: int) -> list[int]:
+    def propose(self, tokens, max_drafts: int, salt=None) -> list[int]:
         # the rows of `prompts()`, rid f"r{row}"
         n = len(tokens)
         row = next(k for k, p in enumerate(prompts(16)) if list(tokens[: len(p)]) == p)
@@ -231,7 +231,7 @@ def test_hit_counters_count_each_prompt_once():
     core, _ = make_core(overlap=False, max_num_batched_tokens=8, max_running_requests=4)
     calls = []
     match = core.cache.match
-    core.cache.match = lambda tokens: (calls.append(len(tokens)), match(tokens))[1]
+    core.cache.match = lambda tokens, salt=None: (calls.append(len(tokens)), match(tokens, salt))[1]
     reqs = prompts(16)
     waiting_per_step = []
     schedule = core.scheduler.schedule

@@ -29,6 +29,7 @@ class GenResult:
     cached_tokens: int  # prompt tokens served by the prefix cache
     # log-probs of prompt tokens [logprob_start_len, prompt_tokens), when asked
     prompt_logprobs: list[float] = field(default_factory=list)
+    rid: str | None = None  # the backend's request id (for `release_cache_holds`)
 
 
 class Backend(ABC):
@@ -50,17 +51,21 @@ class Backend(ABC):
 
     @abstractmethod
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         """Log-prob of each continuation token given prefix + the continuation's earlier
         tokens: one list per continuation, all scored in one batched submission with
-        max_tokens=0 and logprob_start_len = len(prefix_ids). Send the prefix first
-        (`cache_prefix`) so every continuation reuses its cached KV."""
+        max_tokens=0 and logprob_start_len = len(prefix_ids), under `cache_salt`. Send the
+        prefix first (`cache_prefix`) so every continuation reuses its cached KV."""
 
-    def cache_prefix(self, prompt_ids: list[int]) -> GenResult:
+    def cache_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> GenResult:
         """Prefill `prompt_ids` without generating (max_tokens=0) so the prefix cache holds
-        them for the requests that follow."""
-        return self.generate(prompt_ids, SamplingParams(max_tokens=0))
+        them (under `cache_salt`) for the requests that follow."""
+        return self.generate(prompt_ids, SamplingParams(max_tokens=0, cache_salt=cache_salt))
+
+    def release_cache_holds(self, rids: list[str]) -> None:  # noqa: B027 (optional)
+        """End the retention holds (`cache_ttl_s`) of finished requests `rids` early (a
+        program ended). By default nothing: the holds end when their time runs out."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt: special tokens (BOS) are added unless the text already

@@ -41,6 +41,13 @@ class _Pending:
     output_ids: list[int] = field(default_factory=list)  # token ids so far
 
 
+@dataclass
+class _Release:
+    """Retention holds to end (`release_cache_holds`)."""
+
+    rids: list[str]
+
+
 _STOP = object()  # queue item that ends the engine thread
 
 
@@ -83,13 +90,20 @@ class EngineBackend(Backend):
         return self.submit([prompt_ids], params, on_delta)[0].result()
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         params = SamplingParams(
-            max_tokens=0, prompt_logprobs=True, logprob_start_len=max(1, len(prefix_ids))
+            max_tokens=0,
+            prompt_logprobs=True,
+            logprob_start_len=max(1, len(prefix_ids)),
+            cache_salt=cache_salt,
         )
         futures = self.submit([prefix_ids + c for c in continuations], params)
         return [f.result().prompt_logprobs for f in futures]
+
+    def release_cache_holds(self, rids: list[str]) -> None:
+        if rids and not self._closed:
+            self._inbox.put(_Release(list(rids)))
 
     def close(self) -> None:
         """Stop the engine thread; requests still running are aborted and their futures
@@ -113,7 +127,11 @@ class EngineBackend(Backend):
                     self._fail_all(pending, BackendError("the EngineBackend was closed"))
                     self._fail_unstarted()
                     return
-                self._add(item, pending)
+                if isinstance(item, _Release):
+                    for rid in item.rids:
+                        self.engine.core.release_cache_hold(rid)
+                else:
+                    self._add(item, pending)
             if pending:
                 self._step(pending)
 
@@ -159,6 +177,7 @@ class EngineBackend(Backend):
                         completion_tokens=d.num_output_tokens,
                         cached_tokens=d.num_cached_tokens,
                         prompt_logprobs=d.prompt_logprobs,
+                        rid=d.rid,
                     )
                 )
 
@@ -166,7 +185,7 @@ class EngineBackend(Backend):
         """Fail submissions that raced with close()."""
         while not self._inbox.empty():
             item = self._inbox.get()
-            for future in [] if item is _STOP else item.futures:
+            for future in item.futures if isinstance(item, _Submit) else []:
                 future.set_exception(BackendError("the EngineBackend was closed"))
 
     def _fail_all(self, pending: dict[str, _Pending], error: BaseException) -> None:

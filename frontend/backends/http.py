@@ -73,6 +73,12 @@ class RuntimeEndpoint(Backend):
         on_delta: DeltaCallback | None = None,
     ) -> GenResult:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_json(params)}
+        if params.cache_salt is not None:  # /generate takes these beside sampling_params
+            body["cache_salt"] = params.cache_salt
+        if params.priority:
+            body["priority"] = params.priority
+        if params.cache_ttl_s:
+            body["cache_ttl_s"] = params.cache_ttl_s
         if on_delta is None:
             return _result(self._request("POST", "/generate", body))
         body["stream"] = True
@@ -89,7 +95,7 @@ class RuntimeEndpoint(Backend):
         return _result({**out, "text": text})
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]]
+        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
     ) -> list[list[float]]:
         body = {
             "input_ids": [prefix_ids + c for c in continuations],
@@ -97,6 +103,8 @@ class RuntimeEndpoint(Backend):
             "return_prompt_logprob": True,
             "logprob_start_len": max(1, len(prefix_ids)),
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         outs = self._request("POST", "/generate", body)
         if not isinstance(outs, list) or len(outs) != len(continuations):
             raise BackendError(f"/generate answered {len(continuations)} prompts with {outs!r}")

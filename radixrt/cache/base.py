@@ -21,6 +21,11 @@ Ownership rules (all implementations):
   after `lock(handle)`, `load(handle)` allocates device blocks for them (it may evict), queues
   SwapIn ops and returns the full device block table (None when blocks are short).
   `take_swap_ops()` hands the queued SwapIn / SwapOut ops to the scheduler for the next plan.
+- `salt` (tenants): `match` and `insert` take a cache salt (None: unsalted); entries inserted
+  under one salt are never matched under another (radix: one root per salt; blockhash: the
+  salt seeds the hash chain, as vLLM puts it in the first block's extra keys).
+- `priority` (`insert`): the inserting request's priority; the radix tree evicts entries of
+  the least urgent priority (the highest number) first, LRU within one (others ignore it).
 - `version` increases whenever an entry is removed (evict, reset): a MatchResult taken
   before may name freed blocks and must be matched again.
 """
@@ -69,13 +74,19 @@ class PrefixCache(Protocol):
     stats: CacheStats
     version: int  # bumped whenever an entry is removed (see the module docstring)
 
-    def match(self, tokens: Sequence[int]) -> MatchResult: ...
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult: ...
 
     def lock(self, handle: Any) -> None: ...
 
     def unlock(self, handle: Any) -> None: ...
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult: ...
+    def insert(
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> InsertResult: ...
 
     def evict(self, num_blocks: int) -> int: ...
 

@@ -59,19 +59,21 @@ class BlockHashCache:
 
     # ---- queries -------------------------------------------------------------------
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        """Chain hashes of the full blocks of `tokens`."""
-        bs, h, hashes = self.block_size, _SEED, []
+    def block_hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """Chain hashes of the full blocks of `tokens` under cache salt `salt` (it seeds the
+        chain, so no block hash of one salt equals one of another or of no salt)."""
+        bs, hashes = self.block_size, []
+        h = _SEED if salt is None else hashlib.sha256(_SEED + b"salt" + salt.encode()).digest()
         for i in range(len(tokens) // bs):
             h = hashlib.sha256(h + array("q", tokens[i * bs : (i + 1) * bs]).tobytes()).digest()
             hashes.append(h)
         return hashes
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
         """Cached full blocks of the longest cached block-aligned prefix; refreshes their
         access time. Takes no references. Handle: tuple of the matched blocks."""
         blocks = []
-        for h in self.block_hashes(tokens):
+        for h in self.block_hashes(tokens, salt):
             b = self._hash_to_block.get(h)
             if b is None:
                 break
@@ -117,7 +119,13 @@ class BlockHashCache:
 
     # ---- mutation ------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> InsertResult:
         """Cache blocks[i] under H_i for every full block i whose hash is not cached yet
         (one new reference each). Returns the tuple of the cached blocks for all full
         blocks of `tokens` (some may be other requests' blocks): lock it at once."""
@@ -125,7 +133,7 @@ class BlockHashCache:
         assert len(blocks) >= num_full, f"{len(blocks)} blocks for {num_full} full blocks"
         stamp = self._tick()
         handle, num_new = [], 0
-        for i, h in enumerate(self.block_hashes(tokens)):
+        for i, h in enumerate(self.block_hashes(tokens, salt)):
             b = self._hash_to_block.get(h)
             if b is None:
                 b = blocks[i]

@@ -97,15 +97,21 @@ class BlockHasher:
         self.extra_keys = extra_keys
         self._dumps = cbor2.dumps
 
-    def chain(self, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
+    def chain(
+        self, parent: bytes | None, token_ids: Sequence[int], salt: str | None = None
+    ) -> list[bytes]:
         """Hashes of the full blocks of `token_ids` (len a multiple of block_size) that follow
-        the block hashed `parent` (None: they start the sequence)."""
+        the block hashed `parent` (None: they start the sequence). A cache salt goes into the
+        first block's extra keys, as vLLM puts `cache_salt` there (the chain carries it on)."""
         bs, extra, dumps, sha256 = self.block_size, self.extra_keys, self._dumps, hashlib.sha256
         assert len(token_ids) % bs == 0, f"{len(token_ids)} tokens are not whole blocks"
         prev = self.none_hash if parent is None else parent
         out = []
         for i in range(0, len(token_ids), bs):
-            prev = sha256(dumps((prev, tuple(token_ids[i : i + bs]), extra), canonical=True))
+            key = extra
+            if parent is None and i == 0 and salt is not None:
+                key = (*(extra or ()), salt)
+            prev = sha256(dumps((prev, tuple(token_ids[i : i + bs]), key), canonical=True))
             prev = prev.digest()
             out.append(prev)
         return out

@@ -15,7 +15,7 @@ class NoCache:
         self.stats = CacheStats()
         self.version = 0  # nothing is ever removed
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
         return MatchResult([], 0, None)
 
     def lock(self, handle: Any) -> None:
@@ -24,7 +24,13 @@ class NoCache:
     def unlock(self, handle: Any) -> None:
         pass
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> InsertResult:
         return InsertResult(None, 0)
 
     def prefix_boundaries(self, handle: Any) -> list[int]:

@@ -28,6 +28,12 @@ covers both tiers: a locked host-only node is never evicted. After a failed step
 in `radixrt.cache.radix_host`. Without a host tier the tree behaves as before (a long leaf's
 tail is trimmed first).
 
+Cache salt (tenants): the tree has one root per salt (`salt=None`: the unsalted root `root`;
+a salted root is made by its first insert and dropped when its last child leaves). The salt
+is part of every key, so a walk never leaves its salt's subtree: requests with different
+salts share no node, hence no block on either tier, while eviction stays one LRU over the
+whole pool. A root has an empty key and no blocks; every other node has a non-empty key.
+
 Complexity (n = query tokens, d = nodes on the path, m = blocks of the result):
 - match: O(d + m) plus C-level list comparisons of the edges; at most one split.
 - insert: O(d + new tokens / B); at most one split and one new leaf.
@@ -78,13 +84,18 @@ class RadixCache(HostTierMixin, RadixChecks):
         # KV events (radixrt.cache.radix_events): told of every change to the set of full
         # blocks held on each tier; None: off
         self.events = events
+        if events is not None:
+            events.salt_of = self.salt_of
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
         self._clock = 0
-        self.root = RadixNode(next(self._ids), [], 0, [])
-        # Device eviction candidates (unlocked non-root device leaves), LRU first.
-        self._evictable = SortedKeyList(key=lambda node: (node.last_access, node.id))
+        self.root = RadixNode(next(self._ids), [], 0, [])  # the unsalted root
+        self._salt_roots: dict[str, RadixNode] = {}  # cache salt -> its root
+        self._root_salts: dict[int, str] = {}  # a salted root's node id -> its salt
+        # Device eviction candidates (unlocked non-root device leaves): the least urgent
+        # priority (highest number) of the requests that inserted them first, LRU within one.
+        self._evictable = SortedKeyList(key=lambda n: (-n.priority, n.last_access, n.id))
         # Host eviction candidates (nodes with a host copy that are on the device too, or
         # unlocked host-only leaves), in eviction order (`host_eviction_key`).
         self._host_evictable = SortedKeyList(key=host_eviction_key)
@@ -95,16 +106,18 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- queries -------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens` (token-exact), on either tier. Splits a node when
-        the match ends inside an edge, so the handle ends exactly at the match; refreshes
-        access times along the path. Takes no references for the caller; a split inside a
-        block adds the cache's reference for the second node recording it (see base.py).
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of `tokens` (token-exact) under `salt`, on either tier.
+        Splits a node when the match ends inside an edge, so the handle ends exactly at the
+        match; refreshes access times along the path. Takes no references for the caller; a
+        split inside a block adds the cache's reference for the second node recording it
+        (see base.py).
         `blocks` cover the device-resident part; `num_host_tokens` tokens follow on the host
         only (`load` brings them to the device)."""
         tokens = list(tokens)
-        path, pos = self._walk(tokens)
-        node = path[-1] if path else self.root
+        top = self._root_of(salt, create=False)
+        path, pos = self._walk(tokens, top)
+        node = path[-1] if path else top
         num_host = sum(len(n.key) for n in path if not n.blocks)
         return MatchResult(self._table(path), pos, node, num_host)
 
@@ -119,26 +132,62 @@ class RadixCache(HostTierMixin, RadixChecks):
             table.extend(node.blocks)
         return table
 
+    def _root_of(self, salt: str | None, create: bool) -> RadixNode:
+        """The root of `salt`'s subtree (made when `create`; otherwise a fresh empty node
+        that is not in the tree stands for a salt nothing was cached under)."""
+        if salt is None:
+            return self.root
+        top = self._salt_roots.get(salt)
+        if top is None:
+            top = RadixNode(next(self._ids), [], 0, [])
+            if create:
+                self._salt_roots[salt] = top
+                self._root_salts[top.id] = salt
+        return top
+
+    def salt_of(self, handle: RadixNode) -> str | None:
+        """The cache salt of the subtree the live node `handle` lies in (None: unsalted)."""
+        node = handle
+        while node.key:
+            node = node.parent
+        return self._root_salts.get(node.id)
+
+    @property
+    def roots(self) -> list[RadixNode]:
+        """The unsalted root, then one root per salt with cached entries."""
+        return [self.root, *self._salt_roots.values()]
+
+    def _prune_root(self, node: RadixNode) -> None:
+        """Drop a salted root left without children (no memory per forgotten salt)."""
+        if not node.key and not node.children and node.id in self._root_salts:
+            del self._salt_roots[self._root_salts.pop(node.id)]
+
     def _path(self, handle: RadixNode) -> list[RadixNode]:
         """Nodes root..handle, root excluded, root side first."""
         path = []
         node = handle
-        while node is not self.root:
+        while node.key:
             path.append(node)
             node = node.parent
         path.reverse()
         return path
 
-    def peek_continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` cached tokens that follow `tokens`, when all of `tokens` is
-        cached ([] otherwise, and for empty `tokens`): the rest of the edge the walk ends in,
-        then down the most recently used child at each node. Read-only: splits no node,
-        refreshes no access time, takes no reference and counts nothing (speculative
-        drafts read it every decode step)."""
+    def peek_continuation(
+        self, tokens: Sequence[int], max_tokens: int, salt: str | None = None
+    ) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow `tokens` under `salt`, when all of
+        `tokens` is cached ([] otherwise, and for empty `tokens`): the rest of the edge the
+        walk ends in, then down the most recently used child at each node. Read-only:
+        splits no node, refreshes no access time, takes no reference and counts nothing
+        (speculative drafts read it every decode step)."""
         if not tokens or max_tokens <= 0:
             return []
         tokens = list(tokens)
-        node, pos, offset = self.root, 0, 0  # offset: tokens of node.key consumed
+        node, pos, offset = (
+            self._root_of(salt, create=False),
+            0,
+            0,
+        )  # offset: tokens of node.key consumed
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -194,9 +243,9 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     def lock(self, handle: RadixNode) -> None:
         """Protect the path root..handle from eviction on both tiers (nestable)."""
-        assert handle is self.root or handle.parent is not None, "lock of an evicted node"
+        assert not handle.key or handle.parent is not None, "lock of an evicted node"
         node = handle
-        while node is not self.root:
+        while node.key:
             if node.lock_ref == 0:
                 self._unlist(node)
                 for b in node.blocks:
@@ -210,7 +259,7 @@ class RadixCache(HostTierMixin, RadixChecks):
     def unlock(self, handle: RadixNode) -> None:
         """Undo one `lock(handle)`."""
         node = handle
-        while node is not self.root:
+        while node.key:
             assert node.lock_ref > 0, "unlock without lock"
             if node.lock_ref == 1:
                 self._unlist(node)
@@ -224,19 +273,31 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- mutation ------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
-        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]).
+    def insert(
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Cache `tokens` whose KV is in `blocks` (position p in blocks[p // B]) under `salt`;
+        the nodes of the path take `priority` (eviction takes the highest first).
 
         Cached tokens keep their blocks (a host-only node on the path takes the caller's
         blocks for its positions and is on both tiers after); the uncached tail becomes one
         new leaf that takes a reference on each block it records. Returns the node ending at
         len(tokens) (split if needed; the root for no tokens): lock it before anything
-        can evict."""
+        can evict (the salt's root for no tokens)."""
         tokens = list(tokens)
         n, bs = len(tokens), self.block_size
         assert len(blocks) >= -(-n // bs), f"{len(blocks)} blocks cannot hold {n} tokens"
-        path, pos = self._walk(tokens)
+        top = self._root_of(salt, create=bool(tokens))
+        path, pos = self._walk(tokens, top)
         for node in path:
+            if node.priority != priority:
+                self._unlist(node)
+                node.priority = priority
+                self._relist(node)
             if not node.blocks:  # host-only: the caller computed these tokens itself
                 self._unlist(node)
                 self._unlist(node.parent)
@@ -246,13 +307,14 @@ class RadixCache(HostTierMixin, RadixChecks):
                     self.events.stored(node, MEDIUM_GPU)
                 self._relist(node.parent)
                 self._relist(node)
-        node = path[-1] if path else self.root
+        node = path[-1] if path else top
         num_new = n - pos
         if num_new:
             leaf = RadixNode(
                 next(self._ids), tokens[pos:], pos, list(blocks[pos // bs : (n - 1) // bs + 1])
             )
             leaf.last_access = self._clock
+            leaf.priority = priority
             self._attach(node, leaf)
             node = leaf
         self.stats.num_inserted_tokens += num_new
@@ -320,7 +382,7 @@ class RadixCache(HostTierMixin, RadixChecks):
     def _is_device_leaf(self, node: RadixNode) -> bool:
         """A device eviction candidate: unlocked, on the device, no child on the device."""
         return (
-            node is not self.root
+            bool(node.key)
             and node.lock_ref == 0
             and bool(node.blocks)
             and not any(c.blocks for c in node.children.values())
@@ -346,12 +408,13 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     # ---- internals -----------------------------------------------------------------
 
-    def _walk(self, tokens: list[int]) -> tuple[list[RadixNode], int]:
-        """Nodes on the path of the longest cached prefix of `tokens` and its length. The
-        last node is split to end exactly there; all are stamped with a new clock."""
+    def _walk(self, tokens: list[int], top: RadixNode) -> tuple[list[RadixNode], int]:
+        """Nodes below the root `top` on the path of the longest cached prefix of `tokens`
+        and its length. The last node is split to end exactly there; all are stamped with a
+        new clock."""
         self._clock += 1
         path: list[RadixNode] = []
-        node, pos = self.root, 0
+        node, pos = top, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -411,6 +474,7 @@ class RadixCache(HostTierMixin, RadixChecks):
         upper.host_blocks = node.host_blocks[:num_upper]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.priority = node.priority
         upper.parent = node.parent
         upper.children = {node.key[k]: node}
         node.parent.children[node.key[0]] = upper
@@ -470,6 +534,7 @@ class RadixCache(HostTierMixin, RadixChecks):
         if self.events is not None and node.blocks:  # (discard_copies may have dropped them)
             self.events.removed(node, MEDIUM_GPU)
         self._relist(parent)
+        self._prune_root(parent)
         return self.allocator.decref(node.blocks)
 
 

@@ -16,14 +16,17 @@ class RadixChecks:
         """Assert tree shape, tier residency, lock counts, reference counters (both tiers)
         and the candidate lists."""
         bs = self.block_size
-        assert not self.root.key and self.root.parent is None and not self.root.blocks
+        roots = self.roots
+        for top in roots:
+            assert not top.key and top.parent is None and not top.blocks and not top.lock_ref
+            assert top is self.root or top.children, "an empty salted root"
         refs: Counter[int] = Counter()
         locked: Counter[int] = Counter()
         host_refs: Counter[int] = Counter()
         leaves: set[int] = set()
         host_candidates: set[int] = set()
         total = 0
-        stack = [self.root]
+        stack = list(roots)
         while stack:
             node = stack.pop()
             child_locks = 0
@@ -34,12 +37,12 @@ class RadixChecks:
                 assert child.blocks or child.host_blocks, "a node with KV on no tier"
                 assert len(child.blocks) in (0, num) and len(child.host_blocks) in (0, num)
                 assert len(set(child.blocks)) == len(child.blocks), "block twice in a node"
-                assert not child.blocks or node is self.root or node.blocks, (
+                assert not child.blocks or not node.key or node.blocks, (
                     "a device node under a host-only node"
                 )
                 assert self.host is not None or not child.host_blocks
                 assert child.lock_ref >= 0
-                if node is not self.root:
+                if node.key:
                     assert node.lock_ref >= child.lock_ref
                 child_locks += child.lock_ref
                 refs.update(child.blocks)
@@ -52,7 +55,7 @@ class RadixChecks:
                     host_candidates.add(child.id)
                 total += len(child.key)
                 stack.append(child)
-            if node is not self.root:
+            if node.key:
                 assert node.lock_ref >= child_locks, "lock_ref below the children's sum"
         assert refs == self._refs, "reference counter out of sync"
         assert locked == self._locked_refs, "locked reference counter out of sync"
@@ -77,16 +80,19 @@ class RadixChecks:
             alloc.check_integrity(host_refs)
             assert alloc.num_free + len(host_refs) == alloc.num_blocks, "host blocks leaked"
         if self.events is not None:
-            self.events.check_integrity(self.root)
+            self.events.check_integrity(self.roots)
 
     def format_tree(self) -> str:
         """One line per node: tokens, position range, blocks, lock_ref, last_access."""
         lines: list[str] = []
-        stack = [(self.root, 0)]
+        stack = [(top, 0) for top in reversed(self.roots)]
         while stack:
             node, depth = stack.pop()
-            if node is self.root:
-                lines.append(f"root tokens={self._total_tokens} cached_blocks={self.cached_blocks}")
+            if not node.key:
+                salt = "" if node is self.root else f" salt={self.salt_of(node)!r}"
+                lines.append(
+                    f"root{salt} tokens={self._total_tokens} cached_blocks={self.cached_blocks}"
+                )
             else:
                 host = f" host={node.host_blocks}" if node.host_blocks else ""
                 lines.append(

@@ -27,6 +27,7 @@ split divides them, a trim cuts them).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from radixrt.cache.kv_events import (
     MEDIUM_CPU,
@@ -47,6 +48,8 @@ class RadixEventRecorder:
 
     def __init__(self, hasher: BlockHasher) -> None:
         self.hasher = hasher
+        # node -> the cache salt of its subtree (the cache that records into this sets it)
+        self.salt_of: Callable[[RadixNode], str | None] = lambda node: None
         self.block_size = hasher.block_size
         self._held = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}  # hash -> nodes holding it
         self._events: list[KVCacheEvent] = []
@@ -114,12 +117,13 @@ class RadixEventRecorder:
         """External hashes of the full blocks the tree holds on `medium` now."""
         return {external_hash(h) for h in self._held[medium]}
 
-    def check_integrity(self, root: RadixNode) -> None:
+    def check_integrity(self, roots: list[RadixNode]) -> None:
         """Every node's hashes cover its full blocks, and the counts per medium are the
-        nodes holding each hash on it (the tree's state, not the events sent)."""
+        nodes holding each hash on it (the tree's state, not the events sent); `roots`: the
+        tree's roots (one per cache salt)."""
         bs = self.block_size
         want = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}
-        stack = list(root.children.values())
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             hashes = node.block_hashes
@@ -158,7 +162,9 @@ class RadixEventRecorder:
             node.block_hashes = []
             return
         parent = self._hash_before(node, first)
-        node.block_hashes = self.hasher.chain(parent, self._tokens(node, first * bs, end * bs))
+        salt = self.salt_of(node) if parent is None else None
+        tokens = self._tokens(node, first * bs, end * bs)
+        node.block_hashes = self.hasher.chain(parent, tokens, salt)
 
     def _hash_before(self, node: RadixNode, index: int) -> bytes | None:
         """Hash of block index-1 of node's path (None for index 0): an ancestor owns it."""

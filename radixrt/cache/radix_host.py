@@ -106,7 +106,7 @@ class HostTierMixin:
         one of `device_blocks` or lie below one that does."""
         nodes: list[RadixNode] = []
         off_device: set[int] = set()
-        stack = [(c, False) for c in self.root.children.values()]
+        stack = [(c, False) for top in self.roots for c in top.children.values()]
         while stack:
             node, below = stack.pop()
             nodes.append(node)
@@ -182,6 +182,7 @@ class HostTierMixin:
             node.parent = None
             self._total_tokens -= len(node.key)
             self._relist(parent)
+            self._prune_root(parent)
         self.host.stats.num_host_evicted_blocks += self._drop_host_copy(node)
 
     def _drop_host_copy(self, node: RadixNode) -> int:

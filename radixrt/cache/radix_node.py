@@ -19,6 +19,7 @@ class RadixNode:
         "in_lru",
         "in_host_lru",
         "block_hashes",
+        "priority",
     )
 
     def __init__(self, node_id: int, key: list[int], start: int, blocks: list[int]) -> None:
@@ -38,6 +39,7 @@ class RadixNode:
         # start // B .. end // B - 1); filled only when KV events are on
         # (radixrt.cache.radix_events)
         self.block_hashes: list[bytes] | None = None
+        self.priority = 0  # of the request that inserted it last (device eviction order)
 
     @property
     def end(self) -> int:

@@ -245,6 +245,11 @@ class EngineCore:
         logger.error("step %d failed (%d rows)", plan.step_id, len(plan.rows), exc_info=error)
         return self.scheduler.fail_step(plan, f"the engine step failed: {type(error).__name__}")
 
+    def release_cache_hold(self, rid: str) -> bool:
+        """End the retention hold of finished request `rid` early (its `cache_ttl_s`); False
+        when it holds nothing (never had a hint, expired, or released for room)."""
+        return self.scheduler.retention.release(rid)
+
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
         """Finish a request now; returns its last delta, or None if it is unknown. The id an
         n > 1 request was added with aborts every child: their last deltas come with the next
@@ -376,10 +381,13 @@ class EngineCore:
         return delta
 
     def flush_cache(self) -> int:
-        """Drop every unlocked prefix-cache entry on every tier, between steps; running
-        requests keep their locked paths, waiting ones match again (the cache's version
-        changes). Checks integrity after (AssertionError). Returns the blocks freed."""
+        """Drop every unlocked prefix-cache entry on every tier, between steps, retention
+        holds ended first; running requests keep their locked paths, waiting ones match again
+        (the cache's version changes). Checks integrity after (AssertionError). Returns the
+        blocks freed."""
         free = self.allocator.num_free
+        for rid in list(self.scheduler.retention.holds):
+            self.scheduler.retention.release(rid)
         self.cache.reset()
         self.check_integrity()
         return self.allocator.num_free - free
@@ -436,6 +444,10 @@ class EngineCore:
             "grammar_requests": s.num_grammar_requests,
             "grammar_errors": s.num_grammar_errors,
             "grammar_forced_tokens": s.num_forced_tokens,
+            "retention_holds": s.num_retention_holds,
+            "retention_expired": s.num_retention_expired,
+            "retention_released": s.num_retention_released,
+            "retention_held_blocks": self.scheduler.retention.num_held_blocks,
             "spec_proposals": sp.num_proposals,
             "spec_proposals_with_drafts": sp.num_proposals_with_drafts,
             "spec_fire_rate": sp.fire_rate,

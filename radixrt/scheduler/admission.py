@@ -61,7 +61,8 @@ class Admission:
             self._matches_version = cache.version
         m = self._matches.get(req)
         if m is None:
-            m = self._matches[req] = cache.match(req.seq_token_ids[: _match_limit(req)])
+            m = cache.match(req.seq_token_ids[: _match_limit(req)], req.cache_salt)
+            self._matches[req] = m
         return m
 
     def admit(self, budget: int, extend: list[tuple[Request, int]], ops: list[BlockOp]) -> int:
@@ -69,7 +70,9 @@ class Admission:
         and the slots allow; each admitted request's first chunk goes to `extend`. Returns
         the budget left."""
         cfg, q, kv, stats = self.cfg, self.queues, self.kv, self.stats
-        order = order_waiting(q.waiting, cfg.policy, self.match, cfg.aging_tokens_per_step)
+        order = order_waiting(
+            q.waiting, cfg.policy, self.match, cfg.aging_tokens_per_step, cfg.priority_aging_steps
+        )
         # Cache-aware policies hold back a request whose uncached prefix another request is
         # computing right now: once that result is in, it finds the prefix in the cache. A
         # prompt computes until its last chunk's result is applied (that inserts it in the
@@ -151,12 +154,16 @@ class Admission:
             if not shorter:
                 return None
             self.match(req)  # brings the per-step match table up to the cache version
-            self._matches[req] = kv.cache.match(req.seq_token_ids[: shorter.pop()])
+            self._matches[req] = kv.cache.match(req.seq_token_ids[: shorter.pop()], req.cache_salt)
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
+        """Whether a request of the same cache salt computes at least
+        IN_BATCH_PREFIX_THRESHOLD tokens of `req`'s uncached prefix (another salt's never
+        lands in `req`'s part of the cache)."""
         cached = self.match(req).num_cached_tokens
         return any(
-            common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
+            other.cache_salt == req.cache_salt
+            and common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
             >= IN_BATCH_PREFIX_THRESHOLD
             for other in computing
         )

@@ -70,7 +70,13 @@ class GroupsFeature(SchedulerFeature):
         params.check_candidates(len(self.eos_token_ids))
         k = params.num_candidates(len(self.eos_token_ids))
         beam_params = SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True, top_logprobs=k
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            top_logprobs=k,
+            cache_salt=params.cache_salt,
+            priority=params.priority,
+            cache_ttl_s=params.cache_ttl_s,
         )
         ids = list(prompt_ids)
         req = Request(rid, len(ids), ids, beam_params, max_tokens)

@@ -17,6 +17,7 @@ plan runs its swap-ins before its copies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from radixrt.cache.base import MatchResult, PrefixCache, host_tier_of
 from radixrt.kv.allocator import BlockAllocator
@@ -43,6 +44,9 @@ class KVManager:
         self.pending_ops: list[BlockOp] = []
         # the cache with its host KV tier, None without one
         self.host_cache = host_tier_of(cache)
+        # gives up retention holds (locks on finished requests' prompts) for `n` blocks when
+        # nothing else is evictable (radixrt.scheduler.retention sets it)
+        self.reclaim: Callable[[int], None] | None = None
 
     # ---- blocks ----
     def allocate(self, n: int) -> list[int] | None:
@@ -50,6 +54,10 @@ class KVManager:
         short = n - self.allocator.num_free
         if short > 0:
             self.cache.evict(short)
+            short = n - self.allocator.num_free
+            if short > 0 and self.reclaim is not None:
+                self.reclaim(short)
+                self.cache.evict(short)
             if self.allocator.num_free < n:
                 return None
         return self.allocator.allocate(n)
@@ -193,7 +201,9 @@ class KVManager:
     def cache_progress(self, req: Request, end: int) -> None:
         """Insert the first `end` computed tokens so others can share them; the request's
         lock moves to the deeper node."""
-        result = self.cache.insert(req.seq_token_ids[:end], req.block_table)
+        result = self.cache.insert(
+            req.seq_token_ids[:end], req.block_table, req.cache_salt, req.priority
+        )
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = result.handle
@@ -203,7 +213,9 @@ class KVManager:
         still write the rest: that is not cached)."""
         done = min(req.num_kv_done, len(req.seq_token_ids))
         if done:
-            self.cache.insert(req.seq_token_ids[:done], req.block_table)
+            self.cache.insert(
+                req.seq_token_ids[:done], req.block_table, req.cache_salt, req.priority
+            )
 
     # ---- block ops ----
     def swaps_first(self, ops: list[BlockOp]) -> list[BlockOp]:

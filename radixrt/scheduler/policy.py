@@ -14,6 +14,13 @@ Bound (tested): a waiting request is never overtaken by one that arrived more th
 max_prompt_len / aging_tokens_per_step steps after it, so lpm delays a request at most by
 the requests arriving in that window, compared with FCFS.
 
+Priority (SamplingParams.priority, lower first) comes before every policy: the waiting queue
+is ordered by effective priority, then by the policy within each level (a stable sort, so
+fcfs keeps arrival order, a preempted request first). A request's effective priority is its
+priority minus one per `priority_aging_steps` steps it waited (0: no aging across levels).
+Bound: a waiting request of priority p is overtaken by requests of priority q < p only until
+it waited (p - q) * priority_aging_steps steps; after that it competes with them as above.
+
 The policies never call the cache: the scheduler matches each waiting request once per
 step and passes the results in (`matched`).
 """
@@ -47,14 +54,43 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def effective_priority(req: Request, priority_aging_steps: int) -> int:
+    """`req.priority` aged: one level more urgent (lower) per `priority_aging_steps` waited
+    steps (0: not aged)."""
+    if priority_aging_steps <= 0:
+        return req.priority
+    return req.priority - req.waited_steps // priority_aging_steps
+
+
 def order_waiting(
     waiting: Sequence[Request],
     policy: str,
     matched: Callable[[Request], MatchResult],
     aging_per_step: float,
+    priority_aging_steps: int = 0,
 ) -> list[Request]:
-    """Return `waiting` (given in FCFS order) in admission order. `matched(req)` is the
-    request's prefix match of this step."""
+    """Return `waiting` (given in FCFS order) in admission order: by effective priority,
+    then by `policy` within a level. `matched(req)` is the request's prefix match of this
+    step."""
+    if len(waiting) > 1 and any(r.priority != waiting[0].priority for r in waiting):
+        levels: dict[int, list[Request]] = {}
+        for req in waiting:
+            levels.setdefault(effective_priority(req, priority_aging_steps), []).append(req)
+        return [
+            req
+            for level in sorted(levels)
+            for req in _order_level(levels[level], policy, matched, aging_per_step)
+        ]
+    return _order_level(waiting, policy, matched, aging_per_step)
+
+
+def _order_level(
+    waiting: Sequence[Request],
+    policy: str,
+    matched: Callable[[Request], MatchResult],
+    aging_per_step: float,
+) -> list[Request]:
+    """Requests of one effective priority in `policy` order."""
     if policy == "random":
         order = list(waiting)
         random.Random(hash(tuple(r.arrival for r in order))).shuffle(order)
@@ -84,9 +120,10 @@ def _dfs_weight(waiting: Sequence[Request], handles: dict, age: dict) -> list[Re
             nodes[id(node)] = node
             weight[id(node)] = weight.get(id(node), 0) + 1 + age[req]
             node = node.parent
-    root = next(n for n in nodes.values() if n.parent is None)
+    # one root per cache salt (radixrt.cache.radix): heavier subtrees first
+    roots = sorted((n for n in nodes.values() if n.parent is None), key=lambda n: weight[id(n)])
     order: list[Request] = []
-    stack: list[object] = [root]  # tree nodes, or requests ready to be emitted
+    stack: list[object] = list(roots)  # tree nodes, or requests ready to be emitted
     while stack:
         item = stack.pop()
         if isinstance(item, Request):

@@ -33,11 +33,12 @@ class RequestQueues:
         self.run(req)
 
     def newest_running(self, exclude: list[Request]) -> Request:
-        """The latest admitted running sequence not in `exclude` (the preemption victim)."""
+        """The preemption victim: of the running sequences not in `exclude`, those of the
+        least urgent priority (the highest number), the latest admitted of them."""
         taken = set(map(id, exclude))
         candidates = [r for r in self.running if id(r) not in taken]
         assert candidates, "a request needing a block is always preemptible itself"
-        return max(candidates, key=lambda r: r.admission_seq)
+        return max(candidates, key=lambda r: (r.priority, r.admission_seq))
 
     @property
     def has_work(self) -> bool:

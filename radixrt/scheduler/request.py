@@ -73,6 +73,16 @@ class Request:
     beam_top_logprobs: list[tuple[int, float]] | None = None
 
     @property
+    def cache_salt(self) -> str | None:
+        """The prefix-cache namespace of the request (None: unsalted); see SamplingParams."""
+        return self.params.cache_salt
+
+    @property
+    def priority(self) -> int:
+        """Lower runs first (SamplingParams.priority)."""
+        return self.params.priority
+
+    @property
     def num_output(self) -> int:
         """Output tokens on the host."""
         return len(self.seq_token_ids) - self.prompt_len

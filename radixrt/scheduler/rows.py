@@ -20,7 +20,7 @@ from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import Request, Status
 from radixrt.scheduler.stats import SchedulerStats
 
-_ADMISSION_ORDER = attrgetter("admission_seq")
+_ADMISSION_ORDER = attrgetter("priority", "admission_seq")  # decode rows reserve in this order
 
 # (request, its drafts, whether the row samples) -> None: a feature's on_row hook
 RowHook = Callable[[Request, PlanRow, list[int], bool], None]

@@ -48,6 +48,7 @@ from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplier
+from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
 from radixrt.scheduler.speculation import SpeculationFeature
 from radixrt.scheduler.stats import SchedulerStats
@@ -89,6 +90,7 @@ class Scheduler:
         self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
+        self.retention = RetentionFeature(cfg, self.kv, self.stats)
         self._jump_forward = (jump_forward, jump_forward_retokenize)
         self._step_ids = itertools.count()
         self._launched: dict[int, _Launched] = {}
@@ -137,7 +139,7 @@ class Scheduler:
         grammar = self.grammar if self.grammar is not None else NoGrammar()
         if self.speculation is not None:
             self.speculation.grammar = self.grammar
-        features: list[SchedulerFeature] = [self.groups, grammar]
+        features: list[SchedulerFeature] = [self.groups, grammar, self.retention]
         if self.speculation is not None:
             features.append(self.speculation)
         self.hooks = hooks = Hooks(features)
@@ -380,6 +382,9 @@ class Scheduler:
                 not device_blocks.isdisjoint(req.block_table) or _on_path(req.cache_handle, stale)
             ):
                 self.lifecycle.preempt(req)
+        for rid, hold in list(self.retention.holds.items()):
+            if _on_path(hold.handle, stale):
+                self.retention.release(rid)
         tiered.discard_copies(device_blocks, host_blocks)
         host.uncount(plan.block_ops)
 

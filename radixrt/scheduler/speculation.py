@@ -55,7 +55,7 @@ class SpeculationFeature(SchedulerFeature):
         k = min(self.num_speculative_tokens, room)
         if k <= 0:
             return []
-        drafts = self.proposer.propose(req.seq_token_ids, k)[:k]
+        drafts = self.proposer.propose(req.seq_token_ids, k, req.cache_salt)[:k]
         if constrained and drafts:
             assert self.grammar is not None
             drafts = self.grammar.allowed_drafts(req, drafts)

@@ -33,6 +33,9 @@ class SchedulerStats:
     num_grammar_requests: int = 0  # constrained requests whose grammar compiled
     num_grammar_errors: int = 0  # constrained requests refused (compile error or timeout)
     num_forced_tokens: int = 0  # tokens appended by jump-forward (also in generated)
+    num_retention_holds: int = 0  # finished prompts held cached (SamplingParams.cache_ttl_s)
+    num_retention_expired: int = 0  # of those, ended by their time to live
+    num_retention_released: int = 0  # of those, given up for room (share bound, short pool)
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 

@@ -5,7 +5,6 @@ JSON body."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from radixrt.server.openai_routes import chat_completions, completions, models
 from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import Delta, RequestState
 from radixrt.server.schemas import AbortBody
+from radixrt.server.tenants import TENANT, Tenants, apply_tenant, authenticate, request_tenant
 from radixrt.server.validate import check_rid, parse_generate
 from radixrt.server.worker_routes import WorkerInfo, add_worker_routes
 
@@ -49,16 +49,18 @@ def create_app(
     worker: WorkerInfo | None = None,
     strict_fields: bool = False,
     incremental_streaming: bool = False,
+    tenants: Tenants | None = None,
 ) -> web.Application:
     """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
     its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
     decodes bodies itself). A request body must arrive within `body_timeout_s` (408).
     `worker`: what the routers' worker routes report (default: `model_name` as the model
     path); `strict_fields`: refuse names no schema declares; `incremental_streaming`:
-    /generate streams only what is new per event."""
+    /generate streams only what is new per event; `tenants`: API keys mapped to tenants (the
+    cache salt namespaces of `radixrt.server.tenants`; `api_key` is then the shared tenant's)."""
     middlewares = [
         _error_middleware,
-        _auth_middleware(api_key),
+        _auth_middleware(api_key, tenants),
         body_deadline_middleware(body_timeout_s, front.metrics),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -104,18 +106,19 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
     return json_response(err.body(), status=err.status)
 
 
-def _auth_middleware(api_key: str | None) -> Callable:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
+    api_key = api_key or None
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if expected is not None and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if request.path not in OPEN_PATHS:
+            tenant = authenticate(request.headers.get("Authorization", ""), api_key, tenants)
+            if tenant is False:
                 err = ApiError(
                     "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401
                 )
                 return json_response(err.body(), status=401)
+            request[TENANT] = tenant
         return await handler(request)
 
     return auth
@@ -177,6 +180,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     model = front.model_info()  # 503 while not serving
     g = parse_generate(await read_body(request), model, request.app[UNKNOWN_FIELDS])
     spec = g.gen
+    apply_tenant(spec.sampling, request_tenant(request))
     top = spec.sampling["top_logprobs"]
     text_of = (
         (lambda t: front.tokenizer.decode([t], skip_special_tokens=False))

@@ -53,6 +53,7 @@ from radixrt.server.liveness import StallPolicy
 from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
+from radixrt.server.tenants import ENV_VAR, Tenants
 from radixrt.server.worker_routes import WorkerInfo
 from radixrt.token_bytes import TokenBytes
 
@@ -67,6 +68,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    tenants: Tenants | None = None  # API keys -> tenants (radixrt.server.tenants)
     served_model_name: str | None = None  # /v1/models id; None: the model path
     debug_endpoints: bool = False  # GET /debug/state and integrity checks when idle
     cpu_threads: int | None = None  # scheduler's torch threads on CPU; None: cores - 1
@@ -145,6 +147,12 @@ def add_serve_command(
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="'KEY TENANT' lines: each key's requests share cached KV only within its tenant "
+        f"(or set ${ENV_VAR}; see radixrt.server.tenants)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id (default: --model)")
     p.add_argument(
         "--enable-debug-endpoints",
@@ -246,6 +254,7 @@ def add_serve_command(
                 host=args.host,
                 port=args.port,
                 api_key=args.api_key,
+                tenants=Tenants.load(args.api_keys_file),
                 served_model_name=args.served_model_name,
                 debug_endpoints=args.enable_debug_endpoints,
                 cpu_threads=args.cpu_threads,
@@ -264,7 +273,7 @@ def add_serve_command(
                 options=options,
                 kv_events=kv_events,
             )
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: an unreadable --api-keys-file
             p.error(str(e))
         code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
@@ -385,6 +394,7 @@ async def _serve_http(
         front,
         model_name=model_name,
         api_key=cfg.api_key,
+        tenants=cfg.tenants,
         debug=cfg.debug_endpoints,
         body_timeout_s=limits.body_timeout_s,
         worker=worker,

@@ -162,6 +162,11 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
     grammar_cache_bytes: int = 0
     grammar_compile_timeouts: int = 0
     grammar_compile_preemptions: int = 0
+    # retention hints (cache_ttl_s; see radixrt.scheduler.retention)
+    retention_holds: int = 0  # finished contexts held cached, since start
+    retention_expired: int = 0  # of those, ended by their time to live
+    retention_released: int = 0  # of those, given up for room
+    retention_held_blocks: int = 0  # device blocks held now
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -181,7 +181,18 @@ class ServerMetrics:
                 ("grammar_compile_preemptions", "Grammar compiles stopped for a waiting one"),
             )
         }
+        # retention hints (cache_ttl_s): snapshot field -> gauge
+        self.retention = {
+            field: g(f"radixrt_{field}", doc)
+            for field, doc in (
+                ("retention_holds", "Finished contexts held cached (cache_ttl_s), since start"),
+                ("retention_expired", "Retention holds ended by their time to live"),
+                ("retention_released", "Retention holds given up for room"),
+                ("retention_held_blocks", "KV blocks retention holds keep now"),
+            )
+        }
         self._scheduler_gauges = (*self.host_tier.values(), *self.grammar.values(),
+            *self.retention.values(),
             self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
             self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
             self.failed_requests, self.failed_steps, self.spec_draft_tokens,
@@ -203,7 +214,7 @@ class ServerMetrics:
         self.spec_verify_rows.set(snap.spec_verify_rows)
         for name, gauge in self.group_gauges.items():
             gauge.set(getattr(snap, name))
-        for field, gauge in self.host_tier.items():
+        for field, gauge in (*self.host_tier.items(), *self.retention.items()):
             gauge.set(getattr(snap, field))
         for field, gauge in self.grammar.items():
             gauge.set(getattr(snap, field))

@@ -20,6 +20,7 @@ from radixrt.server.http_util import (
 )
 from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
+from radixrt.server.tenants import apply_tenant, request_tenant
 from radixrt.server.validate import parse_chat, parse_completion
 
 
@@ -145,6 +146,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     spec = parse_completion(
         await read_body(request), front.model_info(), request.app[UNKNOWN_FIELDS]
     )
+    apply_tenant(spec.sampling, request_tenant(request))
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:
@@ -201,6 +203,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     spec = parse_chat(
         await read_body(request), front.model_info(), front.render_chat, request.app[UNKNOWN_FIELDS]
     )
+    apply_tenant(spec.sampling, request_tenant(request))
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
     async with front.generate(spec) as gen:

@@ -302,13 +302,19 @@ class SchedulerLoop:
             beam_steps=int(s["beam_steps"]),
             beam_shared_blocks=int(s["beam_shared_blocks"]),
             beam_copied_blocks=int(s["beam_copied_blocks"]),
-            **{k: int(s[k]) for k in HOST_TIER_FIELDS},
+            **{k: int(s[k]) for k in HOST_TIER_FIELDS + RETENTION_FIELDS},
             swap_seconds=float(s["swap_seconds"]),
             **{k: int(s[k]) for k in GRAMMAR_STATS_FIELDS},
         )
 
 
 GRAMMAR_STATS_FIELDS = tuple(f.name for f in fields(GrammarStats))
+RETENTION_FIELDS = (
+    "retention_holds",
+    "retention_expired",
+    "retention_released",
+    "retention_held_blocks",
+)  # integer counters of retention hints in the snapshot
 HOST_TIER_FIELDS = (
     "host_hit_tokens",
     "host_written_back_blocks",

@@ -24,7 +24,15 @@ from typing import Annotated, Any
 
 import msgspec
 
-from radixrt.sampling import MAX_INT, MAX_N, MAX_TOP_LOGPROBS
+from radixrt.sampling import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CACHE_TTL_S,
+    MAX_INT,
+    MAX_N,
+    MAX_PRIORITY,
+    MAX_TOP_LOGPROBS,
+    MIN_PRIORITY,
+)
 
 NEUTRAL = "neutral"  # key of `msgspec.Meta.extra`: the accepted values of a neutral field
 
@@ -51,7 +59,14 @@ Rank = Annotated[int | None, neutral(None, 0, why="a radixrt replica is one data
 NoDisagg = Annotated[Any, neutral(None, why="no prefill/decode disaggregation")]
 NoMultimodal = Annotated[Any, neutral(None, why="text-only models")]
 NoLora = Annotated[Any, neutral(None, why="no LoRA adapters")]
-NoSalt = Annotated[Any, neutral(None, why="no per-tenant cache salt yet")]
+# vLLM's cache_salt: requests share cached KV only with requests of the same salt (under an
+# API key's tenant, radixrt.server.tenants)
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None
+# vLLM's priority: lower runs first (admission, preemption and eviction order)
+Priority = Annotated[int, ints(MIN_PRIORITY, MAX_PRIORITY)] | None
+# radixrt's retention hint: keep the context cached this many seconds after the request
+# finishes (radixrt.scheduler.retention; the engine caps it at retention_max_ttl_s)
+CacheTtl = Annotated[float, msgspec.Meta(ge=0, le=MAX_CACHE_TTL_S)] | None
 AnyBool = bool  # either value is honoured (the field's comment says how)
 
 
@@ -118,12 +133,13 @@ class OpenAIFields(SamplingFields, kw_only=True):
     length_penalty: Annotated[float, neutral(1.0, why="beam search is on /generate")] = 1.0
     allowed_token_ids: Unset = None
     prompt_logprobs: Annotated[int | None, neutral(None, why="use echo with logprobs")] = None
-    priority: Annotated[int | None, neutral(None, 0, why="one priority class")] = None
+    priority: Priority = None
     request_id: str | None = None  # informational
     rid: str | list[str] | None = None  # informational
     logits_processors: Unset = None
     return_tokens_as_token_ids: Annotated[bool | None, neutral(None, False)] = None
-    cache_salt: NoSalt = None
+    cache_salt: CacheSalt = None
+    cache_ttl_s: CacheTtl = None
     kv_transfer_params: NoDisagg = None
     vllm_xargs: Unset = None
     # SGLang's extensions
@@ -264,7 +280,7 @@ class GenerateRequest(Body, kw_only=True):
     conversation_id: str | None = None  # informational
     external_trace_header: dict[str, Any] | None = None  # informational
     received_time: float | None = None  # informational
-    priority: Annotated[int | None, neutral(None, 0, why="one priority class")] = None
+    priority: Priority = None
     session_id: Unset = None
     session_params: Unset = None
     token_ids_logprob: Unset = None
@@ -289,7 +305,8 @@ class GenerateRequest(Body, kw_only=True):
     positional_embed_overrides: Unset = None
     watermark: Unset = None
     extra_key: Unset = None
-    cache_salt: NoSalt = None
+    cache_salt: CacheSalt = None
+    cache_ttl_s: CacheTtl = None
     kv_hints: Unset = None
     http_worker_ipc: Unset = None
     data_parallel_rank: Rank = None

@@ -269,9 +269,21 @@ def _check_openai(req: OpenAIFields, model: ModelInfo) -> dict[str, Any]:
     check_model(req.model, model.accepted_names)
     sampling = _sampling(req, model)
     sampling["min_tokens"] = req.min_tokens
+    sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
     if req.include_stop_str_in_output:
         sampling["include_stop_str_in_output"] = True
     return sampling
+
+
+def _tenancy(
+    cache_salt: str | None, priority: int | None, cache_ttl_s: float | None
+) -> dict[str, Any]:
+    """SamplingParams keywords of the request's cache salt, priority and retention hint
+    (ranges: schemas)."""
+    kw: dict[str, Any] = {"priority": priority or 0, "cache_ttl_s": cache_ttl_s or 0.0}
+    if cache_salt is not None:
+        kw["cache_salt"] = cache_salt
+    return kw
 
 
 def _include_usage(req: OpenAIFields) -> bool:
@@ -406,6 +418,7 @@ def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIE
     _check_n(sp.n, len(prompts), "sampling_params.n")
     sampling = _sampling(sp, model, prefix="sampling_params.")
     sampling["min_tokens"] = sp.min_new_tokens
+    sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
     return_logprob = bool(req.return_logprob)
     start = req.logprob_start_len
     if start == -1 or not (return_logprob or req.return_prompt_logprob):

@@ -21,9 +21,10 @@ class Proposer(Protocol):
     # the tokens returned
     drafts_on_device: bool
 
-    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         """Up to `max_drafts` (>= 1) draft tokens to follow `tokens` (a row's prompt and
-        output so far; read only); [] when it has nothing to propose."""
+        output so far; read only) under the row's cache salt `salt` (a proposer that reads
+        the prefix cache reads only that salt's entries); [] when it has nothing to propose."""
         ...
 
 

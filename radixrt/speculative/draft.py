@@ -17,6 +17,6 @@ PLACEHOLDER = 0  # the input id planned for a draft the runner writes
 class DraftModelProposer:
     drafts_on_device = True
 
-    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         """`max_drafts` placeholders: the draft model always drafts the full k."""
         return [PLACEHOLDER] * max_drafts

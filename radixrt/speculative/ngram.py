@@ -19,7 +19,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         return ngram_lookup(tokens, self.min_n, self.max_n, max_drafts)
 
 

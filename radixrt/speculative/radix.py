@@ -16,5 +16,5 @@ class RadixProposer:
     def __init__(self, cache: RadixCache) -> None:
         self.cache = cache
 
-    def propose(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
-        return self.cache.peek_continuation(tokens, max_drafts)
+    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
+        return self.cache.peek_continuation(tokens, max_drafts, salt)

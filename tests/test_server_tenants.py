@@ -1,0 +1,119 @@
+"""Tenants on the server: API keys from a file or the environment mapped to tenants, each
+tenant's cache salt namespace, `cache_salt` and `priority` honoured on every route, and a live
+server on which one tenant's prompt is never a cache hit for another."""
+
+from __future__ import annotations
+
+import pytest
+from server_utils import http_call, serving
+from test_server_fields import chat, comp, gen
+
+from radixrt.server.protocol import ApiError
+from radixrt.server.tenants import SHARED_TENANT, Tenants, apply_tenant, authenticate, tenant_salt
+
+
+def test_keys_parse_from_lines_or_commas():
+    t = Tenants.parse("# keys\nk1 acme\nk2 acme  # same tenant\n\nk3 -\n", "file")
+    assert t.by_key == {"k1": "acme", "k2": "acme", "k3": SHARED_TENANT}
+    assert Tenants.parse("k1 a, k2 b", "env").by_key == {"k1": "a", "k2": "b"}
+    for bad in ("k1", "k1 a b", "k1 a\nk1 b", "", "# nothing"):
+        with pytest.raises(ValueError):
+            Tenants.parse(bad, "file")
+
+
+def test_keys_load_from_file_or_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("RADIXRT_API_KEYS", raising=False)
+    assert Tenants.load(None) is None
+    monkeypatch.setenv("RADIXRT_API_KEYS", "ke a")
+    assert Tenants.load(None).by_key == {"ke": "a"}
+    path = tmp_path / "keys"
+    path.write_text("kf b\n")
+    assert Tenants.load(str(path)).by_key == {"kf": "b"}  # the file wins
+
+
+def test_authenticate_maps_keys_to_tenants():
+    t = Tenants({"ka": "a", "kb": "b"})
+    assert authenticate("Bearer ka", None, t) == "a"
+    assert authenticate("Bearer kb", "shared", t) == "b"
+    assert authenticate("Bearer shared", "shared", t) == SHARED_TENANT
+    assert authenticate("Bearer nope", "shared", t) is False
+    assert authenticate("", None, t) is False
+    assert authenticate("Bearer x", "x", None) is None
+    assert authenticate("Bearer y", "x", None) is False
+    assert authenticate("", None, None) is None
+
+
+def test_a_tenant_cannot_send_another_tenants_salt():
+    assert tenant_salt(None, "s") == "s" and tenant_salt(None, None) is None
+    assert tenant_salt(SHARED_TENANT, None) is None
+    salts = {
+        tenant_salt(t, s)
+        for t in ("a", "b", "a:", SHARED_TENANT)
+        for s in (None, "s", "a", ":s", "b:s")
+    } - {None}
+    assert len(salts) == 19  # every (tenant, salt) pair its own namespace
+    # what a client of b would send to reach a's namespace is hashed under b again
+    assert tenant_salt("b", tenant_salt("a", None)) != tenant_salt("a", None)
+    kw = {"cache_salt": "s"}
+    apply_tenant(kw, "a")
+    assert kw["cache_salt"] == tenant_salt("a", "s")
+
+
+def test_cache_salt_and_priority_are_honoured_on_every_route():
+    for spec in (comp(cache_salt="s", priority=-3), chat(cache_salt="s", priority=-3)):
+        assert spec.sampling["cache_salt"] == "s" and spec.sampling["priority"] == -3
+        assert spec.params(4).cache_salt == "s" and spec.params(4).priority == -3
+    g = gen(cache_salt="s", priority=2).gen
+    assert g.sampling["cache_salt"] == "s" and g.params(4).priority == 2
+    assert "cache_salt" not in comp().sampling and comp().sampling["priority"] == 0
+    for call, fields, param in [
+        (comp, {"cache_salt": ""}, "cache_salt"),
+        (chat, {"priority": 2**31}, "priority"),
+        (gen, {"priority": -(2**31) - 1}, "priority"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            call(**fields)
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_tenants_share_no_cache_on_a_live_server(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\n")
+    prompt = "A shared system prompt that is long enough to fill several blocks of KV: " * 3
+
+    def cached(srv, key, **extra):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}, **extra}
+        status, out = http_call(srv.url + "/generate", body, {"Authorization": f"Bearer {key}"})
+        assert status == 200, out
+        return out["meta_info"]["cached_tokens"]
+
+    with serving(tiny_model_dir, "--api-keys-file", str(keys), api_key="admin") as srv:
+        assert cached(srv, "key-a") == 0
+        assert cached(srv, "key-b") == 0  # another tenant: computed again
+        assert cached(srv, "key-a2") > 0  # the same tenant shares
+        assert cached(srv, "key-a", cache_salt="x") == 0  # a salt of its own within acme
+        assert cached(srv, "key-b", cache_salt="x") == 0  # ... which b's "x" is not
+        assert cached(srv, "admin") == 0  # --api-key: the shared (unsalted) namespace
+        assert cached(srv, "admin") > 0
+        status, _ = http_call(srv.url + "/generate", {"text": "x"}, {"Authorization": "Bearer z"})
+        assert status == 401
+
+
+def test_cache_ttl_s_is_honoured_and_reported():
+    from radixrt.server.messages import SchedulerSnapshot
+    from radixrt.server.metrics import ServerMetrics
+
+    assert comp(cache_ttl_s=30).params(4).cache_ttl_s == 30
+    assert gen(cache_ttl_s=2.5).gen.params(4).cache_ttl_s == 2.5
+    with pytest.raises(ApiError) as e:
+        chat(cache_ttl_s=-1)
+    assert e.value.param == "cache_ttl_s"
+    metrics = ServerMetrics()
+    snap = SchedulerSnapshot(
+        running=0, waiting=0, kv_blocks_total=8, kv_blocks_free=8, kv_blocks_cached=0,
+        kv_blocks_in_use=0, cache_hit_rate=0.0, prompt_tokens=0, cached_tokens=0,
+        generated_tokens=0, preemptions=0, steps=0, retention_holds=3, retention_held_blocks=5,
+    )  # fmt: skip
+    metrics.update(snap)
+    assert metrics.retention["retention_held_blocks"]._value.get() == 5
+    assert metrics.retention["retention_holds"]._value.get() == 3

@@ -1,0 +1,474 @@
+"""Cache salts (tenants) and priorities on plain Python: the radix tree and the block-hash cache
+keyed by salt, the scheduler with a scripted runner (no KV shared across salts on either tier,
+in-batch dedup and radix drafts per salt), priority order with aging, and the server's tenants.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrt.cache.blockhash import BlockHashCache
+from radixrt.cache.radix import RadixCache
+from radixrt.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.engine.core import EngineCore
+from radixrt.kv.allocator import BlockAllocator
+from radixrt.sampling import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
+from radixrt.scheduler.policy import order_waiting
+from radixrt.scheduler.request import Request
+from radixrt.testing import ScriptedRunner
+
+MODEL = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
+EOS = 3
+PROMPT = list(range(100, 160))
+
+
+def ctx_token(rid: str, context) -> int:
+    return 10 + hash(tuple(context)) % 3000
+
+
+def make_core(num_kv_blocks=256, host_blocks=None, policy="lpm", **s):
+    sched = SchedulerConfig(policy=policy, **s)
+    cache = CacheConfig(block_size=4, num_host_kv_blocks=host_blocks)
+    cfg = EngineConfig(model_path="-", overlap_schedule=False, scheduler=sched, cache=cache)
+    runner = ScriptedRunner(sched.max_running_requests, 4, context_fn=ctx_token)
+    return EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=num_kv_blocks)
+
+
+def run(core: EngineCore, on_step=None) -> dict:
+    """Step until idle; returns rid -> cached prompt tokens reported."""
+    cached = {}
+    while core.has_work:
+        for d in core.step():
+            cached.setdefault(d.rid, d.num_cached_tokens)
+        if on_step is not None:
+            on_step(core)
+    core.check_integrity()
+    return cached
+
+
+# ---- the caches ----
+def test_radix_salts_are_separate_trees():
+    cache = RadixCache(BlockAllocator(64), 4)
+    blocks = cache.allocator.allocate(3)
+    cache.insert(PROMPT[:10], blocks, "a")
+    cache.allocator.decref(blocks)
+    assert cache.match(PROMPT[:10], "a").num_cached_tokens == 10
+    assert cache.match(PROMPT[:10], "b").num_cached_tokens == 0
+    assert cache.match(PROMPT[:10]).num_cached_tokens == 0
+    assert cache.peek_continuation(PROMPT[:4], 4, "a") == PROMPT[4:8]
+    assert cache.peek_continuation(PROMPT[:4], 4, "b") == []
+    assert cache.peek_continuation(PROMPT[:4], 4) == []
+    assert cache.salt_of(cache.match(PROMPT[:6], "a").handle) == "a"
+    cache.check_integrity()
+    # the same tokens under another salt get their own blocks
+    other = cache.allocator.allocate(3)
+    result = cache.insert(PROMPT[:10], other, "b")
+    cache.allocator.decref(other)
+    assert result.num_new_tokens == 10
+    assert set(cache.match(PROMPT[:10], "a").blocks).isdisjoint(
+        cache.match(PROMPT[:10], "b").blocks
+    )
+    cache.check_integrity()
+    # a salt's root goes when its last entry does (no memory per forgotten salt)
+    cache.reset()
+    assert cache.roots == [cache.root] and cache.allocator.num_free == 64
+    cache.check_integrity()
+
+
+def test_radix_salted_lock_and_evict():
+    cache = RadixCache(BlockAllocator(8), 4)
+    for salt, base in (("a", 0), ("b", 1)):
+        blocks = cache.allocator.allocate(2)
+        cache.insert([base] * 8, blocks, salt)
+        cache.allocator.decref(blocks)
+    m = cache.match([0] * 8, "a")
+    cache.lock(m.handle)
+    assert cache.evictable_blocks == 2
+    assert cache.evict(4) == 2  # only b's entry goes: a's is locked
+    assert cache.match([1] * 8, "b").num_cached_tokens == 0
+    cache.unlock(m.handle)
+    cache.check_integrity()
+
+
+def test_blockhash_salt_seeds_the_chain():
+    cache = BlockHashCache(BlockAllocator(16), 4)
+    blocks = cache.allocator.allocate(2)
+    cache.insert(PROMPT[:8], blocks, "a")
+    cache.allocator.decref(blocks)
+    assert cache.match(PROMPT[:8], "a").num_cached_tokens == 8
+    assert cache.match(PROMPT[:8], "b").num_cached_tokens == 0
+    assert cache.match(PROMPT[:8]).num_cached_tokens == 0
+    assert set(cache.block_hashes(PROMPT[:8], "a")).isdisjoint(cache.block_hashes(PROMPT[:8]))
+    cache.check_integrity()
+
+
+# ---- the scheduler ----
+@pytest.mark.parametrize("prefix_cache", ["radix", "blockhash"])
+def test_tenants_share_no_kv_and_compute_every_prompt_token(prefix_cache):
+    sched = SchedulerConfig(policy="lpm")
+    cfg = EngineConfig(
+        model_path="-",
+        overlap_schedule=False,
+        scheduler=sched,
+        cache=CacheConfig(block_size=4, prefix_cache=prefix_cache),
+    )
+    core = EngineCore(
+        cfg, MODEL, [EOS], runner=ScriptedRunner(256, 4, context_fn=ctx_token), num_kv_blocks=256
+    )
+    tables: dict[str, set[int]] = {"a": set(), "b": set()}
+
+    def record(core):
+        for req in core.scheduler.queues.running:
+            tables[req.cache_salt].update(req.block_table)
+
+    sp = {s: SamplingParams(max_tokens=3, ignore_eos=True, cache_salt=s) for s in "ab"}
+    core.add_request(PROMPT, sp["a"], rid="a0")
+    run(core, record)
+    before = core.scheduler.stats.num_prompt_tokens_computed
+    # b sends a's prompt while a sends it again: b's is computed in full, a's is not
+    core.add_request(PROMPT, sp["b"], rid="b0")
+    core.add_request(PROMPT + [7], sp["a"], rid="a1")
+    cached = run(core, record)
+    assert cached["b0"] == 0
+    assert cached["a1"] >= 56  # the same salt shares as before
+    computed = core.scheduler.stats.num_prompt_tokens_computed - before
+    assert len(PROMPT) <= computed <= len(PROMPT) + 5
+    assert tables["a"].isdisjoint(tables["b"])
+
+
+def test_tenants_get_no_host_tier_hits():
+    core = make_core(num_kv_blocks=24, host_blocks=128)
+    sp = {s: SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=s) for s in "ab"}
+    prompts = [[1000 + 50 * i + j for j in range(40)] for i in range(4)]
+    for i, p in enumerate(prompts):  # a's prompts overflow the device pool to the host
+        core.add_request(p, sp["a"], rid=f"a{i}")
+        run(core)
+    assert core.cache.host_cached_blocks > 0
+    stats = core.scheduler.stats
+    for i, p in enumerate(prompts):
+        core.add_request(p, sp["b"], rid=f"b{i}")
+        assert run(core)[f"b{i}"] == 0
+    assert stats.num_host_hit_tokens == 0
+    core.add_request(prompts[0], sp["a"], rid="again")  # control: a's own host hits
+    assert run(core)["again"] > 0 and stats.num_host_hit_tokens > 0
+
+
+def test_in_batch_dedup_holds_back_only_the_same_salt():
+    core = make_core(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    long = list(range(200, 264))
+    sp = {s: SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=s) for s in "ab"}
+    core.add_request(long, sp["a"], rid="a0")
+    core.step()  # a0 computes its first chunk: its prefix is not cached yet
+    core.add_request(long + [1], sp["b"], rid="b0")
+    core.add_request(long + [2], sp["a"], rid="a1")
+    core.step()
+    running = {r.rid for r in core.scheduler.queues.running}
+    assert "b0" in running and "a1" not in running  # a1 waits for a0's prefix
+    cached = run(core)
+    assert cached["a1"] >= 32 and cached["b0"] == 0
+
+
+def test_radix_drafts_read_only_their_salt():
+    from radixrt.speculative.radix import RadixProposer
+
+    cache = RadixCache(BlockAllocator(64), 4)
+    blocks = cache.allocator.allocate(4)
+    cache.insert(PROMPT[:16], blocks, "a")
+    proposer = RadixProposer(cache)
+    assert proposer.propose(PROMPT[:8], 4, "a") == PROMPT[8:12]
+    assert proposer.propose(PROMPT[:8], 4, "b") == []
+
+
+def test_dfs_weight_orders_requests_of_several_salts():
+    cache = RadixCache(BlockAllocator(64), 4)
+    for salt in ("a", "b"):
+        blocks = cache.allocator.allocate(4)
+        cache.insert(PROMPT[:16], blocks, salt)
+    sp = {s: SamplingParams(cache_salt=s) for s in ("a", "b", "c")}
+    waiting = [Request(f"r{i}", 20, PROMPT[:16] + [i] * 4, sp["abcb"[i]], 4) for i in range(4)]
+    order = order_waiting(
+        waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1], r.cache_salt), 0
+    )
+    assert sorted(r.rid for r in order) == ["r0", "r1", "r2", "r3"]
+    assert [r.rid for r in order][:2] == ["r1", "r3"]  # b's subtree is the heaviest
+
+
+# ---- priority ----
+def test_priority_orders_admission_then_ages():
+    sp = lambda p: SamplingParams(priority=p)
+    waiting = [Request(f"r{i}", 4, [i] * 4, sp(p), 4) for i, p in enumerate([5, 0, -1, 0])]
+    cache = RadixCache(BlockAllocator(4), 4)
+    match = lambda r: cache.match(r.seq_token_ids)
+    for policy in ("fcfs", "lpm", "dfs-weight"):
+        order = order_waiting(waiting, policy, match, 4.0, 10)
+        assert [r.rid for r in order] == ["r2", "r1", "r3", "r0"], policy
+    waiting[0].waited_steps = 60  # 5 - 60 // 10 = -1: level with r2, earlier in the queue
+    assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 10)][:2] == ["r0", "r2"]
+    assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 0)][0] == "r2"
+
+
+def test_priority_admits_first_and_preempts_last():
+    core = make_core(policy="fcfs", max_running_requests=1)
+    for i, p in enumerate([3, 1, 2, -4]):
+        core.add_request(
+            [500 + i] * 8, SamplingParams(max_tokens=2, ignore_eos=True, priority=p), rid=f"r{i}"
+        )
+    finished = []
+    while core.has_work:
+        finished += [d.rid for d in core.step() if d.finish_reason is not None]
+    assert finished == ["r3", "r1", "r2", "r0"]
+    # a pool too small for both: the lower priority (higher number) goes, though older
+    core = make_core(policy="fcfs", num_kv_blocks=8)
+    core.add_request([600] * 8, SamplingParams(max_tokens=12, ignore_eos=True, priority=1), "lo")
+    core.step()
+    core.add_request([700] * 8, SamplingParams(max_tokens=12, ignore_eos=True, priority=-1), "hi")
+    seen: dict[str, Request] = {}
+
+    def record(core):
+        for r in [*core.scheduler.queues.running, *core.scheduler.queues.waiting]:
+            seen[r.rid] = r
+
+    run(core, record)
+    assert seen["lo"].num_preemptions >= 1 and seen["hi"].num_preemptions == 0
+
+
+def test_priority_and_salt_are_validated():
+    for bad in (MIN_PRIORITY - 1, MAX_PRIORITY + 1, 1.5):
+        with pytest.raises(ValueError, match="priority"):
+            SamplingParams(priority=bad)
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+    SamplingParams(priority=MIN_PRIORITY, cache_salt="x")
+
+
+def test_dsl_gen_takes_cache_salt_and_priority():
+    from radixrt.frontend.ir import gen
+    from radixrt.frontend.program import _gen_defaults
+
+    params = gen("x", cache_salt="t", priority=-2).params.resolve(None)
+    assert (params.cache_salt, params.priority) == ("t", -2)
+    defaults = _gen_defaults({"cache_salt": "prog"})
+    assert gen("y").params.resolve(defaults).cache_salt == "prog"
+    with pytest.raises(ValueError, match="cache_salt"):
+        gen("z", cache_salt="")
+
+
+def test_eviction_takes_lower_priority_entries_first():
+    cache = RadixCache(BlockAllocator(8), 4)
+    for base, priority in ((0, 0), (1, 5), (2, 0)):  # the priority-5 entry is not the LRU
+        blocks = cache.allocator.allocate(2)
+        cache.insert([base] * 8, blocks, priority=priority)
+        cache.allocator.decref(blocks)
+    cache.check_integrity()
+    assert cache.evict(2) == 2
+    assert cache.match([1] * 8).num_cached_tokens == 0
+    assert cache.match([0] * 8).num_cached_tokens == 8
+    # re-inserted by a more urgent request, an entry takes its priority
+    blocks = cache.allocator.allocate(2)
+    cache.insert([0] * 8, blocks, priority=7)
+    cache.allocator.decref(blocks)
+    assert cache.evict(2) == 2
+    assert cache.match([0] * 8).num_cached_tokens == 0
+    assert cache.match([2] * 8).num_cached_tokens == 8
+    cache.check_integrity()
+
+
+def test_finished_low_priority_requests_lose_their_cache_first():
+    core = make_core(num_kv_blocks=24)
+    for rid, base, p in (("hi", 800, -1), ("lo", 900, 3)):
+        core.add_request(
+            [base + i for i in range(40)],
+            SamplingParams(max_tokens=1, ignore_eos=True, priority=p),
+            rid=rid,
+        )
+        run(core)
+    core.add_request([700 + i for i in range(40)], SamplingParams(max_tokens=1), rid="new")
+    run(core)  # needs blocks: evicts lo's prefix, not the older hi's
+    hit = {}
+    for rid, base in (("hi2", 800), ("lo2", 900)):
+        core.add_request([base + i for i in range(40)], SamplingParams(max_tokens=1), rid=rid)
+        hit.update(run(core))
+    assert hit["hi2"] >= 36
+
+
+# ---- retention hints ----
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def retention_core(**s):
+    core = make_core(num_kv_blocks=40, **s)
+    clock = core.scheduler.retention.clock = FakeClock()
+    return core, clock
+
+
+def fill(core, base, n=3):
+    """`n` unrelated prompts of 40 tokens (10 blocks each): evicts what is not held."""
+    for i in range(n):
+        core.add_request([base + 50 * i + j for j in range(40)], SamplingParams(max_tokens=1))
+        run(core)
+
+
+def test_retention_keeps_a_prompt_through_pressure_then_expires():
+    core, clock = retention_core(retention_max_share=0.5)
+    agent = [400 + j for j in range(40)]
+    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="step0")
+    run(core)
+    retention = core.scheduler.retention
+    assert retention.num_held_blocks == 10
+    fill(core, 1000)
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="step1")
+    assert run(core)["step1"] >= 36  # kept under pressure
+    clock.now = 31
+    core.step()  # the hold expires
+    assert retention.num_held_blocks == 0 and core.scheduler.stats.num_retention_expired == 1
+    fill(core, 2000, n=4)
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="step2")
+    assert run(core)["step2"] < 36  # plain LRU again
+    core.check_integrity()
+
+
+def test_retention_is_bounded_and_released_early_or_when_short():
+    core, clock = retention_core(retention_max_share=0.25, retention_max_ttl_s=5)
+    retention = core.scheduler.retention
+    for i in range(3):  # 10 blocks each, at most 10 held: each new hold releases the older
+        core.add_request(
+            [3000 + 50 * i + j for j in range(40)],
+            SamplingParams(max_tokens=1, cache_ttl_s=1000),
+            rid=f"h{i}",
+        )
+        run(core)
+        assert retention.num_held_blocks <= 10
+    assert list(retention.holds) == ["h2"] and core.scheduler.stats.num_retention_released == 2
+    assert retention.holds["h2"].expires == 5  # capped by retention_max_ttl_s
+    assert retention.release("h2") and not retention.release("h2")
+    assert not core.release_cache_hold("h2")
+    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    run(core)
+    core.add_request([2901] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h4")
+    run(core)
+    assert list(retention.holds) == ["h4"]  # the share bound: one 10-block hold
+    core.flush_cache()  # a flush ends the holds too
+    assert not retention.holds and core.cache.cached_blocks == 0
+    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    run(core)
+    # a request that needs the whole pool gets it: the hold is given up, not a deadlock
+    core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
+    run(core)
+    assert not retention.holds
+    core.check_integrity()
+
+
+def test_retention_hold_goes_to_the_host_tier():
+    core = make_core(num_kv_blocks=40, host_blocks=200, retention_max_share=0.5)
+    agent = [400 + j for j in range(40)]
+    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="a")
+    run(core)
+    core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
+    run(core)  # needs the whole pool: the hold is released and written back, not dropped
+    core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="again")
+    assert run(core)["again"] >= 36 and core.scheduler.stats.num_host_hit_tokens > 0
+
+
+@pytest.mark.parametrize("host_blocks", [None, 96])
+def test_salted_mixed_load_matches_an_unconstrained_run(host_blocks):
+    """Agents of three salts and none, sharing a system prompt, with priorities and retention
+    hints, on a pool far smaller than their working set: every output equals that of a run
+    with a large pool and no salts (the scripted runner reads the KV back, so a block shared
+    or loaded wrongly changes the output), and integrity holds on both tiers."""
+    system = list(range(100, 160))
+
+    def workload(core, salted):
+        out: dict[str, list[int]] = {}
+        hist = {a: system + [300 + a] for a in range(8)}
+        for step in range(4):
+            for a in range(8):
+                salt = ("abc"[a % 3] if a % 4 else None) if salted else None
+                sp = SamplingParams(
+                    max_tokens=4,
+                    ignore_eos=True,
+                    cache_salt=salt,
+                    priority=a % 3 - 1 if salted else 0,
+                    cache_ttl_s=10 if salted else 0,
+                )
+                core.add_request(hist[a], sp, rid=f"a{a}s{step}")
+            while core.has_work:
+                for d in core.step():
+                    out.setdefault(d.rid, []).extend(d.new_token_ids)
+            core.check_integrity()
+            for a in range(8):
+                hist[a] = hist[a] + out[f"a{a}s{step}"] + [500 + 7 * a + step] * 5
+        return out
+
+    reference = workload(make_core(num_kv_blocks=1024), salted=False)
+    core = make_core(
+        num_kv_blocks=60,
+        host_blocks=host_blocks,
+        max_num_batched_tokens=64,
+        retention_max_share=0.3,
+    )
+    assert workload(core, salted=True) == reference
+    assert core.scheduler.stats.num_preemptions + core.cache.stats.num_evicted_blocks > 0
+
+
+def test_dsl_program_salt_covers_gens_selects_and_prefills():
+    from radixrt.frontend import Backend, GenResult, function, gen, select
+
+    class Tok:
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    class Recorder(Backend):
+        tokenizer = Tok()
+
+        def __init__(self):
+            self.salts = []
+            self.released = []
+
+        def generate(self, prompt_ids, params, on_delta=None):
+            self.salts.append(("gen" if params.max_tokens else "prefill", params.cache_salt))
+            rid = f"r{len(self.salts)}"
+            return GenResult("ok", [1], "length", len(prompt_ids), 1, 0, rid=rid)
+
+        def release_cache_holds(self, rids):
+            self.released += rids
+
+        def score_continuations(self, prefix_ids, continuations, cache_salt=None):
+            self.salts.append(("score", cache_salt))
+            return [[-1.0] * len(c) for c in continuations]
+
+    @function
+    def prog(s):
+        s += "Q:" + gen("a", max_tokens=1)
+        s += select("b", ["x", "yy"])
+        forks = s.fork(2)
+        for f in forks:
+            f += gen("c", max_tokens=1)
+        forks.join()
+
+    backend = Recorder()
+    prog.run(backend=backend, gen_defaults={"cache_salt": "tenant-1"})
+    assert backend.salts and all(salt == "tenant-1" for _, salt in backend.salts)
+    assert {kind for kind, _ in backend.salts} == {"gen", "score", "prefill"}
+    assert backend.released == []  # no retention hint, nothing held
+    # a program's retention hint holds its contexts while it runs: released at its end
+    backend = Recorder()
+    prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
+    gens = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind == "gen"]
+    assert sorted(backend.released) == sorted(gens) and len(gens) == 3
