@@ -155,9 +155,11 @@ class XGrammarBackend:
                 # compact JSON (no free whitespace): bounded outputs, more forced tokens
                 grammar = c.compile_json_schema(spec.text, any_whitespace=False)
                 return Compiled(grammar, self._no_control)
+            if spec.kind == "structural_tag":
+                return Compiled(c.compile_structural_tag(spec.text))
             assert spec.kind == "ebnf", spec.kind
             return Compiled(c.compile_grammar(spec.text))
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidStructuralTagError) as e:
             message = _LOCATION.sub("", str(e).strip())
             raise CompileError(f"invalid {spec.field}: {message}") from None
 

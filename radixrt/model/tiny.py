@@ -46,6 +46,8 @@ from radixrt.model.tiny_tokenizer import (  # noqa: F401  (re-exported: the tiny
     PAD_ID,
     ROLE_TOKENS,
     SPECIAL_TOKENS,
+    chat_template_sha256,
+    copy_with_template,
     trained_tokenizer_json,
     write_tiny_tokenizer,
 )
@@ -94,8 +96,31 @@ def default_tiny_model_dir(random: bool = False) -> str:
     env = os.environ.get("RADIXRT_TINY_MODEL_DIR")
     if env:
         return os.path.abspath(os.path.expanduser(env)) + ("-random" if random else "")
-    key = hashlib.sha256(json.dumps(_marker(random), sort_keys=True).encode()).hexdigest()
+    return _cache_dir(variant, _marker(random))
+
+
+def _cache_dir(variant: str, marker: dict[str, Any]) -> str:
+    key = hashlib.sha256(json.dumps(marker, sort_keys=True).encode()).hexdigest()
     return os.path.expanduser(f"~/.cache/radixrt/tiny-llama-{variant}-{key[:12]}")
+
+
+def _same_weights(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    """Markers that differ in the chat template at most."""
+    drop = lambda m: {k: v for k, v in m.items() if k != "chat_template_sha256"}
+    return a is not None and drop(a) == drop(b)
+
+
+def _weights_source(path: str, marker: dict[str, Any], random: bool) -> str | None:
+    """A built model with the same weights and another chat template: `path` itself, or
+    (for the default dir) the dir a checkout whose key had no template uses."""
+    candidates = [path]
+    if path == default_tiny_model_dir(random) and not os.environ.get("RADIXRT_TINY_MODEL_DIR"):
+        legacy = {k: v for k, v in marker.items() if k != "chat_template_sha256"}
+        candidates.append(_cache_dir("random" if random else "trained", legacy))
+    for c in candidates:
+        if _same_weights(_read_marker(c), marker):
+            return c
+    return None
 
 
 def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
@@ -103,9 +128,11 @@ def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
     model: trained with `TRAIN_SETTINGS` (1-2 minutes on one CPU core), or random weights.
 
     Builds it if missing or made by other settings (the marker file holds the cache key:
-    generator format, data hash, shape, training settings). The model is built in a temp dir
-    beside `path` and renamed into place, so concurrent callers (pytest workers) never see
-    a half-written dir; when two race, both end up with equivalent files at `path`.
+    generator format, data hash, shape, training settings, chat template); a model that
+    differs only in its chat template is copied with the new template, not trained again.
+    The model is built in a temp dir beside `path` and renamed into place, so concurrent
+    callers (pytest workers) never see a half-written dir; when two race, both end up with
+    equivalent files at `path`.
     Raises ValueError if `path` is a non-empty dir that is not a tiny model.
     """
     path = os.path.abspath(os.path.expanduser(path or default_tiny_model_dir(random)))
@@ -121,8 +148,12 @@ def ensure_tiny_model(path: str | None = None, *, random: bool = False) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-model-new-", dir=parent)
     trash = tempfile.mkdtemp(prefix=".tiny-model-old-", dir=parent)
+    source = _weights_source(path, marker, random)
     try:
-        make_tiny_model(tmp, random=random)
+        if source is not None:  # only the chat template changed: no training
+            copy_with_template(source, tmp)
+        else:
+            make_tiny_model(tmp, random=random)
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2, sort_keys=True)
         if os.path.isdir(path) and _read_marker(path) != marker:
@@ -350,6 +381,7 @@ def _marker(random: bool) -> dict[str, Any]:
         "vocab_size": TINY_VOCAB_SIZE,
         "weights": "random" if random else "trained",
         "training": None if random else dataclasses.asdict(TRAIN_SETTINGS),
+        "chat_template_sha256": chat_template_sha256(),
     }
 
 

@@ -4,8 +4,10 @@ with fixed ids, and a chat template. Deterministic: the same text gives the same
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import shutil
 
 from radixrt.model import tiny_data
 
@@ -17,16 +19,71 @@ PAD_ID, BOS_ID, EOS_ID, END_OF_TURN_ID = 0, 1, 2, 6
 EOS_IDS = [EOS_ID, END_OF_TURN_ID]  # generation stops at either
 
 # "<|role|>\ncontent<|end|>\n" per message; add_generation_prompt appends "<|assistant|>\n".
+# Tools (OpenAI's `tools`) come first in a system turn; an assistant's calls follow its
+# content in the Hermes format (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`,
+# "\n" between calls) and a tool message is a user turn `<tool_response>\n...\n</tool_response>`
+# (Qwen2.5's layout): radixrt.server.tools.hermes parses and constrains the same text.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{ '<|system|>\\n# Tools\\nYou may call these functions:\\n<tools>\\n' }}"
+    "{%- for tool in tools -%}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\\n' }}"
+    "{%- endfor -%}"
+    '{{ \'</tools>\\nTo call one, write <tool_call>\\n{"name": <name>, "arguments": '
+    "<arguments object>}\\n</tool_call><|end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
+    "{%- else -%}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
     "{{ raise_exception('unsupported role ' + message['role']"
-    " + '; allowed: system, user, assistant') }}"
+    " + '; allowed: system, user, assistant, tool') }}"
     "{%- endif -%}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set f = call.function if call.function is defined else call -%}"
+    "{{ '\\n' if not loop.first else '' }}"
+    "{{ '<tool_call>\\n{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' }}"
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
+
+
+def chat_template_sha256() -> str:
+    return hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
+
+
+def copy_with_template(src: str, dst: str) -> None:
+    """Copy the tiny model dir `src` into the existing dir `dst` (files hard-linked where
+    the file system allows) with the chat template of tokenizer_config.json replaced by
+    CHAT_TEMPLATE: a cached model takes a new template without being trained again."""
+    for name in os.listdir(src):
+        if name == "tokenizer_config.json":
+            continue
+        a, b = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.isdir(a):
+            shutil.copytree(a, b, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(a, b)
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["chat_template"] = CHAT_TEMPLATE
+    with open(os.path.join(dst, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _link_or_copy(a: str, b: str) -> None:
+    try:
+        os.link(a, b)
+    except OSError:
+        shutil.copy2(a, b)
 
 
 def write_tiny_tokenizer(

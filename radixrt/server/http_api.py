@@ -22,6 +22,7 @@ from radixrt.server.http_util import (
     INCREMENTAL_STREAMING,
     MAX_BODY_BYTES,
     MODEL_NAME,
+    TOOL_PARSER,
     UNKNOWN_FIELDS,
     json_response,
     read_body,
@@ -49,13 +50,15 @@ def create_app(
     worker: WorkerInfo | None = None,
     strict_fields: bool = False,
     incremental_streaming: bool = False,
+    tool_call_parser: str = "auto",
 ) -> web.Application:
     """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
     its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
     decodes bodies itself). A request body must arrive within `body_timeout_s` (408).
     `worker`: what the routers' worker routes report (default: `model_name` as the model
     path); `strict_fields`: refuse names no schema declares; `incremental_streaming`:
-    /generate streams only what is new per event."""
+    /generate streams only what is new per event; `tool_call_parser`: the format of the
+    model's tool calls (radixrt.server.tools; "auto": from the chat template)."""
     middlewares = [
         _error_middleware,
         _auth_middleware(api_key),
@@ -66,6 +69,7 @@ def create_app(
     app[MODEL_NAME] = model_name
     app[UNKNOWN_FIELDS] = UnknownFields(strict_fields)
     app[INCREMENTAL_STREAMING] = incremental_streaming
+    app[TOOL_PARSER] = tool_call_parser
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
