@@ -85,6 +85,8 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def schema_of(tool: Tool) -> dict[str, Any]:
-    """The JSON schema the call's arguments must match (an object when none is given)."""
-    return tool.parameters or {"type": "object"}
+def arguments_format(tool: Tool) -> dict[str, Any]:
+    """xgrammar structural-tag format of a call's arguments: JSON matching the tool's
+    schema, at most one blank between tokens (a model cannot fill its budget with them)."""
+    schema = tool.parameters or {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}

@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixrt.server.tools.base import PartialCall, Scan, Tool, ToolFormat, held_back, schema_of
+from radixrt.server.tools.base import (
+    PartialCall,
+    Scan,
+    Tool,
+    ToolFormat,
+    arguments_format,
+    held_back,
+)
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws
 
 START, END = "<tool_call>", "</tool_call>"
@@ -59,7 +66,7 @@ class HermesFormat(ToolFormat):
         return {
             "type": "tag",
             "begin": f'{START}\n{{"name": {json.dumps(tool.name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": schema_of(tool)},
+            "content": arguments_format(tool),
             "end": f"}}\n{END}",
         }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixrt.server.tools.base import PartialCall, Scan, Tool, ToolFormat, schema_of
+from radixrt.server.tools.base import PartialCall, Scan, Tool, ToolFormat, arguments_format
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
@@ -69,7 +69,7 @@ class Llama3JsonFormat(ToolFormat):
         return {
             "type": "tag",
             "begin": f'{{"name": {json.dumps(tool.name)}, "parameters": ',
-            "content": {"type": "json_schema", "json_schema": schema_of(tool)},
+            "content": arguments_format(tool),
             "end": "}",
         }
 

@@ -8,7 +8,14 @@ import json
 import re
 from typing import Any
 
-from radixrt.server.tools.base import PartialCall, Scan, Tool, ToolFormat, held_back, schema_of
+from radixrt.server.tools.base import (
+    PartialCall,
+    Scan,
+    Tool,
+    ToolFormat,
+    arguments_format,
+    held_back,
+)
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws, value_span
 
 START, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -87,7 +94,7 @@ class MistralFormat(ToolFormat):
         return {
             "type": "tag",
             "begin": f'{{"name": {json.dumps(tool.name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": schema_of(tool)},
+            "content": arguments_format(tool),
             "end": "}",
         }
 

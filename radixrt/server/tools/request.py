@@ -55,8 +55,23 @@ def parse_tools(req: Any, fmt_name: str) -> ToolRequest | None:
         if choice not in ("none", "auto") or req.tool_choice not in (None, "none", "auto"):
             raise ApiError("tool_choice needs tools", param="tool_choice")
         return None
-    tools, template_tools = [], []
-    for i, t in enumerate(req.tools):
+    tools, template_tools = checked_tools(req.tools)
+    if forced is not None and forced not in {t.name for t in tools}:
+        raise ApiError(
+            f"tool_choice names {forced[:80]!r}, which tools does not offer", "tool_choice"
+        )
+    names = frozenset(t.name for t in tools)
+    fmt = None if choice == "none" else create_tool_format(fmt_name, names)
+    parallel = req.parallel_tool_calls is not False
+    return ToolRequest(tuple(tools), tuple(template_tools), choice, forced, parallel, fmt)
+
+
+def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
+    """The request's `tools` checked (ApiError naming the field): as Tools, and as the
+    chat template takes them."""
+    tools: list[Tool] = []
+    template_tools: list[dict] = []
+    for i, t in enumerate(defs):
         p = f"tools[{i}]"
         if t.type != "function":
             raise ApiError(f"{p}.type={t.type!r}: only function tools are supported", f"{p}.type")
@@ -74,14 +89,7 @@ def parse_tools(req: Any, fmt_name: str) -> ToolRequest | None:
         tools.append(Tool(f.name, params, f.description))
         fn = {"name": f.name, "description": f.description or "", "parameters": params}
         template_tools.append({"type": "function", "function": fn})
-    if forced is not None and forced not in {t.name for t in tools}:
-        raise ApiError(
-            f"tool_choice names {forced[:80]!r}, which tools does not offer", "tool_choice"
-        )
-    names = frozenset(t.name for t in tools)
-    fmt = None if choice == "none" else create_tool_format(fmt_name, names)
-    parallel = req.parallel_tool_calls is not False
-    return ToolRequest(tuple(tools), tuple(template_tools), choice, forced, parallel, fmt)
+    return tools, template_tools
 
 
 def tool_constraint(t: ToolRequest, sampling: dict[str, Any], grammar: str | None) -> str | None:
