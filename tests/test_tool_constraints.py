@@ -1,0 +1,98 @@
+"""The structural tags of tool calls: in each format, the grammar accepts the calls the
+format's parser reads (arguments matching the schema) and refuses arguments that do not
+match, names that are not offered, a second call when parallel calls are off, and text
+instead of a call when a call is required."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+
+from radixrt.server.tools import Tool, create_tool_format  # noqa: E402
+
+WEATHER = Tool(
+    "get_weather",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+NOW = Tool("now", {})
+GOOD = ('{"city": "Paris", "days": 3}', "{}")
+BAD = '{"city": "Paris", "days": 9}'
+
+# format -> (one call of WEATHER with arguments {0}, two calls {0} and NOW's {1}, text + call)
+TEXTS = {
+    "hermes": (
+        '<tool_call>\n{{"name": "get_weather", "arguments": {0}}}\n</tool_call>',
+        '<tool_call>\n{{"name": "get_weather", "arguments": {0}}}\n</tool_call>\n'
+        '<tool_call>\n{{"name": "now", "arguments": {1}}}\n</tool_call>',
+        'Let me see. <tool_call>\n{{"name": "get_weather", "arguments": {0}}}\n</tool_call>',
+    ),
+    "llama3_json": (
+        '{{"name": "get_weather", "parameters": {0}}}',
+        '{{"name": "get_weather", "parameters": {0}}}; {{"name": "now", "parameters": {1}}}',
+        None,  # calls only at the start: auto is not constrained
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{{"name": "get_weather", "arguments": {0}}}]',
+        '[TOOL_CALLS][{{"name": "get_weather", "arguments": {0}}}, {{"name": "now", '
+        '"arguments": {1}}}]',
+        'Let me see. [TOOL_CALLS][{{"name": "get_weather", "arguments": {0}}}]',
+    ),
+}
+
+
+def _grammar(fmt, tools, **kw):
+    tag = {"type": "structural_tag", "format": fmt.calls_format(tools, **kw)}
+    return xgr.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def _accepts(grammar, text: str) -> bool:
+    return _is_grammar_accept_string(grammar, text)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_required_and_named_calls(name):
+    fmt = create_tool_format(name)
+    one, two, _ = TEXTS[name]
+    required = _grammar(fmt, [WEATHER, NOW], at_least_one=True, parallel=True)
+    assert _accepts(required, one.format(*GOOD))
+    assert _accepts(required, two.format(*GOOD))
+    assert not _accepts(required, one.format(BAD, "{}"))
+    assert not _accepts(required, one.format(*GOOD).replace("get_weather", "get_time"))
+    assert not _accepts(required, "Sure, here you go.")
+    assert not _accepts(required, "")
+    single = _grammar(fmt, [WEATHER, NOW], at_least_one=True, parallel=False)
+    assert _accepts(single, one.format(*GOOD)) and not _accepts(single, two.format(*GOOD))
+    named = _grammar(fmt, [NOW], at_least_one=True, parallel=False)
+    assert not _accepts(named, one.format(*GOOD))
+    # what the grammar accepts, the parser reads back
+    scan = fmt.parse(two.format(*GOOD))
+    assert [(c.name, json.loads(c.arguments)) for c in scan.calls] == [
+        ("get_weather", json.loads(GOOD[0])),
+        ("now", {}),
+    ]
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral"])
+def test_auto_constrains_a_started_call(name):
+    fmt = create_tool_format(name)
+    _, _, mixed = TEXTS[name]
+    auto = _grammar(fmt, [WEATHER, NOW], at_least_one=False, parallel=True)
+    assert _accepts(auto, "No call needed: 4.")
+    assert _accepts(auto, mixed.format(*GOOD))
+    assert not _accepts(auto, mixed.format(BAD, "{}"))
+    scan = fmt.parse(mixed.format(*GOOD))
+    assert scan.content.strip() == "Let me see." and scan.calls[0].name == "get_weather"
+
+
+def test_llama3_has_no_constrained_auto():
+    with pytest.raises(ValueError, match="no constrained auto"):
+        create_tool_format("llama3_json").calls_format([NOW], at_least_one=False, parallel=True)
