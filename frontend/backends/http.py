@@ -177,7 +177,11 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["no_stop_trim"] = True
     if params.min_tokens:
         out["min_new_tokens"] = params.min_tokens
-    for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
+    structured = (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf"),
+                  ("structural_tag", "structural_tag"))  # fmt: skip
+    if not params.skip_special_tokens:
+        out["skip_special_tokens"] = False
+    for name, key in structured:
         if getattr(params, name) is not None:  # structured output
             out[key] = getattr(params, name)
     return out

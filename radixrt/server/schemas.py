@@ -259,7 +259,8 @@ class GenerateSamplingParams(SamplingFields, kw_only=True):
     beam_width: int | None = None  # beam search instead of sampling (W outputs per prompt)
     length_penalty: float | None = None  # beam search only: score = cum / length ** this
     sampling_seed: int | None = None  # SGLang's name of seed
-    structural_tag: Unset = None
+    # an xgrammar structural tag (JSON text or object; SGLang's), e.g. tool calls
+    structural_tag: str | dict[str, Any] | None = None
     stream_interval: Annotated[int, ints(1)] | None = None  # streaming is per step already
     # SGLang's normalised internals (set by its server, accepted at their defaults)
     stop_strs: Unset = None
