@@ -38,7 +38,9 @@ class ToolRequest:
         tools = [t for t in self.tools if self.forced in (None, t.name)]
         try:
             fmt = self.fmt.calls_format(
-                tools, at_least_one=self.choice != "auto", parallel=self.parallel
+                tools,
+                at_least_one=self.choice != "auto",
+                parallel=self.parallel and self.forced is None,  # a named call: one
             )
         except ValueError:  # a format without a constrained auto mode
             return None
