@@ -179,3 +179,29 @@ def test_bad_history_arguments(server):
     body = {"messages": [*USER, {"role": "assistant", "tool_calls": [call]}], "max_tokens": 2}
     status, out = http_call(server.url + "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_langchain_bind_tools(server):
+    """langchain-openai's bind_tools (skipped when it is not installed)."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    def get_time(tz: str) -> str:
+        """The time in a three-letter time zone."""
+        return "12:00"
+
+    llm = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="default",
+                        temperature=0, max_tokens=200, max_retries=0)  # fmt: skip
+    bound = llm.bind_tools([get_time], tool_choice="get_time")
+    messages = [HumanMessage("What time is it in CET?")]
+    ai = bound.invoke(messages)
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_time" and isinstance(call["args"].get("tz"), str)
+    streamed = None
+    for chunk in bound.stream(messages):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["get_time"]
+    follow = llm.bind_tools([get_time]).invoke(
+        [*messages, ai, ToolMessage("12:00", tool_call_id=call["id"])]
+    )
+    assert isinstance(follow.content, str)
