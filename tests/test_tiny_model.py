@@ -124,8 +124,50 @@ def test_chat_template_renders_roles(tokenizer) -> None:
 
 
 def test_chat_template_rejects_unknown_role(tokenizer) -> None:
-    with pytest.raises(Exception, match="unsupported role tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unsupported role function"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_renders_tools_calls_and_results(tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    one = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert text.startswith(
+        '<|system|>\n# Tools\nYou may call these functions:\n<tools>\n{"name": "f"'
+    )
+    assert f"<|assistant|>\n{one}\n{one}<|end|>\n" in text
+    assert text.endswith("<|user|>\n<tool_response>\nr\n</tool_response><|end|>\n")
+    assert tokenizer.apply_chat_template(MESSAGES, tools=None, tokenize=False) == RENDERED
+
+
+def test_cached_model_takes_a_new_template_without_training(tmp_path, monkeypatch) -> None:
+    """A model dir that differs only in its chat template is copied with the new one."""
+    from radixrt.model import tiny
+
+    path = tiny.ensure_tiny_model(random=True)
+    old_dir = tmp_path / "m"
+    old_dir.mkdir()
+    for name in os.listdir(path):
+        os.link(os.path.join(path, name), old_dir / name)
+    config = json.loads((old_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "old"
+    os.unlink(old_dir / "tokenizer_config.json")
+    (old_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    marker = json.loads((old_dir / tiny.MARKER_FILE).read_text())
+    marker.pop("chat_template_sha256")
+    os.unlink(old_dir / tiny.MARKER_FILE)
+    (old_dir / tiny.MARKER_FILE).write_text(json.dumps(marker))
+    monkeypatch.setattr(tiny, "make_tiny_model", lambda *a, **k: pytest.fail("trained again"))
+    assert tiny.ensure_tiny_model(str(old_dir), random=True) == str(old_dir)
+    config = json.loads((old_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == tiny.CHAT_TEMPLATE
+    assert json.loads((old_dir / tiny.MARKER_FILE).read_text()) == tiny._marker(True)
 
 
 @pytest.mark.parametrize("variant", ["trained", "random"])

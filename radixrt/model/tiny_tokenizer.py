@@ -60,17 +60,18 @@ def chat_template_sha256() -> str:
 
 
 def copy_with_template(src: str, dst: str) -> None:
-    """Copy the tiny model dir `src` into the existing dir `dst` (files hard-linked where
-    the file system allows) with the chat template of tokenizer_config.json replaced by
+    """Copy the tiny model dir `src` into the existing dir `dst` (weights hard-linked where
+    the file system allows: they are never written again; other files copied, as the
+    caller rewrites some) with the chat template of tokenizer_config.json replaced by
     CHAT_TEMPLATE: a cached model takes a new template without being trained again."""
     for name in os.listdir(src):
-        if name == "tokenizer_config.json":
-            continue
         a, b = os.path.join(src, name), os.path.join(dst, name)
-        if os.path.isdir(a):
-            shutil.copytree(a, b, copy_function=_link_or_copy)
-        else:
+        if name == "tokenizer_config.json" or os.path.isdir(a):
+            continue
+        if name.endswith(".safetensors"):
             _link_or_copy(a, b)
+        else:
+            shutil.copy2(a, b)
     with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["chat_template"] = CHAT_TEMPLATE
