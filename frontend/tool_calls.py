@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from radixrt.sampling import SamplingParams
+from radixrt.server.protocol import ApiError
 from radixrt.server.tools import Tool, ToolFormat, create_tool_format, default_tool_parser
 from radixrt.server.tools.request import ToolRequest
 from radixrt.server.tools.schema_check import check_schema
@@ -35,8 +36,8 @@ def normalized_tools(defs: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         try:
             check_schema(params, f"tools[{i}].function.parameters")
-        except Exception as e:  # ApiError: the same message as the server's
-            raise ValueError(str(e)) from None
+        except ApiError as e:  # the server's message, as the DSL's ValueError
+            raise ValueError(e.message) from None
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     return tuple(out)
 

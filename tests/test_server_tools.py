@@ -163,6 +163,9 @@ def test_auto_and_none(client):
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}}}],
+          "tool_choice": "required"}, "tools"),  # compiles in the scheduler: names tools
     ],
 )  # fmt: skip
 def test_bad_tool_fields_name_the_field(server, change, param):
