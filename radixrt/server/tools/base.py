@@ -56,6 +56,8 @@ class ToolFormat(ABC):
     name: str  # the --tool-call-parser value
     # the markers need special tokens in the text (the request keeps them in its output)
     keeps_special_tokens: bool = False
+    # auto can be constrained: a marker starts every call (calls_format(at_least_one=False))
+    constrains_auto: bool = True
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -70,7 +72,8 @@ class ToolFormat(ABC):
     def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
         """xgrammar structural-tag format of the whole output: calls of `tools` only
         (`at_least_one`: required / named) or text with calls that are constrained once
-        started (auto); `parallel`: more than one call allowed."""
+        started (auto, where `constrains_auto`; else ValueError); `parallel`: more than
+        one call allowed."""
 
     def parse(self, text: str) -> Scan:
         """The whole output's content and calls."""

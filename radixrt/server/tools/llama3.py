@@ -18,6 +18,7 @@ SEPARATOR = "; "
 
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
+    constrains_auto = False  # a call is recognised only at the start of the output
 
     def __init__(self, tool_names: frozenset[str] | None = None) -> None:
         self.tool_names = tool_names  # names a call may have; None: any
@@ -75,7 +76,6 @@ class Llama3JsonFormat(ToolFormat):
 
     def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
         if not at_least_one:
-            # a call is recognised only at the start of the output: no trigger inside text
             raise ValueError("llama3_json has no constrained auto mode")
         return {
             "type": "tags_with_separator",

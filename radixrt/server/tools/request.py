@@ -35,15 +35,14 @@ class ToolRequest:
         has a marker (hermes, mistral)."""
         if self.fmt is None or self.choice == "none":
             return None
-        tools = [t for t in self.tools if self.forced in (None, t.name)]
-        try:
-            fmt = self.fmt.calls_format(
-                tools,
-                at_least_one=self.choice != "auto",
-                parallel=self.parallel and self.forced is None,  # a named call: one
-            )
-        except ValueError:  # a format without a constrained auto mode
+        if self.choice == "auto" and not self.fmt.constrains_auto:
             return None
+        tools = [t for t in self.tools if self.forced in (None, t.name)]
+        fmt = self.fmt.calls_format(
+            tools,
+            at_least_one=self.choice != "auto",
+            parallel=self.parallel and self.forced is None,  # a named call: one
+        )
         return json.dumps({"type": "structural_tag", "format": fmt})
 
 
@@ -54,7 +53,7 @@ def parse_tools(req: Any, fmt_name: str) -> ToolRequest | None:
 
     choice, forced = _choice(req.tool_choice)
     if not req.tools:
-        if choice not in ("none", "auto") or req.tool_choice not in (None, "none", "auto"):
+        if choice not in ("none", "auto"):
             raise ApiError("tool_choice needs tools", param="tool_choice")
         return None
     tools, template_tools = checked_tools(req.tools)
