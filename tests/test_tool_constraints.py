@@ -96,3 +96,51 @@ def test_auto_constrains_a_started_call(name):
 def test_llama3_has_no_constrained_auto():
     with pytest.raises(ValueError, match="no constrained auto"):
         create_tool_format("llama3_json").calls_format([NOW], at_least_one=False, parallel=True)
+
+
+def _spec(parser: str, **fields):
+    from radixrt.server.protocol import ModelInfo
+    from radixrt.server.validate import parse_chat
+
+    seen = {}
+
+    def render(messages, options):
+        seen["messages"], seen["options"] = messages, options
+        return "prompt"
+
+    body = {"messages": [{"role": "user", "content": "q"}], **fields}
+    model = ModelInfo("/m", vocab_size=2048, max_model_len=2048)
+    return parse_chat(json.dumps(body).encode(), model, render, tool_parser=parser), seen
+
+
+TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_parse_chat_puts_the_constraint_on_the_request(parser):
+    spec, seen = _spec(parser, tools=[TOOL], tool_choice="required")
+    assert spec.grammar_param == "tools" and spec.sampling["structural_tag"]
+    assert spec.params(8).structural_tag == spec.sampling["structural_tag"]
+    assert seen["options"].tools == [{"type": "function", "function": {
+        "name": "now", "description": "", "parameters": {"type": "object"}}}]  # fmt: skip
+    assert spec.sampling["skip_special_tokens"] is (parser != "mistral")
+    auto, _ = _spec(parser, tools=[TOOL])
+    assert ("structural_tag" in auto.sampling) is (parser != "llama3_json")
+    none, _ = _spec(parser, tools=[TOOL], tool_choice="none")
+    assert "structural_tag" not in none.sampling and none.tools.fmt is None
+    with_format, _ = _spec(parser, tools=[TOOL], response_format={"type": "json_object"})
+    assert "structural_tag" not in with_format.sampling  # auto yields to response_format
+
+
+def test_call_history_reaches_the_template():
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"a": 1}'}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+    ]
+    _, seen = _spec("hermes", messages=messages)
+    assert seen["messages"][1]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {"a": 1}}}
+    ]
+    assert seen["messages"][2] == {"role": "tool", "content": "r", "tool_call_id": "c1"}
