@@ -20,7 +20,7 @@ TRANSCRIPTS = [
         "hermes",
         'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": ' + WEATHER + "}\n"
         '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
-        "Let me look.\n\n",
+        "Let me look.\n",  # the blank between calls separates them
         [("get_weather", WEATHER), ("get_time", '{"tz": "CET"}')],
     ),
     (  # Qwen3 writes arguments first at times; a call without arguments gets {}
@@ -35,6 +35,12 @@ TRANSCRIPTS = [
         "a <tool_call> b </tool_call> <tool_ c",
         "a <tool_call> b </tool_call> <tool_ c",
         [],
+    ),
+    (  # blanks after a call separate; other text after it is content
+        "hermes",
+        '<tool_call>{"name": "now"}</tool_call>\n \n<tool_c and then text',
+        "\n \n<tool_c and then text",
+        [("now", "{}")],
     ),
     (  # cut by the token budget inside the arguments
         "hermes",

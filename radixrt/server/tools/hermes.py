@@ -31,9 +31,12 @@ class HermesFormat(ToolFormat):
             k = text.find(START, pos)
             if k < 0:
                 rest = text[pos:]
-                content.append(rest if final else rest[: len(rest) - held_back(rest, START)])
+                rest = rest if final else rest[: len(rest) - held_back(rest, START)]
+                if not (calls and rest.isspace()):  # blanks after a call: a separator
+                    content.append(rest)
                 break
-            content.append(text[pos:k])
+            if not (calls and text[pos:k].isspace()):
+                content.append(text[pos:k])
             j = skip_ws(text, k + len(START))
             if j == len(text):  # the marker alone so far
                 if final:
