@@ -146,3 +146,11 @@ def test_default_parser_from_chat_template():
     assert default_tool_parser(None) == "hermes"
     with pytest.raises(ValueError, match="allowed: hermes, llama3_json, mistral"):
         create_tool_format("pythonic")
+
+
+def test_serve_config_checks_the_parser():
+    from radixrt.server.launch import ServeConfig
+
+    assert ServeConfig(model="m", tool_call_parser="mistral").tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServeConfig(model="m", tool_call_parser="pythonic")
