@@ -144,3 +144,40 @@ def test_call_history_reaches_the_template():
         {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {"a": 1}}}
     ]
     assert seen["messages"][2] == {"role": "tool", "content": "r", "tool_call_id": "c1"}
+
+
+def test_auto_leaves_text_answers_alone_in_a_mixed_batch(make_engine, tiny_model_dir):
+    """Greedy text answers are the same with auto's constraint as without it, in one batch
+    with required calls (which are valid); integrity holds after (make_engine)."""
+    from transformers import AutoTokenizer
+
+    from radixrt import SamplingParams
+
+    engine = make_engine()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    schema = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 5}},
+              "required": ["tz"], "additionalProperties": False}  # fmt: skip
+    tool = Tool("get_time", schema)
+    defs = [{"type": "function", "function": {"name": "get_time", "parameters": schema}}]
+    fmt = create_tool_format("hermes")
+
+    def tag(**kw):
+        return json.dumps({"type": "structural_tag", "format": fmt.calls_format([tool], **kw)})
+
+    questions = ["What is the capital of France?", "Tell me a story.", "What time is it?"]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tools=defs, tokenize=False,
+                                add_generation_prompt=True)
+        for q in questions
+    ]  # fmt: skip
+    plain = SamplingParams(max_tokens=48, temperature=0)
+    auto_tag = tag(at_least_one=False, parallel=True)
+    auto = SamplingParams(max_tokens=48, temperature=0, structural_tag=auto_tag)
+    required_tag = tag(at_least_one=True, parallel=False)
+    required = SamplingParams(max_tokens=160, temperature=0.8, seed=1, structural_tag=required_tag)
+    outs = engine.generate(prompts * 3, [plain] * 3 + [auto] * 3 + [required] * 3)
+    assert [o.text for o in outs[:3]] == [o.text for o in outs[3:6]]
+    for o in outs[6:]:
+        (call,) = fmt.parse(o.text).calls
+        assert call.name == "get_time" and set(json.loads(call.arguments)) == {"tz"}
+    engine.check_integrity()
