@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="runs per workload and config; "
                    "the fastest is reported")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--agent-tool-calls", action="store_true", help="the agent workload's "
+                   "steps as tool calls and tool messages (workloads.agent)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None, help="programs in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
     p.add_argument("--run-timeout-s", type=float, default=None, help="abort a run after this")
@@ -123,8 +125,9 @@ def plan_runs(args: argparse.Namespace, vocab_size: int, max_len: int) -> list[R
     names = [n for n in args.workloads.split(",") if n]
     pressure = [n for n in args.pressure.split(",") if n]
     scales = _scales(args.scale, sorted(set(names) | set(pressure)))
+    extra = {"agent": {"tool_calls": True}} if getattr(args, "agent_tool_calls", False) else {}
     workloads = {
-        n: make_workload(n, args.size, scales[n], args.seed, vocab_size)
+        n: make_workload(n, args.size, scales[n], args.seed, vocab_size, **extra.get(n, {}))
         for n in dict.fromkeys(names + pressure)
     }
     for w in workloads.values():

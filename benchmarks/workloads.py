@@ -11,6 +11,7 @@ lengths below are known before the run. Token ids are drawn from [FIRST_TOKEN, v
 | shared-prefix   | one call: group system prompt + question            | num_groups  |
 | multi-turn      | chat: a turn = previous context + user input        | num_users   |
 | agent           | ReAct loop: a step = previous context + observation | num_agents  |
+|                 | (`tool_calls=True`: as tool calls and tool messages) |             |
 | tree-of-thought | each node forks 3-4 branches after it finished      | num_trees   |
 | few-shot        | prefill shots + question, then score each choice    | num_subjects|
 | random          | one call, nothing shared (the cache's overhead)     | num_requests|
@@ -225,19 +226,51 @@ def agent(
     action_len: int,
     observation_len: tuple[int, int],
     tool_pause_s: float = 0.0,
+    tool_calls: bool = False,
 ) -> list[Program]:
     """ReAct loops: a shared tool-description prompt, a task, then `num_steps` steps of
     thought + action (`action_len` tokens) each followed by an observation of random length,
-    sent `tool_pause_s` seconds after the step finished (the tool runs meanwhile)."""
+    sent `tool_pause_s` seconds after the step finished (the tool runs meanwhile).
+
+    `tool_calls`: the steps as OpenAI tool calls and tool results, laid out as a Hermes /
+    Qwen chat template renders them (the format agent frameworks send): a step's prompt
+    ends with the call's opening (`<tool_call>\n{"name": ..., "arguments": `, which a
+    constrained call forces), the model generates the arguments (`action_len` tokens), and
+    the next step appends the call's closing, the turn's end, the tool message around the
+    observation and the next opening. The framing tokens are drawn once and shared (they
+    are template text); the history is re-sent as generated (a template that re-renders a
+    call's arguments as the model wrote them)."""
     system = tok(system_len)
+    frame = _ToolFrame(tok) if tool_calls else None
     programs = []
     for _ in range(num_agents):
-        calls = [Call(None, system + tok(task_len), action_len)]
+        first = system + tok(task_len) + (frame.call_open(tok) if frame else ())
+        calls = [Call(None, first, action_len)]
         for step in range(1, num_steps):
             observation = tok(tok.uniform(*observation_len))
-            calls.append(Call(step - 1, observation, action_len, pause_s=tool_pause_s))
+            step_input = frame.result(tok, observation) if frame else observation
+            calls.append(Call(step - 1, step_input, action_len, pause_s=tool_pause_s))
         programs.append(Program(tuple(calls)))
     return programs
+
+
+class _ToolFrame:
+    """Template text around tool calls and results, as token ids (drawn once per workload):
+    `<tool_call>\n{"name": "`, one of three tool names, `", "arguments": `; the closing
+    `}\n</tool_call><|end|>\n`; `<|user|>\n<tool_response>\n` ... `\n</tool_response>
+    <|end|>\n<|assistant|>\n`."""
+
+    def __init__(self, tok: _Tokens) -> None:
+        self.open, self.mid = tok(8), tok(6)
+        self.names = [tok(tok.uniform(2, 4)) for _ in range(3)]
+        self.close, self.result_open, self.result_close = tok(8), tok(9), tok(11)
+
+    def call_open(self, tok: _Tokens) -> tuple[int, ...]:
+        return self.open + self.names[tok.uniform(0, len(self.names) - 1)] + self.mid
+
+    def result(self, tok: _Tokens, observation: tuple[int, ...]) -> tuple[int, ...]:
+        framed = self.close + self.result_open + observation + self.result_close
+        return framed + self.call_open(tok)
 
 
 def tree_of_thought(

@@ -18,7 +18,7 @@ Primitives: `s += "text"`, `gen(name, ...)`, `select(name, choices)`, roles
 
 from .backends import Backend, EngineBackend, GenResult, Runtime, RuntimeEndpoint
 from .errors import BackendError, UnknownVariableError
-from .ir import assistant, gen, role, select, system, user
+from .ir import assistant, gen, role, select, system, tool_result, tools, user
 from .program import Program, function, get_default_backend, set_default_backend
 from .state import ForkGroup, ProgramState, StreamingState
 
@@ -42,5 +42,7 @@ __all__ = [
     "select",
     "set_default_backend",
     "system",
+    "tool_result",
+    "tools",
     "user",
 ]

@@ -27,7 +27,13 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = False,
+        tools: tuple[dict, ...] = (),
+    ) -> str:
+        """The template applied to `messages`, offering `tools` (OpenAI's `tools`)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "the model's tokenizer has no chat_template; roles (system/user/assistant) "
@@ -36,16 +42,19 @@ class ChatTemplate:
         if not messages and not add_generation_prompt:
             return ""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=list(tools) or None,
         )
 
-    def prefix(self, messages: list[Message], role: str) -> str:
+    def prefix(self, messages: list[Message], role: str, tools: tuple[dict, ...] = ()) -> str:
         """Text that opens a message of `role` after `messages`."""
-        before = self.render(messages)
+        before = self.render(messages, tools=tools) if messages else ""
         if role == "assistant":
-            upto = self.render(messages, add_generation_prompt=True)
+            upto = self.render(messages, add_generation_prompt=True, tools=tools)
         else:
-            upto = self._split(messages, role)[0]
+            upto = self._split(messages, role, tools)[0]
         if not upto.startswith(before):
             raise ValueError(
                 f"the chat template renders the conversation before a {role!r} message "
@@ -54,12 +63,14 @@ class ChatTemplate:
             )
         return upto[len(before) :]
 
-    def suffix(self, messages: list[Message], role: str) -> str:
+    def suffix(self, messages: list[Message], role: str, tools: tuple[dict, ...] = ()) -> str:
         """Text that closes a message of `role` after `messages`."""
-        return self._split(messages, role)[1]
+        return self._split(messages, role, tools)[1]
 
-    def _split(self, messages: list[Message], role: str) -> tuple[str, str]:
-        full = self.render([*messages, {"role": role, "content": SENTINEL}])
+    def _split(
+        self, messages: list[Message], role: str, tools: tuple[dict, ...] = ()
+    ) -> tuple[str, str]:
+        full = self.render([*messages, {"role": role, "content": SENTINEL}], tools=tools)
         if full.count(SENTINEL) != 1:
             raise ValueError(
                 f"the chat template does not render a {role!r} message's content verbatim "

@@ -17,7 +17,8 @@ from typing import Any
 
 from .backends.base import Backend
 from .errors import UnknownVariableError
-from .ir import Gen, GenParams, Op, RoleBegin, RoleEnd, Select, Text
+from .ir import Gen, GenParams, OfferTools, Op, RoleBegin, RoleEnd, Select, Text
+from .tool_calls import constrained, read_calls
 
 
 class TraceStop(BaseException):
@@ -81,6 +82,7 @@ class Executor:
         self.meta: dict[str, dict[str, Any]] = {}
         self.messages: list[dict[str, str]] = []
         self.open_role: _OpenRole | None = None
+        self.tools: tuple[dict, ...] = ()  # offered to the model (tools(...))
         self.children: list[Executor] = []  # forks, finished with this executor
         # requests of gens with a retention hint (cache_ttl_s), shared with the forks: the
         # program releases their holds when it ends
@@ -156,6 +158,7 @@ class Executor:
             child.meta = copy.deepcopy(self.meta)
             child.messages = copy.deepcopy(self.messages)
             child.open_role = copy.copy(self.open_role)
+            child.tools = self.tools
             children.append(child)
         self.children += children
         return children
@@ -210,7 +213,13 @@ class Executor:
         elif isinstance(op, RoleBegin):
             self._role_begin(op.role)
         elif isinstance(op, RoleEnd):
-            self._role_end(op.role)
+            self._role_end(op.role, op.call_id)
+        elif isinstance(op, OfferTools):
+            if self.messages or self.open_role is not None:
+                raise ValueError(
+                    "tools(...) goes before the first role (the template renders them)"
+                )
+            self.tools = op.tools
         else:
             raise AssertionError(f"unknown operation {op!r}")
 
@@ -223,6 +232,16 @@ class Executor:
         if self.tracing:
             raise TraceStop
         params = op.params.resolve(self.gen_defaults)
+        fmt = None
+        if op.tool_choice is not None:
+            if not self.tools:
+                raise ValueError(
+                    f"gen({op.name!r}) has a tool_choice but no tools(...) were offered"
+                )
+            template = getattr(self.backend.chat_template.tokenizer, "chat_template", None)
+            params, fmt = constrained(
+                params, self.tools, op.tool_choice, op.parallel_tool_calls, template
+            )
         if not self.text:
             raise ValueError(f"gen({op.name!r}) needs text before it (the prompt is empty)")
         prompt_ids = self.backend.encode(self.text)
@@ -236,7 +255,11 @@ class Executor:
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         if op.name is not None:
             self.variables[op.name] = result.text
+            calls: list[dict[str, Any]] = []
+            if fmt is not None:
+                self.variables[op.name], calls = read_calls(fmt, result.text)
             self.meta[op.name] = {
+                "tool_calls": calls,
                 "finish_reason": result.finish_reason,
                 "prompt_tokens": result.prompt_tokens,
                 "completion_tokens": result.completion_tokens,
@@ -275,12 +298,17 @@ class Executor:
                 f"cannot open a {role!r} block inside the open {self.open_role.role!r} "
                 "block; roles do not nest"
             )
-        self._append(self.backend.chat_template.prefix(self.messages, role), None, stream=True)
+        prefix = self.backend.chat_template.prefix(self.messages, role, self.tools)
+        self._append(prefix, None, stream=True)
         self.open_role = _OpenRole(role, len(self.text))
 
-    def _role_end(self, role: str) -> None:
+    def _role_end(self, role: str, call_id: str | None = None) -> None:
         assert self.open_role is not None and self.open_role.role == role, (role, self.open_role)
         content = self.text[self.open_role.content_start :]
-        self._append(self.backend.chat_template.suffix(self.messages, role), None, stream=True)
-        self.messages.append({"role": role, "content": content})
+        suffix = self.backend.chat_template.suffix(self.messages, role, self.tools)
+        self._append(suffix, None, stream=True)
+        message = {"role": role, "content": content}
+        if call_id is not None:
+            message["tool_call_id"] = call_id
+        self.messages.append(message)
         self.open_role = None

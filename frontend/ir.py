@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from radixrt.sampling import SamplingParams
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class Expr:
@@ -99,6 +99,14 @@ BASE_GEN_DEFAULTS = {"max_tokens": 128}  # over SamplingParams' own defaults
 class Gen(Expr):
     name: str | None  # variable that receives the generated text; None: not stored
     params: GenParams
+    # calls of the offered tools: "auto", "required" or a tool's name; None: plain text
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True  # more than one call allowed
+
+
+@dataclass(frozen=True)
+class OfferTools(Expr):
+    tools: tuple[dict, ...]  # OpenAI-style definitions, rendered by the chat template
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,7 @@ class Select(Expr):
 class Role(Expr):
     role: str
     content: tuple[Expr | str, ...]
+    call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True)
@@ -122,9 +131,10 @@ class RoleBegin(Expr):
 @dataclass(frozen=True)
 class RoleEnd(Expr):
     role: str
+    call_id: str | None = None
 
 
-Op = Text | Gen | Select | RoleBegin | RoleEnd
+Op = Text | Gen | Select | RoleBegin | RoleEnd | OfferTools
 
 
 def gen(
@@ -144,6 +154,8 @@ def gen(
     cache_salt: str | None = None,
     priority: int | None = None,
     cache_ttl_s: float | None = None,
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
@@ -153,7 +165,10 @@ def gen(
     (vLLM's): the gen shares cached KV only with requests of the same salt (set it for a
     whole program with `gen_defaults={"cache_salt": ...}`); `priority`: lower runs first;
     `cache_ttl_s`: keep the context cached this long after the gen finishes (e.g. while a
-    tool runs before the next gen extends it).
+    tool runs before the next gen extends it). `tool_choice` ("auto", "required" or a tool's
+    name) lets the model call the tools offered with `tools(...)`, constrained to calls whose
+    arguments match their schemas (auto: once a call starts, in formats with a call marker);
+    the variable holds the text outside calls and `state.tool_calls(name)` the calls.
     Raises ValueError for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
@@ -173,7 +188,22 @@ def gen(
         priority=priority,
         cache_ttl_s=cache_ttl_s,
     )
-    return Gen(name, params)
+    if tool_choice is not None and not (isinstance(tool_choice, str) and tool_choice):
+        raise ValueError(f"gen({name!r}) tool_choice must be auto, required or a tool's name")
+    return Gen(name, params, tool_choice, bool(parallel_tool_calls))
+
+
+def tools(definitions: Sequence[dict]) -> OfferTools:
+    """Offer functions to the model (OpenAI `tools` entries, or bare {"name", "parameters"}
+    objects): the chat template renders them; add it before the first role."""
+    from .tool_calls import normalized_tools
+
+    return OfferTools(normalized_tools(list(definitions)))
+
+
+def tool_result(call_id: str, *content: ExprLike) -> Role:
+    """A tool message answering call `call_id` (an id from `state.tool_calls(...)`)."""
+    return Role("tool", tuple(x for c in content for x in _items(c)), call_id)
 
 
 def select(name: str | None, choices: Sequence[str], normalize: bool = True) -> Select:
@@ -218,8 +248,8 @@ def to_ops(expr: ExprLike) -> list[Op]:
         body = [op for item in expr.content for op in to_ops(item)]
         if any(isinstance(op, RoleBegin) for op in body):
             raise ValueError(f"role {expr.role!r} contains another role; roles do not nest")
-        return [RoleBegin(expr.role), *body, RoleEnd(expr.role)]
-    if isinstance(expr, (Text, Gen, Select, RoleBegin, RoleEnd)):
+        return [RoleBegin(expr.role), *body, RoleEnd(expr.role, expr.call_id)]
+    if isinstance(expr, (Text, Gen, Select, RoleBegin, RoleEnd, OfferTools)):
         return [expr] if not (isinstance(expr, Text) and not expr.value) else []
     if isinstance(expr, (list, tuple)):
         return [op for item in expr for op in to_ops(item)]

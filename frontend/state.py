@@ -39,6 +39,11 @@ class ProgramState:
         (the compared values), logprob_sums, token_logprobs, normalize."""
         return self._executor.get_meta(name)
 
+    def tool_calls(self, name: str) -> list[dict[str, Any]]:
+        """The calls of gen `name` (one with tool_choice): [{"id", "name", "arguments"}],
+        arguments decoded from JSON."""
+        return self.meta(name).get("tool_calls", [])
+
     def variables(self) -> dict[str, str]:
         return self._executor.all_variables()
 

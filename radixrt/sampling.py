@@ -103,6 +103,9 @@ class SamplingParams:
     # retention hint: keep the prompt cached this many seconds after the request finishes
     # (radixrt.scheduler.retention; 0: plain LRU)
     cache_ttl_s: float = 0.0
+    # this xgrammar structural tag (JSON text: {"type": "structural_tag", "format": ...});
+    # tool calls in a model's format
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _check_tenancy(self)
@@ -293,12 +296,15 @@ class BeamSearchParams:
         )
 
 
+STRUCTURED_FIELDS = ("regex", "json_schema", "grammar", "structural_tag")  # at most one
+
+
 def _check_grammar(p: SamplingParams) -> None:
     """regex / json_schema / grammar: strings of bounded size, at most one set; a schema is a
     JSON object (or true/false)."""
-    given = [n for n in ("regex", "json_schema", "grammar") if getattr(p, n) is not None]
+    given = [n for n in STRUCTURED_FIELDS if getattr(p, n) is not None]
     _check(len(given) <= 1, given[-1] if given else "regex", given, "at most one of regex, "
-           "json_schema and grammar")  # fmt: skip
+           "json_schema, grammar and structural_tag")  # fmt: skip
     for name in given:
         value = getattr(p, name)
         _check(

@@ -153,6 +153,27 @@ def test_bench_serving_cli_writes_results(tmp_path, tiny_model_dir, one_thread):
     assert "| random | radix+lpm |" in (tmp_path / "t.md").read_text()
 
 
+def test_agent_steps_as_tool_calls(make_engine, one_thread):
+    """With tool_calls, every step after the first appends the call's closing, the tool
+    message around the observation and the next call's opening (template text shared by
+    every agent); the radix cache reuses the whole history of each step."""
+    from benchmarks.bench_serving import parse_args, plan_runs
+
+    plain = make_workload("agent", "smoke", vocab_size=2000)
+    w = make_workload("agent", "smoke", 0.5, vocab_size=2000, tool_calls=True, num_steps=3)
+    assert w.params["tool_calls"] and not plain.params.get("tool_calls")
+    steps = [c.input_ids for p in w.programs for c in p.calls[1:]]
+    assert len({s[:17] for s in steps}) == 1  # the closing and the result's opening
+    assert all(c.input_ids[-6:] == steps[0][-6:] for p in w.programs for c in p.calls)
+    result = run_engine(make_engine(prefix_cache="radix", policy="lpm"), w)
+    assert result.complete and len(result.records) == w.num_calls
+    hit = sum(r.cached_tokens for r in result.records) / w.prompt_tokens
+    assert hit == pytest.approx(w.best_hit_rate(), abs=0.02)
+    args = parse_args(["--size", "smoke", "--workloads", "agent", "--pressure", "",
+                       "--agent-tool-calls"])  # fmt: skip
+    assert plan_runs(args, vocab_size=2000, max_len=2048)[0].workload.params["tool_calls"]
+
+
 def test_plan_runs_pressure_pool():
     from benchmarks.bench_serving import parse_args, plan_runs
 

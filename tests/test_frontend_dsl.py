@@ -20,6 +20,8 @@ from radixrt.frontend import (
     select,
     set_default_backend,
     system,
+    tool_result,
+    tools,
     user,
 )
 from radixrt.frontend.chat import ChatTemplate
@@ -290,7 +292,7 @@ def test_role_errors(backend):
     with pytest.raises(ValueError, match="roles do not nest"):
         to_ops(user(system("x")))
     with pytest.raises(ValueError, match="unknown role"):
-        role("tool", "x")
+        role("function", "x")
 
 
 @function
@@ -527,3 +529,53 @@ def test_a_programs_retention_holds_end_with_it(backend):
     while retention.holds and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not retention.holds
+
+
+def test_tools_render_like_apply_chat_template_and_calls_are_read_back(backend):
+    """Offered tools and tool messages render as the chat template renders them; a gen
+    with a required tool choice returns a call whose arguments match the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    defs = [{"type": "function", "function": {"name": "weather", "parameters": schema}}]
+
+    @function
+    def agent(s):
+        s += tools(defs)
+        s += user("Weather in Oslo?")
+        s += assistant(gen("step", max_tokens=120, tool_choice="weather", temperature=0.0))
+        for call in s.tool_calls("step"):
+            s += tool_result(call["id"], "rain")
+
+    state = agent.run(backend=backend)
+    (call,) = state.tool_calls("step")
+    assert call["name"] == "weather" and set(call["arguments"]) == {"city"}
+    assert call["id"].startswith("call_") and state["step"] == ""
+    tok = backend.chat_template.tokenizer
+    messages = state.messages()
+    assert messages[-1] == {"role": "tool", "content": "rain", "tool_call_id": call["id"]}
+    assert state.text() == tok.apply_chat_template(messages, tools=list(defs), tokenize=False)
+
+
+def test_tool_errors(backend):
+    with pytest.raises(ValueError, match="parameters"):
+        tools([{"name": "f", "parameters": {"type": "array"}}])
+
+    @function
+    def late(s):
+        s += user("x")
+        s += tools([{"name": "f"}])
+
+    with pytest.raises(ValueError, match="before the first role"):
+        late.run(backend=backend)
+
+    @function
+    def unknown(s):
+        s += tools([{"name": "f"}])
+        s += user("x") + assistant(gen("a", max_tokens=2, tool_choice="g"))
+
+    with pytest.raises(ValueError, match="tool_choice 'g'"):
+        unknown.run(backend=backend)

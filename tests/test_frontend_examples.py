@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from radixrt.frontend.examples import chat, few_shot_select, react_agent, tree_of_thought
 from radixrt.frontend.examples.react_agent import calculator, lookup
 
@@ -22,6 +24,23 @@ def test_react_agent_example(tiny_model_dir):
     actions = [v for k, v in state.variables().items() if k.startswith("action_")]
     assert 1 <= len(actions) <= 2 and set(actions) <= set(react_agent.ACTIONS)
     assert "answer" in state.variables()
+
+
+@pytest.mark.parametrize("max_tokens", ["4", "120"])
+def test_react_agent_with_tool_calls(tiny_model_dir, max_tokens):
+    args = ["--model", tiny_model_dir, "--device", "cpu", "--max-tokens", max_tokens]
+    state = react_agent.main([*args, "--steps", "2", "--protocol", "tools"])
+    roles = [m["role"] for m in state.messages()]
+    assert roles[:3] == ["system", "user", "assistant"] and roles[-1] == "assistant"
+    if max_tokens == "4":  # a cut call has no name yet: no call, the agent answers
+        assert state.tool_calls("step_0") == [] and "tool" not in roles
+        return
+    calls = state.tool_calls("step_0")  # required: the first step calls a tool
+    assert calls and all(c["name"] in react_agent.TOOLS for c in calls)
+    assert all(isinstance(c["arguments"], dict) and len(c["arguments"]) == 1 for c in calls)
+    results = [m for m in state.messages() if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results[: len(calls)]] == [c["id"] for c in calls]
+    assert "<tool_response>" in state.text()
 
 
 def test_react_agent_tools():

@@ -22,6 +22,8 @@ from radixrt.frontend import (
     gen,
     select,
     system,
+    tool_result,
+    tools,
     user,
 )
 
@@ -159,3 +161,36 @@ def test_unreachable_server_raises_backend_error(tiny_model_dir):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(BackendError, match=f"cannot reach the radixrt server at {url}"):
         RuntimeEndpoint(url, model_path=tiny_model_dir)
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@function
+def one_call(s):
+    s += tools([{"name": "weather", "parameters": CITY}])
+    s += user("Weather in Oslo?")
+    s += assistant(
+        gen(
+            "step", max_tokens=120, tool_choice="required", parallel_tool_calls=False, temperature=0
+        )
+    )
+    for call in s.tool_calls("step"):
+        s += tool_result(call["id"], "rain")
+    s += assistant(gen("answer", max_tokens=4, temperature=0))
+
+
+def test_tool_calls_over_http_equal_in_process(endpoint, local):
+    """/generate's structural_tag carries the DSL's constraint: the same calls and text."""
+    remote, here = one_call.run(backend=endpoint), one_call.run(backend=local)
+    assert remote.text() == here.text()
+    calls = remote.tool_calls("step")
+    assert [c["name"] for c in calls] == ["weather"] and set(calls[0]["arguments"]) == {"city"}
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["name"], c["arguments"]) for c in here.tool_calls("step")
+    ]

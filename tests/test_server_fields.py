@@ -462,8 +462,8 @@ def test_neutral_fields_in_nested_objects_are_named():
         gen(sampling_params={"is_normalized": True})
     assert e.value.param == "sampling_params.is_normalized"
     with pytest.raises(ApiError) as e:
-        chat(messages=[{"role": "user", "content": "x", "tool_call_id": "t"}])
-    assert e.value.param == "messages[0].tool_call_id"
+        chat(messages=[{"role": "user", "content": "x", "prefix": True}])
+    assert e.value.param == "messages[0].prefix"
 
 
 def test_unknown_names_warn_once_or_are_refused(caplog):

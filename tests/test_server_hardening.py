@@ -152,7 +152,7 @@ def test_stop_strings_are_limited_and_cheap(server):
 
 @pytest.mark.parametrize("path", [COMP, CHAT, GEN])
 def test_deep_nesting_is_400(server, path):
-    key = {COMP: b"prompt", CHAT: b"tools", GEN: b"input_ids"}[path]  # fields that take Any
+    key = {COMP: b"prompt", CHAT: b"functions", GEN: b"input_ids"}[path]  # fields that take Any
     body = b'{"' + key + b'": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     param = f"{key.decode()}[0]"  # the field, and where in it
     assert "deeply" in assert_400(server, path, body, param)["message"]
@@ -199,8 +199,7 @@ def test_model_names(server, tiny_model_dir):
     [
         (COMP, "best_of", 2),
         (COMP, "suffix", "tail"),
-        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT, "tool_choice", "required"),
+        (CHAT, "tool_choice", "required"),  # without tools
         (CHAT, "functions", [{"name": "f"}]),
         (CHAT, "response_format", {"type": "yaml"}),
         (CHAT, "top_logprobs", 21),

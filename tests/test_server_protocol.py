@@ -89,7 +89,11 @@ def test_completion_field_out_of_range_is_400_naming_it(fields, param):
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "t"}]}]}, None),
         ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
-        ({"tools": []}, "tools"),
+        ({"tools": [{"function": {"name": "f", "parameters": 3}}]}, "tools[0].function.parameters"),
+        (
+            {"tools": [{"function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{}]}, "functions"),
     ],

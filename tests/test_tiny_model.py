@@ -124,8 +124,26 @@ def test_chat_template_renders_roles(tokenizer) -> None:
 
 
 def test_chat_template_rejects_unknown_role(tokenizer) -> None:
-    with pytest.raises(Exception, match="unsupported role tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unsupported role function"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_renders_tools_calls_and_results(tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    one = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert text.startswith(
+        '<|system|>\n# Tools\nYou may call these functions:\n<tools>\n{"name": "f"'
+    )
+    assert f"<|assistant|>\n{one}\n{one}<|end|>\n" in text
+    assert text.endswith("<|user|>\n<tool_response>\nr\n</tool_response><|end|>\n")
+    assert tokenizer.apply_chat_template(MESSAGES, tools=None, tokenize=False) == RENDERED
 
 
 @pytest.mark.parametrize("variant", ["trained", "random"])

@@ -187,7 +187,11 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
         out["min_new_tokens"] = params.min_tokens
     if params.logit_bias:
         out["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
-    for name, key in (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf")):
+    structured = (("regex", "regex"), ("json_schema", "json_schema"), ("grammar", "ebnf"),
+                  ("structural_tag", "structural_tag"))  # fmt: skip
+    if not params.skip_special_tokens:
+        out["skip_special_tokens"] = False
+    for name, key in structured:
         if getattr(params, name) is not None:  # structured output
             out[key] = getattr(params, name)
     return out

@@ -1,8 +1,9 @@
 """Structured-output fields of the HTTP API -> SamplingParams keywords (torch-free: the front
 imports this).
 
-`/generate` sampling_params: `regex`, `json_schema` (object or string), `ebnf` (SGLang's
-completions and chat too). vLLM's `guided_json`, `guided_regex`, `guided_choice` (a regex
+`/generate` sampling_params: `regex`, `json_schema` (object or string), `ebnf`,
+`structural_tag` (xgrammar's, object or string) (SGLang's completions and chat too).
+vLLM's `guided_json`, `guided_regex`, `guided_choice` (a regex
 alternation of the escaped choices), `guided_grammar`. OpenAI routes:
 `response_format` {"type": "text"} | {"type": "json_object"} (any JSON object) |
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
@@ -13,12 +14,14 @@ replaces by `grammar_param`: the field the client used).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from radixrt.grammar.spec import JSON_OBJECT_EBNF
 
 # API field -> SamplingParams field
-GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "grammar"))
+GENERATE_FIELDS = (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "grammar"),
+                   ("structural_tag", "structural_tag"))  # fmt: skip
 # vLLM's structured-output fields (OpenAI routes)
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -44,6 +47,8 @@ def grammar_kwargs(fields: Any) -> dict[str, Any]:
         for name, key in GENERATE_FIELDS
         if getattr(fields, name, None) is not None
     }
+    if isinstance(kw.get("structural_tag"), dict):
+        kw["structural_tag"] = json.dumps(kw["structural_tag"])
     rf = getattr(fields, "response_format", None)
     if rf is not None:
         kw.update(response_format_kwargs(rf))
@@ -81,8 +86,8 @@ def response_format_kwargs(rf: Any) -> dict[str, Any]:
 
 # request fields that set structured output, in the order errors name them
 GRAMMAR_FIELDS = (
-    "regex", "json_schema", "ebnf", "response_format", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
+    "regex", "json_schema", "ebnf", "structural_tag", "response_format", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar",
 )  # fmt: skip
 
 
@@ -112,7 +117,7 @@ def guided_kwargs(f: Any, kw: dict[str, Any]) -> dict[str, Any]:
         out["regex"] = "|".join(regex.escape(c) for c in f.guided_choice)
     if f.guided_grammar is not None:
         out["grammar"] = f.guided_grammar
-    given = [k for k in ("regex", "json_schema", "grammar") if k in kw]
+    given = [k for k in ("regex", "json_schema", "grammar", "structural_tag") if k in kw]
     given += [name for name in GUIDED_FIELDS if getattr(f, name) is not None]
     if len(given) > 1:
         raise ValueError(

@@ -188,10 +188,12 @@ class _Worker:
             elif spec.kind == "json_schema":
                 # compact JSON (no free whitespace): bounded outputs, more forced tokens
                 grammar = c.compile_json_schema(spec.text, any_whitespace=False)
+            elif spec.kind == "structural_tag":
+                grammar = c.compile_structural_tag(spec.text)
             else:
                 assert spec.kind == "ebnf", spec.kind
                 grammar = c.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidStructuralTagError) as e:
             message = _LOCATION.sub("", str(e).strip())
             raise CompileError(f"invalid {spec.field}: {message}") from None
         matcher = xgr.GrammarMatcher(grammar)

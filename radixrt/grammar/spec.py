@@ -2,7 +2,8 @@
 the scheduler import this).
 
 A `GrammarSpec` is (kind, text): the compile cache key. `SamplingParams.regex`, `.json_schema`
-(canonical JSON text) and `.grammar` (EBNF) each map to one kind; OpenAI's
+(canonical JSON text), `.grammar` (EBNF) and `.structural_tag` (xgrammar's JSON) each map to
+one kind; OpenAI's
 `response_format: {"type": "json_object"}` is the EBNF `JSON_OBJECT_EBNF`.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 # Any JSON object (OpenAI's json_object). Whitespace is at most one space or newline between
 # tokens, so that a model cannot fill its budget with blanks.
@@ -31,7 +32,7 @@ ws ::= ( " " | "\n" )?
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     kind: str  # one of GRAMMAR_KINDS
-    text: str  # the regex, the JSON schema (canonical JSON) or the EBNF grammar
+    text: str  # the regex, the JSON schema (canonical JSON), the EBNF grammar or the tag
 
     @property
     def field(self) -> str:
@@ -47,4 +48,6 @@ def grammar_spec(params: Any) -> GrammarSpec | None:
         return GrammarSpec("json_schema", params.json_schema)
     if params.grammar is not None:
         return GrammarSpec("ebnf", params.grammar)
+    if params.structural_tag is not None:
+        return GrammarSpec("structural_tag", params.structural_tag)
     return None

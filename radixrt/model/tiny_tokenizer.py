@@ -19,14 +19,38 @@ EOS_IDS = [EOS_ID, END_OF_TURN_ID]  # generation stops at either
 
 # "<|role|>\ncontent<|end|>\n" per message; add_generation_prompt appends "<|assistant|>\n".
 # OpenAI's `developer` role is the system role (rendered as <|system|>).
+# Tools (OpenAI's `tools`) come first in a system turn; an assistant's calls follow its
+# content in the Hermes format (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`,
+# "\n" between calls) and a tool message is a user turn `<tool_response>\n...\n</tool_response>`
+# (Qwen2.5's layout): radixrt.server.tools.hermes parses and constrains the same text.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{ '<|system|>\\n# Tools\\nYou may call these functions:\\n<tools>\\n' }}"
+    "{%- for tool in tools -%}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\\n' }}"
+    "{%- endfor -%}"
+    '{{ \'</tools>\\nTo call one, write <tool_call>\\n{"name": <name>, "arguments": '
+    "<arguments object>}\\n</tool_call><|end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}"
+    "{%- if role == 'tool' -%}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
+    "{%- else -%}"
     "{%- if role not in ['system', 'user', 'assistant'] -%}"
     "{{ raise_exception('unsupported role ' + message['role']"
-    " + '; allowed: system (or developer), user, assistant') }}"
+    " + '; allowed: system (or developer), user, assistant, tool') }}"
     "{%- endif -%}"
-    "{{ '<|' + role + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{{ '<|' + role + '|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set f = call.function if call.function is defined else call -%}"
+    "{{ '\\n' if not loop.first else '' }}"
+    "{{ '<tool_call>\\n{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' }}"
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )

@@ -16,6 +16,7 @@ class ChatTemplateOptions:
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the last message open (the model goes on)
     extra: dict[str, Any] | None = None  # more template variables (chat_template_kwargs)
+    tools: list[dict] | None = None  # the offered tools, as OpenAI's `tools` (the template's)
 
 
 # template keywords chat_template_kwargs may not set (the renderer's own arguments)
@@ -58,6 +59,7 @@ def template_options(
     continue_final_message: bool,
     extra: dict[str, Any] | None,
     messages: list[dict[str, str]],
+    tools: list[dict] | None = None,
 ) -> ChatTemplateOptions:
     if add_generation_prompt is None:
         add_generation_prompt = not continue_final_message
@@ -77,4 +79,4 @@ def template_options(
             raise ApiError(
                 f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs"
             )
-    return ChatTemplateOptions(add_generation_prompt, continue_final_message, extra or None)
+    return ChatTemplateOptions(add_generation_prompt, continue_final_message, extra or None, tools)

@@ -205,6 +205,7 @@ class Front(FrontOutputs):
                 tokenize=False,
                 add_generation_prompt=opts.add_generation_prompt,
                 continue_final_message=opts.continue_final_message,
+                tools=opts.tools,
                 **(opts.extra or {}),
             )
         except (TemplateError, ValueError, TypeError) as e:  # ValueError: no template

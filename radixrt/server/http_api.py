@@ -21,6 +21,7 @@ from radixrt.server.http_util import (
     INCREMENTAL_STREAMING,
     MAX_BODY_BYTES,
     MODEL_NAME,
+    TOOL_PARSER,
     UNKNOWN_FIELDS,
     json_response,
     read_body,
@@ -50,6 +51,7 @@ def create_app(
     strict_fields: bool = False,
     incremental_streaming: bool = False,
     tenants: Tenants | None = None,
+    tool_call_parser: str = "auto",
 ) -> web.Application:
     """The app; serve it with `handler_cancellation=True` (a client that leaves cancels
     its handler, which aborts its requests) and `auto_decompress=False` (`read_body`
@@ -57,7 +59,9 @@ def create_app(
     `worker`: what the routers' worker routes report (default: `model_name` as the model
     path); `strict_fields`: refuse names no schema declares; `incremental_streaming`:
     /generate streams only what is new per event; `tenants`: API keys mapped to tenants (the
-    cache salt namespaces of `radixrt.server.tenants`; `api_key` is then the shared tenant's)."""
+    cache salt namespaces of `radixrt.server.tenants`; `api_key` is then the shared tenant's);
+    `tool_call_parser`: the format of the model's tool calls (radixrt.server.tools; "auto":
+    from the chat template)."""
     middlewares = [
         _error_middleware,
         _auth_middleware(api_key, tenants),
@@ -68,6 +72,7 @@ def create_app(
     app[MODEL_NAME] = model_name
     app[UNKNOWN_FIELDS] = UnknownFields(strict_fields)
     app[INCREMENTAL_STREAMING] = incremental_streaming
+    app[TOOL_PARSER] = tool_call_parser
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)

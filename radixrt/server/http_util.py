@@ -23,6 +23,8 @@ MODEL_NAME = web.AppKey("model_name", str)
 UNKNOWN_FIELDS = web.AppKey("unknown_fields", UnknownFields)  # what to do with unknown names
 # /generate streams: only what is new per event (True), or everything so far (SGLang's default)
 INCREMENTAL_STREAMING = web.AppKey("incremental_streaming", bool)
+# --tool-call-parser: a format name, or "auto" (the chat template's, tools.default_tool_parser)
+TOOL_PARSER = web.AppKey("tool_parser", str)
 
 _json = msgspec.json.Encoder()
 
@@ -108,3 +110,14 @@ async def sse_response(
 
 def sse_event(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def tool_parser(request: web.Request) -> str:
+    """The tool-call format of the served model (--tool-call-parser, "auto": from the
+    chat template)."""
+    name = request.app.get(TOOL_PARSER, "auto")
+    if name != "auto":
+        return name
+    from radixrt.server.tools import default_tool_parser
+
+    return default_tool_parser(getattr(request.app[FRONT].tokenizer, "chat_template", None))

@@ -54,6 +54,7 @@ from radixrt.server.messages import FromScheduler, Shutdown, ToScheduler
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.scheduler_process import SchedulerProcessArgs, scheduler_main
 from radixrt.server.tenants import ENV_VAR, Tenants
+from radixrt.server.tools import TOOL_PARSERS
 from radixrt.server.worker_routes import WorkerInfo
 from radixrt.token_bytes import TokenBytes
 
@@ -81,8 +82,14 @@ class ServeConfig:
     strict_fields: bool = False  # refuse request fields no schema declares (else: a warning)
     incremental_streaming: bool = False  # /generate streams deltas (else SGLang's: all so far)
     kv_events: KVEventsConfig | None = None  # where the scheduler publishes KV events; None: off
+    tool_call_parser: str = "auto"  # tool-call format (tools.TOOL_PARSERS); auto: the template's
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("auto", *TOOL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be auto or one of {TOOL_PARSERS}, got "
+                f"{self.tool_call_parser!r}"
+            )
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {EVENT_LOOPS}, got {self.event_loop!r}")
 
@@ -234,6 +241,13 @@ def add_serve_command(
         help="ZMQ ROUTER address, bound, that replays buffered event batches from a sequence "
         "number (e.g. tcp://127.0.0.1:5558; default: none)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *TOOL_PARSERS],
+        help="the format the model writes tool calls in (default auto: from the chat "
+        "template, hermes when it names none)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -261,6 +275,7 @@ def add_serve_command(
                 event_loop=args.event_loop,
                 strict_fields=args.strict_fields,
                 incremental_streaming=args.incremental_streaming_output,
+                tool_call_parser=args.tool_call_parser,
                 stall=StallPolicy(args.stall_timeout, args.stall_timeout_warmup),
                 connections=ConnectionLimits(
                     header_timeout_s=args.header_timeout,
@@ -400,6 +415,7 @@ async def _serve_http(
         worker=worker,
         strict_fields=cfg.strict_fields,
         incremental_streaming=cfg.incremental_streaming,
+        tool_call_parser=cfg.tool_call_parser,
     )
     runner = web.AppRunner(
         app,

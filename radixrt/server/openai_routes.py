@@ -17,10 +17,12 @@ from radixrt.server.http_util import (
     json_response,
     read_body,
     sse_response,
+    tool_parser,
 )
 from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
 from radixrt.server.tenants import apply_tenant, request_tenant
+from radixrt.server.tools.output import ChatDeltas, chat_message
 from radixrt.server.validate import parse_chat, parse_completion
 
 
@@ -201,7 +203,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     spec = parse_chat(
-        await read_body(request), front.model_info(), front.render_chat, request.app[UNKNOWN_FIELDS]
+        await read_body(request),
+        front.model_info(),
+        front.render_chat,
+        request.app[UNKNOWN_FIELDS],
+        tool_parser(request),
     )
     apply_tenant(spec.sampling, request_tenant(request))
     head = _Ids(request, "chatcmpl", "chat.completion").head
@@ -209,6 +215,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with front.generate(spec) as gen:
         if spec.stream:
             chead = {**head, "object": "chat.completion.chunk"}
+            deltas = ChatDeltas(spec.tools)
 
             def opening() -> list[dict]:
                 return [
@@ -229,33 +236,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 ]
 
             def chunks(st: RequestState, d: Delta) -> list[dict]:
+                delta, reason = deltas.delta(st.index, d.text, d.finish_reason)
                 choice = {
                     "index": st.index,
-                    "delta": {"content": d.text} if d.text else {},
+                    "delta": delta,
                     "logprobs": (
                         _chat_logprobs(front, d.token_ids, d.logprobs, d.top_logprobs)
                         if want_lp
                         else None
                     ),
-                    "finish_reason": d.finish_reason,
+                    "finish_reason": reason,
                 }
                 return [_chunk(chead, [choice], spec, gen)]
 
             return await sse_response(request, gen, chunks, opening, _usage_chunk(chead, gen, spec))
         states = await gen.wait()
-    choices = [
-        {
-            "index": st.index,
-            "message": {"role": "assistant", "content": st.text},
-            "logprobs": (
-                _chat_logprobs(front, st.output_ids, st.logprobs, st.top_logprobs)
-                if want_lp
-                else None
-            ),
-            "finish_reason": st.finish_reason,
-        }
-        for st in states
-    ]
+    choices = []
+    for st in states:
+        message, reason = chat_message(st.text, st.finish_reason, spec.tools)
+        lps = (
+            _chat_logprobs(front, st.output_ids, st.logprobs, st.top_logprobs) if want_lp else None
+        )
+        choices.append({"index": st.index, "message": message, "logprobs": lps,
+                        "finish_reason": reason})  # fmt: skip
     return json_response({**head, "choices": choices, "usage": _usage(states, spec.n)})
 
 

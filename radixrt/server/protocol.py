@@ -123,6 +123,7 @@ class GenerationSpec:
     grammar_param: str | None = None  # the field that set structured output, if any
     beam_width_param: str = "sampling_params.beam_width"
     grammar_param: str | None = None  # the field holding the constraint (regex, ...), if any
+    tools: Any = None  # chat: the request's tools.request.ToolRequest (None: no tools)
 
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """SamplingParams for one request; choice i of a seeded n > 1 uses

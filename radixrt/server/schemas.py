@@ -179,26 +179,55 @@ class ContentPart(Body, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(Body, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI), or an object
+
+
+class ToolCallIn(Body, kw_only=True):
+    """An earlier call in an assistant message (passed to the chat template)."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+    index: int | None = None  # informational (streamed calls carry it)
+
+
 class ChatMessage(Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # passed to the chat template
-    tool_calls: Annotated[Any, neutral(None, [], why="no tool calling")] = None
-    tool_call_id: Annotated[Any, neutral(None, why="no tool calling")] = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (radixrt.server.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None  # passed to the chat template
     phase: str | None = None  # informational
     tools: Annotated[Any, neutral(None, why="no tool calling")] = None
     prefix: Annotated[bool | None, neutral(None, False, why="use continue_final_message")] = None
 
 
+class FunctionDef(Body, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments match the schema: by construction with
+    # tool_choice required or named; auto constrains a call once started (hermes, mistral)
+
+
+class ToolDef(Body, kw_only=True):
+    type: str = "function"  # only "function"
+    function: FunctionDef
+
+
 class ChatCompletionRequest(OpenAIFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, ints(0)] | None = None  # wins over max_tokens
-    tools: Annotated[Any, neutral(None, why="no tool calling")] = None
-    tool_choice: Annotated[Any, neutral(None, "none", "auto", why="no tool calling")] = None
-    functions: Annotated[Any, neutral(None, why="no tool calling")] = None
-    function_call: Annotated[Any, neutral(None, why="no tool calling")] = None
-    parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
+    tools: list[ToolDef] | None = None  # functions the model may call (radixrt.server.tools)
+    # "none" | "auto" (the default with tools) | "required" | {"type": "function",
+    # "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    functions: Annotated[Any, neutral(None, why="deprecated: use tools")] = None
+    function_call: Annotated[Any, neutral(None, why="deprecated: use tool_choice")] = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (default true)
     structural_tag: Unset = None
     bad_words: Annotated[Any, neutral(None, [], why="no banned word lists")] = None
     logprobs: bool | None = False
@@ -246,7 +275,8 @@ class GenerateSamplingParams(SamplingFields, kw_only=True):
     beam_width: int | None = None  # beam search instead of sampling (W outputs per prompt)
     length_penalty: float | None = None  # beam search only: score = cum / length ** this
     sampling_seed: int | None = None  # SGLang's name of seed
-    structural_tag: Unset = None
+    # an xgrammar structural tag (JSON text or object; SGLang's), e.g. tool calls
+    structural_tag: str | dict[str, Any] | None = None
     stream_interval: Annotated[int, ints(1)] | None = None  # streaming is per step already
     # SGLang's normalised internals (set by its server, accepted at their defaults)
     stop_strs: Unset = None
@@ -355,7 +385,7 @@ class TokenizeRequest(Body, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
     chat_template: Annotated[Any, neutral(None, why="the model's own template only")] = None
-    tools: Annotated[Any, neutral(None, why="no tool calling")] = None
+    tools: list[ToolDef] | None = None  # passed to the chat template with messages
     mm_processor_kwargs: NoMultimodal = None
 
 

@@ -51,6 +51,7 @@ from radixrt.server.schemas import (
     OpenAIFields,
     SamplingFields,
 )
+from radixrt.server.tools.request import parse_tools, template_messages, tool_constraint
 
 # `model` values that mean "the served model" on every route (routers send null or
 # "unknown" when their client named none)
@@ -333,8 +334,10 @@ def parse_chat(
     model: ModelInfo,
     render: Callable[[list[dict[str, str]], ChatTemplateOptions], str],
     unknown: UnknownFields = LENIENT,
+    tool_parser: str = "hermes",
 ) -> GenerationSpec:
-    """`render` applies the chat template (raises ApiError for messages it cannot take)."""
+    """`render` applies the chat template (raises ApiError for messages it cannot take);
+    `tool_parser`: the format the model writes tool calls in."""
     req: ChatCompletionRequest = decode_checked(
         body, ChatCompletionRequest, "/v1/chat/completions", unknown
     )
@@ -342,9 +345,18 @@ def parse_chat(
     if not req.messages:
         raise ApiError("messages is empty: at least one message is needed", param="messages")
     messages = chat_messages(req.messages, model)
+    template_messages(messages, req.messages)
+    tool_req = parse_tools(req, tool_parser)
     options = template_options(
-        req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, messages
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        messages,
+        list(tool_req.template_tools) if tool_req else None,
     )
+    grammar = grammar_param(req)
+    if tool_req is not None:
+        grammar = tool_constraint(tool_req, sampling, grammar)
     max_tokens = req.max_completion_tokens
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -365,9 +377,10 @@ def parse_chat(
         continuous_usage=_continuous_usage(req),
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
-        grammar_param=grammar_param(req),
+        grammar_param=grammar,
         prompt_param="messages",
         max_tokens_param=name,
+        tools=tool_req,
     )
 
 

@@ -26,6 +26,7 @@ from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.kv_publisher import kv_event_sources as kv_event_sources_of
 from radixrt.server.protocol import ApiError, GenerationSpec, accepted_names
 from radixrt.server.schemas import DetokenizeRequest, TokenizeRequest
+from radixrt.server.tools.request import checked_tools, template_messages
 from radixrt.server.validate import check_model
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # /health_generate: one token within this long
@@ -249,11 +250,13 @@ async def tokenize(request: web.Request) -> web.Response:
         text, special = req.prompt, req.add_special_tokens is not False
     else:
         messages = chat_messages(req.messages or [], model)
+        template_messages(messages, req.messages or [])
         options = template_options(
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
             messages,
+            checked_tools(req.tools)[1] if req.tools else None,
         )
         text, special = front.render_chat(messages, options), bool(req.add_special_tokens)
     ids = front.tokenizer.encode(text, add_special_tokens=special)
