@@ -30,8 +30,8 @@ class Wrapper(Backend):
     def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
         return self.inner.generate(prompt_ids, params, on_delta)
 
-    def score_continuations(self, prefix_ids, continuations) -> list[list[float]]:
-        return self.inner.score_continuations(prefix_ids, continuations)
+    def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
+        return self.inner.score_continuations(prefix_ids, continuations, cache_salt)
 
 
 class Recording(Wrapper):
@@ -50,9 +50,9 @@ class Recording(Wrapper):
                                 tuple(result.output_ids)))  # fmt: skip
         return result
 
-    def score_continuations(self, prefix_ids, continuations) -> list[list[float]]:
+    def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         slot = self.log.reserve(len(continuations))
-        scores = self.inner.score_continuations(prefix_ids, continuations)
+        scores = self.inner.score_continuations(prefix_ids, continuations, cache_salt)
         limit = max(1, len(prefix_ids)) - 1  # the log-probs from the prefix's end are computed
         for k, cont in enumerate(continuations):
             self.log.put(slot + k, Call("score", tuple(prefix_ids) + tuple(cont), 0, limit))
@@ -62,7 +62,7 @@ class Recording(Wrapper):
 class NoHints(Wrapper):
     """No frontend hints: prefixes are never sent ahead (forks, select, run_batch)."""
 
-    def cache_prefix(self, prompt_ids: list[int]) -> GenResult:
+    def cache_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> GenResult:
         return GenResult("", [], "length", len(prompt_ids), 0, 0)
 
 
@@ -78,9 +78,9 @@ class Serial(Wrapper):
         with self._lock:
             return self.inner.generate(prompt_ids, params, on_delta)
 
-    def score_continuations(self, prefix_ids, continuations) -> list[list[float]]:
+    def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         with self._lock:
-            return self.inner.score_continuations(prefix_ids, continuations)
+            return self.inner.score_continuations(prefix_ids, continuations, cache_salt)
 
 
 class Dry(Backend):
@@ -97,7 +97,7 @@ class Dry(Backend):
         ids = [token] * n
         return GenResult(self.tokenizer.decode(ids), ids, "length", len(prompt_ids), n, 0)
 
-    def score_continuations(self, prefix_ids, continuations) -> list[list[float]]:
+    def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         return [[0.0] * len(c) for c in continuations]
 
 
