@@ -185,8 +185,8 @@ class PlaceholderProposer:
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
-    def propose(self, req, max_drafts: int, salt: str | None = None) -> list[int]:
-        return [(req.seq_token_ids[-1] + 7) % self.vocab] * max_drafts
+    def propose(self, tokens, max_drafts: int, salt: str | None = None) -> list[int]:
+        return [(tokens[-1] + 7) % self.vocab] * max_drafts
 
 
 class ForcedAcceptance:

@@ -149,7 +149,7 @@ def _generate(url: str, body: dict) -> tuple[int, list[list[int]], list[str]]:
                     continue
                 event = json.loads(line[6:])
                 assert "error" not in event, event
-                ids += event["output_ids"]
+                ids = event["output_ids"]  # SGLang's streams carry everything so far
                 reason = event["meta_info"]["finish_reason"]
                 reasons += [reason["type"]] if reason else []
             return resp.status, [ids], reasons

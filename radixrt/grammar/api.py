@@ -30,11 +30,14 @@ SAMPLING_FIELDS = tuple(key for _, key in GENERATE_FIELDS)  # the constraint's, 
 
 def constraint_param(fields: Any, sampling_field: str, prefix: str = "") -> str:
     """The request field that held the constraint SamplingParams got as `sampling_field`
-    (named in its errors): the /generate field of that name when the request set it, else
-    the field that set a constraint (`grammar_param`: response_format, vLLM's guided_*)."""
+    (named in its errors): the /generate field of that name when the request set it,
+    `response_format.json_schema` for a schema from there, else the field that set a
+    constraint (`grammar_param`: response_format, vLLM's guided_*)."""
     name = next(name for name, key in GENERATE_FIELDS if key == sampling_field)
     if getattr(fields, name, None) is not None:
         return prefix + name
+    if sampling_field == "json_schema" and getattr(fields, "response_format", None) is not None:
+        return "response_format.json_schema"
     given = grammar_param(fields, prefix)
     return given if given is not None else prefix + name
 
