@@ -248,6 +248,19 @@ def add_serve_command(
         help="the format the model writes tool calls in (default auto: from the chat "
         "template, hermes when it names none)",
     )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="replicas (one per GPU set on CUDA) behind sglang-router's cache_aware policy on "
+        "--host:--port; needs the router extra: pip install 'radixrt[router]' (default: 1)",
+    )
+    p.add_argument(
+        "--router-prometheus-port",
+        type=int,
+        default=None,
+        help="--dp > 1: the router's Prometheus port, bound on --host (default: a free one)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -263,6 +276,12 @@ def add_serve_command(
                 options["kv_events"] = True
             elif args.kv_events_replay_endpoint is not None:
                 raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+            if args.dp < 1:
+                raise ValueError(f"--dp must be at least 1, got {args.dp}")
+            if args.dp > 1:
+                from radixrt.server.dp import check_router
+
+                check_router()
             cfg = ServeConfig(
                 model=args.model or _tiny_model(),
                 host=args.host,
@@ -290,7 +309,12 @@ def add_serve_command(
             )
         except (ValueError, OSError) as e:  # OSError: an unreadable --api-keys-file
             p.error(str(e))
-        code = serve(cfg)
+        if args.dp > 1:
+            from radixrt.server.dp import DPOptions, serve_dp
+
+            code = serve_dp(cfg, DPOptions(args.dp, args.router_prometheus_port, args.log_level))
+        else:
+            code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
         # skip the interpreter's finalization of torch/transformers (seconds on a busy box).
         logging.shutdown()

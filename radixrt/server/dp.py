@@ -1,0 +1,378 @@
+"""`radixrt serve --dp N`: N replicas behind sglang-router (cache_aware) as one endpoint.
+
+Process model: this process (torch-free) starts N replicas, each a `serve()` of its own
+on a free 127.0.0.1 port, in a process group of its own (with its scheduler child), one
+per GPU set via CUDA_VISIBLE_DEVICES on CUDA; it waits until every replica's /health
+answers 200, then starts the router on --host:--port (its Prometheus port bound to --host
+too) in a process group of its own. Children get SIGTERM when this process dies
+(PR_SET_PDEATHSIG). SIGINT/SIGTERM: the router, then every replica, get SIGTERM; groups
+still alive after SHUTDOWN_TIMEOUT_S get SIGKILL. A replica that exits, or whose /health
+says its scheduler died, is restarted on its port, at most MAX_RESTARTS times, after a
+growing backoff; the router's health checks take it out and back in meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+from radixrt.server.kv_publisher import KVEventsConfig
+
+if TYPE_CHECKING:
+    from radixrt.server.launch import ServeConfig
+
+logger = logging.getLogger("radixrt.dp")
+
+ROUTER_MODULE = "sglang_router"
+ROUTER_INSTALL = "pip install 'radixrt[router]' (sglang-router==0.3.2)"
+ROUTER_POLICY = "cache_aware"
+MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
+RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
+HEALTH_POLL_S = 2.0  # how often a serving replica's /health is read
+SHUTDOWN_TIMEOUT_S = 15.0  # after SIGTERM, before SIGKILL of the process groups
+ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+
+
+@dataclass(frozen=True)
+class DPOptions:
+    replicas: int  # N: replica processes behind the router
+    router_prometheus_port: int | None = None  # None: a free port on --host
+    log_level: str = "info"
+
+
+def check_router() -> None:
+    """Raises ValueError naming the package and the extra when the router is missing."""
+    if importlib.util.find_spec(ROUTER_MODULE) is None:
+        raise ValueError(f"--dp needs sglang-router, which is not installed: {ROUTER_INSTALL}")
+
+
+def offset_endpoint(endpoint: str, index: int) -> str:
+    """Replica `index`'s ZMQ address: tcp://h:p -> tcp://h:(p + index), ipc://path ->
+    ipc://path.index (index 0 keeps the address). Raises ValueError for other schemes."""
+    if index == 0:
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme == "tcp" and parts.port is not None:
+        host = parts.netloc.rsplit(":", 1)[0]
+        return urlunsplit(parts._replace(netloc=f"{host}:{parts.port + index}"))
+    if parts.scheme == "ipc":
+        return f"{endpoint}.{index}"
+    raise ValueError(f"cannot give each replica its own KV events address: {endpoint!r}")
+
+
+def gpu_sets(device: str, replicas: int, tp_size: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each replica (`tp_size` GPUs each), or None per replica on
+    CPU. Raises ValueError when --device cuda has fewer GPUs than replicas need."""
+    if device == "cpu":
+        return [None] * replicas
+    gpus = _visible_gpus()
+    if not gpus and device == "auto":
+        return [None] * replicas
+    if len(gpus) < replicas * tp_size:
+        raise ValueError(
+            f"--dp {replicas} with {tp_size} GPU(s) per replica needs {replicas * tp_size} "
+            f"GPUs, {len(gpus)} visible"
+        )
+    return [",".join(gpus[i * tp_size : (i + 1) * tp_size]) for i in range(replicas)]
+
+
+def _visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip()]
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def replica_configs(cfg: ServeConfig, replicas: int) -> list[ServeConfig]:
+    """Each replica's ServeConfig: 127.0.0.1, a free port, its own KV events addresses, and
+    on CPU a share of the cores (unless --cpu-threads was given)."""
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // replicas)
+    out = []
+    for i in range(replicas):
+        kv = cfg.kv_events
+        if kv is not None:
+            replay = kv.replay_endpoint
+            kv = KVEventsConfig(
+                offset_endpoint(kv.endpoint, i),
+                None if replay is None else offset_endpoint(replay, i),
+            )
+        out.append(
+            replace(cfg, host="127.0.0.1", port=_free_port(), kv_events=kv, cpu_threads=threads)
+        )
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_on(host: str) -> int:
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: get `sig` when the parent exits (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig, 0, 0, 0)
+
+
+def _replica_main(
+    cfg: ServeConfig, index: int, gpus: str | None, parent: int, log_level: str
+) -> None:
+    """A replica process: its own session (group), dies with the launcher, then serve()."""
+    os.setsid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the launcher died before prctl
+        os._exit(1)
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    logging.basicConfig(
+        level=log_level.upper(), format=f"%(asctime)s replica{index} %(levelname)s %(message)s"
+    )
+    from radixrt.server.launch import serve
+
+    code = serve(cfg)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Replica:
+    """One replica process and its restart budget."""
+
+    def __init__(self, index: int, cfg: ServeConfig, gpus: str | None, log_level: str) -> None:
+        self.index = index
+        self.cfg = cfg
+        self.gpus = gpus
+        self.log_level = log_level
+        self.url = f"http://127.0.0.1:{cfg.port}"
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.restarts = 0
+        self.restart_at: float | None = None  # monotonic time of the scheduled restart
+        self.next_poll = 0.0
+
+    def start(self) -> None:
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_replica_main,
+            args=(self.cfg, self.index, self.gpus, os.getpid(), self.log_level),
+            name=f"radixrt-replica{self.index}",
+        )
+        self.proc.start()
+        gpus = "" if self.gpus is None else f", CUDA_VISIBLE_DEVICES={self.gpus}"
+        logger.info("replica %d: %s (pid %d%s)", self.index, self.url, self.proc.pid, gpus)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL its process group and reap it."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of GET url/health; (0, {}) when it cannot be reached."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
+    """Run N replicas and the router until SIGINT/SIGTERM; returns the exit code (1: a
+    replica or the router failed to start, the router died, or every replica is down)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        _check_listen(cfg.host, cfg.port)
+        gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg))
+        configs = replica_configs(cfg, opts.replicas)
+        prom_port = opts.router_prometheus_port or _free_port_on(cfg.host)
+    except (OSError, ValueError) as e:
+        logger.error("cannot serve --dp %d on %s:%d: %s", opts.replicas, cfg.host, cfg.port, e)
+        return 1
+    replicas = [Replica(i, c, g, opts.log_level) for i, (c, g) in enumerate(zip(configs, gpus))]
+    router: subprocess.Popen | None = None
+    try:
+        for r in replicas:
+            r.start()
+        if not _wait_healthy(replicas, stop):
+            return 0 if stop.is_set() else 1
+        router = _start_router(cfg, opts, [r.url for r in replicas], prom_port)
+        logger.info(
+            "serving on http://%s:%d: %d replicas behind sglang-router (%s; metrics on port %d)",
+            cfg.host, cfg.port, len(replicas), ROUTER_POLICY, prom_port,
+        )  # fmt: skip
+        return _supervise(replicas, router, stop)
+    finally:
+        _shutdown(replicas, router)
+
+
+def _tp_size(cfg: ServeConfig) -> int:
+    return int(cfg.options.get("tensor_parallel_size", 1) or 1)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Raises OSError when host:port cannot be bound (taken, or no such address)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    socket.create_server((host, port), family=family).close()
+
+
+def _wait_healthy(replicas: list[Replica], stop: threading.Event) -> bool:
+    """Until every replica's /health answers 200: False on stop or when one exits."""
+    pending = list(replicas)
+    while pending:
+        for r in list(pending):
+            if not r.alive:
+                logger.error(
+                    "replica %d exited with code %s while starting", r.index, r.proc.exitcode
+                )
+                return False
+            if health(r.url)[0] == 200:
+                logger.info("replica %d is ready", r.index)
+                pending.remove(r)
+        if stop.wait(0.25):
+            return False
+    return True
+
+
+def _start_router(
+    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", f"{ROUTER_MODULE}.launch_router",
+        "--host", cfg.host, "--port", str(cfg.port), "--policy", ROUTER_POLICY,
+        "--prometheus-host", cfg.host, "--prometheus-port", str(prom_port),
+        "--log-level", ROUTER_LOG_LEVELS[opts.log_level],
+        "--shutdown-grace-period-secs", str(int(SHUTDOWN_TIMEOUT_S) // 2),
+        "--worker-urls", *urls,
+    ]  # fmt: skip
+    if cfg.api_key is not None:
+        cmd += ["--api-key", cfg.api_key]
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _die_with_parent()
+        if os.getppid() != parent:
+            os._exit(1)
+
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=preexec)
+    logger.info("router started (pid %d)", proc.pid)
+    return proc
+
+
+def _supervise(replicas: list[Replica], router: subprocess.Popen, stop: threading.Event) -> int:
+    """Watch the router and the replicas until stop; restart dead replicas (bounded)."""
+    while not stop.wait(0.25):
+        if router.poll() is not None:
+            logger.error("the router exited with code %d", router.returncode)
+            return 1
+        now = time.monotonic()
+        for r in replicas:
+            _check_replica(r, now)
+        if all(not r.alive and r.restart_at is None for r in replicas):
+            logger.error("every replica is down")
+            return 1
+    logger.info("shutting down")
+    return 0
+
+
+def _check_replica(r: Replica, now: float) -> None:
+    if r.restart_at is not None:
+        if now >= r.restart_at:
+            r.restart_at = None
+            r.restarts += 1
+            logger.warning(
+                "restarting replica %d (restart %d of %d)", r.index, r.restarts, MAX_RESTARTS
+            )
+            r.start()
+        return
+    if r.proc is None:
+        return
+    if r.alive:
+        if now < r.next_poll:
+            return
+        r.next_poll = now + HEALTH_POLL_S
+        status, body = health(r.url)
+        if status != 503 or body.get("status") != "scheduler_dead":
+            return
+        logger.error("replica %d: its scheduler died (%s)", r.index, body.get("detail"))
+    else:
+        logger.error("replica %d exited with code %s", r.index, r.proc.exitcode)
+    r.kill()
+    r.proc = None
+    if r.restarts >= MAX_RESTARTS:
+        logger.error("replica %d stays down: restarted %d times already", r.index, r.restarts)
+        return
+    r.restart_at = now + RESTART_BACKOFF_S * 2**r.restarts
+
+
+def _shutdown(replicas: list[Replica], router: subprocess.Popen | None) -> None:
+    """SIGTERM the router, then the replicas; SIGKILL every group left after the timeout."""
+    if router is not None and router.poll() is None:
+        _signal_group(router.pid, signal.SIGTERM)
+        try:
+            router.wait(SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the router did not stop in %g s: killing it", SHUTDOWN_TIMEOUT_S)
+    if router is not None:
+        _signal_group(router.pid, signal.SIGKILL)
+        router.wait()
+    live = [r for r in replicas if r.proc is not None]
+    for r in live:
+        if r.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    for r in live:
+        r.proc.join(max(0.0, deadline - time.monotonic()))
+    for r in live:  # the group: a scheduler or compile worker left behind
+        r.kill()
+    logger.info("all replicas stopped")
