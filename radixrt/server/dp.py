@@ -18,8 +18,8 @@ import ctypes
 import importlib.util
 import json
 import logging
-import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -28,7 +28,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -46,13 +47,15 @@ MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
 HEALTH_POLL_S = 2.0  # how often a serving replica's /health is read
 SHUTDOWN_TIMEOUT_S = 15.0  # after SIGTERM, before SIGKILL of the process groups
-ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+# the router's log level per ours (its info level logs every step of each worker's registration)
+ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
 
 
 @dataclass(frozen=True)
 class DPOptions:
     replicas: int  # N: replica processes behind the router
     router_prometheus_port: int | None = None  # None: a free port on --host
+    router_args: list[str] = field(default_factory=list)  # more launch_router options
     log_level: str = "info"
 
 
@@ -147,16 +150,22 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig, 0, 0, 0)
 
 
-def _replica_main(
-    cfg: ServeConfig, index: int, gpus: str | None, parent: int, log_level: str
-) -> None:
-    """A replica process: its own session (group), dies with the launcher, then serve()."""
-    os.setsid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the launcher died before prctl
-        os._exit(1)
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+def _child_setup(parent: int) -> Callable[[], None]:
+    """preexec_fn of a child (in its own session): it gets SIGTERM when `parent` dies."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if os.getppid() != parent:  # the launcher died before prctl
+            os._exit(1)
+
+    return setup
+
+
+def _replica_main() -> None:
+    """A replica process (`python -m radixrt.server.dp INDEX LOG_LEVEL`, its pickled
+    ServeConfig on stdin): serve() until SIGTERM."""
+    index, log_level = int(sys.argv[1]), sys.argv[2]
+    cfg = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s replica{index} %(levelname)s %(message)s"
     )
@@ -170,7 +179,7 @@ def _replica_main(
 
 
 class Replica:
-    """One replica process and its restart budget."""
+    """One replica process (in a process group of its own) and its restart budget."""
 
     def __init__(self, index: int, cfg: ServeConfig, gpus: str | None, log_level: str) -> None:
         self.index = index
@@ -178,31 +187,44 @@ class Replica:
         self.gpus = gpus
         self.log_level = log_level
         self.url = f"http://127.0.0.1:{cfg.port}"
-        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.restart_at: float | None = None  # monotonic time of the scheduled restart
         self.next_poll = 0.0
 
     def start(self) -> None:
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=_replica_main,
-            args=(self.cfg, self.index, self.gpus, os.getpid(), self.log_level),
-            name=f"radixrt-replica{self.index}",
+        env = dict(os.environ)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        cmd = [sys.executable, "-m", "radixrt.server.dp", str(self.index), self.log_level]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_child_setup(os.getpid()),
         )
-        self.proc.start()
+        assert self.proc.stdin is not None
+        with self.proc.stdin:
+            self.proc.stdin.write(pickle.dumps(self.cfg))
         gpus = "" if self.gpus is None else f", CUDA_VISIBLE_DEVICES={self.gpus}"
         logger.info("replica %d: %s (pid %d%s)", self.index, self.url, self.proc.pid, gpus)
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self, timeout: float) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
 
     def kill(self) -> None:
         """SIGKILL its process group and reap it."""
         if self.proc is None:
             return
         _signal_group(self.proc.pid, signal.SIGKILL)
-        self.proc.join(5)
+        self.wait(5)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -272,7 +294,7 @@ def _wait_healthy(replicas: list[Replica], stop: threading.Event) -> bool:
         for r in list(pending):
             if not r.alive:
                 logger.error(
-                    "replica %d exited with code %s while starting", r.index, r.proc.exitcode
+                    "replica %d exited with code %s while starting", r.index, r.proc.returncode
                 )
                 return False
             if health(r.url)[0] == 200:
@@ -292,18 +314,11 @@ def _start_router(
         "--prometheus-host", cfg.host, "--prometheus-port", str(prom_port),
         "--log-level", ROUTER_LOG_LEVELS[opts.log_level],
         "--shutdown-grace-period-secs", str(int(SHUTDOWN_TIMEOUT_S) // 2),
-        "--worker-urls", *urls,
+        *opts.router_args, "--worker-urls", *urls,
     ]  # fmt: skip
     if cfg.api_key is not None:
         cmd += ["--api-key", cfg.api_key]
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _die_with_parent()
-        if os.getppid() != parent:
-            os._exit(1)
-
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=preexec)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(os.getpid()))
     logger.info("router started (pid %d)", proc.pid)
     return proc
 
@@ -345,7 +360,7 @@ def _check_replica(r: Replica, now: float) -> None:
             return
         logger.error("replica %d: its scheduler died (%s)", r.index, body.get("detail"))
     else:
-        logger.error("replica %d exited with code %s", r.index, r.proc.exitcode)
+        logger.error("replica %d exited with code %s", r.index, r.proc.returncode)
     r.kill()
     r.proc = None
     if r.restarts >= MAX_RESTARTS:
@@ -372,7 +387,11 @@ def _shutdown(replicas: list[Replica], router: subprocess.Popen | None) -> None:
                 os.kill(r.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     for r in live:
-        r.proc.join(max(0.0, deadline - time.monotonic()))
+        r.wait(max(0.0, deadline - time.monotonic()))
     for r in live:  # the group: a scheduler or compile worker left behind
         r.kill()
     logger.info("all replicas stopped")
+
+
+if __name__ == "__main__":
+    _replica_main()

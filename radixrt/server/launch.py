@@ -23,6 +23,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -261,6 +262,12 @@ def add_serve_command(
         default=None,
         help="--dp > 1: the router's Prometheus port, bound on --host (default: a free one)",
     )
+    p.add_argument(
+        "--router-args",
+        default="",
+        help="--dp > 1: more sglang-router options, one string (e.g. '--cache-threshold 0.5 "
+        "--balance-abs-threshold 8')",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
 
@@ -312,7 +319,15 @@ def add_serve_command(
         if args.dp > 1:
             from radixrt.server.dp import DPOptions, serve_dp
 
-            code = serve_dp(cfg, DPOptions(args.dp, args.router_prometheus_port, args.log_level))
+            code = serve_dp(
+                cfg,
+                DPOptions(
+                    args.dp,
+                    args.router_prometheus_port,
+                    shlex.split(args.router_args),
+                    args.log_level,
+                ),
+            )
         else:
             code = serve(cfg)
         # Everything is released by now (child joined, sockets closed, temp dir gone);
