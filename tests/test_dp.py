@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from server_utils import REPO, free_port, http_call
 
+from radixrt.server import dp
 from radixrt.server.dp import offset_endpoint
 
 READY_TIMEOUT_S = 60.0
@@ -40,6 +41,23 @@ def test_offset_endpoint():
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv.1"
     with pytest.raises(ValueError, match="its own KV events address"):
         offset_endpoint("inproc://kv", 1)
+
+
+def test_missing_router_names_package_and_extra(monkeypatch):
+    monkeypatch.setattr(dp.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"sglang-router.*radixrt\[router\]"):
+        dp.check_router()
+
+
+def test_gpu_sets(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    assert dp.gpu_sets("cuda", 2, 1) == ["2", "3"]
+    assert dp.gpu_sets("auto", 2, 2) == ["2,3", "5,7"]
+    assert dp.gpu_sets("cpu", 2, 1) == [None, None]
+    with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
+        dp.gpu_sets("cuda", 3, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert dp.gpu_sets("auto", 2, 1) == [None, None]
 
 
 def _descendants(pid: int) -> set[int]:

@@ -268,6 +268,8 @@ def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
         if not _wait_healthy(replicas, stop):
             return 0 if stop.is_set() else 1
         router = _start_router(cfg, opts, [r.url for r in replicas], prom_port)
+        if not _wait_listening(cfg.host, cfg.port, router, stop):
+            return 0 if stop.is_set() else 1
         logger.info(
             "serving on http://%s:%d: %d replicas behind sglang-router (%s; metrics on port %d)",
             cfg.host, cfg.port, len(replicas), ROUTER_POLICY, prom_port,
@@ -303,6 +305,20 @@ def _wait_healthy(replicas: list[Replica], stop: threading.Event) -> bool:
         if stop.wait(0.25):
             return False
     return True
+
+
+def _wait_listening(host: str, port: int, router: subprocess.Popen, stop: threading.Event) -> bool:
+    """Until the router accepts connections on host:port: False on stop or its exit."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1" if host != "::" else "::1"
+    while True:
+        if router.poll() is not None:
+            logger.error("the router exited with code %d while starting", router.returncode)
+            return False
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return True
+        if stop.wait(0.25):
+            return False
 
 
 def _start_router(
