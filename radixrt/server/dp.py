@@ -1,7 +1,8 @@
 """`radixrt serve --dp N`: N replicas behind sglang-router (cache_aware) as one endpoint.
 
 Process model: this process (torch-free) starts N replicas, each a `serve()` of its own
-on a free 127.0.0.1 port, in a process group of its own (with its scheduler child), one
+(`python -m radixrt.server.dp`, its ServeConfig pickled on stdin) on a free 127.0.0.1
+port, in a process group of its own (with its scheduler child), one
 per GPU set via CUDA_VISIBLE_DEVICES on CUDA; it waits until every replica's /health
 answers 200, then starts the router on --host:--port (its Prometheus port bound to --host
 too) in a process group of its own. Children get SIGTERM when this process dies
@@ -249,6 +250,8 @@ def health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
 def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
     """Run N replicas and the router until SIGINT/SIGTERM; returns the exit code (1: a
     replica or the router failed to start, the router died, or every replica is down)."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter("%(asctime)s dp %(levelname)s %(message)s"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
