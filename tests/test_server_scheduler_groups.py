@@ -48,7 +48,7 @@ def test_one_request_forks_and_one_child_is_aborted_alone():
     for c in (0, 2):
         assert tokens[c] == expect(fork_rid("p", c), PROMPT, 10)
     assert len(tokens[1]) < 10
-    snap = loop._snapshot()
+    snap = loop._snapshot().stats
     assert snap.forks == 1 and snap.fork_shared_blocks == 2 * 2 and snap.fork_copied_blocks == 2
     assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
 
@@ -68,7 +68,7 @@ def test_beam_search_request_reports_its_beams_once():
     for b in out.beams:
         assert b.finish_reason == ("stop" if b.output_ids[-1] in core.scheduler.eos_token_ids
                                    else "length")  # fmt: skip
-    assert loop._snapshot().beam_steps > 0
+    assert loop._snapshot().stats.beam_steps > 0
 
 
 def test_refusals_name_the_field_and_queue_nothing():
