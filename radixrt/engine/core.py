@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
+from radixrt.errors import RequestValueError
 from radixrt.grammar.base import GrammarStats
 from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
@@ -144,12 +145,15 @@ class EngineCore:
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> str:
         """Queue one request; returns its id (generated when `rid` is None). Raises
-        ValueError on bad input (nothing is queued then)."""
+        ValueError on bad input (nothing is queued then): a RequestValueError naming the
+        field at fault where one is."""
         ids = self._check_ids(prompt_ids)
         vocab = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestValueError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if rid is None:
             rid = self._new_rid()
@@ -173,7 +177,7 @@ class EngineCore:
         ids = self._check_ids(prompt_ids)
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if max_tokens < 1:
-            raise ValueError("beam search needs room for at least one token in the context")
+            raise RequestValueError("beam search needs room for at least one token in the context")
         rid = rid if rid is not None else self._new_rid()
         self.scheduler.add_beam_search(rid, ids, params, max_tokens)
         self._sent[rid] = 0
@@ -184,9 +188,9 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise RequestValueError("the prompt is empty: give at least one token")
         return ids
 
     def _new_rid(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from radixrt.errors import RequestValueError
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
 from radixrt.server.liveness import HEARTBEAT_S
@@ -238,8 +238,9 @@ class SchedulerLoop:
                         self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
                     else:
                         self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid)
-                except ValueError as e:
-                    errors.append(RequestError(msg.rid, str(e), 400, param=_param_of(str(e))))
+                except ValueError as e:  # bad input: a RequestValueError names the field
+                    field = e.field if isinstance(e, RequestValueError) else None
+                    errors.append(RequestError(msg.rid, str(e), 400, param=field))
                 except Exception as e:  # a bug: this request fails, the loop goes on
                     logger.exception("adding request %s failed", msg.rid)
                     errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
@@ -275,12 +276,6 @@ class SchedulerLoop:
                 integrity_error = traceback.format_exc()
                 logger.error("integrity check failed:\n%s", integrity_error)
         return SchedulerSnapshot(core.stats_struct(), integrity_error)
-
-
-def _param_of(message: str) -> str | None:
-    """The field an engine ValueError names ("invalid n=...", "n=4 sequences of ...")."""
-    m = re.match(r"(?:invalid )?(\w+)=", message)
-    return m.group(1) if m else None
 
 
 def _token_out(d: RequestDelta) -> TokenOut:
