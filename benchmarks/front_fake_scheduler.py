@@ -40,6 +40,7 @@ from radixrt.server.messages import (
     TokenOut,
     ToScheduler,
 )
+from radixrt.stats import EngineStats
 
 STREAM_STRIDE = 7919  # stream i starts at start position (i * STREAM_STRIDE) % len(starts)
 BARRIER_TIMEOUT_S = 10.0  # idle: start stepping this long after the first request at most
@@ -273,18 +274,14 @@ class FakeScheduler:
 
     def _snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot(
-            running=len(self.running),
-            waiting=len(self.waiting),
-            kv_blocks_total=NUM_KV_BLOCKS,
-            kv_blocks_free=NUM_KV_BLOCKS,
-            kv_blocks_cached=0,
-            kv_blocks_in_use=0,
-            cache_hit_rate=0.0,
-            prompt_tokens=0,
-            cached_tokens=0,
-            generated_tokens=self.tokens_emitted,
-            preemptions=0,
-            steps=len(self.step_times),
+            EngineStats(
+                running=len(self.running),
+                waiting=len(self.waiting),
+                kv_blocks_total=NUM_KV_BLOCKS,
+                kv_blocks_free=NUM_KV_BLOCKS,
+                generated_tokens=self.tokens_emitted,
+                steps=len(self.step_times),
+            )
         )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from radixrt.errors import RequestValueError
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,21 +38,22 @@ def resolve_max_model_len(
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """New tokens the request may generate. Raises ValueError naming the lengths."""
+    """New tokens the request may generate. Raises RequestValueError naming the lengths."""
     if prompt_len < 1:
-        raise ValueError("the prompt is empty: at least one token is needed")
+        raise RequestValueError("the prompt is empty: at least one token is needed")
     room = max_model_len - prompt_len
     if room < 1:
-        raise ValueError(
+        raise RequestValueError(
             f"the prompt has {prompt_len} tokens but the context length is {max_model_len}: "
             f"at most {max_model_len - 1} prompt tokens leave room for a new token"
         )
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise ValueError(
+        raise RequestValueError(
             f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and "
-            f"the context length is {max_model_len}, so at most {room} new tokens fit"
+            f"the context length is {max_model_len}, so at most {room} new tokens fit",
+            "max_tokens",
         )
     return max_tokens
 

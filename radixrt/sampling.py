@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radixrt.errors import RequestValueError
 from radixrt.json_depth import MAX_JSON_DEPTH, text_depth_exceeds, value_depth_exceeds
 
 MAX_INT = 2**31 - 1  # bound of token ids, top_k, max_tokens, logprob_start_len
@@ -391,4 +392,4 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        raise ValueError(f"invalid {name}={shown}: must be {allowed}")
+        raise RequestValueError(f"invalid {name}={shown}: must be {allowed}", name)

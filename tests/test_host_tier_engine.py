@@ -142,15 +142,12 @@ def test_host_tier_metrics(make_engine):
     """The snapshot carries the host-tier counters of EngineCore.stats(); /metrics has them."""
     from radixrt.server.messages import SchedulerSnapshot
     from radixrt.server.metrics import ServerMetrics
-    from radixrt.server.scheduler_process import HOST_TIER_FIELDS
 
     eng = make_engine(block_size=4, num_kv_blocks=32, num_host_kv_blocks=64)
     multi_turn(eng)
     s = eng.core.stats()
     assert s["host_kv_blocks_cached"] + s["host_kv_blocks_free"] == 64
-    snap = SchedulerSnapshot(
-        *[0] * 12, **{k: int(s[k]) for k in HOST_TIER_FIELDS}, swap_seconds=s["swap_seconds"]
-    )
+    snap = SchedulerSnapshot(eng.core.stats_struct())
     m = ServerMetrics()
     m.update(snap)
     text = m.render().decode()

@@ -8,6 +8,7 @@ import torch
 
 from radixrt import SamplingParams
 from radixrt.engine.sampler import _argmax, apply_penalties, sample
+from radixrt.errors import RequestValueError
 
 VOCAB = 50
 
@@ -128,8 +129,9 @@ def test_output_logprobs_are_log_softmax(make_engine):
     ],
 )
 def test_invalid_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"invalid {field}="):
+    with pytest.raises(RequestValueError, match=f"invalid {field}=") as e:
         SamplingParams(**kwargs)
+    assert e.value.field == field
 
 
 def test_cpu_argmax_equals_torch_argmax():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample, sampling_probs
+from radixrt.errors import RequestValueError
 from radixrt.sampling import (
     GREEDY_TEMPERATURE,
     LENGTH_PENALTY_RANGE,
@@ -156,8 +157,9 @@ def test_every_bound_combination_is_sane(extra):
     ],
 )
 def test_sampling_values_past_a_bound_name_the_field_and_range(kwargs, field, allowed):
-    with pytest.raises(ValueError, match=rf"invalid {field}=.*{re.escape(allowed)}"):
+    with pytest.raises(RequestValueError, match=rf"invalid {field}=.*{re.escape(allowed)}") as e:
         SamplingParams(**kwargs)
+    assert e.value.field == field
 
 
 def test_sampling_bounds_are_accepted():

@@ -199,7 +199,7 @@ def test_metrics_from_ready_and_in_flight():
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["radixrt_kv_blocks_free"] == values["radixrt_kv_blocks_total"] == 8
     assert values["radixrt_front_in_flight"] == 0 and values["radixrt_ready"] == 1
-    assert front.snapshot is not None and front.snapshot.kv_blocks_free == 8
+    assert front.snapshot is not None and front.snapshot.stats.kv_blocks_free == 8
     front.stop_serving("gone")
     text = front.metrics.render().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}

@@ -6,8 +6,12 @@ the field; the snapshot carries the fork / beam counters. Integrity after every 
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from test_fork_beam_scheduler import beam_tops, content_core, ctx_token, expect
 
+from radixrt.errors import RequestValueError
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.request import fork_rid
 from radixrt.server.messages import AbortRequest, BeamSearchRequest, TokenizedRequest
@@ -48,7 +52,7 @@ def test_one_request_forks_and_one_child_is_aborted_alone():
     for c in (0, 2):
         assert tokens[c] == expect(fork_rid("p", c), PROMPT, 10)
     assert len(tokens[1]) < 10
-    snap = loop._snapshot()
+    snap = loop._snapshot().stats
     assert snap.forks == 1 and snap.fork_shared_blocks == 2 * 2 and snap.fork_copied_blocks == 2
     assert core.allocator.num_free + core.cache.cached_blocks == core.allocator.num_blocks
 
@@ -68,7 +72,7 @@ def test_beam_search_request_reports_its_beams_once():
     for b in out.beams:
         assert b.finish_reason == ("stop" if b.output_ids[-1] in core.scheduler.eos_token_ids
                                    else "length")  # fmt: skip
-    assert loop._snapshot().beam_steps > 0
+    assert loop._snapshot().stats.beam_steps > 0
 
 
 def test_refusals_name_the_field_and_queue_nothing():
@@ -86,3 +90,39 @@ def test_refusals_name_the_field_and_queue_nothing():
     ]
     assert not core.has_work and not core.scheduler.requests
     core.check_integrity()
+
+
+def test_refusals_carry_the_typed_field_not_one_parsed_from_the_text():
+    """RequestError.param is RequestValueError.field (a message need not start with it); a
+    plain ValueError names no field."""
+
+    class Refusing:
+        def __init__(self, error: ValueError) -> None:
+            self.error = error
+
+        def add_request(self, *args) -> None:
+            raise self.error
+
+    typed = RequestValueError("the stop sequence top_k=3 is not allowed", "stop")
+    for error, param in [(typed, "stop"), (ValueError("invalid n=3: too many"), None)]:
+        loop = loop_over(Refusing(error))
+        errors, _ = loop._handle([TokenizedRequest("p", PROMPT, SamplingParams())])
+        assert [(e.status, e.message, e.param) for e in errors] == [(400, str(error), param)]
+
+
+def test_engine_refusals_are_typed():
+    """The engine's own checks raise RequestValueError with the field (messages unchanged)."""
+    core, _ = content_core(overlap=False, num_kv_blocks=8, block_size=4)
+    cases = [
+        (SamplingParams(max_tokens=20, n=3), "n", "n=3 sequences of prompt + max_tokens need"),
+        (SamplingParams(max_tokens=10**6), "max_tokens", "max_tokens=1000000 does not fit"),
+        (SamplingParams(max_tokens=40), None, "prompt + max_tokens need"),
+    ]
+    for params, field, message in cases:
+        with pytest.raises(RequestValueError, match=re.escape(message)) as e:
+            core.add_request(PROMPT, params, rid="p")
+        assert e.value.field == field
+    with pytest.raises(RequestValueError, match="beam_width=4 sequences of") as e:
+        core.add_beam_search(PROMPT, BeamSearchParams(4, 2), rid="b")
+    assert e.value.field == "beam_width"
+    assert not core.has_work and not core.scheduler.requests

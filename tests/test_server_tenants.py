@@ -102,6 +102,7 @@ def test_tenants_share_no_cache_on_a_live_server(tiny_model_dir, tmp_path):
 def test_cache_ttl_s_is_honoured_and_reported():
     from radixrt.server.messages import SchedulerSnapshot
     from radixrt.server.metrics import ServerMetrics
+    from radixrt.stats import EngineStats
 
     assert comp(cache_ttl_s=30).params(4).cache_ttl_s == 30
     assert gen(cache_ttl_s=2.5).gen.params(4).cache_ttl_s == 2.5
@@ -109,11 +110,7 @@ def test_cache_ttl_s_is_honoured_and_reported():
         chat(cache_ttl_s=-1)
     assert e.value.param == "cache_ttl_s"
     metrics = ServerMetrics()
-    snap = SchedulerSnapshot(
-        running=0, waiting=0, kv_blocks_total=8, kv_blocks_free=8, kv_blocks_cached=0,
-        kv_blocks_in_use=0, cache_hit_rate=0.0, prompt_tokens=0, cached_tokens=0,
-        generated_tokens=0, preemptions=0, steps=0, retention_holds=3, retention_held_blocks=5,
-    )  # fmt: skip
+    snap = SchedulerSnapshot(EngineStats(retention_holds=3, retention_held_blocks=5))
     metrics.update(snap)
-    assert metrics.retention["retention_held_blocks"]._value.get() == 5
-    assert metrics.retention["retention_holds"]._value.get() == 3
+    text = metrics.render().decode()
+    assert "radixrt_retention_held_blocks 5.0" in text and "radixrt_retention_holds 3.0" in text

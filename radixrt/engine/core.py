@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
+from radixrt.errors import RequestValueError
 from radixrt.grammar.base import GrammarStats
 from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
@@ -32,6 +33,7 @@ from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
+from radixrt.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 # A step that planned nothing while grammars compile waits this long (or until one is done)
@@ -143,12 +145,15 @@ class EngineCore:
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> str:
         """Queue one request; returns its id (generated when `rid` is None). Raises
-        ValueError on bad input (nothing is queued then)."""
+        ValueError on bad input (nothing is queued then): a RequestValueError naming the
+        field at fault where one is."""
         ids = self._check_ids(prompt_ids)
         vocab = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestValueError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if rid is None:
             rid = self._new_rid()
@@ -172,7 +177,7 @@ class EngineCore:
         ids = self._check_ids(prompt_ids)
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if max_tokens < 1:
-            raise ValueError("beam search needs room for at least one token in the context")
+            raise RequestValueError("beam search needs room for at least one token in the context")
         rid = rid if rid is not None else self._new_rid()
         self.scheduler.add_beam_search(rid, ids, params, max_tokens)
         self._sent[rid] = 0
@@ -183,9 +188,9 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise RequestValueError("the prompt is empty: give at least one token")
         return ids
 
     def _new_rid(self) -> str:
@@ -404,62 +409,64 @@ class EngineCore:
         assert self.scheduler.num_inflight_steps == inflight, "a launched plan was lost"
 
     def stats(self) -> dict[str, float]:
-        """Counters since start. `spec_*`: speculative decoding (zero without a proposer):
-        proposals (decode rows asked for drafts) and those that drafted anything (fired),
-        verify rows, drafted and accepted tokens, acceptance rate, mean tokens per verify
-        row (accepted + 1), `spec_accepted_pos_<i>` (rows whose draft i was accepted) and
-        `spec_acceptance_rate_pos_<i>` (that over the rows that had a draft i)."""
+        """`stats_struct()` as a flat dict (`EngineStats.as_dict`)."""
+        return self.stats_struct().as_dict()
+
+    def stats_struct(self) -> EngineStats:
+        """Counters since start and the state after the latest step (a new struct)."""
         s, c, sp = self.scheduler.stats, self.cache.stats, self.scheduler.stats.spec
-        spec = {f"spec_accepted_pos_{i}": n for i, n in enumerate(sp.accepted_per_position)}
-        for i in range(len(sp.drafted_per_position)):
-            spec[f"spec_acceptance_rate_pos_{i}"] = sp.acceptance_rate_at(i)
-        return {
-            "num_requests": s.num_requests,
-            "prompt_tokens": s.num_prompt_tokens,
-            "cached_tokens": s.num_cached_tokens,
-            "cache_hit_rate": s.cache_hit_rate,
-            "generated_tokens": s.num_generated_tokens,
-            "dropped_tokens": s.num_dropped_tokens,
-            "preemptions": s.num_preemptions,
-            "failed_requests": s.num_failed_requests,
-            "failed_steps": s.num_failed_steps,
-            "cow_copies": s.num_cow_copies,
-            "inplace_appends": s.num_inplace_appends,
-            "prompt_tokens_computed": s.num_prompt_tokens_computed,
-            "forks": s.num_forks,
-            "fork_shared_blocks": s.num_fork_shared_blocks,
-            "fork_copied_blocks": s.num_fork_copied_blocks,
-            "beam_steps": s.num_beam_steps,
-            "beam_shared_blocks": s.num_beam_shared_blocks,
-            "beam_copied_blocks": s.num_beam_copied_blocks,
-            "evicted_blocks": c.num_evicted_blocks,
-            "steps": s.num_steps,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": self.allocator.num_blocks,
-            "kv_tokens_total": self.allocator.num_blocks * self.config.cache.block_size,
-            "kv_fp8": float(self.config.cache.kv_fp8),  # 1.0: fp8_e4m3 KV storage
-            "kv_blocks_free": self.allocator.num_free,
-            "kv_blocks_cached": self.cache.cached_blocks,
-            "grammar_requests": s.num_grammar_requests,
-            "grammar_errors": s.num_grammar_errors,
-            "grammar_forced_tokens": s.num_forced_tokens,
-            "retention_holds": s.num_retention_holds,
-            "retention_expired": s.num_retention_expired,
-            "retention_released": s.num_retention_released,
-            "retention_held_blocks": self.scheduler.retention.num_held_blocks,
-            "spec_proposals": sp.num_proposals,
-            "spec_proposals_with_drafts": sp.num_proposals_with_drafts,
-            "spec_fire_rate": sp.fire_rate,
-            "spec_verify_rows": sp.num_verify_rows,
-            "spec_draft_tokens": sp.num_draft_tokens,
-            "spec_accepted_tokens": sp.num_accepted_tokens,
-            "spec_acceptance_rate": sp.acceptance_rate,
-            "spec_mean_acceptance_length": sp.mean_acceptance_length,
-            **spec,
-            **host_tier_stats(self.cache, s, self.runner),
+        total, free = self.allocator.num_blocks, self.allocator.num_free
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            num_requests=s.num_requests,
+            prompt_tokens=s.num_prompt_tokens,
+            cached_tokens=s.num_cached_tokens,
+            cache_hit_rate=s.cache_hit_rate,
+            generated_tokens=s.num_generated_tokens,
+            dropped_tokens=s.num_dropped_tokens,
+            prompt_tokens_computed=s.num_prompt_tokens_computed,
+            preemptions=s.num_preemptions,
+            steps=s.num_steps,
+            failed_requests=s.num_failed_requests,
+            failed_steps=s.num_failed_steps,
+            kv_blocks_total=total,
+            kv_tokens_total=total * self.config.cache.block_size,
+            kv_fp8=float(self.config.cache.kv_fp8),
+            kv_blocks_free=free,
+            kv_blocks_cached=self.cache.cached_blocks,
+            kv_blocks_in_use=total - free - self.cache.evictable_blocks,
+            evicted_blocks=c.num_evicted_blocks,
+            cow_copies=s.num_cow_copies,
+            inplace_appends=s.num_inplace_appends,
+            forks=s.num_forks,
+            fork_shared_blocks=s.num_fork_shared_blocks,
+            fork_copied_blocks=s.num_fork_copied_blocks,
+            beam_steps=s.num_beam_steps,
+            beam_shared_blocks=s.num_beam_shared_blocks,
+            beam_copied_blocks=s.num_beam_copied_blocks,
+            grammar_requests=s.num_grammar_requests,
+            grammar_errors=s.num_grammar_errors,
+            grammar_forced_tokens=s.num_forced_tokens,
             **self._grammar_stats(),
-        }
+            retention_holds=s.num_retention_holds,
+            retention_expired=s.num_retention_expired,
+            retention_released=s.num_retention_released,
+            retention_held_blocks=self.scheduler.retention.num_held_blocks,
+            spec_proposals=sp.num_proposals,
+            spec_proposals_with_drafts=sp.num_proposals_with_drafts,
+            spec_fire_rate=sp.fire_rate,
+            spec_verify_rows=sp.num_verify_rows,
+            spec_draft_tokens=sp.num_draft_tokens,
+            spec_accepted_tokens=sp.num_accepted_tokens,
+            spec_acceptance_rate=sp.acceptance_rate,
+            spec_mean_acceptance_length=sp.mean_acceptance_length,
+            spec_accepted_per_position=list(sp.accepted_per_position),
+            spec_acceptance_rate_per_position=[
+                sp.acceptance_rate_at(i) for i in range(len(sp.drafted_per_position))
+            ],
+            **host_tier_stats(self.cache, s, self.runner),
+        )
 
     def _grammar_stats(self) -> dict[str, int]:
         """GrammarStats fields (zero without a backend or one without stats)."""

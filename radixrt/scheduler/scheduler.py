@@ -35,6 +35,7 @@ from typing import Any
 from radixrt.cache.base import PrefixCache
 from radixrt.cache.tiers import unmade_blocks
 from radixrt.config import SchedulerConfig
+from radixrt.errors import RequestValueError
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import group_blocks_needed
 from radixrt.plan import BlockOp, StepPlan, StepResult
@@ -228,14 +229,16 @@ class Scheduler:
         return req
 
     def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:
-        """ValueError unless `num_seqs` sequences of `req` sharing its prompt's full blocks
-        (all but the last prompt token) fit in the pool together."""
+        """RequestValueError (naming `field_name` when num_seqs > 1) unless `num_seqs`
+        sequences of `req` sharing its prompt's full blocks (all but the last prompt token)
+        fit in the pool together."""
         if req.rid in self.queues.requests:
-            raise ValueError(f"request id {req.rid!r} is already in use")
+            raise RequestValueError(f"request id {req.rid!r} is already in use")
         if num_seqs > self.kv.num_slots:
-            raise ValueError(
+            raise RequestValueError(
                 f"invalid {field_name}={num_seqs}: the engine runs at most "
-                f"{self.kv.num_slots} sequences at once (max_running_requests)"
+                f"{self.kv.num_slots} sequences at once (max_running_requests)",
+                field_name or None,
             )
         blocks = group_blocks_needed(
             req.prompt_len, req.max_tokens, num_seqs, self.kv.block_size, self.max_model_len
@@ -243,10 +246,11 @@ class Scheduler:
         num_blocks = self.kv.allocator.num_blocks
         if blocks > num_blocks:
             what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
-            raise ValueError(
+            raise RequestValueError(
                 f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
                 f"{num_blocks}; shorten the prompt or lower max_tokens"
-                + (f" or {field_name}" if num_seqs > 1 else "")
+                + (f" or {field_name}" if num_seqs > 1 else ""),
+                field_name if num_seqs > 1 else None,
             )
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:

@@ -1,4 +1,4 @@
-"""The scheduler's counters (reported by `EngineCore.stats()` and the server's snapshot)."""
+"""The scheduler's live counters (`EngineCore.stats_struct()` reads them into `EngineStats`)."""
 
 from __future__ import annotations
 

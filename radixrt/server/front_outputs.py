@@ -26,6 +26,7 @@ from radixrt.server.messages import (
 )
 from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import BeamResult, Delta, RequestState
+from radixrt.stats import EngineStats
 
 logger = logging.getLogger("radixrt.server.front")
 
@@ -192,17 +193,7 @@ class FrontOutputs:
 def initial_snapshot(ready: Ready) -> SchedulerSnapshot:
     """The scheduler's state right after Ready: nothing running, every KV block free."""
     total = ready.kv_blocks_total
-    return SchedulerSnapshot(
-        running=0,
-        waiting=0,
-        kv_blocks_total=total,
-        kv_blocks_free=total,
-        kv_blocks_cached=0,
-        kv_blocks_in_use=0,
-        cache_hit_rate=0.0,
-        prompt_tokens=0,
-        cached_tokens=0,
-        generated_tokens=0,
-        preemptions=0,
-        steps=0,
+    stats = EngineStats(
+        kv_blocks_total=total, kv_tokens_total=total * ready.block_size, kv_blocks_free=total
     )
+    return SchedulerSnapshot(stats)

@@ -27,6 +27,7 @@ from radixrt.server.http_util import (
     read_body,
     sse_response,
 )
+from radixrt.server.messages import SchedulerSnapshot
 from radixrt.server.metrics import CONTENT_TYPE
 from radixrt.server.openai_routes import chat_completions, completions, models
 from radixrt.server.protocol import ApiError
@@ -160,9 +161,14 @@ async def debug_state(request: web.Request) -> web.Response:
             "scheduler_pid": front.ready.pid if front.ready else None,
             "in_flight": len(front.states),
             "in_flight_client_rids": len(front.by_client_rid),
-            "scheduler": msgspec.structs.asdict(snap) if snap else None,
+            "scheduler": _snapshot_json(snap) if snap else None,
         }
     )
+
+
+def _snapshot_json(snap: SchedulerSnapshot) -> dict[str, Any]:
+    """The snapshot as one flat object: the EngineStats fields and `integrity_error`."""
+    return {**msgspec.to_builtins(snap.stats), "integrity_error": snap.integrity_error}
 
 
 async def abort(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.stats import EngineStats
 
 
 # ---- front -> scheduler ----
@@ -114,59 +115,10 @@ class RequestError(msgspec.Struct, frozen=True):
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True):
-    """Engine state after the step (cumulative counters since start)."""
+    """Engine state after the step: `EngineCore.stats_struct()` as it is."""
 
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_cached: int  # held by the prefix cache (locked or not)
-    kv_blocks_in_use: int  # held by requests or locked cache paths: total - free - evictable
-    cache_hit_rate: float
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-    preemptions: int
-    steps: int
+    stats: EngineStats
     integrity_error: str | None = None  # debug mode: check_integrity() failure when idle
-    # server faults survived (each a bug): requests failed by a host-side exception of
-    # their own, and steps whose batched forward raised (their requests failed with 500)
-    failed_requests: int = 0
-    failed_steps: int = 0
-    # speculative decoding since start (zero without a proposer)
-    spec_draft_tokens: int = 0  # drafts verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_verify_rows: int = 0  # rows that verified drafts
-    # n > 1 forks and beam search since start (see radixrt.scheduler.groups)
-    forks: int = 0  # groups forked (again after a preemption)
-    fork_shared_blocks: int = 0  # full prompt blocks children took a reference on at forks
-    fork_copied_blocks: int = 0  # partial prompt blocks copied for children at forks
-    beam_steps: int = 0  # beam-selection steps (one per group per generated token)
-    beam_shared_blocks: int = 0  # full blocks re-parented beams took references on
-    beam_copied_blocks: int = 0  # partial blocks copied for re-parented beams
-    # host KV tier since start (zero without one; see radixrt.engine.tier_stats)
-    host_hit_tokens: int = 0  # prompt tokens loaded from the host tier (part of cached)
-    host_written_back_blocks: int = 0
-    host_loaded_blocks: int = 0
-    host_evicted_blocks: int = 0
-    host_kv_blocks_total: int = 0
-    host_kv_blocks_free: int = 0
-    host_kv_blocks_cached: int = 0
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    swap_seconds: float = 0.0
-    # structured output since start: radixrt.grammar.base.GrammarStats, field for field
-    grammar_cache_hits: int = 0
-    grammar_cache_misses: int = 0
-    grammar_cache_evictions: int = 0
-    grammar_cache_bytes: int = 0
-    grammar_compile_timeouts: int = 0
-    grammar_compile_preemptions: int = 0
-    # retention hints (cache_ttl_s; see radixrt.scheduler.retention)
-    retention_holds: int = 0  # finished contexts held cached, since start
-    retention_expired: int = 0  # of those, ended by their time to live
-    retention_released: int = 0  # of those, given up for room
-    retention_held_blocks: int = 0  # device blocks held now
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):

@@ -1,8 +1,9 @@
 """Prometheus metrics of the server (one registry per server, served at /metrics).
 
 Counters and latency histograms are observed by the front as requests progress; the
-scheduler gauges mirror its latest `SchedulerSnapshot` (from Ready on, before the first
-request) and read NaN once the scheduler is gone (no value is better than a stale one).
+scheduler gauges, one per `EngineStats` field (radixrt.stats), mirror its latest
+`SchedulerSnapshot` (from Ready on, before the first request) and read NaN once the
+scheduler is gone (no value is better than a stale one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from radixrt.server.messages import SchedulerSnapshot
+from radixrt.stats import STAT_FIELDS
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -80,18 +82,16 @@ class ServerMetrics:
             r,
         )
         g = lambda name, doc: Gauge(name, doc, registry=r)
-        self.running = g("radixrt_num_requests_running", "Requests running in the scheduler")
-        self.waiting = g("radixrt_num_requests_waiting", "Requests waiting in the scheduler")
-        self.cache_hit_rate = g(
-            "radixrt_cache_hit_rate", "Cached / prompt tokens of admitted requests since start"
-        )
-        self.kv_blocks_total = g("radixrt_kv_blocks_total", "KV blocks in the pool")
-        self.kv_blocks_free = g("radixrt_kv_blocks_free", "KV blocks nobody holds")
-        self.kv_blocks_cached = g("radixrt_kv_blocks_cached", "KV blocks the prefix cache holds")
-        self.kv_blocks_in_use = g(
-            "radixrt_kv_blocks_in_use",
-            "KV blocks held by requests or locked cache paths (not free, not evictable)",
-        )
+        # the scheduler's EngineStats, field for field (per-position lists: label `position`)
+        self.scheduler_gauges = {
+            f.name: Gauge(
+                f"radixrt_{f.metric}",
+                f.description,
+                ["position"] if f.per_position else (),
+                registry=r,
+            )
+            for f in STAT_FIELDS
+        }
         self.ready = g("radixrt_ready", "1 when the scheduler is up and serving")
         self.scheduler_stalled = g(
             "radixrt_scheduler_stalled",
@@ -102,35 +102,6 @@ class ServerMetrics:
             "Times the scheduler was found stalled (work in flight, no progress past the limit)",
             registry=r,
         )
-        self.failed_requests = g(
-            "radixrt_scheduler_failed_requests",
-            "Requests the scheduler failed on a host-side exception of their own, since start",
-        )
-        self.failed_steps = g(
-            "radixrt_scheduler_failed_steps",
-            "Steps whose batched forward raised (their requests failed), since start",
-        )
-        self.spec_draft_tokens = g(
-            "radixrt_spec_draft_tokens", "Speculative draft tokens verified, since start"
-        )
-        self.spec_accepted_tokens = g(
-            "radixrt_spec_accepted_tokens", "Speculative draft tokens accepted, since start"
-        )
-        self.spec_verify_rows = g(
-            "radixrt_spec_verify_rows", "Rows that verified speculative drafts, since start"
-        )
-        # n > 1 forks and beam search: the snapshot field of the same name, since start
-        self.group_gauges = {
-            name: g(f"radixrt_{name}", doc)
-            for name, doc in (
-                ("forks", "Request groups (n > 1, beam search) forked, since start"),
-                ("fork_shared_blocks", "Full prompt blocks shared by reference at forks"),
-                ("fork_copied_blocks", "Partial prompt blocks copied at forks"),
-                ("beam_steps", "Beam-search selection steps, since start"),
-                ("beam_shared_blocks", "Full blocks shared by re-parented beams"),
-                ("beam_copied_blocks", "Partial blocks copied for re-parented beams"),
-            )
-        }
         self.in_flight = g("radixrt_front_in_flight", "Requests the front holds state for")
         self.rejected = Counter(
             "radixrt_rejected_requests",
@@ -153,76 +124,25 @@ class ServerMetrics:
         self.internal_errors = Counter(
             "radixrt_internal_errors", "HTTP requests that failed on a server bug (500)", registry=r
         )
-        # host KV tier (zero without one): snapshot field -> gauge
-        self.host_tier = {
-            field: g(f"radixrt_{field}", doc)
-            for field, doc in (
-                ("host_hit_tokens", "Prompt tokens loaded from the host KV tier, since start"),
-                ("host_written_back_blocks", "KV blocks written back to the host, since start"),
-                ("host_loaded_blocks", "KV blocks loaded from the host, since start"),
-                ("host_evicted_blocks", "Host KV blocks freed by host LRU eviction, since start"),
-                ("host_kv_blocks_total", "KV blocks in the host pool"),
-                ("host_kv_blocks_free", "Host KV blocks nobody holds"),
-                ("host_kv_blocks_cached", "Host KV blocks the prefix cache holds"),
-                ("swap_out_bytes", "Bytes copied device -> host by write-backs, since start"),
-                ("swap_in_bytes", "Bytes copied host -> device by loads, since start"),
-                ("swap_seconds", "Seconds of host <-> device KV transfers, since start"),
-            )
-        }
-        # structured output (radixrt.grammar.base.GrammarStats): snapshot field -> gauge
-        self.grammar = {
-            field: g(f"radixrt_{field}", doc)
-            for field, doc in (
-                ("grammar_cache_hits", "Constrained requests whose grammar was cached"),
-                ("grammar_cache_misses", "Constrained requests that started a grammar compile"),
-                ("grammar_cache_evictions", "Compiled grammars dropped to bound the cache"),
-                ("grammar_cache_bytes", "Bytes the grammar cache holds"),
-                ("grammar_compile_timeouts", "Grammar compiles stopped at the time limit"),
-                ("grammar_compile_preemptions", "Grammar compiles stopped for a waiting one"),
-            )
-        }
-        # retention hints (cache_ttl_s): snapshot field -> gauge
-        self.retention = {
-            field: g(f"radixrt_{field}", doc)
-            for field, doc in (
-                ("retention_holds", "Finished contexts held cached (cache_ttl_s), since start"),
-                ("retention_expired", "Retention holds ended by their time to live"),
-                ("retention_released", "Retention holds given up for room"),
-                ("retention_held_blocks", "KV blocks retention holds keep now"),
-            )
-        }
-        self._scheduler_gauges = (*self.host_tier.values(), *self.grammar.values(),
-            *self.retention.values(),
-            self.running, self.waiting, self.cache_hit_rate, self.kv_blocks_total,
-            self.kv_blocks_free, self.kv_blocks_cached, self.kv_blocks_in_use,
-            self.failed_requests, self.failed_steps, self.spec_draft_tokens,
-            self.spec_accepted_tokens, self.spec_verify_rows, *self.group_gauges.values(),
-        )  # fmt: skip
 
     def update(self, snap: SchedulerSnapshot) -> None:
-        self.running.set(snap.running)
-        self.waiting.set(snap.waiting)
-        self.cache_hit_rate.set(snap.cache_hit_rate)
-        self.kv_blocks_total.set(snap.kv_blocks_total)
-        self.kv_blocks_free.set(snap.kv_blocks_free)
-        self.kv_blocks_cached.set(snap.kv_blocks_cached)
-        self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
-        self.failed_requests.set(snap.failed_requests)
-        self.failed_steps.set(snap.failed_steps)
-        self.spec_draft_tokens.set(snap.spec_draft_tokens)
-        self.spec_accepted_tokens.set(snap.spec_accepted_tokens)
-        self.spec_verify_rows.set(snap.spec_verify_rows)
-        for name, gauge in self.group_gauges.items():
-            gauge.set(getattr(snap, name))
-        for field, gauge in (*self.host_tier.items(), *self.retention.items()):
-            gauge.set(getattr(snap, field))
-        for field, gauge in self.grammar.items():
-            gauge.set(getattr(snap, field))
+        stats = snap.stats
+        for f in STAT_FIELDS:
+            gauge, value = self.scheduler_gauges[f.name], getattr(stats, f.name)
+            if f.per_position:
+                for i, v in enumerate(value):
+                    gauge.labels(position=str(i)).set(v)
+            else:
+                gauge.set(value)
 
     def scheduler_gone(self) -> None:
         self.ready.set(0)
-        for gauge in self._scheduler_gauges:
-            gauge.set(float("nan"))
+        for f in STAT_FIELDS:
+            gauge = self.scheduler_gauges[f.name]
+            if f.per_position:
+                gauge.clear()  # no position has a value
+            else:
+                gauge.set(float("nan"))
 
     def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, e2e_s: float) -> None:
         self.requests.labels(finish_reason=reason).inc()

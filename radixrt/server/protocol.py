@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from radixrt.errors import RequestValueError
 from radixrt.json_depth import MAX_JSON_DEPTH, too_deep_path
 from radixrt.sampling import MAX_BEAM_WIDTH, MAX_N, SEED_RANGE, SamplingParams  # noqa: F401
 
@@ -143,9 +144,10 @@ def make_params(**kwargs: Any) -> SamplingParams:
     """SamplingParams(**kwargs), turning its ValueError into ApiError naming the field."""
     try:
         return SamplingParams(**kwargs)
+    except RequestValueError as e:
+        raise ApiError(str(e), param=e.field) from e
     except ValueError as e:
-        m = re.match(r"invalid (\w+)=", str(e))
-        raise ApiError(str(e), param=m.group(1) if m else None) from e
+        raise ApiError(str(e)) from e
 
 
 # ---- decoding ----

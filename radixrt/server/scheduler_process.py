@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
 
-from radixrt.grammar.base import GrammarStats
+from radixrt.errors import RequestValueError
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
 from radixrt.server.liveness import HEARTBEAT_S
@@ -239,8 +238,9 @@ class SchedulerLoop:
                         self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
                     else:
                         self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid)
-                except ValueError as e:
-                    errors.append(RequestError(msg.rid, str(e), 400, param=_param_of(str(e))))
+                except ValueError as e:  # bad input: a RequestValueError names the field
+                    field = e.field if isinstance(e, RequestValueError) else None
+                    errors.append(RequestError(msg.rid, str(e), 400, param=field))
                 except Exception as e:  # a bug: this request fails, the loop goes on
                     logger.exception("adding request %s failed", msg.rid)
                     errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
@@ -268,8 +268,6 @@ class SchedulerLoop:
 
     def _snapshot(self) -> SchedulerSnapshot:
         core = self.core
-        s = core.stats()
-        total, free = core.allocator.num_blocks, core.allocator.num_free
         integrity_error = None
         if self.debug and not core.has_work:
             try:
@@ -277,61 +275,7 @@ class SchedulerLoop:
             except AssertionError:
                 integrity_error = traceback.format_exc()
                 logger.error("integrity check failed:\n%s", integrity_error)
-        return SchedulerSnapshot(
-            running=int(s["running"]),
-            waiting=int(s["waiting"]),
-            kv_blocks_total=total,
-            kv_blocks_free=free,
-            kv_blocks_cached=core.cache.cached_blocks,
-            kv_blocks_in_use=total - free - core.cache.evictable_blocks,
-            cache_hit_rate=float(s["cache_hit_rate"]),
-            prompt_tokens=int(s["prompt_tokens"]),
-            cached_tokens=int(s["cached_tokens"]),
-            generated_tokens=int(s["generated_tokens"]),
-            preemptions=int(s["preemptions"]),
-            steps=int(s["steps"]),
-            integrity_error=integrity_error,
-            failed_requests=int(s["failed_requests"]),
-            failed_steps=int(s["failed_steps"]),
-            spec_draft_tokens=int(s["spec_draft_tokens"]),
-            spec_accepted_tokens=int(s["spec_accepted_tokens"]),
-            spec_verify_rows=int(s["spec_verify_rows"]),
-            forks=int(s["forks"]),
-            fork_shared_blocks=int(s["fork_shared_blocks"]),
-            fork_copied_blocks=int(s["fork_copied_blocks"]),
-            beam_steps=int(s["beam_steps"]),
-            beam_shared_blocks=int(s["beam_shared_blocks"]),
-            beam_copied_blocks=int(s["beam_copied_blocks"]),
-            **{k: int(s[k]) for k in HOST_TIER_FIELDS + RETENTION_FIELDS},
-            swap_seconds=float(s["swap_seconds"]),
-            **{k: int(s[k]) for k in GRAMMAR_STATS_FIELDS},
-        )
-
-
-GRAMMAR_STATS_FIELDS = tuple(f.name for f in fields(GrammarStats))
-RETENTION_FIELDS = (
-    "retention_holds",
-    "retention_expired",
-    "retention_released",
-    "retention_held_blocks",
-)  # integer counters of retention hints in the snapshot
-HOST_TIER_FIELDS = (
-    "host_hit_tokens",
-    "host_written_back_blocks",
-    "host_loaded_blocks",
-    "host_evicted_blocks",
-    "host_kv_blocks_total",
-    "host_kv_blocks_free",
-    "host_kv_blocks_cached",
-    "swap_out_bytes",
-    "swap_in_bytes",
-)  # integer counters of the host KV tier in the snapshot (and swap_seconds, a float)
-
-
-def _param_of(message: str) -> str | None:
-    """The field an engine ValueError names ("invalid n=...", "n=4 sequences of ...")."""
-    m = re.match(r"(?:invalid )?(\w+)=", message)
-    return m.group(1) if m else None
+        return SchedulerSnapshot(core.stats_struct(), integrity_error)
 
 
 def _token_out(d: RequestDelta) -> TokenOut:

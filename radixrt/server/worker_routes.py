@@ -151,11 +151,11 @@ async def server_info(request: web.Request) -> web.Response:
 def _load(request: web.Request) -> dict[str, Any]:
     """This rank's load: requests running and waiting, KV tokens in use."""
     front = request.app[FRONT]
-    snap, ready = front.snapshot, front.ready
-    running = snap.running if snap else 0
-    waiting = snap.waiting if snap else 0
+    stats, ready = front.snapshot.stats if front.snapshot else None, front.ready
+    running = stats.running if stats else 0
+    waiting = stats.waiting if stats else 0
     block = ready.block_size if ready else 0
-    used = (snap.kv_blocks_in_use if snap else 0) * block
+    used = (stats.kv_blocks_in_use if stats else 0) * block
     total = (ready.kv_blocks_total if ready else 0) * block
     return {
         "dp_rank": 0,
@@ -166,7 +166,7 @@ def _load(request: web.Request) -> dict[str, Any]:
         "num_used_tokens": used,
         "max_total_num_tokens": total,
         "token_usage": used / total if total else 0.0,
-        "cache_hit_rate": snap.cache_hit_rate if snap else 0.0,
+        "cache_hit_rate": stats.cache_hit_rate if stats else 0.0,
     }
 
 

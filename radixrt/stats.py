@@ -1,0 +1,195 @@
+"""`EngineStats`: every counter and gauge the engine reports, declared once.
+
+`EngineCore.stats_struct()` fills it; the scheduler process sends it as it is inside each
+`SchedulerSnapshot`; `/metrics` exports every field as `radixrt_<field>` (or the name in the
+field's `metric`) with the field's description as help text; `EngineCore.stats()` is its
+dict view. A new counter is one field here, one line where `stats_struct` fills it, and a
+test of what it counts. Torch-free: the front imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, NamedTuple, get_type_hints
+
+import msgspec
+from msgspec import Meta
+
+
+def _doc(description: str, metric: str | None = None) -> Meta:
+    """A field's help text, and its metric name when it is not the field's own."""
+    return Meta(description=description, extra={"metric": metric} if metric else None)
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Counters since start (totals) and gauges (state after the latest step)."""
+
+    # requests and tokens
+    running: Annotated[int, _doc("Requests running in the scheduler", "num_requests_running")] = 0
+    waiting: Annotated[int, _doc("Requests waiting in the scheduler", "num_requests_waiting")] = 0
+    num_requests: Annotated[int, _doc("Requests admitted for the first time, since start")] = 0
+    prompt_tokens: Annotated[
+        int, _doc("Prompt tokens of admitted requests, since start", "scheduler_prompt_tokens")
+    ] = 0
+    cached_tokens: Annotated[
+        int,
+        _doc("Of those, served by the prefix cache, since start", "scheduler_cached_tokens"),
+    ] = 0
+    cache_hit_rate: Annotated[
+        float, _doc("Cached / prompt tokens of admitted requests since start")
+    ] = 0.0
+    generated_tokens: Annotated[
+        int, _doc("Tokens generated, since start", "scheduler_generated_tokens")
+    ] = 0
+    dropped_tokens: Annotated[
+        int, _doc("Tokens sampled by an overlapped step after their request finished")
+    ] = 0
+    prompt_tokens_computed: Annotated[
+        int, _doc("Prompt positions fed to the model (recomputes too), since start")
+    ] = 0
+    preemptions: Annotated[int, _doc("Requests preempted, since start")] = 0
+    steps: Annotated[int, _doc("Engine steps, since start")] = 0
+    # server faults survived (each a bug)
+    failed_requests: Annotated[
+        int,
+        _doc(
+            "Requests the scheduler failed on a host-side exception of their own, since start",
+            "scheduler_failed_requests",
+        ),
+    ] = 0
+    failed_steps: Annotated[
+        int,
+        _doc(
+            "Steps whose batched forward raised (their requests failed), since start",
+            "scheduler_failed_steps",
+        ),
+    ] = 0
+    # the device KV pool and the prefix cache
+    kv_blocks_total: Annotated[int, _doc("KV blocks in the pool")] = 0
+    kv_tokens_total: Annotated[int, _doc("KV tokens in the pool (blocks * block size)")] = 0
+    kv_fp8: Annotated[float, _doc("1 when the KV pool stores fp8_e4m3")] = 0.0
+    kv_blocks_free: Annotated[int, _doc("KV blocks nobody holds")] = 0
+    kv_blocks_cached: Annotated[int, _doc("KV blocks the prefix cache holds")] = 0
+    kv_blocks_in_use: Annotated[
+        int, _doc("KV blocks held by requests or locked cache paths (not free, not evictable)")
+    ] = 0
+    evicted_blocks: Annotated[int, _doc("KV blocks freed by prefix-cache eviction")] = 0
+    cow_copies: Annotated[int, _doc("Partial blocks copied on a mid-block prefix match")] = 0
+    inplace_appends: Annotated[
+        int, _doc("Mid-block prefix matches that wrote on in the cached block")
+    ] = 0
+    # n > 1 forks and beam search (radixrt.scheduler.groups)
+    forks: Annotated[int, _doc("Request groups (n > 1, beam search) forked, since start")] = 0
+    fork_shared_blocks: Annotated[int, _doc("Full prompt blocks shared by reference at forks")] = 0
+    fork_copied_blocks: Annotated[int, _doc("Partial prompt blocks copied at forks")] = 0
+    beam_steps: Annotated[int, _doc("Beam-search selection steps, since start")] = 0
+    beam_shared_blocks: Annotated[int, _doc("Full blocks shared by re-parented beams")] = 0
+    beam_copied_blocks: Annotated[int, _doc("Partial blocks copied for re-parented beams")] = 0
+    # structured output
+    grammar_requests: Annotated[int, _doc("Constrained requests whose grammar compiled")] = 0
+    grammar_errors: Annotated[
+        int, _doc("Constrained requests refused (compile error or timeout)")
+    ] = 0
+    grammar_forced_tokens: Annotated[
+        int, _doc("Tokens appended by jump-forward (also generated)")
+    ] = 0
+    grammar_cache_hits: Annotated[int, _doc("Constrained requests whose grammar was cached")] = 0
+    grammar_cache_misses: Annotated[
+        int, _doc("Constrained requests that started a grammar compile")
+    ] = 0
+    grammar_cache_evictions: Annotated[
+        int, _doc("Compiled grammars dropped to bound the cache")
+    ] = 0
+    grammar_cache_bytes: Annotated[int, _doc("Bytes the grammar cache holds")] = 0
+    grammar_compile_timeouts: Annotated[int, _doc("Grammar compiles stopped at the time limit")] = 0
+    grammar_compile_preemptions: Annotated[
+        int, _doc("Grammar compiles stopped for a waiting one")
+    ] = 0
+    # retention hints (cache_ttl_s; radixrt.scheduler.retention)
+    retention_holds: Annotated[
+        int, _doc("Finished contexts held cached (cache_ttl_s), since start")
+    ] = 0
+    retention_expired: Annotated[int, _doc("Retention holds ended by their time to live")] = 0
+    retention_released: Annotated[int, _doc("Retention holds given up for room")] = 0
+    retention_held_blocks: Annotated[int, _doc("KV blocks retention holds keep now")] = 0
+    # speculative decoding (zero without a proposer)
+    spec_proposals: Annotated[int, _doc("Decode rows the proposer was asked to draft for")] = 0
+    spec_proposals_with_drafts: Annotated[
+        int, _doc("Of those, rows it drafted at least one token for")
+    ] = 0
+    spec_fire_rate: Annotated[float, _doc("Proposals with drafts / proposals")] = 0.0
+    spec_verify_rows: Annotated[int, _doc("Rows that verified speculative drafts, since start")] = 0
+    spec_draft_tokens: Annotated[int, _doc("Speculative draft tokens verified, since start")] = 0
+    spec_accepted_tokens: Annotated[int, _doc("Speculative draft tokens accepted, since start")] = 0
+    spec_acceptance_rate: Annotated[float, _doc("Accepted / verified draft tokens")] = 0.0
+    spec_mean_acceptance_length: Annotated[
+        float, _doc("Mean tokens per verify row (accepted + 1)")
+    ] = 0.0
+    # [i]: verify rows whose draft i was accepted; dict view: spec_accepted_pos_<i>
+    spec_accepted_per_position: Annotated[
+        list[int], _doc("Verify rows whose draft at this position was accepted")
+    ] = []
+    # [i]: that over the rows that had a draft i; dict view: spec_acceptance_rate_pos_<i>
+    spec_acceptance_rate_per_position: Annotated[
+        list[float], _doc("Acceptance rate of drafts at this position")
+    ] = []
+    # host KV tier (zero without one; radixrt.engine.tier_stats)
+    host_hit_tokens: Annotated[
+        int, _doc("Prompt tokens loaded from the host KV tier, since start")
+    ] = 0
+    host_deferred_loads: Annotated[
+        int, _doc("Admissions whose first row waited a step for host loads")
+    ] = 0
+    host_written_back_blocks: Annotated[
+        int, _doc("KV blocks written back to the host, since start")
+    ] = 0
+    host_loaded_blocks: Annotated[int, _doc("KV blocks loaded from the host, since start")] = 0
+    host_evicted_blocks: Annotated[
+        int, _doc("Host KV blocks freed by host LRU eviction, since start")
+    ] = 0
+    host_dropped_blocks: Annotated[
+        int, _doc("KV blocks evicted without a host copy (the host was full)")
+    ] = 0
+    host_kv_blocks_total: Annotated[int, _doc("KV blocks in the host pool")] = 0
+    host_kv_blocks_free: Annotated[int, _doc("Host KV blocks nobody holds")] = 0
+    host_kv_blocks_cached: Annotated[int, _doc("Host KV blocks the prefix cache holds")] = 0
+    swap_out_bytes: Annotated[
+        int, _doc("Bytes copied device -> host by write-backs, since start")
+    ] = 0
+    swap_in_bytes: Annotated[int, _doc("Bytes copied host -> device by loads, since start")] = 0
+    swap_seconds: Annotated[float, _doc("Seconds of host <-> device KV transfers, since start")] = (
+        0.0
+    )
+
+    def as_dict(self) -> dict[str, float]:
+        """The flat view (`EngineCore.stats()`): each scalar field under its name, and the
+        per-position lists as `spec_accepted_pos_<i>` / `spec_acceptance_rate_pos_<i>`."""
+        out: dict[str, Any] = {}
+        for f in STAT_FIELDS:
+            value = getattr(self, f.name)
+            if f.per_position:
+                prefix = f.name.removesuffix("_per_position")
+                out.update({f"{prefix}_pos_{i}": v for i, v in enumerate(value)})
+            else:
+                out[f.name] = value
+        return out
+
+
+class StatField(NamedTuple):
+    name: str  # the EngineStats field
+    metric: str  # the exported name: radixrt_<metric>
+    description: str  # help text
+    per_position: bool  # a list: one value per draft position (label `position`)
+
+
+def _stat_fields() -> tuple[StatField, ...]:
+    hints = get_type_hints(EngineStats, include_extras=True)
+    out = []
+    for name in EngineStats.__struct_fields__:
+        meta: Meta = hints[name].__metadata__[0]
+        metric = (meta.extra or {}).get("metric", name)
+        per_position = name.endswith("_per_position")
+        out.append(StatField(name, metric, meta.description, per_position))
+    return tuple(out)
+
+
+STAT_FIELDS = _stat_fields()
