@@ -16,7 +16,8 @@ SOURCES = {"radixrt": "radixrt", "kernels": "radixrt.kernels", "frontend": "radi
 # each other).
 LAYERS = [
     {"radixrt.kernels"},
-    {"radixrt.limits", "radixrt.token_bytes", "radixrt.json_depth"},
+    {"radixrt.errors"},
+    {"radixrt.limits", "radixrt.token_bytes", "radixrt.json_depth", "radixrt.stats"},
     {"radixrt.sampling"},
     {"radixrt.config"},
     {"radixrt.hf_dir"},
