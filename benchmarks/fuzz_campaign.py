@@ -33,7 +33,9 @@ SERVER_ARGS = (
     "--device", "cpu", "--dtype", "float32", "--enable-debug-endpoints",
     "--num-kv-blocks", "96", "--block-size", "16", "--host-kv-gb", "0.05",
     "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    "--retention-max-ttl-s", "1",
 )  # fmt: skip
+RETENTION_TTL_S = 1.0  # cache_ttl_s holds end this soon: no KV in use afterwards
 
 
 def get_json(url: str) -> dict:
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name, pid in pids.items():
                     rss[name].append(rss_kb(pid))
         elapsed = time.monotonic() - t0
+        # the retention holds end at the first scheduler step after their TTL
+        time.sleep(RETENTION_TTL_S + 0.5)
+        body = json.dumps({"prompt": "after the holds", "max_tokens": 1}).encode()
+        after_status, _ = post(url + "/v1/completions", body, args.timeout)
         state = wait_idle(url, 60)
         log = Path(log_path).read_text(errors="replace")
     finally:
@@ -137,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"slowest answer {slowest:.1f} s")
     snap = state["scheduler"]
     leak = (
-        state["in_flight"] or snap["running"] or snap["waiting"] or snap["kv_blocks_in_use"]
-    ) or snap["integrity_error"]
+        (state["in_flight"] or snap["running"] or snap["waiting"] or snap["kv_blocks_in_use"])
+        or snap["integrity_error"]
+        or after_status != 200
+    )
     print(
         f"after: in flight {state['in_flight']}, running {snap['running']}, waiting "
         f"{snap['waiting']}, KV blocks in use {snap['kv_blocks_in_use']}, integrity "

@@ -20,6 +20,7 @@ import gzip
 import json
 import random
 import re
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,10 +41,14 @@ SEED = 20261201
 NUM_BODIES = 1200
 NUM_SCHEMA_BODIES = 900
 CONCURRENCY = 8
+# cache_ttl_s holds end this soon (checked at each scheduler step), so that no KV in use
+# afterwards means no leak
+RETENTION_TTL_S = 1.0
 RSS_GROWTH = 0.05  # the front's and the scheduler's RSS over the measured half, at most
 SERVER_ARGS = (
     "--num-kv-blocks", "96", "--block-size", "16", "--host-kv-gb", "0.05",
     "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    "--retention-max-ttl-s", str(RETENTION_TTL_S),
 )  # fmt: skip
 
 COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
@@ -277,7 +282,10 @@ def test_fuzz(tiny_model_dir):
         statuses = Counter(status for status, _ in answers)
         assert not problems, f"{len(problems)} bad answers:\n" + "\n".join(problems[:20])
         assert statuses[200] >= len(cases) // 5 and sum(statuses.values()) == len(cases)
-        # afterwards: healthy, nothing held, integrity holds (wait_idle asserts it)
+        # afterwards: healthy, nothing held, integrity holds (wait_idle asserts it); the
+        # retention holds end at the first scheduler step after their TTL
+        time.sleep(RETENTION_TTL_S + 0.5)
+        assert srv.post(COMP, {"prompt": "after the holds", "max_tokens": 1})[0] == 200
         state = srv.wait_idle(timeout=30)
         assert state["in_flight"] == 0 and state["in_flight_client_rids"] == 0
         assert state["scheduler"]["kv_blocks_in_use"] == 0
