@@ -337,8 +337,10 @@ def post(url: str, data: bytes, timeout: float) -> tuple[int, bytes]:
 
 
 def answer_problem(case: FieldValue, status: int, raw: bytes) -> str:
-    """'' if the answer fits the case, else what is wrong: never a 5xx; an invalid value
-    is a 4xx whose OpenAI-shaped error names a field of the body."""
+    """'' if the answer fits the case, else what is wrong: never a 5xx; an error is
+    OpenAI-shaped, and an invalid value's is a 4xx naming a field (a valid value may still
+    be refused by a check the schema does not declare, e.g. the KV pool's size, which
+    names none)."""
     if status >= 500 or status < 200:
         return f"status {status}: {raw[:300]!r}"
     if status == 200:
@@ -352,8 +354,10 @@ def answer_problem(case: FieldValue, status: int, raw: bytes) -> str:
         err = json.loads(raw)["error"]
     except (ValueError, KeyError, TypeError):
         return f"{status} without an OpenAI error: {raw[:300]!r}"
-    if not err.get("message") or not err.get("param"):
-        return f"{status} error without a message or param: {err}"
+    if not err.get("message"):
+        return f"{status} error without a message: {err}"
+    if case.kind == "invalid" and not err.get("param"):  # a schema error names its field
+        return f"{status} error naming no field: {err}"
     return ""
 
 

@@ -253,7 +253,7 @@ def problem(case: tuple, status: int, out: Any) -> str:
         fv, body = case
         raw = (out if isinstance(out, str) else json.dumps(out)).encode()
         why = answer_problem(fv, status, raw)
-        if not why and status != 200:  # the param names a field of the body
+        if not why and status != 200 and out["error"]["param"]:  # a field of the body
             root = re.split(r"[.\[]", out["error"]["param"])[0]
             why = "" if root in body else f"param {root!r} is not a field of the body"
         return why and f"{fv.path} {fv.field}={fv.value!r:.100} ({fv.kind}): {why}"
