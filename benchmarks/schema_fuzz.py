@@ -15,6 +15,7 @@ included) the field's declared type (msgspec.inspect) gives three kinds of value
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import urllib.error
@@ -130,6 +131,7 @@ def field_types(schema: type[msgspec.Struct]) -> dict[str, mi.Type]:
     return {f.encode_name: f.type for f in mi.type_info(schema).fields}
 
 
+@functools.cache
 def route_fields(path: str) -> dict[str, mi.Type]:
     """Every field of the route: dotted name -> declared type (sampling_params' own)."""
     out = field_types(ROUTES[path])
