@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,8 +44,9 @@ def get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def start_server(model: str | None, port: int, log_path: str) -> subprocess.Popen:
+def start_server(model: str | None, port: int, log_path: str, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "radixrt.cli", "serve", "--port", str(port), *SERVER_ARGS]
+    cmd += extra
     cmd += ["--model", model] if model else []
     log = open(log_path, "w")  # noqa: SIM115 (the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -80,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--max-rss-growth", type=float, default=0.05)
+    ap.add_argument("--serve-args", default="", help="more `radixrt serve` options (one string)")
     args = ap.parse_args(argv)
 
     rng = random.Random(args.seed)
     cases = [schema_case(rng) for _ in range(args.requests)]
     url = f"http://127.0.0.1:{args.port}"
     log_path = os.path.join(tempfile.gettempdir(), f"radixrt-fuzz-campaign-{args.port}.log")
-    proc = start_server(args.model, args.port, log_path)
+    proc = start_server(args.model, args.port, log_path, shlex.split(args.serve_args))
     try:
         pids = {"front": proc.pid, "scheduler": get_json(url + "/debug/state")["scheduler_pid"]}
 
