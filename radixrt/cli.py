@@ -71,6 +71,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
     g.add_argument("--ngram-max-n", type=int, default=4, help="ngram: longest suffix matched")
     g.add_argument(
+        "--retention-max-ttl-s",
+        type=float,
+        default=600.0,
+        help="retention hints: a request's cache_ttl_s is capped at this many seconds",
+    )
+    g.add_argument(
         "--disable-jump-forward",
         action="store_true",
         help="structured output: sample tokens the grammar forces instead of appending them",
@@ -127,6 +133,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
         "jump_forward": not args.disable_jump_forward,
         "jump_forward_retokenize": args.jump_forward_retokenize,
+        "retention_max_ttl_s": args.retention_max_ttl_s,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False
