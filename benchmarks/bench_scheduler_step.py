@@ -14,6 +14,7 @@ a core without and one with events, their steps interleaved.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -46,7 +47,8 @@ def make_core(batch: int, case: str, block_size: int, kv_events: bool = False) -
     params, spec = CASES[case]
     sched = SchedulerConfig(max_running_requests=batch, max_num_batched_tokens=max(8192, batch * 8))
     cfg = EngineConfig(model_path="-", overlap_schedule=True, scheduler=sched)
-    cache = replace(cfg.cache, block_size=block_size, kv_events=kv_events, kv_events_hash_seed="0")
+    events = {"kv_events": True, "kv_events_hash_seed": "0"} if kv_events else {}
+    cache = replace(cfg.cache, block_size=block_size, **events)  # (runs on trees without them)
     cfg = replace(cfg, cache=cache)
     if spec != "none":
         cfg = replace(cfg, speculative=replace(cfg.speculative, speculative_method=spec))
@@ -76,18 +78,30 @@ def ready_core(
         core.step()
     for _ in range(5):
         core.step()
-    core.take_kv_events()
+    if kv_events:
+        core.take_kv_events()
     return core, publisher
 
 
 def time_steps(
-    batch: int, case: str, prompt_len: int, steps: int, block_size: int, modes: list[bool]
+    batch: int,
+    case: str,
+    prompt_len: int,
+    steps: int,
+    block_size: int,
+    modes: list[bool],
+    collect: bool = True,
 ) -> list[float]:
     """Median wall µs of one step once every row decodes, per KV-events mode (on: taking and
     publishing the step's events too). Several modes run side by side, one step of each in
-    turn (the order alternating), so load on the machine hits them alike."""
+    turn (the order alternating), so load on the machine hits them alike. `collect` False:
+    Python's cyclic garbage collector is off while timing (its collections land in random
+    steps and dominate a short run)."""
     cores = [ready_core(batch, case, prompt_len, steps, block_size, on) for on in modes]
     times: list[list[float]] = [[] for _ in modes]
+    gc.collect()
+    if not collect:
+        gc.disable()
     for i in range(steps):
         order = range(len(cores)) if i % 2 == 0 else reversed(range(len(cores)))
         for k in order:
@@ -99,6 +113,7 @@ def time_steps(
                 if events:
                     publisher.publish(events)
             times[k].append(time.perf_counter() - t)
+    gc.enable()
     for _, publisher in cores:
         if publisher is not None:
             publisher.shutdown()
@@ -118,12 +133,15 @@ def main(argv: list[str] | None = None) -> None:
         choices=["off", "on", "both"],
         help="record and publish KV events (both: a core of each, steps interleaved)",
     )
+    ap.add_argument("--no-gc", action="store_true", help="garbage collector off while timing")
     args = ap.parse_args(argv)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.kv_events]
     print("| case | B | KV events | µs / step |\n|---|---|---|---|")
     for case in args.cases.split(","):
         for b in map(int, args.batch.split(",")):
-            times = time_steps(b, case, args.prompt_len, args.steps, args.block_size, modes)
+            times = time_steps(
+                b, case, args.prompt_len, args.steps, args.block_size, modes, not args.no_gc
+            )
             for on, us in zip(modes, times):
                 print(f"| {case} | {b} | {'on' if on else 'off'} | {us:.0f} |", flush=True)
 
