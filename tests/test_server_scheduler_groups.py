@@ -116,7 +116,8 @@ def test_engine_refusals_are_typed():
     cases = [
         (SamplingParams(max_tokens=20, n=3), "n", "n=3 sequences of prompt + max_tokens need"),
         (SamplingParams(max_tokens=10**6), "max_tokens", "max_tokens=1000000 does not fit"),
-        (SamplingParams(max_tokens=40), None, "prompt + max_tokens need"),
+        (SamplingParams(max_tokens=40), "max_tokens", "prompt + max_tokens need"),
+        (SamplingParams(logit_bias={5000: 1.0}), "logit_bias", "logit_bias token id 5000"),
     ]
     for params, field, message in cases:
         with pytest.raises(RequestValueError, match=re.escape(message)) as e:
@@ -125,4 +126,8 @@ def test_engine_refusals_are_typed():
     with pytest.raises(RequestValueError, match="beam_width=4 sequences of") as e:
         core.add_beam_search(PROMPT, BeamSearchParams(4, 2), rid="b")
     assert e.value.field == "beam_width"
+    for prompt, message in (([], "the prompt is empty"), ([1, 10**6], "token id 1000000")):
+        with pytest.raises(RequestValueError, match=message) as e:
+            core.add_request(prompt, SamplingParams(), rid="q")
+        assert e.value.field == "prompt"
     assert not core.has_work and not core.scheduler.requests

@@ -152,7 +152,8 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise RequestValueError(
-                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                "logit_bias",
             )
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if rid is None:
@@ -188,9 +189,11 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestValueError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
+            )
         if not ids:
-            raise RequestValueError("the prompt is empty: give at least one token")
+            raise RequestValueError("the prompt is empty: give at least one token", "prompt")
         return ids
 
     def _new_rid(self) -> str:

@@ -250,7 +250,7 @@ class Scheduler:
                 f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
                 f"{num_blocks}; shorten the prompt or lower max_tokens"
                 + (f" or {field_name}" if num_seqs > 1 else ""),
-                field_name if num_seqs > 1 else None,
+                field_name if num_seqs > 1 else "max_tokens",
             )
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
