@@ -56,6 +56,12 @@ def test_gpu_sets(monkeypatch):
     assert dp.gpu_sets("cpu", 2, 1) == [None, None]
     with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
         dp.gpu_sets("cuda", 3, 2)
+    # a fixed KV pool per replica (--num-kv-blocks): replicas take the GPU sets in turn
+    assert dp.gpu_sets("cuda", 3, 2, share=True) == ["2,3", "5,7", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    assert dp.gpu_sets("cuda", 2, 1, share=True) == ["4", "4"]
+    with pytest.raises(ValueError, match="needs 2 GPUs, 1 visible"):
+        dp.gpu_sets("cuda", 1, 2, share=True)  # a replica's own TP group still needs its GPUs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert dp.gpu_sets("auto", 2, 1) == [None, None]
 

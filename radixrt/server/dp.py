@@ -3,7 +3,8 @@
 Process model: this process (torch-free) starts N replicas, each a `serve()` of its own
 (`python -m radixrt.server.dp`, its ServeConfig pickled on stdin) on a free 127.0.0.1
 port, in a process group of its own (with its scheduler child), one
-per GPU set via CUDA_VISIBLE_DEVICES on CUDA; it waits until every replica's /health
+per GPU set via CUDA_VISIBLE_DEVICES on CUDA (several per set when there are fewer sets than
+replicas and --num-kv-blocks fixes each one's KV pool); it waits until every replica's /health
 answers 200, then starts the router on --host:--port (its Prometheus port bound to --host
 too) in a process group of its own. Children get SIGTERM when this process dies
 (PR_SET_PDEATHSIG). SIGINT/SIGTERM: the router, then every replica, get SIGTERM; groups
@@ -80,20 +81,23 @@ def offset_endpoint(endpoint: str, index: int) -> str:
     raise ValueError(f"cannot give each replica its own KV events address: {endpoint!r}")
 
 
-def gpu_sets(device: str, replicas: int, tp_size: int) -> list[str | None]:
+def gpu_sets(device: str, replicas: int, tp_size: int, share: bool = False) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each replica (`tp_size` GPUs each), or None per replica on
-    CPU. Raises ValueError when --device cuda has fewer GPUs than replicas need."""
+    CPU. With fewer GPUs than replicas need: `share` (each replica's KV pool has a fixed
+    size, --num-kv-blocks) puts replicas on the GPU sets in turn; otherwise ValueError."""
     if device == "cpu":
         return [None] * replicas
     gpus = _visible_gpus()
     if not gpus and device == "auto":
         return [None] * replicas
-    if len(gpus) < replicas * tp_size:
+    sets = [",".join(gpus[i * tp_size : (i + 1) * tp_size]) for i in range(len(gpus) // tp_size)]
+    if len(sets) < replicas and not (share and sets):
         raise ValueError(
             f"--dp {replicas} with {tp_size} GPU(s) per replica needs {replicas * tp_size} "
-            f"GPUs, {len(gpus)} visible"
+            f"GPUs, {len(gpus)} visible (replicas share GPUs only with --num-kv-blocks: a "
+            "fixed KV pool each)"
         )
-    return [",".join(gpus[i * tp_size : (i + 1) * tp_size]) for i in range(replicas)]
+    return [sets[i % len(sets)] for i in range(replicas)]
 
 
 def _visible_gpus() -> list[str]:
@@ -257,7 +261,8 @@ def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         _check_listen(cfg.host, cfg.port)
-        gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg))
+        fixed_pool = cfg.options.get("num_kv_blocks") is not None
+        gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg), share=fixed_pool)
         configs = replica_configs(cfg, opts.replicas)
         prom_port = opts.router_prometheus_port or _free_port_on(cfg.host)
     except (OSError, ValueError) as e:
