@@ -45,6 +45,17 @@ logger = logging.getLogger("radixrt.dp")
 ROUTER_MODULE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixrt[router]' (sglang-router==0.3.2)"
 ROUTER_POLICY = "cache_aware"
+# cache_aware's thresholds (sglang-router 0.3.2 defaults: 0.3, 64, 1.5), before --router-args
+# (which override them): a request goes to the replica holding its longest cached prefix when
+# that covers more than cache_threshold of the prompt and the loads (requests in flight per
+# replica) are balanced, else to the least loaded replica. 0.5: a shorter match is a prefix
+# that many requests share (a system prompt), not the request's own history; at 0.3 a system
+# prompt of 30-50% of a first turn pulls every new conversation onto one replica
+# (bench_router, multi-turn at --size smoke: 64 / 0 requests at 0.3, 32 / 32 at 0.5).
+# Loads count as imbalanced when max - min > balance_abs_threshold and max > rel x min; 8:
+# a replica holding a hot prefix gets at most ~8 requests more than another before new ones
+# spill over (at 64 a few dozen requests in flight all stay on one replica).
+ROUTER_DEFAULT_ARGS = ("--cache-threshold", "0.5", "--balance-abs-threshold", "8")
 MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
 HEALTH_POLL_S = 2.0  # how often a serving replica's /health is read
@@ -329,12 +340,13 @@ def _wait_listening(host: str, port: int, router: subprocess.Popen, stop: thread
             return False
 
 
-def _start_router(
-    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
-) -> subprocess.Popen:
+def router_command(cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int) -> list[str]:
+    """The router's command line: our policy and defaults, then --router-args (a repeated
+    option's last value wins), then the replicas."""
     cmd = [
         sys.executable, "-m", f"{ROUTER_MODULE}.launch_router",
         "--host", cfg.host, "--port", str(cfg.port), "--policy", ROUTER_POLICY,
+        *ROUTER_DEFAULT_ARGS,
         "--prometheus-host", cfg.host, "--prometheus-port", str(prom_port),
         "--log-level", ROUTER_LOG_LEVELS[opts.log_level],
         "--shutdown-grace-period-secs", str(int(SHUTDOWN_TIMEOUT_S) // 2),
@@ -342,6 +354,13 @@ def _start_router(
     ]  # fmt: skip
     if cfg.api_key is not None:
         cmd += ["--api-key", cfg.api_key]
+    return cmd
+
+
+def _start_router(
+    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
+) -> subprocess.Popen:
+    cmd = router_command(cfg, opts, urls, prom_port)
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(os.getpid()))
     logger.info("router started (pid %d)", proc.pid)
     return proc
