@@ -66,6 +66,20 @@ def test_gpu_sets(monkeypatch):
     assert dp.gpu_sets("auto", 2, 1) == [None, None]
 
 
+def test_router_command_defaults_then_user_args():
+    from radixrt.server.launch import ServeConfig
+
+    cfg = ServeConfig(model="m", host="127.0.0.1", port=8000, api_key="k")
+    opts = dp.DPOptions(2, router_args=["--cache-threshold", "0.3"])
+    cmd = dp.router_command(cfg, opts, ["http://a", "http://b"], 9000)
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    # sglang-router's argparse keeps an option's last value: --router-args override ours
+    assert cmd.index("--balance-abs-threshold") < cmd.index("--worker-urls")
+    thresholds = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cache-threshold"]
+    assert thresholds == ["0.5", "0.3"]
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--api-key")] == ["http://a", "http://b"]
+
+
 def _descendants(pid: int) -> set[int]:
     """Every live process below `pid` (from /proc's parent links)."""
     children: dict[int, list[int]] = {}

@@ -54,7 +54,8 @@ ROUTER_POLICY = "cache_aware"
 # (bench_router, multi-turn at --size smoke: 64 / 0 requests at 0.3, 32 / 32 at 0.5).
 # Loads count as imbalanced when max - min > balance_abs_threshold and max > rel x min; 8:
 # a replica holding a hot prefix gets at most ~8 requests more than another before new ones
-# spill over (at 64 a few dozen requests in flight all stay on one replica).
+# spill over (one prefix group of 64 requests, 16 in flight: 0 / 64 requests at 64, 26 / 38
+# at 8); the relative threshold keeps busy replicas' affinity (32 vs 24 is balanced).
 ROUTER_DEFAULT_ARGS = ("--cache-threshold", "0.5", "--balance-abs-threshold", "8")
 MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
