@@ -32,8 +32,7 @@ _json_decode = msgspec.json.Decoder().decode
 
 
 class ServerProcess:
-    """`python -m radixrt.cli serve --model MODEL --port P --enable-debug-endpoints
-    --incremental-streaming-output <serve_args>` as a child process.
+    """`python -m radixrt.cli serve --model MODEL --port P <serve_args>` as a child process.
 
     Use as a context manager: entering waits until GET /health answers 200 (raises
     RuntimeError with the log's tail if the process exits or `startup_timeout_s` passes);
@@ -56,8 +55,7 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "radixrt.cli", "serve", "--model", self.model]
-        cmd += ["--port", str(self.port), "--enable-debug-endpoints"]
-        cmd += ["--incremental-streaming-output", *self.serve_args]  # _send adds up deltas
+        cmd += ["--port", str(self.port), "--enable-debug-endpoints", *self.serve_args]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
