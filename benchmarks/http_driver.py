@@ -100,13 +100,19 @@ def run_server(
     seed: int = 0,
     timeout_s: float | None = None,
     on_call_done: Callable[[], None] | None = None,
+    server_stats: bool = True,
 ) -> DriverResult:
     """Run every call of `workload` against the server at `base_url` (idle); see
     `Dispatcher` for ordering, concurrency and pacing. On timeout the calls in flight are
-    cancelled (the server aborts them) and the result is marked incomplete."""
+    cancelled (the server aborts them) and the result is marked incomplete. `server_stats`
+    False: no GET /metrics or /debug/state at `base_url` (a router in front of replicas,
+    which has neither); the result's KV figures stay None."""
     return asyncio.run(
-        _run(base_url, workload, max_concurrency, request_rate, seed, timeout_s, on_call_done)
-    )
+        _run(
+            base_url, workload, max_concurrency, request_rate, seed, timeout_s, on_call_done,
+            server_stats,
+        )
+    )  # fmt: skip
 
 
 async def _run(
@@ -117,6 +123,7 @@ async def _run(
     seed: int,
     timeout_s: float | None,
     on_done: Callable[[], None] | None,
+    server_stats: bool,
 ) -> DriverResult:
     disp = Dispatcher(workload, max_concurrency, request_rate, seed)
     # This process holds torch and the workloads (millions of objects): frozen, the
@@ -126,10 +133,10 @@ async def _run(
     cpu_start = time.process_time()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(base_url, connector=connector) as http:
-        before = await _debug_state(http)
+        before = await _debug_state(http) if server_stats else None
         kv = KVStats()
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_metrics(http, kv, stop))
+        poller = asyncio.create_task(_poll_metrics(http, kv, stop) if server_stats else stop.wait())
         tasks: dict[asyncio.Task, ReadyCall] = {}
         records: list[CallRecord] = []
         complete = True
@@ -167,7 +174,7 @@ async def _run(
             await asyncio.gather(*tasks, return_exceptions=True)
             stop.set()
             await poller
-        after = await _debug_state(http)
+        after = await _debug_state(http) if server_stats else None
     if before is not None and after is not None:
         kv.preemptions = after["preemptions"] - before["preemptions"]
         kv.steps = after["steps"] - before["steps"]

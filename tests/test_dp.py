@@ -56,8 +56,28 @@ def test_gpu_sets(monkeypatch):
     assert dp.gpu_sets("cpu", 2, 1) == [None, None]
     with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
         dp.gpu_sets("cuda", 3, 2)
+    # a fixed KV pool per replica (--num-kv-blocks): replicas take the GPU sets in turn
+    assert dp.gpu_sets("cuda", 3, 2, share=True) == ["2,3", "5,7", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    assert dp.gpu_sets("cuda", 2, 1, share=True) == ["4", "4"]
+    with pytest.raises(ValueError, match="needs 2 GPUs, 1 visible"):
+        dp.gpu_sets("cuda", 1, 2, share=True)  # a replica's own TP group still needs its GPUs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert dp.gpu_sets("auto", 2, 1) == [None, None]
+
+
+def test_router_command_defaults_then_user_args():
+    from radixrt.server.launch import ServeConfig
+
+    cfg = ServeConfig(model="m", host="127.0.0.1", port=8000, api_key="k")
+    opts = dp.DPOptions(2, router_args=["--cache-threshold", "0.3"])
+    cmd = dp.router_command(cfg, opts, ["http://a", "http://b"], 9000)
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    # sglang-router's argparse keeps an option's last value: --router-args override ours
+    assert cmd.index("--balance-abs-threshold") < cmd.index("--worker-urls")
+    thresholds = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cache-threshold"]
+    assert thresholds == ["0.5", "0.3"]
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--api-key")] == ["http://a", "http://b"]
 
 
 def _descendants(pid: int) -> set[int]:

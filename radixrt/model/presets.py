@@ -33,6 +33,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
     },
 }
+# Llama-3.2-1B's shape (tied embeddings, head_dim 64; its llama3 RoPE scaling left out: random
+# weights): small enough that several replicas share one GPU (bench_router)
+PRESETS["llama-3.2-1b"] = {
+    **PRESETS["llama-3-8b"],
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 # Llama-3-8B's shape with a 32k context (as Llama 3.1 allows; plain RoPE, fine for random
 # weights): the long-history benchmark (4-16k-token histories) needs more than 8192.
 PRESETS["llama-3-8b-32k"] = {**PRESETS["llama-3-8b"], "max_position_embeddings": 32768}

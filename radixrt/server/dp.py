@@ -3,7 +3,8 @@
 Process model: this process (torch-free) starts N replicas, each a `serve()` of its own
 (`python -m radixrt.server.dp`, its ServeConfig pickled on stdin) on a free 127.0.0.1
 port, in a process group of its own (with its scheduler child), one
-per GPU set via CUDA_VISIBLE_DEVICES on CUDA; it waits until every replica's /health
+per GPU set via CUDA_VISIBLE_DEVICES on CUDA (several per set when there are fewer sets than
+replicas and --num-kv-blocks fixes each one's KV pool); it waits until every replica's /health
 answers 200, then starts the router on --host:--port (its Prometheus port bound to --host
 too) in a process group of its own. Children get SIGTERM when this process dies
 (PR_SET_PDEATHSIG). SIGINT/SIGTERM: the router, then every replica, get SIGTERM; groups
@@ -44,6 +45,18 @@ logger = logging.getLogger("radixrt.dp")
 ROUTER_MODULE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixrt[router]' (sglang-router==0.3.2)"
 ROUTER_POLICY = "cache_aware"
+# cache_aware's thresholds (sglang-router 0.3.2 defaults: 0.3, 64, 1.5), before --router-args
+# (which override them): a request goes to the replica holding its longest cached prefix when
+# that covers more than cache_threshold of the prompt and the loads (requests in flight per
+# replica) are balanced, else to the least loaded replica. 0.5: a shorter match is a prefix
+# that many requests share (a system prompt), not the request's own history; at 0.3 a system
+# prompt of 30-50% of a first turn pulls every new conversation onto one replica
+# (bench_router, multi-turn at --size smoke: 64 / 0 requests at 0.3, 32 / 32 at 0.5).
+# Loads count as imbalanced when max - min > balance_abs_threshold and max > rel x min; 8:
+# a replica holding a hot prefix gets at most ~8 requests more than another before new ones
+# spill over (one prefix group of 64 requests, 16 in flight: 0 / 64 requests at 64, 26 / 38
+# at 8); the relative threshold keeps busy replicas' affinity (32 vs 24 is balanced).
+ROUTER_DEFAULT_ARGS = ("--cache-threshold", "0.5", "--balance-abs-threshold", "8")
 MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
 HEALTH_POLL_S = 2.0  # how often a serving replica's /health is read
@@ -80,20 +93,23 @@ def offset_endpoint(endpoint: str, index: int) -> str:
     raise ValueError(f"cannot give each replica its own KV events address: {endpoint!r}")
 
 
-def gpu_sets(device: str, replicas: int, tp_size: int) -> list[str | None]:
+def gpu_sets(device: str, replicas: int, tp_size: int, share: bool = False) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each replica (`tp_size` GPUs each), or None per replica on
-    CPU. Raises ValueError when --device cuda has fewer GPUs than replicas need."""
+    CPU. With fewer GPUs than replicas need: `share` (each replica's KV pool has a fixed
+    size, --num-kv-blocks) puts replicas on the GPU sets in turn; otherwise ValueError."""
     if device == "cpu":
         return [None] * replicas
     gpus = _visible_gpus()
     if not gpus and device == "auto":
         return [None] * replicas
-    if len(gpus) < replicas * tp_size:
+    sets = [",".join(gpus[i * tp_size : (i + 1) * tp_size]) for i in range(len(gpus) // tp_size)]
+    if len(sets) < replicas and not (share and sets):
         raise ValueError(
             f"--dp {replicas} with {tp_size} GPU(s) per replica needs {replicas * tp_size} "
-            f"GPUs, {len(gpus)} visible"
+            f"GPUs, {len(gpus)} visible (replicas share GPUs only with --num-kv-blocks: a "
+            "fixed KV pool each)"
         )
-    return [",".join(gpus[i * tp_size : (i + 1) * tp_size]) for i in range(replicas)]
+    return [sets[i % len(sets)] for i in range(replicas)]
 
 
 def _visible_gpus() -> list[str]:
@@ -257,7 +273,8 @@ def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         _check_listen(cfg.host, cfg.port)
-        gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg))
+        fixed_pool = cfg.options.get("num_kv_blocks") is not None
+        gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg), share=fixed_pool)
         configs = replica_configs(cfg, opts.replicas)
         prom_port = opts.router_prometheus_port or _free_port_on(cfg.host)
     except (OSError, ValueError) as e:
@@ -324,12 +341,13 @@ def _wait_listening(host: str, port: int, router: subprocess.Popen, stop: thread
             return False
 
 
-def _start_router(
-    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
-) -> subprocess.Popen:
+def router_command(cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int) -> list[str]:
+    """The router's command line: our policy and defaults, then --router-args (a repeated
+    option's last value wins), then the replicas."""
     cmd = [
         sys.executable, "-m", f"{ROUTER_MODULE}.launch_router",
         "--host", cfg.host, "--port", str(cfg.port), "--policy", ROUTER_POLICY,
+        *ROUTER_DEFAULT_ARGS,
         "--prometheus-host", cfg.host, "--prometheus-port", str(prom_port),
         "--log-level", ROUTER_LOG_LEVELS[opts.log_level],
         "--shutdown-grace-period-secs", str(int(SHUTDOWN_TIMEOUT_S) // 2),
@@ -337,6 +355,13 @@ def _start_router(
     ]  # fmt: skip
     if cfg.api_key is not None:
         cmd += ["--api-key", cfg.api_key]
+    return cmd
+
+
+def _start_router(
+    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
+) -> subprocess.Popen:
+    cmd = router_command(cfg, opts, urls, prom_port)
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(os.getpid()))
     logger.info("router started (pid %d)", proc.pid)
     return proc

@@ -265,8 +265,8 @@ def add_serve_command(
     p.add_argument(
         "--router-args",
         default="",
-        help="--dp > 1: more sglang-router options, one string (e.g. '--cache-threshold 0.5 "
-        "--balance-abs-threshold 8')",
+        help="--dp > 1: more sglang-router options, one string, after radixrt's "
+        "'--cache-threshold 0.5 --balance-abs-threshold 8' (e.g. '--balance-rel-threshold 2')",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
