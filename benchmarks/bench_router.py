@@ -165,7 +165,7 @@ def serve_args(args: argparse.Namespace, config: str, kv_blocks: int) -> list[st
         "--device", args.device, "--dtype", args.dtype, "--load-format", args.load_format,
         "--block-size", str(args.block_size), "--max-running-requests",
         str(args.max_running_requests), *shlex.split(args.serve_args),
-        "--incremental-streaming-output",  # the driver adds up each event's output_ids
+        "--incremental-streaming-output",  # deltas: less to send than SGLang's cumulative ids
     ]  # fmt: skip
     if config == SINGLE:
         return [*out, "--num-kv-blocks", str(kv_blocks * args.replicas)]

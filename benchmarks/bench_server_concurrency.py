@@ -37,7 +37,7 @@ async def one(http: aiohttp.ClientSession, url: str, i: int, max_tokens: int) ->
             event = json.loads(line[6:])
             if event["output_ids"] and ttft is None:
                 ttft = time.perf_counter() - t0
-            tokens += len(event["output_ids"])
+            tokens = event["meta_info"]["completion_tokens"]  # so far (any stream mode)
     assert ttft is not None and tokens == max_tokens
     return ttft, tokens
 

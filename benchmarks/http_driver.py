@@ -217,10 +217,13 @@ async def _send(
                 event = _json_decode(payload)
                 if "error" in event:
                     raise RuntimeError(f"POST /generate stream error: {event['error']}")
-                new = event.get("output_ids") or []
-                output_ids += new
-                token_times += [t] * len(new)
                 meta = event["meta_info"]
+                # SGLang's streams carry every id so far, --incremental-streaming-output's
+                # the new ones: either way the last (count - seen) ids are new
+                num_new = meta["completion_tokens"] - len(output_ids)
+                if num_new > 0:
+                    output_ids += event["output_ids"][-num_new:]
+                    token_times += [t] * num_new
     end = time.perf_counter() - start
     if not meta or meta.get("finish_reason") is None:
         raise RuntimeError(f"stream of program {call.program} call {call.index} did not finish")

@@ -108,7 +108,7 @@ async def one(
                     return "stream_error", tokens
                 events += 1
                 if api == "generate":
-                    tokens += len(event.get("output_ids") or [])
+                    tokens = event["meta_info"]["completion_tokens"]  # so far (any stream mode)
                 elif event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
                 if events == 1 and abort:

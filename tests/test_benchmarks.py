@@ -188,8 +188,11 @@ def test_plan_runs_pressure_pool():
         plan_runs(args, vocab_size=2000, max_len=128)
 
 
-def test_http_driver_against_fake_server():
-    """SSE parsing, metrics polling and session chaining, against a stand-in server."""
+@pytest.mark.parametrize("cumulative", [True, False], ids=["sglang-streams", "incremental"])
+def test_http_driver_against_fake_server(cumulative):
+    """SSE parsing, metrics polling and session chaining, against a stand-in server that
+    streams SGLang's cumulative output_ids or deltas (--incremental-streaming-output),
+    sometimes two tokens per event."""
     from aiohttp import web
 
     from benchmarks.http_driver import run_server
@@ -202,10 +205,15 @@ def test_http_driver_against_fake_server():
         seen.append(ids)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(n):
+        out, sent = [FIRST_TOKEN + i for i in range(n)], 0
+        while sent < n:
+            new = out[sent : sent + 1 + sent % 2]
+            sent += len(new)
             meta = {"prompt_tokens": len(ids), "cached_tokens": len(ids) // 2,
-                    "finish_reason": {"type": "length"} if i == n - 1 else None}  # fmt: skip
-            event = {"text": "x", "output_ids": [FIRST_TOKEN + i], "meta_info": meta}
+                    "completion_tokens": sent,
+                    "finish_reason": {"type": "length"} if sent == n else None}  # fmt: skip
+            shown = out[:sent] if cumulative else new
+            event = {"text": "x", "output_ids": shown, "meta_info": meta}
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
