@@ -156,8 +156,10 @@ def _fp8_args(args: dict[str, Any], what: str) -> str:
     if not args.get("symmetric", True):
         raise _refuse(f"compressed-tensors asymmetric {what}")
     strategy = args.get("strategy")
-    if strategy in ("block", "group", "tensor_group") or args.get("block_structure") or (
-        args.get("group_size")
+    if (
+        strategy in ("block", "group", "tensor_group")
+        or args.get("block_structure")
+        or (args.get("group_size"))
     ):
         raise _refuse(
             f"compressed-tensors {what} strategy {strategy!r} (block_structure="
@@ -226,7 +228,9 @@ def resolve_scheme(
     activations; "tensor" -> tensor weight scales + dynamic per-tensor activations).
     Raises ValueError for options that contradict the checkpoint."""
     if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}"
+        )
     if activation_scale not in FP8_ACTIVATION_SCALES:
         raise ValueError(
             f"fp8_activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {activation_scale!r}"

@@ -168,9 +168,7 @@ class Fp8Linear(Linear):
                     if s != merged.item():
                         rows = self.weight[offset : offset + size]
                         rows.copy_(
-                            (rows.float() * (s / merged))
-                            .clamp(-FP8_MAX, FP8_MAX)
-                            .to(FP8_DTYPE)
+                            (rows.float() * (s / merged)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
                         )
                 self.weight_scale = merged.reshape(1)
             if self.static:
@@ -180,10 +178,20 @@ class Fp8Linear(Linear):
                 weight = (self.weight.float() * scale).to(self.out_dtype)
                 self.weight = nn.Parameter(weight, requires_grad=False)
                 self.dequantized = True
-            elif self._rowwise:
+            else:
+                self._check_gemm_shape()
+            if not dequantize and self._rowwise:
                 self._scale_b = self.weight_scale.expand(self.out_features).reshape(1, -1)
                 self._scale_b = self._scale_b.contiguous()
         self.finished = True
+
+    def _check_gemm_shape(self) -> None:
+        """torch._scaled_mm needs K and N multiples of 16."""
+        if self.in_features % 16 or self.out_features % 16:
+            raise ValueError(
+                f"an fp8 linear of {self.in_features} -> {self.out_features} features: the "
+                "fp8 GEMM needs both multiples of 16 (on this rank)"
+            )
 
     # ---- forward ----
     @property
@@ -242,7 +250,9 @@ class Fp8Linear(Linear):
         """Random weights (uniform in [low, high) in the model dtype, one shard at a time),
         quantized as a checkpoint's would be at load."""
         for i, (_, size) in enumerate(self.shards):
-            w = torch.empty((size, self.in_features), dtype=self.out_dtype, device=self.weight.device)
+            w = torch.empty(
+                (size, self.in_features), dtype=self.out_dtype, device=self.weight.device
+            )
             self.load("weight", w.uniform_(low, high, generator=generator), i)
 
     def weight_bytes(self) -> int:
