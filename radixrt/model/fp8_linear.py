@@ -186,7 +186,14 @@ class Fp8Linear(Linear):
         self.finished = True
 
     def _check_gemm_shape(self) -> None:
-        """torch._scaled_mm needs K and N multiples of 16."""
+        """torch._scaled_mm needs K and N multiples of 16; on CUDA row-wise scales need a
+        bf16 output (torch's CPU kernel, which the tests use, takes float32 too)."""
+        if self._rowwise and self.weight.is_cuda and self.out_dtype != torch.bfloat16:
+            raise ValueError(
+                f"the row-wise fp8 GEMM (per-channel or per-token scales) outputs bfloat16 "
+                f"only, the model dtype is {self.out_dtype}; use dtype bfloat16 or "
+                "per-tensor scales (fp8_activation_scale='tensor')"
+            )
         if self.in_features % 16 or self.out_features % 16:
             raise ValueError(
                 f"an fp8 linear of {self.in_features} -> {self.out_features} features: the "
