@@ -94,8 +94,9 @@ class Fp8Linear(Linear):
         self.static = scheme.static_input_scale
         n = len(self.shards)
         scale_shape = (out_features,) if self.per_channel else (n,)
-        self.register_buffer("weight_scale", torch.zeros(scale_shape, device=device))
-        self.register_buffer("input_scale", torch.zeros(n, device=device) if self.static else None)
+        f32 = dict(dtype=torch.float32, device=device)  # scales: float32 whatever the model's
+        self.register_buffer("weight_scale", torch.zeros(scale_shape, **f32))
+        self.register_buffer("input_scale", torch.zeros(n, **f32) if self.static else None)
         self.dequantized = False  # set by finish_loading(dequantize=True)
         self.finished = False
         self._scale_b: torch.Tensor | None = None  # [1, N] float32 for the row-wise GEMM
