@@ -27,6 +27,9 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
     }
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         opts["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "quantization", None) is not None:
+        opts["quantization"] = args.quantization
+        opts["fp8_activation_scale"] = args.fp8_activation_scale
     if cache == "radix-host":  # the host KV tier config of bench_serving
         opts["host_kv_gb"] = getattr(args, "host_kv_gb", 1.0)
     if args.aging_tokens_per_step is not None:

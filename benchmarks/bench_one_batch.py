@@ -14,7 +14,10 @@ Decode floor = (weights read + KV read) / COPY_BW.
 Timing: CUDA events around each step after warm-up; medians. Prints a table last.
 
     PYTHONPATH=. python benchmarks/bench_one_batch.py [--engine-core] [--json out.json]
-        [--profile kernels.txt]
+        [--profile kernels.txt] [--quantization fp8 [--fp8-activation-scale token|tensor]]
+
+`--quantization fp8`: the dummy weights are quantized at load (W8A8 fp8 linears; lm_head and
+embeddings stay bf16); floors still assume bf16 FLOP/s for prefill.
 """
 
 from __future__ import annotations
@@ -182,6 +185,19 @@ def main() -> None:
         action="store_true",
         help="also time decode steps end to end through EngineCore, overlap off and on",
     )
+    ap.add_argument(
+        "--load-format",
+        default="dummy",
+        choices=["dummy"],
+        help="always dummy (random weights); accepted for the common command line",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: W8A8 fp8 linears, the dummy weights quantized at load",
+    )
+    ap.add_argument("--fp8-activation-scale", default="auto", choices=["auto", "token", "tensor"])
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
@@ -203,8 +219,12 @@ def main() -> None:
         block_size=BLOCK_SIZE,
         max_running_requests=max(DECODE_BATCHES),
         max_model_len=MAX_MODEL_LEN,
+        quantization=args.quantization,
+        fp8_activation_scale=args.fp8_activation_scale,
     )
     results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
+    results["quantization"] = [{"quantization": args.quantization,
+                                "fp8_activation_scale": args.fp8_activation_scale}]  # fmt: skip
     if args.engine_core:
         steps = args.iters * 2
         per_row = math.ceil((CONTEXT + steps + 70) / BLOCK_SIZE)
@@ -249,7 +269,8 @@ def main() -> None:
     m = model_cfg
     kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
     print(
-        f"{PRESET}: weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
+        f"{PRESET} ({args.quantization or 'bf16'} linears): weights read per step "
+        f"{weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
         f"B/token; runner built in {build_s:.1f} s (dummy weights, KV pool, CUDA graphs)"
     )
 

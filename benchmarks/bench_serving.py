@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="pool of the normal runs")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8 W8A8 linears (dummy / 16-bit weights quantized at load)")  # fmt: skip
+    g.add_argument("--fp8-activation-scale", default="auto", choices=["auto", "token", "tensor"])
     g.add_argument(
         "--host-kv-gb",
         type=float,

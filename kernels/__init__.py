@@ -16,11 +16,22 @@ from .block_table import (
     build_token_metadata,
     build_token_metadata_reference,
 )
+from .fp8_quant import (
+    Fp8Activation,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_reference,
+    rmsnorm_quantize_fp8,
+    rmsnorm_quantize_fp8_reference,
+    silu_mul_quantize_fp8,
+    silu_mul_quantize_fp8_reference,
+)
 from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
 from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
     "HAS_TRITON",
+    "Fp8Activation",
     "KVMetadata",
     "RMSNormResult",
     "TokenMetadata",
@@ -28,8 +39,15 @@ __all__ = [
     "build_kv_metadata_reference",
     "build_token_metadata",
     "build_token_metadata_reference",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "quantize_fp8_reference",
     "rmsnorm",
+    "rmsnorm_quantize_fp8",
+    "rmsnorm_quantize_fp8_reference",
     "rmsnorm_reference",
+    "silu_mul_quantize_fp8",
+    "silu_mul_quantize_fp8_reference",
     "store_kv",
     "store_kv_reference",
 ]

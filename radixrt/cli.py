@@ -23,6 +23,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV storage: the model dtype (auto) or fp8 e4m3 with per-tensor scales (2x tokens)",
     )
     g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: W8A8 fp8 linear layers, a 16/32-bit checkpoint quantized at load (fp8 "
+        "checkpoints run in fp8 without it); CUDA compute capability >= 8.9",
+    )
+    g.add_argument(
+        "--fp8-activation-scale",
+        default="auto",
+        choices=["auto", "token", "tensor"],
+        help="fp8 activation scaling when quantizing at load: token (dynamic per token, "
+        "per-channel weight scales; auto) or tensor (dynamic per tensor, per-tensor weight "
+        "scales)",
+    )
+    g.add_argument(
         "--host-kv-gb",
         type=float,
         default=0.0,
@@ -114,6 +129,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "num_kv_blocks": args.num_kv_blocks,
         "mem_fraction": args.mem_fraction,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
+        "fp8_activation_scale": args.fp8_activation_scale,
         "host_kv_gb": args.host_kv_gb,
         "kv_events_hash_seed": args.kv_events_hash_seed,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -11,6 +11,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixrt.quantization import (
+    FP8_ACTIVATION_SCALES,
+    QUANTIZATIONS,
+    Fp8Scheme,
+    checkpoint_scheme,
+)
 from radixrt.sampling import MAX_CACHE_TTL_S
 
 SUPPORTED_ARCHITECTURES = (
@@ -26,6 +32,7 @@ SPECULATIVE_METHODS = ("none", "ngram", "radix", "draft")
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")  # what model.layers.rope_inv_freq computes
 HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names)
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's quantization config (legacy)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,9 @@ class ModelConfig:
     # `use_sliding_window`): every layer here attends the whole context, so the served
     # context length may not exceed it (`limits.resolve_max_model_len`); None: no window
     sliding_window: int | None = None
+    # the checkpoint's FP8 weights (its `quantization_config`, or ModelOpt's
+    # hf_quant_config.json); None: 16/32-bit weights (radixrt.quantization)
+    checkpoint_fp8: Fp8Scheme | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -118,15 +128,23 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=window_in_force(cfg),
+            checkpoint_fp8=checkpoint_scheme(cfg.get("quantization_config")),
         )
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> ModelConfig:
+        """config.json of an HF dir; a ModelOpt `hf_quant_config.json` beside it stands for
+        a missing `quantization_config`. Raises ValueError for an unsupported one."""
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in {model_path!r}: expected an HF model dir")
         with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+            cfg = json.load(f)
+        modelopt = os.path.join(model_path, MODELOPT_CONFIG_FILE)
+        if cfg.get("quantization_config") is None and os.path.isfile(modelopt):
+            with open(modelopt) as f:
+                cfg["quantization_config"] = {"quant_method": "modelopt", **json.load(f)}
+        return cls.from_hf_dict(cfg)
 
 
 def refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
@@ -378,6 +396,13 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tensor_parallel_size: int = 1  # ranks sharing each layer (rank r on cuda:r); 1: off
+    # FP8 W8A8 linear layers (radixrt.quantization): "fp8" quantizes a 16/32-bit checkpoint
+    # (or dummy weights) at load; None: as the checkpoint is (an FP8 checkpoint runs in FP8
+    # either way). fp8_activation_scale: "token" (dynamic per token, channel weight scales)
+    # or "tensor" (per tensor, tensor weight scales) when quantizing at load; "auto": the
+    # checkpoint's, else token.
+    quantization: str | None = None
+    fp8_activation_scale: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -394,6 +419,15 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend must be 'torch', 'torch-reference' or 'flashinfer', "
                 f"got {self.attention_backend!r}"
+            )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
+            )
+        if self.fp8_activation_scale not in FP8_ACTIVATION_SCALES:
+            raise ValueError(
+                f"fp8_activation_scale must be one of {FP8_ACTIVATION_SCALES}, "
+                f"got {self.fp8_activation_scale!r}"
             )
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:

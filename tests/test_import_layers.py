@@ -18,7 +18,7 @@ LAYERS = [
     {"radixrt.kernels"},
     {"radixrt.errors"},
     {"radixrt.limits", "radixrt.token_bytes", "radixrt.json_depth", "radixrt.stats"},
-    {"radixrt.sampling"},
+    {"radixrt.sampling", "radixrt.quantization"},
     {"radixrt.config"},
     {"radixrt.hf_dir"},
     {"radixrt.plan", "radixrt.detokenizer"},

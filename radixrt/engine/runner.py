@@ -32,8 +32,9 @@ from radixrt.kernels.native import CPU_LIBRARIES, prebuild
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
-from radixrt.model import DTYPES, build_model
+from radixrt.model import DTYPES, build_model, weight_bytes
 from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
+from radixrt.quantization import resolve_scheme
 
 if TYPE_CHECKING:
     from radixrt.engine.draft import DraftOutput, DraftRunner
@@ -95,6 +96,14 @@ class ModelRunner(RowSampling):
             seed=cfg.seed,
             shard=shard,
             group=tp,
+            fp8=resolve_scheme(
+                model_cfg.checkpoint_fp8, cfg.quantization, cfg.fp8_activation_scale
+            ),
+        )
+        logger.info(
+            "weights: %.2f GiB%s",
+            weight_bytes(self.model) / 2**30,
+            f" ({self.model.fp8.describe()})" if self.model.fp8 is not None else "",
         )
         self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, self.dtype)

@@ -3,7 +3,8 @@
 Recognised names (with or without the leading `model.`), one scalar each:
 `layers.{i}.self_attn.k_scale` / `.v_scale` (vLLM fp8 checkpoints), `layers.{i}.self_attn
 .kv_scale` (older: one scale for K and V), and `layers.{i}.self_attn.{k,v}_proj.output_scale`
-(compressed-tensors). A checkpoint has all of a layer's scales or none; a layer without any
+(compressed-tensors), `layers.{i}.self_attn.k_proj.k_scale` / `v_proj.v_scale` (ModelOpt).
+A checkpoint has all of a layer's scales or none; a layer without any
 gets 1.0. The model's weight loader skips these names (`is_kv_scale_name`).
 """
 
@@ -16,6 +17,7 @@ from radixrt.kv.scales import KVScales
 _PATTERNS = (
     re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v|kv)_scale$"),
     re.compile(r"layers\.(\d+)\.self_attn\.(k|v)_proj\.output_scale$"),
+    re.compile(r"layers\.(\d+)\.self_attn\.[kv]_proj\.(k|v)_scale$"),  # ModelOpt
 )
 
 

@@ -15,11 +15,14 @@ from torch import nn
 from radixrt.attention.base import AttentionBackend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
+from radixrt.kernels.fp8_quant import FP8_DTYPE, Fp8Activation
 from radixrt.kv.pool import KVPool
+from radixrt.model.fp8_linear import FP8_TENSOR_NAMES, Fp8Linear
 from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
 from radixrt.model.tp.shard import TPShard
+from radixrt.quantization import Fp8Scheme
 
 if TYPE_CHECKING:
     from radixrt.model.tp.group import TPGroup
@@ -37,16 +40,25 @@ class Attention(nn.Module):
         layer_id: int,
         rope: RotaryEmbedding,
         group: TPGroup | None,
+        fp8: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        prefix = f"model.layers.{layer_id}.self_attn"
+        q, kv = self.q_size, self.kv_size
+        self.qkv_proj = _linear(
+            cfg.hidden_size,
+            q + 2 * kv,
+            _fp8_for(fp8, prefix, ("q_proj", "k_proj", "v_proj")),
+            bias=cfg.attention_bias,
+            shards=((0, q), (q, kv), (q + kv, kv)),
         )
-        self.o_proj = _row_linear(self.q_size, cfg.hidden_size, group)
+        self.o_proj = _row_linear(
+            self.q_size, cfg.hidden_size, group, _fp8_for(fp8, prefix, ("o_proj",))
+        )
         self.rope = rope
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -56,7 +68,7 @@ class Attention(nn.Module):
     def forward(
         self,
         rope: RopeInputs,  # the step's positions [T] (+ their cos/sin)
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor | Fp8Activation,  # [T, hidden] (quantized by a fused norm)
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
@@ -73,16 +85,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: TPShard,
+        group: TPGroup | None,
+        layer_id: int = 0,
+        fp8: Fp8Scheme | None = None,
+    ) -> None:
         super().__init__()
         inter = shard.intermediate_size
         self.inter = inter
-        self.gate_up_proj = Linear(
-            cfg.hidden_size, 2 * inter, bias=False, row_parts=((0, inter), (inter, 2 * inter))
+        prefix = f"model.layers.{layer_id}.mlp"
+        self.gate_up_proj = _linear(
+            cfg.hidden_size,
+            2 * inter,
+            _fp8_for(fp8, prefix, ("gate_proj", "up_proj")),
+            shards=((0, inter), (inter, inter)),
+            row_parts=((0, inter), (inter, 2 * inter)),
         )
-        self.down_proj = _row_linear(inter, cfg.hidden_size, group)
+        self.down_proj = _row_linear(
+            inter, cfg.hidden_size, group, _fp8_for(fp8, prefix, ("down_proj",))
+        )
+        self.fused_fp8 = False  # set by `fuse_fp8` (quantize silu-and-mul's output in one pass)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if self.fused_fp8:
+            down = self.down_proj
+            assert isinstance(down, Fp8Linear)
+            return down(down.quantize_silu_mul(self.gate_up_proj(x)))
+        assert isinstance(x, torch.Tensor)
         gate_up = self.gate_up_proj
         if x.is_cuda or not gate_up.is_packed or x.shape[0] < PACKED_MIN_ROWS:
             # one GEMM (FlashInfer's silu_and_mul reads its halves; on CPU, few rows)
@@ -95,12 +127,45 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul_(gate, up))
 
 
-def _row_linear(in_local: int, out_features: int, group: TPGroup | None) -> Linear:
-    """Linear with one rank; with several, its row-parallel version (+ all-reduce)."""
-    if group is None:
-        return Linear(in_local, out_features, bias=False)
-    from radixrt.model.tp.layers import RowParallelLinear
+def _fp8_for(fp8: Fp8Scheme | None, prefix: str, parts: tuple[str, ...]) -> Fp8Scheme | None:
+    """`fp8` when it quantizes the HF modules `prefix.<part>` (all of a merged layer's parts
+    or none: ValueError otherwise), else None."""
+    if fp8 is None:
+        return None
+    flags = {fp8.quantizes(f"{prefix}.{p}" if prefix else p) for p in parts}
+    if len(flags) > 1:
+        raise ValueError(
+            f"the checkpoint quantizes some of {prefix}.{{{','.join(parts)}}} but not all; "
+            "they are one merged layer here"
+        )
+    return fp8 if flags.pop() else None
 
+
+def _linear(
+    in_features: int,
+    out_features: int,
+    fp8: Fp8Scheme | None,
+    bias: bool = False,
+    shards: tuple[tuple[int, int], ...] = (),
+    row_parts: tuple[tuple[int, int], ...] = (),
+) -> Linear:
+    """A column-parallel (or single-rank) linear: `Fp8Linear` under an fp8 scheme."""
+    if fp8 is None:
+        return Linear(in_features, out_features, bias=bias, row_parts=row_parts)
+    return Fp8Linear(in_features, out_features, fp8, bias=bias, shards=shards, row_parts=row_parts)
+
+
+def _row_linear(
+    in_local: int, out_features: int, group: TPGroup | None, fp8: Fp8Scheme | None = None
+) -> Linear:
+    """Linear with one rank; with several, its row-parallel version (+ all-reduce); their
+    fp8 versions under an fp8 scheme."""
+    if group is None:
+        return _linear(in_local, out_features, fp8)
+    from radixrt.model.tp.layers import Fp8RowParallelLinear, RowParallelLinear
+
+    if fp8 is not None:
+        return Fp8RowParallelLinear(in_local, out_features, fp8, group)
     return RowParallelLinear(in_local, out_features, group)
 
 
@@ -112,12 +177,36 @@ class DecoderLayer(nn.Module):
         layer_id: int,
         rope: RotaryEmbedding,
         group: TPGroup | None,
+        fp8: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, shard, layer_id, rope, group)
-        self.mlp = MLP(cfg, shard, group)
+        self.self_attn = Attention(cfg, shard, layer_id, rope, group, fp8)
+        self.mlp = MLP(cfg, shard, group, layer_id, fp8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_fp8 = False  # set by `fuse_fp8`: norms quantize the next GEMM's input
+
+    def fuse_fp8(self) -> bool:
+        """Quantize the inputs of qkv_proj and gate_up_proj in the norms before them and
+        down_proj's in silu-and-mul, where the layers allow it (fp8 on CUDA with per-token or
+        static per-tensor activation scales; see Fp8Linear.fusable). Returns whether the
+        norms are fused (after the weights are loaded)."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        down = self.mlp.down_proj
+        self.fused_fp8 = all(isinstance(m, Fp8Linear) and m.fusable for m in (qkv, gate_up))
+        self.mlp.fused_fp8 = isinstance(down, Fp8Linear) and down.fusable
+        return self.fused_fp8
+
+    def _norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module
+    ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+        """(norm(x + residual), x + residual), quantized for `linear` when fused."""
+        if self.fused_fp8:
+            assert isinstance(linear, Fp8Linear)
+            return linear.quantize_rmsnorm(x, residual, norm.weight, norm.eps)
+        if residual is None:
+            return norm(x), x
+        return norm(x, residual)
 
     def forward(
         self,
@@ -127,14 +216,10 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         pool: KVPool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, backend, pool)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        h, residual = self._norm(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(rope, h, backend, pool)
+        h, residual = self._norm(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,22 +234,30 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         shard: TPShard | None = None,
         group: TPGroup | None = None,
+        fp8: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
         assert (shard is None or shard.size == 1) == (group is None)
         self.cfg = cfg
+        self.fp8 = fp8
         self.group = group
         self.shard = shard = shard or TPShard.of(cfg, 0, 1)
         self.rope = rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, shard, i, rope, group) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, shard, i, rope, group, fp8) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        lm_head_fp8 = _fp8_for(fp8, "", ("lm_head",))
+        if lm_head_fp8 is not None and (group is not None or cfg.tie_word_embeddings):
+            raise ValueError(
+                "the checkpoint quantizes lm_head, which is supported only without tensor "
+                "parallelism and with untied embeddings"
+            )
         if group is None:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, lm_head_fp8)
         else:
             from radixrt.model.tp.layers import VocabParallelEmbedding, VocabParallelLMHead
 
@@ -191,10 +284,13 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy HF-named weights in, merging q/k/v and gate/up; of a split tensor only this
         rank's part is read (`TPShard.checkpoint_range`; a safetensors slice reads only
-        those bytes). Raises ValueError when a checkpoint tensor is unknown or a model
-        parameter stays unloaded."""
+        those bytes). Fp8 layers take their weight, `weight_scale` and `input_scale`
+        through `Fp8Linear.load` (a 16/32-bit weight is quantized there); call
+        `finish_loading` after. Raises ValueError when a checkpoint tensor is unknown or a
+        model parameter stays unloaded."""
         cfg, shard = self.cfg, self.shard
         params = dict(self.named_parameters())
+        fp8_layers = {n: m for n, m in self.named_modules() if isinstance(m, Fp8Linear)}
         # HF shard name -> (our param, offset along dim 0)
         merged = {
             "q_proj": ("qkv_proj", 0),
@@ -203,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", shard.intermediate_size),
         }
+        shard_index = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
         loaded: set[str] = set()
         for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
@@ -216,6 +313,14 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 3 and kind in merged:
                 ours, offset = merged[kind]
                 target = ".".join(parts[:-2] + [ours, parts[-1]])
+            module_name, _, leaf = target.rpartition(".")
+            fp8_layer = fp8_layers.get(module_name)
+            if fp8_layer is not None and leaf in FP8_TENSOR_NAMES:
+                part = shard.checkpoint_range(kind) if shard.size > 1 else None
+                tensor = _read_fp8(source, leaf, part)
+                fp8_layer.load(leaf, tensor, shard_index.get(kind, 0))
+                loaded.add(f"{target}#{offset}" if offset is not None else target)
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             param = params[target]
@@ -246,15 +351,40 @@ class LlamaForCausalLM(nn.Module):
                 expected.update(f"{name}#{o}" for o in shards)
             else:
                 expected.add(name)
+        for module_name, layer in fp8_layers.items():
+            scheme = layer.scheme
+            names = ["weight_scale"] if scheme.from_checkpoint else []
+            names += ["input_scale"] if scheme.static_input_scale else []
+            base = module_name.rpartition(".")[2]
+            offsets = [o for ours, o in merged.values() if ours == base] or [None]
+            for leaf in names:
+                expected.update(
+                    f"{module_name}.{leaf}" + ("" if o is None else f"#{o}") for o in offsets
+                )
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def finish_loading(self, dequantize: bool) -> None:
+        """After the weights are in: finish fp8 layers (`Fp8Linear.finish_loading`; with
+        `dequantize`, the CPU path) and fuse their input quantization into the norms where
+        they allow it."""
+        for m in self.modules():
+            if isinstance(m, Fp8Linear):
+                m.finish_loading(dequantize)
+        for layer in self.layers:
+            layer.fuse_fp8()
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights (benchmarks): small uniform values, norms at 1."""
         gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
         with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, Fp8Linear):  # quantized as a checkpoint's weight at load
+                    m.init_dummy(gen, -0.02, 0.02)
             for name, p in self.named_parameters():
+                if p.dtype == FP8_DTYPE:
+                    continue
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
@@ -270,3 +400,20 @@ def _read(source: WeightSource, part: tuple[int, int, int] | None) -> torch.Tens
     if isinstance(source, torch.Tensor):
         return source.narrow(dim, start, stop - start)
     return source[start:stop] if dim == 0 else source[:, start:stop]
+
+
+def _read_fp8(source: WeightSource, leaf: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """An fp8 layer's checkpoint tensor, or this rank's part of it: the weight as `_read`
+    reads it; a per-channel `weight_scale` ([N] or [N, 1]) split like the weight's rows when
+    those are split (column-parallel), whole otherwise; per-tensor scales whole."""
+    if leaf == "weight":
+        return _read(source, part)
+    shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+    whole = source if isinstance(source, torch.Tensor) else source[...]
+    numel = 1
+    for n in shape:
+        numel *= n
+    if part is None or numel == 1 or part[0] != 0:
+        return whole
+    _, start, stop = part
+    return whole[start:stop]

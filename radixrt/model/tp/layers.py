@@ -3,8 +3,9 @@ nn.Linear + CPU prepacking) / nn.Embedding with the local shapes of a `TPShard`,
 collective that makes their outputs whole.
 
 Used only when tensor_parallel_size > 1; with one rank the model keeps plain `Linear` and
-nn.Embedding (no extra op). Column-parallel linears (qkv, gate_up) are plain `Linear` of the
-local output size: their outputs stay split (heads / features) until a row-parallel layer.
+nn.Embedding (no extra op). Column-parallel linears (qkv, gate_up) are plain `Linear` (or
+`Fp8Linear`) of the local output size: their outputs stay split (heads / features) until a
+row-parallel layer.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixrt.kernels.fp8_quant import Fp8Activation
+from radixrt.model.fp8_linear import Fp8Linear
 from radixrt.model.linear import Linear
 from radixrt.model.tp.group import TPGroup
 from radixrt.model.tp.shard import TPShard
+from radixrt.quantization import Fp8Scheme
 
 
 class RowParallelLinear(Linear):
@@ -25,6 +29,19 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """`RowParallelLinear` with fp8 weights: each rank quantizes its own input slice (its
+    dynamic activation scales are its own; partial products are in the model dtype before
+    the all-reduce). Per-channel weight scales are per output row: whole on every rank."""
+
+    def __init__(self, in_local: int, out_features: int, scheme: Fp8Scheme, group: TPGroup):
+        super().__init__(in_local, out_features, scheme)
+        self.group = group
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
 
 

@@ -1,0 +1,167 @@
+"""Triton kernels of `radixrt.kernels.fp8_quant`; imported on first launch (see _triton.py).
+
+Every kernel quantizes float rows to float8_e4m3fn in one pass over its input: q =
+cast(clamp(y / scale, -448, 448)) with the division correctly rounded (`div_rn`, as torch
+divides). SOFTWARE_ROUND rounds to the e4m3 grid in float32 arithmetic before the cast (the
+values are then exact in fp8): Triton's interpreter casts float32 -> fp8 wrongly near binade
+edges (7.91 -> 4.0), so CPU runs set it; GPUs convert in hardware (round to nearest even).
+"""
+
+import triton
+import triton.language as tl
+
+# the values of fp8_quant.FP8_MAX and MIN_SCALE, as constants the kernels can read
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (|y| <= 448, float32) rounded to nearest even on the e4m3 grid, in float32: adding
+    and subtracting 1.5 * 2^(23 + e) rounds at the ulp 2^e (e = exponent - 3, >= -9)."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exponent, -6) - 3
+    magic = (((127 + 23 + ulp_exp) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + magic) - magic
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _to_e4m3(y, scale, out_ty: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+    if SOFTWARE_ROUND:
+        q = _round_e4m3(q)
+    return q.to(out_ty)
+
+
+@triton.jit
+def quant_rows_kernel(
+    x_ptr,  # [T, K] float (row stride stride_x)
+    out_ptr,  # [T, K] fp8, written
+    scale_ptr,  # PER_TOKEN: [T] float32, written; else [1] float32, read
+    stride_x,
+    stride_out,
+    k,
+    PER_TOKEN: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: per-token dynamic scale (absmax / 448) or a given per-tensor
+    scale. Rows longer than BLOCK are read twice (absmax, then quantize)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    if PER_TOKEN:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, k, BLOCK):
+            mask = start + cols < k
+            x = tl.load(x_row + start + cols, mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    for start in range(0, k, BLOCK):
+        mask = start + cols < k
+        x = tl.load(x_row + start + cols, mask, other=0.0).to(tl.float32)
+        q = _to_e4m3(x, scale, out_ptr.dtype.element_ty, SOFTWARE_ROUND)
+        tl.store(out_row + start + cols, q, mask)
+
+
+@triton.jit
+def absmax_kernel(
+    x_ptr,  # [T, K] float
+    amax_ptr,  # [1] float32, zeroed by the caller; atomically maxed
+    stride_x,
+    k,
+    BLOCK: tl.constexpr,
+):
+    """Per-tensor dynamic scaling, pass 1: one program per row, max |x| into amax_ptr."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, k, BLOCK):
+        mask = start + cols < k
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+
+
+@triton.jit
+def amax_to_scale_kernel(amax_ptr, scale_ptr):
+    """Per-tensor dynamic scaling, between the passes: scale = max(amax / 448, MIN_SCALE)."""
+    tl.store(scale_ptr, tl.maximum(tl.load(amax_ptr) / FP8_MAX, MIN_SCALE))
+
+
+@triton.jit
+def rmsnorm_quant_kernel(
+    x_ptr,  # [T, H]
+    residual_ptr,  # [T, H] or x_ptr when there is no residual (then never read)
+    weight_ptr,  # [H]
+    out_ptr,  # [T, H] fp8, written
+    scale_ptr,  # PER_TOKEN: [T] float32, written; else [1] float32, read
+    new_residual_ptr,  # [T, H], written when HAS_RESIDUAL
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_new_residual,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row (BLOCK >= hidden): the residual add and RMSNorm of
+    `_rmsnorm_triton.rmsnorm_kernel` (same roundings: the norm output is rounded to x's
+    dtype), then quantization of that output, without writing it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask, other=0.0).to(tl.float32)
+    y = (xf * rstd * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if PER_TOKEN:
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    q = _to_e4m3(y, scale, out_ptr.dtype.element_ty, SOFTWARE_ROUND)
+    tl.store(out_ptr + row * stride_out + cols, q, mask)
+
+
+@triton.jit
+def silu_mul_quant_kernel(
+    x_ptr,  # [T, 2I]: gate | up
+    out_ptr,  # [T, I] fp8, written
+    scale_ptr,  # PER_TOKEN: [T] float32, written; else [1] float32, read
+    stride_x,
+    stride_out,
+    inter,
+    PER_TOKEN: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row (BLOCK >= I): silu(gate) * up in float32, rounded to x's dtype
+    (as FlashInfer's silu_and_mul writes it), then quantized."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if PER_TOKEN:
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    q = _to_e4m3(y, scale, out_ptr.dtype.element_ty, SOFTWARE_ROUND)
+    tl.store(out_ptr + row * stride_out + cols, q, mask)
