@@ -10,10 +10,8 @@ from radixrt.engine.inputs import _decode_layout, general_layout, layout_plan
 from radixrt.plan import PlanRow, PromptLogprobs, StepPlan
 from radixrt.sampling import SamplingParams
 
-
 SLOT_PARAMS = [
-    SamplingParams(temperature=random.Random(s).choice([0.0, 0.7]), max_tokens=8)
-    for s in range(64)
+    SamplingParams(temperature=random.Random(s).choice([0.0, 0.7]), max_tokens=8) for s in range(64)
 ]
 
 
