@@ -145,6 +145,17 @@ class StepPlan:
         """Row i's host drafts ([] for rows without drafts or with device drafts)."""
         return self.drafts.get(i, [])
 
+    def row_bitmasks(self, i: int) -> bytes | None:
+        """Row i's grammar masks (one per sample, back to back), None if it has none."""
+        masks = self.bitmasks
+        if masks is None or i not in masks.rows:
+            return None
+        counts = [len(self.rows[j].sample_offsets) for j in masks.rows]
+        width = len(masks.data) // sum(counts)
+        at = masks.rows.index(i)
+        first = sum(counts[:at]) * width
+        return masks.data[first : first + counts[at] * width]
+
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
