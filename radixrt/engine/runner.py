@@ -38,7 +38,7 @@ from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model
-from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut
 
 if TYPE_CHECKING:
     from radixrt.model.tp.group import TPGroup
@@ -251,9 +251,7 @@ class ModelRunner(RowSampling):
         if self._inputs_on_device is not None:
             self._inputs_on_device.synchronize()
         if plan.new_slots:
-            self.slots.enter(plan.new_slots)
-            for f in self.features:
-                f.on_slots(plan.new_slots)
+            self.enter_slots(plan.new_slots)
         self.slots.apply_table_deltas(plan)
         copies = [op for op in plan.block_ops if isinstance(op, CopyBlock)]
         if self.host_pool is not None:
@@ -265,6 +263,13 @@ class ModelRunner(RowSampling):
             for f in self.features:
                 f.on_block_copy(op)
         return layout_plan(plan, self.slots.params)
+
+    def enter_slots(self, entries: list[SlotEntry]) -> None:
+        """Apply slot entries (what `execute` does first with a plan's `new_slots`; public
+        for benchmarks that reuse one hand-made plan)."""
+        self.slots.enter(entries)
+        for f in self.features:
+            f.on_slots(entries)
 
     def _swap(self, plan: StepPlan, copies: list[CopyBlock]) -> None:
         """Host tier: wait for the previous step's transfers, start this step's (they come
