@@ -187,3 +187,56 @@ def test_model_runner_slot_counts_and_preemption_in_flight(make_engine):
     assert done
     got = [out[rids[0]], out[f"{rids[1]}#0"], out[f"{rids[1]}#1"], out[rids[2]]]
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_penalties_from_slot_counts_equal_the_host_reference(seed):
+    """On CUDA too, float for float (the reference divides by a Python scalar, which CUDA
+    computes as a product with the float32 reciprocal)."""
+    params, prompt, output, plan = _random_case(seed)
+    dev = torch.device("cuda")
+    pen = SlotPenalties(len(params), VOCAB, dev)
+    pen.enter(
+        [
+            SlotEntry(s, 1, p, prompt_ids=prompt[s], output_ids=output[s])
+            for s, p in enumerate(params)
+        ]
+    )
+    layout = general_layout(plan, params)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(layout.sample_tokens), VOCAB, generator=gen).to(dev)
+    ref = logits.clone()
+    outs = []
+    for s_idx, i in enumerate(layout.sample_rows.tolist()):
+        j = s_idx - int(layout.row_first_sample[i])
+        outs.append(output[plan.rows[i].slot] + plan.row_drafts(i)[:j])
+    prompts_ = [prompt[plan.rows[i].slot] for i in layout.sample_rows.tolist()]
+    apply_penalties(ref, layout.sample_params, prompts_, outs)
+    pen.apply(logits, plan, layout, pen.penalised(layout))
+    assert torch.equal(logits, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_penalised_and_speculating_rows_overlap(make_engine):
+    """CUDA, graphs, overlap on: penalised greedy outputs equal overlap off (the same
+    batches); an ngram engine's agree up to bf16 near ties (verify rows run other kernels)."""
+    opts = dict(device="cuda", dtype="bfloat16", num_kv_blocks=512, prefix_cache="none")
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=1.0),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    ]
+    texts = ["the cat sat on the mat. the cat sat on", "1 2 3 4 1 2 3 4 1", "Once upon a"]
+    sync = make_engine(overlap_schedule=False, **opts)
+    ids = [sync.tokenizer.encode(t) for t in texts]
+    want = [o.token_ids for o in sync.generate(prompt_token_ids=ids, sampling_params=params)]
+    engine = make_engine(overlap_schedule=True, **opts)
+    got = [o.token_ids for o in engine.generate(prompt_token_ids=ids, sampling_params=params)]
+    assert got == want
+    spec = make_engine(overlap_schedule=True, speculative_method="ngram", ngram_min_n=1, **opts)
+    got = [o.token_ids for o in spec.generate(prompt_token_ids=ids, sampling_params=params)]
+    assert sum(a[:8] == b[:8] for a, b in zip(got, want)) >= len(want) - 1
+    assert spec.stats()["spec_draft_tokens"] > 0
