@@ -202,7 +202,8 @@ class ForcedAcceptance:
         self.rng = np.random.default_rng(seed)
         runner._verify = self
 
-    def __call__(self, plan, layout, tokens, rows, drafted=None) -> torch.Tensor:
+    def __call__(self, ctx, tokens) -> torch.Tensor:
+        plan, rows = ctx.plan, ctx.drafting
         n = np.asarray([plan.rows[i].num_draft_tokens for i in rows])
         hits = self.rng.random((len(rows), int(n.max()))) < self.alpha
         hits &= np.arange(hits.shape[1]) < n[:, None]
