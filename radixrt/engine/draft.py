@@ -36,6 +36,7 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.draft_check import check_draft_compatible
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.rejection import row_noise
 from radixrt.engine.runner_features import RunnerFeature, StepContext
@@ -61,38 +62,6 @@ class DraftOutput:
     probs: torch.Tensor  # [R, k, V] float32: q each draft was sampled from (0 past num_drafts)
     flat_index: torch.Tensor  # [sum num_drafts] int64: the drafts' token index in the target
     # step's flat inputs, row-major
-
-
-def check_draft_compatible(
-    target_path: str, draft_path: str, target: ModelConfig, draft: ModelConfig
-) -> None:
-    """Raise ValueError unless the draft shares the target's vocabulary and tokenizer (the
-    same vocab_size and, where either dir has a tokenizer, the same token -> id map)."""
-    if target.vocab_size != draft.vocab_size:
-        raise ValueError(
-            f"speculative_draft_model {draft_path!r} has vocab_size {draft.vocab_size}, the "
-            f"target {target_path!r} has {target.vocab_size}: a draft model must share the "
-            "target's tokenizer and vocabulary"
-        )
-    import os
-
-    has = [os.path.isfile(os.path.join(p, "tokenizer.json")) for p in (target_path, draft_path)]
-    if not any(has):
-        return  # dummy checkpoints (config only): the vocab size is all there is to compare
-    if not all(has):
-        raise ValueError(
-            f"only one of the target {target_path!r} and speculative_draft_model "
-            f"{draft_path!r} has a tokenizer.json: cannot check that they share a tokenizer"
-        )
-    from radixrt.hf_dir import load_tokenizer
-
-    a, b = load_tokenizer(target_path).get_vocab(), load_tokenizer(draft_path).get_vocab()
-    if a != b:
-        diff = sorted(set(a.items()) ^ set(b.items()))[:3]
-        raise ValueError(
-            f"speculative_draft_model {draft_path!r} has a different tokenizer than the target "
-            f"{target_path!r} ({len(a)} vs {len(b)} tokens; differing entries e.g. {diff})"
-        )
 
 
 class DraftRunner(RunnerFeature):
