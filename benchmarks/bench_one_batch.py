@@ -41,7 +41,7 @@ from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
 from radixrt.engine.runner import ModelRunner
 from radixrt.model.presets import write_dummy_model_dir
-from radixrt.plan import PlanRow, SlotEntry, StepPlan
+from radixrt.plan import PlanRow, StepPlan
 from radixrt.sampling import SamplingParams
 
 COPY_BW = 4.27e12  # B/s, device-to-device copy measured on this H200 (read + write)
@@ -61,6 +61,8 @@ def make_plan(
     """A StepPlan of rows (num_cached, num_new), decode rows (1 new token on a cached
     context) first, slot i for row i, with consecutive blocks from block 0 (plans may share
     blocks: only one runs at a time and KV values do not matter here)."""
+    from radixrt.plan import SlotEntry  # (here: --engine-core runs against older trees too)
+
     vocab = runner.model_cfg.vocab_size
     plan_rows, next_block = [], 0
     for i, (cached, new) in enumerate(rows):
