@@ -7,7 +7,11 @@ Drives ModelRunner directly with step plans (no scheduler, no tokenizer):
   eager forward, lm_head, greedy sampling, the host round trip); CUDA graph vs eager; plus the
   GPU time of the graph replay alone.
 - `--engine-core`: B requests through EngineCore (scheduler + runner), pure-decode steps,
-  overlap off and on, next to the graph replay time at the same batch (same run).
+  overlap off and on, next to the graph replay time at the same batch (same run); wall ms
+  per step and per generated token per row. `--cases` picks the workloads: `plain` (greedy),
+  `presence_penalty` (presence_penalty 0.5 on every row), `ngram` (an ngram-speculating
+  engine on the random prompts: rows rarely draft), `ngram_repeat` (the same engine on a
+  64-token pattern repeated: drafts are accepted; tokens per step and acceptance reported).
 Decode floor = (weights read + KV read) / COPY_BW.
 - prefill: 1 x 4096 and 32 x 1024 tokens from scratch, one forward each (eager). Floor =
   FLOPs / BF16_FLOPS (linear layers + causal attention + lm_head on the sampled rows).
@@ -15,6 +19,7 @@ Timing: CUDA events around each step after warm-up; medians. Prints a table last
 
     PYTHONPATH=. python benchmarks/bench_one_batch.py [--engine-core] [--json out.json]
         [--profile kernels.txt] [--quantization fp8 [--fp8-activation-scale token|tensor]]
+        [--cases plain,presence_penalty,ngram,ngram_repeat] [--batches 1,32]
 
 `--quantization fp8`: the dummy weights are quantized at load (W8A8 fp8 linears; lm_head and
 embeddings stay bf16); floors still assume bf16 FLOP/s for prefill.
@@ -59,6 +64,8 @@ def make_plan(
     """A StepPlan of rows (num_cached, num_new), decode rows (1 new token on a cached
     context) first, slot i for row i, with consecutive blocks from block 0 (plans may share
     blocks: only one runs at a time and KV values do not matter here)."""
+    from radixrt.plan import SlotEntry  # (here: --engine-core runs against older trees too)
+
     vocab = runner.model_cfg.vocab_size
     plan_rows, next_block = [], 0
     for i, (cached, new) in enumerate(rows):
@@ -74,10 +81,10 @@ def make_plan(
                 input_ids=rng.integers(0, vocab, new).tolist(),
                 new_blocks=list(range(next_block, next_block + num_blocks)),
                 sample_offsets=[new - 1],
-                params=GREEDY,
             )
         )
         next_block += num_blocks
+    runner.enter_slots([SlotEntry(i, 1, GREEDY) for i in range(len(rows))])
     return StepPlan(0, plan_rows)
 
 
@@ -86,36 +93,111 @@ def run_step(runner: ModelRunner, plan: StepPlan, use_cuda_graph: bool = True) -
     runner.execute(plan, use_cuda_graph=use_cuda_graph).result()
 
 
+CASES = ("plain", "presence_penalty", "ngram", "ngram_repeat")
+NGRAM_K = 4  # drafts per verify row in the ngram cases
+
+
+def case_max_tokens(case: str, steps: int) -> int:
+    """Enough that no row finishes within the timed steps (verify rows: k + 1 a step)."""
+    return (NGRAM_K + 1 if case.startswith("ngram") else 1) * steps + 64
+
+
+def case_params(case: str, steps: int) -> SamplingParams:
+    extra = {"presence_penalty": 0.5} if case == "presence_penalty" else {}
+    max_tokens = case_max_tokens(case, steps)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def case_prompt(case: str, vocab: int, rng: np.random.Generator) -> list[int]:
+    if case == "ngram_repeat":  # a 64-token pattern, repeated: ngram drafts find it
+        pattern = rng.integers(0, vocab, 64).tolist()
+        return (pattern * (CONTEXT // 64 + 1))[:CONTEXT]
+    return rng.integers(0, vocab, CONTEXT).tolist()
+
+
 def engine_core_decode(
-    core: EngineCore, batch: int, steps: int, overlap: bool, rng: np.random.Generator
+    core: EngineCore,
+    batch: int,
+    steps: int,
+    overlap: bool,
+    rng: np.random.Generator,
+    case: str = "plain",
 ) -> dict:
     """B requests of CONTEXT prompt tokens through an idle EngineCore (scheduler + runner):
-    after their prefill, the median host wall time of a pure-decode `core.step()`."""
+    after their prefill, the median host wall time of a decode `core.step()` and the wall ms
+    per generated token per row (all timed steps / their tokens per row)."""
     core.overlap = overlap
-    model_cfg = core.model_config
-    vocab = model_cfg.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    vocab = core.model_config.vocab_size
+    params = case_params(case, steps)
     for _ in range(batch):
-        core.add_request(rng.integers(0, vocab, CONTEXT).tolist(), params)
+        core.add_request(case_prompt(case, vocab, rng), params)
     while any(r.num_output < 2 for r in core.scheduler.requests.values()):
         core.step()
     torch.cuda.synchronize()
+    generated = core.stats()["generated_tokens"]
+    spec = core.stats()
     times = []
+    start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         core.step()
         times.append((time.perf_counter() - t0) * 1e3)
-    replay = core.runner.cuda_graphs.graphs[core.runner.cuda_graphs.bucket(batch)].replay
-    gpu_ms = time_ms(replay, warmup=3, iters=20)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    after = core.stats()
+    tokens = after["generated_tokens"] - generated
+    graphs = core.runner.cuda_graphs
+    gpu_ms = time_ms(graphs.graphs[graphs.bucket(batch)].replay, warmup=3, iters=20)
     for rid in list(core.scheduler.requests):
         core.abort(rid)
     while core.has_work:
         core.step()
     core.check_integrity()
     ms = statistics.median(times[5:])
+    drafts = after["spec_draft_tokens"] - spec["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - spec["spec_accepted_tokens"]
     return dict(
-        batch=batch, overlap=overlap, ms_per_step=ms, graph_gpu_ms=gpu_ms, over=ms / gpu_ms - 1
+        case=case,
+        batch=batch,
+        overlap=overlap,
+        ms_per_step=ms,
+        ms_per_token_per_row=wall_ms / (tokens / batch),
+        tokens_per_step=tokens / steps,
+        output_tok_s=tokens / wall_ms * 1e3,
+        spec_acceptance=accepted / drafts if drafts else 0.0,
+        graph_gpu_ms=gpu_ms,
+        over=ms / gpu_ms - 1,
     )
+
+
+def engine_core_cases(cfg, model_cfg, cases, batches, steps, rng) -> list[dict]:
+    """`engine_core_decode` for each case (ngram cases on an ngram-speculating engine),
+    batch and overlap setting; one engine at a time."""
+    rows = []
+    for spec in (False, True):
+        todo = [c for c in cases if c.startswith("ngram") == spec]
+        if not todo:
+            continue
+        c = cfg
+        if spec:
+            c = dataclasses.replace(
+                cfg,
+                speculative=dataclasses.replace(
+                    cfg.speculative, speculative_method="ngram", ngram_min_n=2, ngram_max_n=4
+                ),
+                scheduler=dataclasses.replace(cfg.scheduler, num_speculative_tokens=NGRAM_K),
+            )
+        core = EngineCore(c, model_cfg, [])
+        for case in todo:
+            for bsz in batches:
+                for overlap in (False, True):
+                    row = engine_core_decode(core, bsz, steps, overlap, rng, case)
+                    rows.append(row)
+                    print(f"engine_core {row}")
+        core.shutdown()
+        del core
+        torch.cuda.empty_cache()
+    return rows
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -198,7 +280,21 @@ def main() -> None:
         help="fp8: W8A8 fp8 linears, the dummy weights quantized at load",
     )
     ap.add_argument("--fp8-activation-scale", default="auto", choices=["auto", "token", "tensor"])
+    ap.add_argument(
+        "--cases",
+        default="plain",
+        help=f"--engine-core workloads, comma-separated from {','.join(CASES)}",
+    )
+    ap.add_argument(
+        "--batches",
+        default=",".join(map(str, DECODE_BATCHES)),
+        help="--engine-core batch sizes, comma-separated",
+    )
     args = ap.parse_args()
+    cases = args.cases.split(",")
+    bad = sorted(set(cases) - set(CASES))
+    if bad:
+        raise SystemExit(f"unknown --cases {bad}: pick from {CASES}")
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
 
@@ -226,25 +322,27 @@ def main() -> None:
     results["quantization"] = [{"quantization": args.quantization,
                                 "fp8_activation_scale": args.fp8_activation_scale}]  # fmt: skip
     if args.engine_core:
+        batches = [int(b) for b in args.batches.split(",")]
         steps = args.iters * 2
-        per_row = math.ceil((CONTEXT + steps + 70) / BLOCK_SIZE)
+        most = max(case_max_tokens(c, steps) for c in cases)
+        per_row = math.ceil((CONTEXT + most + NGRAM_K + 8) / BLOCK_SIZE)
         cfg = dataclasses.replace(
             cfg,
-            cache=dataclasses.replace(cfg.cache, num_kv_blocks=max(DECODE_BATCHES) * per_row + 1),
+            cache=dataclasses.replace(cfg.cache, num_kv_blocks=max(batches) * per_row + 1),
         )
-        core = EngineCore(cfg, model_cfg, [])
-        for bsz in DECODE_BATCHES:
-            for overlap in (False, True):
-                row = engine_core_decode(core, bsz, steps, overlap, rng)
-                results["engine_core"].append(row)
-                print(f"engine_core {row}")
+        results["engine_core"] = engine_core_cases(cfg, model_cfg, cases, batches, steps, rng)
         print(f"\n## EngineCore decode (H200, dummy {PRESET}, bf16, block size {BLOCK_SIZE})")
-        print("| B | ctx | overlap | ms/step | graph GPU ms | over replay |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| case | B | ctx | overlap | ms/step | ms/token/row | tokens/step | tok/s "
+            "| acceptance | graph GPU ms | over replay |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["engine_core"]:
             print(
-                f"| {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
-                f"| {r['ms_per_step']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
+                f"| {r['case']} | {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
+                f"| {r['ms_per_step']:.2f} | {r['ms_per_token_per_row']:.2f} "
+                f"| {r['tokens_per_step']:.1f} | {r['output_tok_s']:.0f} "
+                f"| {r['spec_acceptance']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
             )
         if args.json:
             with open(args.json, "w") as f:

@@ -1,10 +1,10 @@
 """Per-step communication cost of tensor parallelism, 2 ranks on one host.
 
 - plan transport: a step plan encoded (`PlanEncoder`), broadcast on the gloo control group
-  and decoded on rank 1 (`PlanDecoder`): decode plans of B = 1, 32, 256 rows (one token,
-  own SamplingParams per request, already sent once: the steady state) and a mixed plan
-  (32 decode rows + one 2048-token prefill chunk). Rank 0: encode and send time; rank 1:
-  time per plan over a back-to-back stream (receive + decode).
+  and decoded on rank 1 (`PlanDecoder`): decode plans of B = 1, 32, 256 rows (one token;
+  sampling parameters travel in slot entries once per request, none in the steady state)
+  and a mixed plan (32 decode rows + one 2048-token prefill chunk). Rank 0: encode and send
+  time; rank 1: time per plan over a back-to-back stream (receive + decode).
 - model collectives (`TPGroup.all_reduce`, `all_gather_last`) at Llama-3-8B sizes: the
   all-reduce of [T, 4096] hidden states (65 per step: 2 per layer + the embedding) and the
   all-gather of [B, 128256 / 2] logits. gloo on --device cpu, NCCL on --device cuda.
@@ -30,9 +30,6 @@ LAYERS = 32
 
 def plans():
     from radixrt.plan import PlanRow, StepPlan
-    from radixrt.sampling import SamplingParams
-
-    params = [SamplingParams(max_tokens=256, temperature=0) for _ in range(256)]
 
     def decode_rows(n):
         return [
@@ -46,7 +43,6 @@ def plans():
                 table_start=(1000 + i) // 16,
                 new_blocks=[i] if i % 16 == 0 else [],
                 sample_offsets=[0],
-                params=params[i],
                 num_output_before=10,
             )
             for i in range(n)
@@ -60,7 +56,6 @@ def plans():
         input_ids=list(range(2048)),
         new_blocks=list(range(128)),
         sample_offsets=[2047],
-        params=params[255],
     )
     return {
         "decode B=1": StepPlan(1, decode_rows(1)),
@@ -105,7 +100,7 @@ def run_rank(rank: int, port: int, device: str, iters: int) -> None:
     rows = []
     encoder, decoder = PlanEncoder(), PlanDecoder()
     for name, plan in plans().items():
-        # The first send carries the params table; not timed.
+        # The first send warms up; not timed.
         first = group.broadcast_bytes(encoder.encode(plan) if rank == 0 else None, PLAN_CAPACITY)
         if rank:
             decoder.decode(first)

@@ -38,7 +38,7 @@ import torch
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
 from radixrt.engine.runner import ModelRunner
-from radixrt.plan import PlanRow, StepPlan
+from radixrt.plan import PlanRow, SlotEntry, StepPlan
 from radixrt.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
@@ -124,11 +124,14 @@ def verify_plan(runner: ModelRunner, batch: int, context: int, k: int, rng) -> S
                 new_blocks=list(range(i * per_row, (i + 1) * per_row)),
                 sample_offsets=list(range(k + 1)),
                 num_draft_tokens=k,
-                drafts_on_device=k > 0 and runner.draft is not None,
-                params=GREEDY,
             )
         )
-    return StepPlan(0, rows)
+    runner.enter_slots([SlotEntry(i, 1, GREEDY) for i in range(batch)])
+    device = k > 0 and runner.draft is not None
+    drafts = {} if device or not k else {i: r.input_ids[1:] for i, r in enumerate(rows)}
+    for r in rows:
+        r.input_ids = r.input_ids[:1]
+    return StepPlan(0, rows, drafts=drafts, device_drafts=list(range(batch)) if device else [])
 
 
 def step_ms(s: Setup, runner: ModelRunner, plan: StepPlan, graph: bool) -> float:
@@ -199,7 +202,8 @@ class ForcedAcceptance:
         self.rng = np.random.default_rng(seed)
         runner._verify = self
 
-    def __call__(self, plan, layout, tokens, rows, drafted=None) -> torch.Tensor:
+    def __call__(self, ctx, tokens) -> torch.Tensor:
+        plan, rows = ctx.plan, ctx.drafting
         n = np.asarray([plan.rows[i].num_draft_tokens for i in rows])
         hits = self.rng.random((len(rows), int(n.max()))) < self.alpha
         hits &= np.arange(hits.shape[1]) < n[:, None]

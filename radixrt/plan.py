@@ -6,15 +6,21 @@ returns a `StepPlan` (plain data: ids, positions, block ids, sampling parameters
 lists per row). The same plan is what rank 0 would send to tensor-parallel ranks, so nothing here
 refers to a scheduler object; this module imports neither torch nor the scheduler.
 
-Per row, the runner keeps state across steps in a *slot* (an index the scheduler assigns to a
-request while it holds KV): a copy of the row's block table and the last token the row sampled,
-which stays on the device. A plan row says how to change the block table (`table_start`,
-`new_blocks`), whether its first input token is that device-resident last sample
-(`reads_last_sample`, overlap scheduling), its host input ids, which of its new tokens produce
-samples (`sample_offsets`, a list: speculative verification samples at every position) and how
-many trailing input tokens are drafts to verify.
+Per slot (an index the scheduler assigns to a sequence while it holds KV) the runner keeps
+state across steps. Per-request data travels once, in a `SlotEntry` of the plan in which the
+request gets its slot: its sampling parameters and, for rows with penalties, the tokens to
+count (prompt, earlier output); the runner then keeps the row's block table, its last sample
+(on the device: the next decode step reads it there) and its penalty counts (on the device,
+updated from its own samples inside each step). A per-step row carries only ids: the
+block-table delta (`table_start`, `new_blocks`), whether its first input token is the slot's
+device-resident last sample (`reads_last_sample`, overlap scheduling), its host input ids,
+which of its new tokens produce samples (`sample_offsets`; speculative verification samples
+at every position) and the RNG step of seeded sampling. Features' data travel as side tables
+of the plan: drafts (`drafts`, `device_drafts`) and one grammar bitmask array per step
+(`bitmasks`).
 
-Execution order inside `execute`: block table updates, then `block_ops` in list order (the host
+Execution order inside `execute`: slot entries (copies first, then the entries in list order),
+block table updates, then `block_ops` in list order (the host
 tier's swap-outs / swap-ins first, in the order the cache made them, then copies; see
 `radixrt.kv.host_pool` for the copy stream and when the forward waits), then one forward over
 all rows, then sampling.
@@ -67,33 +73,45 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class SlotEntry:
+    """A sequence takes slot `slot`: the runner (re)sets the slot's per-request state. Entries
+    of one plan apply before its rows; `copy_from` reads the source slot as it was before any
+    entry of the plan (a fork's children copy their parent while child 0 takes its slot)."""
+
+    slot: int
+    incarnation: int  # grows with every slot grant; the runner records it per slot (results
+    # of older incarnations are never applied to the slot's state)
+    params: SamplingParams
+    copy_from: int | None = None  # fork: start from this slot's state (penalty counts)
+    prompt_ids: list[int] = field(default_factory=list)  # prompt tokens to count on top
+    output_ids: list[int] = field(default_factory=list)  # output tokens to count on top (a
+    # re-admitted request's earlier output); both lists only for params.has_penalties
+
+
+@dataclass(slots=True)
 class PlanRow:
-    rid: str  # request id (for logs and results; the runner keys nothing on it)
-    slot: int  # runner-side row state: block table copy + last sampled token
+    rid: str  # request id (for logs and results; the runner keys nothing on it, TP ranks
+    # do not receive it)
+    slot: int  # runner-side row state (see the module docstring)
     start: int  # absolute position of the row's first new token (= KV already computed)
-    num_tokens: int  # new tokens fed this step (q_len)
-    input_ids: list[int]  # host token ids of the new tokens (all but the first when
-    # reads_last_sample: then that one is the row's previous sample, read on the device)
+    num_tokens: int  # new tokens fed this step (q_len): reads_last_sample + len(input_ids)
+    # + num_draft_tokens
+    input_ids: list[int]  # host token ids of the new tokens before the drafts (without the
+    # first when reads_last_sample: then that one is the row's previous sample, read on the
+    # device)
     reads_last_sample: bool = False
     table_start: int = 0  # new_blocks go to block-table entries [table_start, ...)
     new_blocks: list[int] = field(default_factory=list)  # block ids to write there
     sample_offsets: list[int] = field(default_factory=list)  # row-relative new tokens to
     # sample from, ascending; empty for a prefill chunk that does not end the prompt
-    num_draft_tokens: int = 0  # trailing input tokens that are drafts: the runner accepts the
-    # longest prefix of them its samples agree with (then sample_offsets = the last k + 1)
-    params: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int = 0  # trailing new tokens that are drafts (the plan's `drafts` or
+    # `device_drafts`): the runner accepts the longest prefix of them its samples agree with
+    # (then sample_offsets = the last k + 1)
     num_output_before: int = 0  # tokens generated so far (seeded rows' RNG step)
-    history: list[int] | None = None  # prompt + output ids; only for rows with penalties
-    prompt_len: int = 0  # length of the prompt within `history`
     prompt_logprobs: PromptLogprobs | None = None
-    needs_host_result: bool = False  # the next plan needs this row's result on the host
-    # first (penalties, beam search, host-side drafting, grammar masks): the scheduler does
-    # not plan the row again before this step's result arrives
-    drafts_on_device: bool = False  # the trailing num_draft_tokens input ids are
-    # placeholders: the runner's draft model writes the drafts (speculative_method 'draft')
-    token_bitmask: bytes | None = None  # structured output: the tokens allowed at each of the
-    # row's samples, one mask per sample back to back (packed little-endian int32 words, bit
-    # set = allowed, ceil(vocab / 32) words each; see radixrt.grammar)
+    needs_host_result: bool = False  # scheduler bookkeeping (not sent to TP ranks): the next
+    # plan needs this row's result on the host first (beam search, grammar masks, verify
+    # rows); the scheduler does not plan the row again before this step's result arrives
 
     @property
     def end(self) -> int:
@@ -102,10 +120,41 @@ class PlanRow:
 
 
 @dataclass(slots=True)
+class TokenBitmasks:
+    """Structured output: the tokens allowed at each sample of the constrained rows, one
+    array for the step: `len(rows)` rows' masks back to back, one mask per sample of each
+    row (packed little-endian int32 words, bit set = allowed, ceil(vocab / 32) words each;
+    see radixrt.grammar)."""
+
+    rows: list[int]  # plan row indices, ascending
+    data: bytes
+
+
+@dataclass(slots=True)
 class StepPlan:
     step_id: int
     rows: list[PlanRow]  # rows with num_tokens == 1 first (the decode kernel), then the rest
     block_ops: list[BlockOp] = field(default_factory=list)
+    new_slots: list[SlotEntry] = field(default_factory=list)  # applied first, in order
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # row index -> its host drafts
+    device_drafts: list[int] = field(default_factory=list)  # rows whose drafts the runner's
+    # draft model makes (speculative_method 'draft'), ascending
+    bitmasks: TokenBitmasks | None = None
+
+    def row_drafts(self, i: int) -> list[int]:
+        """Row i's host drafts ([] for rows without drafts or with device drafts)."""
+        return self.drafts.get(i, [])
+
+    def row_bitmasks(self, i: int) -> bytes | None:
+        """Row i's grammar masks (one per sample, back to back), None if it has none."""
+        masks = self.bitmasks
+        if masks is None or i not in masks.rows:
+            return None
+        counts = [len(self.rows[j].sample_offsets) for j in masks.rows]
+        width = len(masks.data) // sum(counts)
+        at = masks.rows.index(i)
+        first = sum(counts[:at]) * width
+        return masks.data[first : first + counts[at] * width]
 
     @property
     def num_tokens(self) -> int:

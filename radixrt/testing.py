@@ -13,6 +13,14 @@ missing or wrong copy-on-write changes the outputs (and reading an unwritten pos
 Host-tier swap ops copy block contents to and from `host_kv` the same way.
 `context_fn` may return a list of (token, log-prob) pairs, best first: the first is the
 sample, the list is the row's top log-probs (beam search rows).
+
+Per-slot state follows a real runner's lifecycle: a plan's `SlotEntry`s set each slot's
+sampling parameters and incarnation, and for penalised slots the output tokens the slot counts
+(`counted`: the entry's, or a copy of another slot's, plus its own samples). Unlike the device,
+which counts in the step, this runner appends a step's samples when its result is taken, and
+only if the slot still has the incarnation it had when the step ran (a slot granted again while
+the step was in flight must not get the old sequence's tokens); `check_slots` compares the
+counts with the scheduler's requests.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from radixrt.plan import CopyBlock, StepPlan, StepResult, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, SlotEntry, StepPlan, StepResult, SwapIn, SwapOut
+from radixrt.sampling import SamplingParams
 
 
 def default_token(rid: str, position: int) -> int:
@@ -44,6 +53,10 @@ class ScriptedRunner:
     kv: dict[int, list[int | None]] = field(default_factory=dict)  # block -> token per offset
     host_kv: dict[int, list[int | None]] = field(default_factory=dict)  # host block (tier)
     swaps: list[SwapIn | SwapOut] = field(default_factory=list)  # executed, in order
+    slot_params: dict[int, SamplingParams] = field(default_factory=dict)  # from entries
+    incarnations: dict[int, int] = field(default_factory=dict)  # slot -> its entry's
+    counted: dict[int, list[int]] = field(default_factory=dict)  # penalised slot -> outputs
+    num_stale_results: int = 0  # samples not counted: their slot was entered again
 
     # the Runner protocol's sizes: the engine is given num_kv_blocks and takes the host tier's
     # size from its config when a scripted runner drives it
@@ -56,12 +69,41 @@ class ScriptedRunner:
     def close(self) -> None:
         pass
 
+    def _enter(self, entries: list[SlotEntry]) -> None:
+        """Apply a plan's slot entries (copies read the slots as they were before)."""
+        copies = {
+            e.slot: list(self.counted.get(e.copy_from, []))
+            for e in entries
+            if e.copy_from is not None
+        }
+        for e in entries:
+            self.slot_params[e.slot] = e.params
+            self.incarnations[e.slot] = e.incarnation
+            if e.params.has_penalties:
+                self.counted[e.slot] = copies.get(e.slot, []) + list(e.output_ids)
+            else:
+                self.counted.pop(e.slot, None)
+
+    def _params(self, slot: int) -> SamplingParams:
+        assert slot in self.slot_params, f"slot {slot} has no entry"
+        return self.slot_params[slot]
+
+    def check_slots(self, requests) -> None:
+        """Each running penalised request's slot counts exactly its host output tokens (call
+        between steps, with every taken result applied)."""
+        for req in requests:
+            if req.slot is not None and req.params.has_penalties:
+                assert self.incarnations[req.slot] == req.slot_incarnation, req.rid
+                assert self.counted[req.slot] == req.output_token_ids, req.rid
+
     def execute(self, plan: StepPlan) -> _Handle:
         self.events.append(("execute", plan.step_id))
+        self._enter(plan.new_slots)
         if self.context_fn is not None:
             return self._execute_with_content(plan)
         tokens, lps, tops, scores = [], [], [], []
-        for row in plan.rows:
+        assert not plan.device_drafts, "the scripted runner has no draft model"
+        for i, row in enumerate(plan.rows):
             table = self.tables.setdefault(row.slot, [])
             del table[row.table_start :]
             table += row.new_blocks
@@ -75,7 +117,7 @@ class ScriptedRunner:
                 if row.num_draft_tokens:
                     # the true samples at the k + 1 positions; drafts accepted while equal
                     k = row.num_draft_tokens
-                    drafts = row.input_ids[len(row.input_ids) - k :]
+                    drafts = plan.row_drafts(i)
                     first = row.start + row.sample_offsets[0] + 1
                     true = [self.token_fn(row.rid, first + i) for i in range(k + 1)]
                     accept = 0
@@ -88,14 +130,24 @@ class ScriptedRunner:
                 if not row.num_draft_tokens:
                     self.last_sample[row.slot] = out[-1]
             tokens.append(out)
-            lps.append([-0.5] * len(out) if row.params.logprobs else [])
-            k = row.params.top_logprobs
+            params = self._params(row.slot)
+            lps.append([-0.5] * len(out) if params.logprobs else [])
+            k = params.top_logprobs
             tops.append([[(t, -0.5)] + [(0, -9.0)] * (k - 1) for t in out] if k else [])
             pl = row.prompt_logprobs
             scores.append([-1.0] * len(pl.targets) if pl is not None else [])
         self.copies += [op for op in plan.block_ops if isinstance(op, CopyBlock)]
         self.swaps += [op for op in plan.block_ops if isinstance(op, SwapIn | SwapOut)]
-        return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
+        return self._handle(plan, StepResult(plan.step_id, tokens, lps, tops, scores))
+
+    def _handle(self, plan: StepPlan, result: StepResult) -> _Handle:
+        """The step's handle; its samples count in their slots when it is taken."""
+        counts = [
+            (row.slot, self.incarnations[row.slot], toks)
+            for row, toks in zip(plan.rows, result.tokens)
+            if toks and row.slot in self.counted
+        ]
+        return _Handle(self, result, counts)
 
     def _execute_with_content(self, plan: StepPlan) -> _Handle:
         bs = self.block_size
@@ -115,6 +167,7 @@ class ScriptedRunner:
         tokens, lps, tops, scores = [], [], [], []
         for row in plan.rows:
             assert not row.num_draft_tokens, "content mode does not model drafts"
+            params = self._params(row.slot)
             table = self.tables.setdefault(row.slot, [])
             del table[row.table_start :]
             table += row.new_blocks
@@ -133,18 +186,18 @@ class ScriptedRunner:
                 value = self.context_fn(row.rid, context)
                 if isinstance(value, list):
                     out.append(value[0][0])
-                    top.append(value[: row.params.top_logprobs])
+                    top.append(value[: params.top_logprobs])
                 else:
                     out.append(value)
-                    top.append([(value, -0.5)] * row.params.top_logprobs)
+                    top.append([(value, -0.5)] * params.top_logprobs)
             if out:
                 self.last_sample[row.slot] = out[-1]
             tokens.append(out)
-            lps.append([-0.5] * len(out) if row.params.logprobs else [])
-            tops.append(top if row.params.top_logprobs else [])
+            lps.append([-0.5] * len(out) if params.logprobs else [])
+            tops.append(top if params.top_logprobs else [])
             pl = row.prompt_logprobs
             scores.append([-1.0] * len(pl.targets) if pl is not None else [])
-        return _Handle(self, StepResult(plan.step_id, tokens, lps, tops, scores))
+        return self._handle(plan, StepResult(plan.step_id, tokens, lps, tops, scores))
 
     def watch(self, scheduler) -> None:
         """Log each `scheduler.schedule()` call as ("plan", step id or -1) in `events`."""
@@ -175,7 +228,17 @@ class ScriptedRunner:
 class _Handle:
     runner: ScriptedRunner
     value: StepResult
+    counts: list[tuple[int, int, list[int]]]  # (slot, its incarnation then, samples)
+    taken: bool = False
 
     def result(self) -> StepResult:
         self.runner.events.append(("result", self.value.step_id))
+        if not self.taken:
+            self.taken = True
+            r = self.runner
+            for slot, incarnation, toks in self.counts:
+                if r.incarnations[slot] == incarnation:
+                    r.counted[slot] += toks
+                else:
+                    r.num_stale_results += len(toks)
         return self.value

@@ -13,7 +13,7 @@ sys.path.insert(0, "tests")
 from test_step_plan import EOS, make_core  # noqa: E402
 
 from radixrt.grammar.base import CompileOutcome  # noqa: E402
-from radixrt.plan import PlanRow, StepPlan  # noqa: E402
+from radixrt.plan import PlanRow, StepPlan, TokenBitmasks  # noqa: E402
 from radixrt.sampling import SamplingParams  # noqa: E402
 from radixrt.scheduler.request import FinishReason, Status  # noqa: E402
 
@@ -109,8 +109,8 @@ class MaskingRunner:
         handle = self.inner.execute(plan)
         result = handle.result()
         for i, row in enumerate(plan.rows):
-            if row.token_bitmask is not None and result.tokens[i]:
-                allowed = unpack(row.token_bitmask)
+            if plan.row_bitmasks(i) is not None and result.tokens[i]:
+                allowed = unpack(plan.row_bitmasks(i))
                 (token,) = result.tokens[i]
                 result.tokens[i] = [allowed[token % len(allowed)]]
                 self.inner.last_sample[row.slot] = result.tokens[i][0]
@@ -168,9 +168,9 @@ def test_jump_forward_same_outputs_fewer_steps_and_prefilled_runs(overlap):
             assert done[rid][0] is FinishReason.STOP
         assert len(out["f0"]) == 6
         for plan in runner.plans:
-            for row in plan.rows:
+            for i, row in enumerate(plan.rows):
                 if row.rid.startswith("c") and row.sample_offsets:
-                    assert row.token_bitmask is not None and row.needs_host_result
+                    assert plan.row_bitmasks(i) is not None and row.needs_host_result
                     assert not row.reads_last_sample and not row.num_draft_tokens
         stats = core.stats()
         results[jf] = (out, stats["steps"], stats["grammar_forced_tokens"], runner.plans)
@@ -284,9 +284,13 @@ def test_plan_codec_carries_the_bitmask():
     from radixrt.engine.tp.plan_codec import PlanDecoder, PlanEncoder
 
     mask = pack([5, 77, 2047])
-    row = PlanRow("r", 0, 0, 2, [1, 2], sample_offsets=[1], token_bitmask=mask)
-    _, plan = PlanDecoder().decode(PlanEncoder().encode(StepPlan(0, [row])))
-    assert plan.rows[0].token_bitmask == mask
+    rows = [
+        PlanRow("", 0, 0, 2, [1, 2], sample_offsets=[1]),
+        PlanRow("", 1, 4, 1, [3], sample_offsets=[0]),
+    ]
+    sent = StepPlan(0, rows, bitmasks=TokenBitmasks([1], mask))
+    _, plan = PlanDecoder().decode(PlanEncoder().encode(sent))
+    assert plan == sent and plan.row_bitmasks(1) == mask and plan.row_bitmasks(0) is None
 
 
 def test_scheduler_grammar_path_and_front_import_no_torch_or_xgrammar():

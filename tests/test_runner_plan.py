@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.plan import CopyBlock, PlanRow, StepPlan, SwapIn
+from radixrt.plan import CopyBlock, PlanRow, SlotEntry, StepPlan, SwapIn
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -27,9 +27,14 @@ def row(slot, start, ids, blocks, samples, **kw) -> PlanRow:
         input_ids=list(ids),
         new_blocks=list(blocks),
         sample_offsets=list(samples),
-        params=GREEDY,
         **kw,
     )
+
+
+def entered(runner, step_id, rows, ops=(), drafts=None) -> StepPlan:
+    """A plan whose rows' slots are (re)entered with GREEDY first."""
+    entries = [SlotEntry(r.slot, runner.slots.incarnations[r.slot] + 1, GREEDY) for r in rows]
+    return StepPlan(step_id, rows, list(ops), new_slots=entries, drafts=drafts or {})
 
 
 def test_fork_over_shared_blocks_with_copy_op(engine):
@@ -38,13 +43,14 @@ def test_fork_over_shared_blocks_with_copy_op(engine):
     runner = engine.core.runner
     prompt = engine.tokenizer.encode("Tell me a story about a dragon")[:10]
     assert len(prompt) == 10
-    runner.execute(StepPlan(0, [row(0, 0, prompt, [40, 41, 42], [9])])).result()
+    runner.execute(entered(runner, 0, [row(0, 0, prompt, [40, 41, 42], [9])])).result()
     fork = row(1, 10, [77], [40, 41, 50], [0])
-    forked = runner.logits(StepPlan(1, [fork], [CopyBlock(42, 50, 2)]))
-    scratch = runner.logits(StepPlan(2, [row(2, 0, prompt + [77], [51, 52, 53], [10])]))
+    forked = runner.logits(entered(runner, 1, [fork], [CopyBlock(42, 50, 2)]))
+    scratch = runner.logits(entered(runner, 2, [row(2, 0, prompt + [77], [51, 52, 53], [10])]))
     torch.testing.assert_close(forked, scratch, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="host KV tier"):
-        runner.execute(StepPlan(3, [row(3, 0, prompt, [54, 55, 56], [9])], [SwapIn(0, 54)]))
+        plan = entered(runner, 3, [row(3, 0, prompt, [54, 55, 56], [9])], [SwapIn(0, 54)])
+        runner.execute(plan)
 
 
 def test_runner_verifies_drafts(engine):
@@ -57,8 +63,9 @@ def test_runner_verifies_drafts(engine):
     blocks = list(range(20, 20 + (n + 8) // 4 + 1))
     cases = [(greedy[:4], greedy[:5]), (greedy[:2] + [5, 5], greedy[:3]), ([5] * 4, greedy[:1])]
     for slot, (drafts, want) in enumerate(cases):
-        r = row(slot, 0, prompt + drafts, blocks, range(n - 1, n + 4), num_draft_tokens=4)
-        got = runner.execute(StepPlan(slot, [r])).result().tokens[0]
+        r = row(slot, 0, prompt, blocks, range(n - 1, n + 4), num_draft_tokens=4)
+        r.num_tokens += 4
+        got = runner.execute(entered(runner, slot, [r], drafts={0: drafts})).result().tokens[0]
         assert got == want, (drafts, got, want)
 
 

@@ -208,7 +208,7 @@ def test_runner_draft_rejection_sampling_first_token_distribution(
     hand)."""
     from scipy.stats import chisquare
 
-    from radixrt.plan import PlanRow, StepPlan
+    from radixrt.plan import PlanRow, SlotEntry, StepPlan
 
     num_rows, alpha = 3000, 1e-3
     engine = make_engine(
@@ -234,20 +234,20 @@ def test_runner_draft_rejection_sampling_first_token_distribution(
             input_ids=list(ids),
             new_blocks=blocks,
             sample_offsets=samples,
-            params=params,
             **kw,
         )
 
-    runner.execute(StepPlan(0, [plan_row(0, 0, ctx[:n], [])])).result()  # target + draft KV
+    entries = [SlotEntry(i, runner.slots.incarnations[i] + 1, params) for i in range(num_rows)]
+    first_plan = StepPlan(0, [plan_row(0, 0, ctx[:n], [])], new_slots=entries)
+    runner.execute(first_plan).result()  # target + draft KV
     logits = runner.logits(StepPlan(1, [plan_row(0, n, ctx[n:], [0])]))[0]
     p = torch.softmax(logits / 0.9, dim=-1)
     p[p < p.topk(40).values[-1]] = 0
     p /= p.sum()
-    rows = [
-        plan_row(i, n, [ctx[-1], 0, 0], [0, 1, 2], num_draft_tokens=2, drafts_on_device=True)
-        for i in range(num_rows)
-    ]
-    result = runner.execute(StepPlan(2, rows)).result()
+    rows = [plan_row(i, n, [ctx[-1]], [0, 1, 2], num_draft_tokens=2) for i in range(num_rows)]
+    for r in rows:
+        r.num_tokens = 3
+    result = runner.execute(StepPlan(2, rows, device_drafts=list(range(num_rows)))).result()
     first = torch.tensor([t[0] for t in result.tokens])
     assert (p[first] > 0).all()
     observed = torch.bincount(first, minlength=p.numel()).double()

@@ -10,6 +10,10 @@ from radixrt.engine.inputs import _decode_layout, general_layout, layout_plan
 from radixrt.plan import PlanRow, PromptLogprobs, StepPlan
 from radixrt.sampling import SamplingParams
 
+SLOT_PARAMS = [
+    SamplingParams(temperature=random.Random(s).choice([0.0, 0.7]), max_tokens=8) for s in range(64)
+]
+
 
 def _decode_row(rng: random.Random, i: int, reads_last: bool) -> PlanRow:
     return PlanRow(
@@ -20,7 +24,6 @@ def _decode_row(rng: random.Random, i: int, reads_last: bool) -> PlanRow:
         input_ids=[] if reads_last else [rng.randrange(1000)],
         reads_last_sample=reads_last,
         sample_offsets=[0],
-        params=SamplingParams(temperature=rng.choice([0.0, 0.7]), max_tokens=8),
         num_output_before=rng.randrange(20),
     )
 
@@ -43,10 +46,10 @@ def test_decode_fast_path_equals_general_layout(num_rows, reads):
         for i in range(num_rows)
     ]
     plan = StepPlan(7, rows)
-    fast = _decode_layout(plan)
+    fast = _decode_layout(plan, SLOT_PARAMS)
     assert fast is not None
-    _assert_same(fast, general_layout(plan))
-    _assert_same(layout_plan(plan), general_layout(plan))
+    _assert_same(fast, general_layout(plan, SLOT_PARAMS))
+    _assert_same(layout_plan(plan, SLOT_PARAMS), general_layout(plan, SLOT_PARAMS))
 
 
 def test_other_plans_take_the_general_path():
@@ -57,5 +60,5 @@ def test_other_plans_take_the_general_path():
     scored = dataclasses.replace(decode[1], prompt_logprobs=PromptLogprobs(0, [5]))
     for rows in ([*decode, prefill], [unsampled, *decode[1:]], [scored, decode[0]]):
         plan = StepPlan(1, rows)
-        assert _decode_layout(plan) is None
-        _assert_same(layout_plan(plan), general_layout(plan))
+        assert _decode_layout(plan, SLOT_PARAMS) is None
+        _assert_same(layout_plan(plan, SLOT_PARAMS), general_layout(plan, SLOT_PARAMS))

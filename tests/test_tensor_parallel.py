@@ -281,47 +281,46 @@ def _alive(pid: int) -> bool:
 
 
 def test_plan_codec_round_trip():
-    """Every PlanRow field and block op survives; params are sent once, then by number;
-    a full table starts over."""
-    from radixrt.engine.tp import plan_codec
+    """Every PlanRow field the ranks read, slot entries, block ops and side tables survive;
+    the request id and needs_host_result (scheduler bookkeeping) are not sent."""
     from radixrt.engine.tp.plan_codec import ControlKind, PlanDecoder, PlanEncoder
-    from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, SwapIn, SwapOut
+    from radixrt.plan import (
+        CopyBlock,
+        PlanRow,
+        PromptLogprobs,
+        SlotEntry,
+        StepPlan,
+        SwapIn,
+        SwapOut,
+        TokenBitmasks,
+    )
 
     shared = SamplingParams(temperature=0.5, top_k=3, stop=("x",), seed=4, logprobs=True)
     rows = [
-        PlanRow("a", 1, 5, 1, [], True, 1, [9], [0], 0, shared, 3),
+        PlanRow("", 1, 5, 1, [], True, 1, [9], [0], 0, 3),
         PlanRow(
-            "b",
-            2,
-            0,
-            6,
-            [1, 2, 3, 4, 5, 6],
-            False,
-            0,
-            [3, 4],
-            [2, 5],
-            2,
-            shared,
-            0,
-            [7, 1, 2, 3, 4, 5, 6],
-            1,
-            PromptLogprobs(1, [2, 3]),
-            True,
+            "", 2, 0, 6, [1, 2, 3, 4], False, 0, [3, 4], [3, 4, 5], 2, 0, PromptLogprobs(1, [2, 3])
         ),  # fmt: skip
-        PlanRow("c", 3, 0, 2, [8, 9], params=SamplingParams(max_tokens=None, top_p=0.5)),
+        PlanRow("", 3, 0, 2, [8, 9], sample_offsets=[1]),
     ]
-    plan = StepPlan(7, rows, [CopyBlock(1, 2, 3), SwapOut(4, 5), SwapIn(6, 7)])
+    entries = [
+        SlotEntry(1, 5, shared),
+        SlotEntry(2, 6, SamplingParams(presence_penalty=0.5), copy_from=1, prompt_ids=[4]),
+        SlotEntry(3, 7, SamplingParams(max_tokens=None, top_p=0.5), output_ids=[1, 1]),
+    ]
+    plan = StepPlan(
+        7,
+        rows,
+        [CopyBlock(1, 2, 3), SwapOut(4, 5), SwapIn(6, 7)],
+        new_slots=entries,
+        drafts={1: [5, 6]},
+        device_drafts=[],
+        bitmasks=TokenBitmasks([2], bytes(range(8))),
+    )
     enc, dec = PlanEncoder(), PlanDecoder()
-    first, again = enc.encode(plan), enc.encode(plan)
-    assert len(again) < len(first)  # params by number the second time
-    for data in (first, again):
-        kind, got = dec.decode(data)
-        assert kind == ControlKind.PLAN and got == plan
+    kind, got = dec.decode(enc.encode(plan))
+    assert kind == ControlKind.PLAN and got == plan
+    plan.rows[0].rid, plan.rows[0].needs_host_result = "a", True
+    sent = PlanRow("", 1, 5, 1, [], True, 1, [9], [0], 0, 3)
+    assert dec.decode(enc.encode(plan))[1].rows[0] == sent
     assert dec.decode(enc.control(ControlKind.STOP)) == (ControlKind.STOP, None)
-    old, plan_codec.MAX_PARAMS = plan_codec.MAX_PARAMS, 2
-    try:
-        fresh = StepPlan(8, [PlanRow("d", 0, 0, 1, [1], params=SamplingParams(seed=9))])
-        assert dec.decode(enc.encode(fresh))[1] == fresh  # the table started over
-        assert dec.decode(enc.encode(plan))[1] == plan
-    finally:
-        plan_codec.MAX_PARAMS = old

@@ -208,6 +208,11 @@ class EngineCore:
         sched = self.scheduler
         changed: list[Request] = self._aborted
         self._aborted = []
+        if self._inflight is not None and sched.wants_result_first():
+            # verify rows in flight: take their result first rather than leave them out
+            prev_plan, prev_handle = self._inflight
+            self._inflight = None
+            changed += self._finish_step(prev_plan, prev_handle)
         plan = sched.schedule()
         changed += sched.drain_finished()
         handle = None
@@ -222,7 +227,7 @@ class EngineCore:
             changed += self._finish_step(prev_plan, prev_handle)
             if handle is None and self.overlap:
                 # Nothing could be planned while every row waited for that result on the
-                # host (speculative drafts, penalties): plan again now that it is there.
+                # host (grammar masks, beams): plan again now that it is there.
                 plan = sched.schedule()
                 changed += sched.drain_finished()
                 if plan is not None:

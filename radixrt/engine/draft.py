@@ -1,20 +1,24 @@
 """The draft model of `speculative_method = draft`, run by the ModelRunner (runner side).
 
-Design: the scheduler plans a verify row as for any proposer (KV reserved for k + 1 tokens,
-k placeholder drafts, `PlanRow.drafts_on_device`); in the same step the runner
-  1. `propose`: runs the draft model k one-token steps over those rows (step j feeds the
-     token at position start + j: the row's last token, then the draft just sampled, which
-     stays on the device) and samples each draft from q = the draft's distribution under the
-     row's sampling parameters (greedy rows: argmax);
-  2. writes the drafts into the verify rows' input ids on the device and runs the target
-     over the whole batch;
-  3. `fill_kv_rest`: runs the draft model over the step's other rows (prefill chunks, plain
-     decode rows) with the target's inputs; `propose` already wrote the verify rows' draft KV
-     (one more one-token step feeds the last draft), so the draft KV is filled wherever the
-     target's is; then verification (greedy: exact match; sampling:
-     `radixrt.engine.rejection`).
+A runner feature (`radixrt.engine.runner_features`): the scheduler plans a verify row as for
+any proposer (KV reserved for k + 1 tokens, the row listed in `StepPlan.device_drafts`); in the
+same step the runner calls
+  1. `before_forward` (`propose`): the draft model runs k one-token steps over those rows
+     (step j feeds the token at position start + j: the row's last token, then the draft
+     just sampled, which stays on the device) and samples each draft from q = the draft's
+     distribution under the row's sampling parameters (greedy rows: argmax); the drafts become
+     the verify rows' input ids on the device (`StepContext.input_writes`) and the target
+     runs over the whole batch;
+  2. `after_forward` (`fill_kv_rest`): the draft model runs over the step's other rows
+     (prefill chunks, plain decode rows) with the target's inputs; `propose` already wrote the
+     verify rows' draft KV (one more one-token step feeds the last draft), so the draft KV is
+     filled wherever the target's is;
+  3. `after_sample`: verification (greedy: exact match in the sampler; sampling: rejection,
+     `radixrt.engine.draft_verify`).
 Drafts never travel to the host before verification. Verify rows still wait for their
-result on the host before the next plan (their length depends on acceptance).
+result on the host before the next plan (their length depends on acceptance). The draft model
+shares the runner's slot state (`radixrt.engine.slots`: block tables, last samples, sampling
+parameters) as data; it is handed nothing else of the runner.
 
 Draft KV lives in a second KVPool indexed by the SAME block ids as the target's pool (one block
 table for both), so a cached prefix has draft KV too and copy-on-write copies both. Rolled-back
@@ -25,25 +29,32 @@ positions are fed again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.engine.draft_check import check_draft_compatible
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.rejection import row_noise
+from radixrt.engine.runner_features import RunnerFeature, StepContext
 from radixrt.engine.sampler import sampling_probs
+from radixrt.engine.slots import SlotState
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
-from radixrt.plan import PlanRow, StepPlan
+from radixrt.plan import CopyBlock, PlanRow, StepPlan
+
+if TYPE_CHECKING:
+    from radixrt.engine.result import StepOutputs
 
 DRAFT_SALT = 1_000  # + step j: noise of draft j (distinct from the target's acceptance noise)
 
 
 @dataclass
 class DraftOutput:
-    """Drafts of one step's `drafts_on_device` rows (device tensors)."""
+    """Drafts of one step's `device_drafts` rows (device tensors)."""
 
     rows: list[int]  # plan row index of each drafting row
     num_drafts: list[int]  # [R] drafts per row (1..k)
@@ -53,42 +64,19 @@ class DraftOutput:
     # step's flat inputs, row-major
 
 
-def check_draft_compatible(
-    target_path: str, draft_path: str, target: ModelConfig, draft: ModelConfig
-) -> None:
-    """Raise ValueError unless the draft shares the target's vocabulary and tokenizer (the
-    same vocab_size and, where either dir has a tokenizer, the same token -> id map)."""
-    if target.vocab_size != draft.vocab_size:
-        raise ValueError(
-            f"speculative_draft_model {draft_path!r} has vocab_size {draft.vocab_size}, the "
-            f"target {target_path!r} has {target.vocab_size}: a draft model must share the "
-            "target's tokenizer and vocabulary"
-        )
-    import os
+class DraftRunner(RunnerFeature):
+    """The draft model, its attention backend and (after `on_pool`) its KV pool."""
 
-    has = [os.path.isfile(os.path.join(p, "tokenizer.json")) for p in (target_path, draft_path)]
-    if not any(has):
-        return  # dummy checkpoints (config only): the vocab size is all there is to compare
-    if not all(has):
-        raise ValueError(
-            f"only one of the target {target_path!r} and speculative_draft_model "
-            f"{draft_path!r} has a tokenizer.json: cannot check that they share a tokenizer"
-        )
-    from radixrt.hf_dir import load_tokenizer
-
-    a, b = load_tokenizer(target_path).get_vocab(), load_tokenizer(draft_path).get_vocab()
-    if a != b:
-        diff = sorted(set(a.items()) ^ set(b.items()))[:3]
-        raise ValueError(
-            f"speculative_draft_model {draft_path!r} has a different tokenizer than the target "
-            f"{target_path!r} ({len(a)} vs {len(b)} tokens; differing entries e.g. {diff})"
-        )
-
-
-class DraftRunner:
-    """The draft model, its attention backend and (after `allocate`) its KV pool."""
-
-    def __init__(self, cfg: EngineConfig, target_cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        target_cfg: ModelConfig,
+        max_model_len: int,
+        slots: SlotState,
+        generator: torch.Generator | None,
+    ) -> None:
+        """`slots`: the runner's slot state (shared, read only); `generator`: the noise of
+        unseeded rows (None: torch's default)."""
         path = cfg.speculative.speculative_draft_model
         assert path is not None
         try:
@@ -96,6 +84,9 @@ class DraftRunner:
         except FileNotFoundError as e:
             raise FileNotFoundError(f"speculative_draft_model: {e}") from e
         check_draft_compatible(cfg.model_path, path, target_cfg, self.model_cfg)
+        self.slots = slots
+        self.generator = generator
+        self.use_cuda_graphs = cfg.enable_cuda_graph
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.model = build_model(
@@ -120,12 +111,56 @@ class DraftRunner:
         # step) waits until the previous copy ran (the runner's _inputs_on_device, per plan)
         self._planned: torch.cuda.Event | None = None
 
-    def bytes_per_block(self, block_size: int) -> int:
+    # ---- hooks ----
+    def kv_bytes_per_block(self, block_size: int) -> int:
         m = self.model_cfg
         return KVPool.bytes_per_block(
             m.num_layers, block_size, m.num_kv_heads, self.kv_head_dim, self.dtype
         )
 
+    def on_pool(self, num_blocks: int, block_size: int, scratch_block: int | None) -> None:
+        """Allocate the draft KV pool; capture its decode graphs when the target has graphs
+        (`scratch_block`: theirs)."""
+        self.allocate(num_blocks, block_size)
+        if scratch_block is not None and self.use_cuda_graphs:
+            from radixrt.engine.cuda_graph import DECODE_BUCKETS
+
+            num_slots, max_blocks = self.slots.block_tables.shape
+            self.enable_cuda_graphs(
+                max_batch_size=min(num_slots, DECODE_BUCKETS[-1]),  # one-token draft steps
+                max_blocks_per_seq=max_blocks,
+                scratch_block=scratch_block,
+                num_slots=num_slots,
+            )
+
+    def on_block_copy(self, op: CopyBlock) -> None:
+        assert self.pool is not None
+        self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
+
+    def before_forward(self, ctx: StepContext) -> None:
+        drafted = self.propose(ctx.plan, ctx.layout, ctx.use_cuda_graph)
+        if drafted is not None:
+            ctx.drafted = drafted
+            ctx.input_writes = (drafted.flat_index, self.draft_inputs(drafted))
+
+    def after_forward(self, ctx: StepContext, fb: ForwardBatch | None) -> None:
+        self.fill_kv_rest(ctx.plan, ctx.layout, fb, ctx.drafted)
+
+    def after_sample(self, ctx: StepContext, logits: torch.Tensor, out: StepOutputs) -> None:
+        if ctx.drafted is None:
+            return
+        from radixrt.engine.draft_verify import verify_stochastic
+
+        plan, layout, tokens = ctx.plan, ctx.layout, out.tokens
+        drafting = ctx.drafting or []
+        stochastic = verify_stochastic(
+            plan, layout, logits, tokens, out, ctx.drafted, drafting, self.generator
+        )
+        if stochastic and out.logprobs is not None:  # rejection replaced some tokens
+            lps = torch.log_softmax(logits, dim=-1)
+            out.logprobs = lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    # ---- the draft model ----
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """The draft KV pool: as many blocks as the target's (the same block ids)."""
         m = self.model_cfg
@@ -146,17 +181,28 @@ class DraftRunner:
         self._prepare(fb)
         self.model(fb, self.backend, self.pool)
 
-    def fill_kv_rest(self, plan: StepPlan, fb: ForwardBatch | None, drafted, build_batch) -> None:
+    def fill_kv_rest(
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        fb: ForwardBatch | None,
+        drafted: DraftOutput | None,
+    ) -> None:
         """Draft KV for the step's rows that `propose` did not cover (`drafted`: propose's
-        output or None; `fb`: the target's batch of the whole plan, read only when
-        `drafted` is None)."""
+        output or None; `fb`: the target's batch of the whole plan when it ran eagerly, read
+        only when `drafted` is None)."""
         if drafted is None:
-            self.fill_kv(fb)
+            self.fill_kv(fb if fb is not None else self.slots.forward_batch(layout))
             return
         done = set(drafted.rows)
-        rest = [r for i, r in enumerate(plan.rows) if i not in done]
-        if rest:
-            self.fill_kv(build_batch(layout_plan(StepPlan(plan.step_id, rest))))
+        keep = [i for i in range(len(plan.rows)) if i not in done]
+        if keep:
+            rest = StepPlan(
+                plan.step_id,
+                [plan.rows[i] for i in keep],
+                drafts={a: plan.drafts[i] for a, i in enumerate(keep) if i in plan.drafts},
+            )
+            self.fill_kv(self.slots.forward_batch(layout_plan(rest, self.slots.params)))
 
     def enable_cuda_graphs(
         self, *, max_batch_size: int, max_blocks_per_seq: int, scratch_block: int, num_slots: int
@@ -191,42 +237,35 @@ class DraftRunner:
             self._planned = self._planned or torch.cuda.Event()
             self._planned.record()
 
-    def _step_logits(
-        self, step_plan: StepPlan, build_batch, block_tables, inputs: torch.Tensor, graph: bool
-    ) -> torch.Tensor:
+    def _step_logits(self, step_plan: StepPlan, inputs: torch.Tensor, graph: bool) -> torch.Tensor:
         """Logits [R, V] float32 of one draft step: row r feeds inputs[r] (device)."""
-        layout = layout_plan(step_plan)
+        layout = layout_plan(step_plan, self.slots.params)
         graphs = self.cuda_graphs if graph else None
         if graphs is not None and graphs.can_run(step_plan, layout):
             slots = torch.from_numpy(layout.slots).to(self.device, non_blocking=True)
             self.last_tokens.index_copy_(0, slots, inputs)
             self._wait_planned()
-            tables = block_tables[layout.slots]
+            tables = self.slots.block_tables[layout.slots]
             return graphs.run(layout, tables, self.last_tokens, self._record_planned).float()
-        fb = build_batch(layout)
+        fb = self.slots.forward_batch(layout)
         fb.input_ids = inputs
         self._prepare(fb)
         return self.model.compute_logits(self.model(fb, self.backend, self.pool)).float()
 
     def propose(
-        self,
-        plan: StepPlan,
-        layout: StepLayout,
-        build_batch,  # StepLayout -> ForwardBatch (the runner's, over the shared tables)
-        block_tables,  # [slots, max_blocks] int32 numpy: the runner's (shared) block tables
-        generator: torch.Generator | None = None,
-        use_cuda_graph: bool = True,
+        self, plan: StepPlan, layout: StepLayout, use_cuda_graph: bool = True
     ) -> DraftOutput | None:
-        """Drafts for the plan's `drafts_on_device` rows (None if there are none). Writes
+        """Drafts for the plan's `device_drafts` rows (None if there are none). Writes
         those rows' draft KV for the whole verify row: positions start .. start + num_drafts
         (n + 1 one-token steps, the last one for the last draft's KV only), so `fill_kv_rest`
         skips them. Steps replay the draft's decode CUDA graphs
         when they were captured (`enable_cuda_graphs`) and `use_cuda_graph`."""
-        rows = [i for i, r in enumerate(plan.rows) if r.drafts_on_device]
+        rows = plan.device_drafts
         if not rows:
             return None
         assert self.pool is not None
         plan_rows = [plan.rows[i] for i in rows]
+        row_params = [self.slots.params[r.slot] for r in plan_rows]
         n = [r.num_draft_tokens for r in plan_rows]
         k, vocab, dev = max(n), self.model_cfg.vocab_size, self.device
         assert all(not r.reads_last_sample for r in plan_rows), "drafting rows feed host ids"
@@ -234,14 +273,12 @@ class DraftRunner:
         tokens[:, 0] = torch.tensor([r.input_ids[0] for r in plan_rows])
         tokens = tokens.to(dev, non_blocking=True)
         probs = torch.zeros((len(rows), k, vocab), dtype=torch.float32, device=dev)
-        greedy = torch.tensor([r.params.greedy for r in plan_rows]).to(dev, non_blocking=True)
+        greedy = torch.tensor([p.greedy for p in row_params]).to(dev, non_blocking=True)
         for j in range(k + 1):  # step n of a row: its last draft's KV only (no sample)
             active = [a for a in range(len(rows)) if n[a] >= j]
             step_plan = StepPlan(plan.step_id, [_one_token_row(plan_rows[a], j) for a in active])
             act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
-            logits = self._step_logits(
-                step_plan, build_batch, block_tables, tokens[act, j], use_cuda_graph
-            )
+            logits = self._step_logits(step_plan, tokens[act, j], use_cuda_graph)
             sampled = [b for b, a in enumerate(active) if n[a] > j]
             if not sampled:
                 continue
@@ -249,11 +286,11 @@ class DraftRunner:
                 logits = logits[torch.tensor(sampled).to(dev, non_blocking=True)]
                 active = [active[b] for b in sampled]
                 act = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
-            params = [plan_rows[a].params for a in active]
+            params = [row_params[a] for a in active]
             q = sampling_probs(logits, params)
             steps = [plan_rows[a].num_output_before + j for a in active]
             noise = row_noise(
-                params, steps, (vocab,), "exponential", DRAFT_SALT + j, dev, generator
+                params, steps, (vocab,), "exponential", DRAFT_SALT + j, dev, self.generator
             )
             drawn = torch.where(greedy[act], logits.argmax(dim=-1), (q / noise).argmax(dim=-1))
             tokens[act, j + 1] = drawn

@@ -32,7 +32,10 @@ def verify_stochastic(
     """Rejection-sample the non-greedy rows of `drafted` in place; True if there were any.
     p at a row's position m is `sampling_probs` of its logits there (temperature, top-k/p,
     min-p: exactly what plain sampling draws from)."""
-    pick = [a for a, i in enumerate(drafted.rows) if not plan.rows[i].params.greedy]
+    firsts = layout.row_first_sample
+    pick = [
+        a for a, i in enumerate(drafted.rows) if not layout.sample_params[int(firsts[i])].greedy
+    ]
     if not pick:
         return False
     assert out.num_accepted is not None

@@ -1,11 +1,14 @@
 """Host-side layout of one step plan: flat token order, sample and scoring positions.
 
-Built with numpy from the plan alone (no request objects, no device work); the runner turns
-it into a ForwardBatch and sampling inputs.
+Built with numpy from the plan and the runner's per-slot sampling parameters (no request
+objects, no device work); the runner turns it into a ForwardBatch and sampling inputs. A row's
+new tokens are, in order: its last sample (when it reads it on the device), its host input ids,
+its drafts (the plan's `drafts`; 0 placeholders for `device_drafts`, written on the device).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,13 +50,14 @@ class StepLayout:
         return int(self.qo_indptr[-1])
 
 
-def layout_plan(plan: StepPlan) -> StepLayout:
-    """The host layout of `plan` (reads the plan, mutates nothing)."""
-    decode = _decode_layout(plan)
-    return decode if decode is not None else general_layout(plan)
+def layout_plan(plan: StepPlan, slot_params: Sequence[SamplingParams]) -> StepLayout:
+    """The host layout of `plan` (reads the plan, mutates nothing); `slot_params[s]`: the
+    sampling parameters of the sequence in slot s."""
+    decode = _decode_layout(plan, slot_params)
+    return decode if decode is not None else general_layout(plan, slot_params)
 
 
-def general_layout(plan: StepPlan) -> StepLayout:
+def general_layout(plan: StepPlan, slot_params: Sequence[SamplingParams]) -> StepLayout:
     """`layout_plan` for any plan (one pass per row and sample; tests compare the decode
     fast path with it)."""
     rows = plan.rows
@@ -82,14 +86,17 @@ def general_layout(plan: StepPlan) -> StepLayout:
             read_slots.append(r.slot)
             ids.append(0)
         ids += r.input_ids
+        if r.num_draft_tokens:
+            ids += plan.drafts.get(i) or [0] * r.num_draft_tokens  # device drafts: placeholders
         assert len(ids) == qo[i + 1], f"row {r.rid}: input ids do not match num_tokens"
         first[i] = len(sample_tokens)
         counts[i] = len(r.sample_offsets)
         one_each = one_each and len(r.sample_offsets) == 1
+        params = slot_params[r.slot]
         for j, off in enumerate(r.sample_offsets):
             sample_tokens.append(base + off)
             sample_rows.append(i)
-            sample_params.append(r.params)
+            sample_params.append(params)
             seed_offsets.append(r.num_output_before + j)
         if r.prompt_logprobs is not None and r.prompt_logprobs.targets:
             pl = r.prompt_logprobs
@@ -118,7 +125,7 @@ def general_layout(plan: StepPlan) -> StepLayout:
     )
 
 
-def _decode_layout(plan: StepPlan) -> StepLayout | None:
+def _decode_layout(plan: StepPlan, slot_params: Sequence[SamplingParams]) -> StepLayout | None:
     """`layout_plan` of a plain decode step (every row feeds one token and samples it, none
     scores prompt tokens) in a few passes over the rows; None for any other plan."""
     rows = plan.rows
@@ -152,7 +159,7 @@ def _decode_layout(plan: StepPlan) -> StepLayout | None:
         else empty,
         sample_tokens=index,
         sample_rows=index,
-        sample_params=[r.params for r in rows],
+        sample_params=[slot_params[r.slot] for r in rows],
         seed_offsets=[r.num_output_before for r in rows],
         row_first_sample=index,
         num_samples=ones.astype(np.int64),

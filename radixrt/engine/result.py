@@ -111,7 +111,7 @@ def assemble(plan: StepPlan, layout: StepLayout, out: StepOutputs) -> StepResult
             else:
                 first += counts[i] - 1  # the last listed position (one sample per row)
             tokens[i] = flat[first : first + n]
-            p = row.params
+            p = layout.sample_params[first]
             if p.logprobs and lps is not None:
                 logprobs[i] = lps[first : first + n]
             if p.top_logprobs and top_ids is not None:

@@ -1,12 +1,14 @@
-"""ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend and the
-per-slot row state (block tables, last sampled tokens on the device); with speculative_method
-'draft' also the draft model and its KV pool (`radixrt.engine.draft`).
+"""ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend, the
+per-slot row state (`radixrt.engine.slots`: block tables, sampling parameters, last sampled
+tokens on the device) and the runner halves of features (`radixrt.engine.runner_features`):
+per-slot penalty counts (`radixrt.engine.penalties`) and, with speculative_method 'draft', the
+draft model and its KV pool (`radixrt.engine.draft`).
 
-`execute(plan)` applies the plan's block-table changes and block ops, runs one forward over all
-rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`), samples, keeps each
-row's sample on the device for the next step and starts one non-blocking copy of the results to
-the host; it returns at once with a handle (on a CPU the work is already done). It never
-imports the scheduler: a plan is plain data.
+`execute(plan)` applies the plan's slot entries, block-table changes and block ops, runs one
+forward over all rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`),
+samples, keeps each row's sample on the device for the next step and starts one non-blocking
+copy of the results to the host; it returns at once with a handle (on a CPU the work is
+already done). It never imports the scheduler: a plan is plain data.
 """
 
 from __future__ import annotations
@@ -25,19 +27,21 @@ from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.cpu_malloc import keep_freed_memory
 from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
-from radixrt.engine.inputs import StepLayout, host_forward_batch, layout_plan
+from radixrt.engine.inputs import StepLayout, layout_plan
+from radixrt.engine.penalties import SlotPenalties
 from radixrt.engine.result import PendingResult
 from radixrt.engine.row_sampling import RowSampling
+from radixrt.engine.runner_features import RunnerFeature, StepContext
+from radixrt.engine.slots import SlotState
 from radixrt.kernels.native import CPU_LIBRARIES, prebuild
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model, weight_bytes
-from radixrt.plan import CopyBlock, StepHandle, StepPlan, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut
 from radixrt.quantization import resolve_scheme
 
 if TYPE_CHECKING:
-    from radixrt.engine.draft import DraftOutput, DraftRunner
     from radixrt.model.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -112,12 +116,36 @@ class ModelRunner(RowSampling):
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
-        # speculative_method 'draft': the draft model and its KV pool (same block ids)
-        self.draft: DraftRunner | None = None
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        # Row state per slot (block tables, sampling parameters, last samples on the device).
+        self.slots = SlotState(num_slots, self.max_blocks_per_seq, self.block_size, self.device)
+        self.block_tables = self.slots.block_tables  # (the same array, for tests)
+        self.last_tokens = self.slots.last_tokens
+        self._is_cuda = self.device.type == "cuda"
+        self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
+        # Tensor parallelism: the sampling noise of every rank from one seed (tp=1 keeps
+        # torch's default generator).
+        self._generator: torch.Generator | None = None
+        if tp is not None:
+            self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        # The runner halves of features, in hook order (the rules between them: see
+        # radixrt.engine.runner_features). Their device memory is allocated here, before the
+        # KV pool is sized from what is left (the penalty counts: slots x vocab).
+        self.penalties = SlotPenalties(num_slots, model_cfg.vocab_size, self.device)
+        self.features: list[RunnerFeature] = []
+        self.draft = None  # the draft model (speculative_method 'draft'), for inspection
         if cfg.speculative.speculative_method == "draft":
             from radixrt.engine.draft import DraftRunner
 
-            self.draft = DraftRunner(cfg, model_cfg, max_model_len)
+            self.draft = DraftRunner(cfg, model_cfg, max_model_len, self.slots, self._generator)
+            self.features.append(self.draft)
+        self.features.append(self.penalties)
+        logger.info(
+            "penalty counts: %.1f MiB (%d slots x %d tokens)",
+            SlotPenalties.bytes_needed(num_slots, model_cfg.vocab_size) / 2**20,
+            num_slots,
+            model_cfg.vocab_size,
+        )
         num_blocks = self._num_kv_blocks()
         if tp is not None:
             num_blocks = tp.min_int(num_blocks)
@@ -140,20 +168,6 @@ class ModelRunner(RowSampling):
             self.pool.kv.numel() * self.pool.kv.element_size() / 2**30,
             f", {self.pool.scales.describe()}" if self.pool.is_fp8 else "",
         )
-        if self.draft is not None:
-            self.draft.allocate(num_blocks, self.block_size)
-        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        # Row state per slot: the block table (host copy, updated from plans) and the
-        # token the row sampled last (device: the next decode step reads it there).
-        self.block_tables = np.zeros((num_slots, self.max_blocks_per_seq), dtype=np.int32)
-        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        self._is_cuda = self.device.type == "cuda"
-        self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
-        # Tensor parallelism: the sampling noise of every rank from one seed (tp=1 keeps
-        # torch's default generator).
-        self._generator: torch.Generator | None = None
-        if tp is not None:
-            self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # Recorded once a step's inputs are on the device: pinned staging buffers (ours and
         # FlashInfer's plan buffers) are rewritten only after it (overlap safety).
         self._inputs_on_device: torch.cuda.Event | None = None
@@ -173,13 +187,9 @@ class ModelRunner(RowSampling):
                 logger.info(
                     "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
                 )
-        if self.draft is not None and self.cuda_graphs is not None:
-            self.draft.enable_cuda_graphs(
-                max_batch_size=min(num_slots, DECODE_BUCKETS[-1]),  # one-token draft steps
-                max_blocks_per_seq=self.max_blocks_per_seq,
-                scratch_block=self.pool.num_blocks - 1,
-                num_slots=num_slots,
-            )
+        scratch = None if self.cuda_graphs is None else self.pool.num_blocks - 1
+        for f in self.features:
+            f.on_pool(num_blocks, self.block_size, scratch)
         # Blocks the allocator may hand out: all but the graphs' scratch block.
         self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
         # Host KV tier (see radixrt.kv.host_pool): sized here, the cache's allocator matches.
@@ -215,8 +225,7 @@ class ModelRunner(RowSampling):
         per_block = KVPool.bytes_per_block(
             m.num_layers, c.block_size, self.num_kv_heads, self.kv_head_dim, self.kv_dtype
         )
-        if self.draft is not None:
-            per_block += self.draft.bytes_per_block(c.block_size)
+        per_block += sum(f.kv_bytes_per_block(c.block_size) for f in self.features)
         free, total = torch.cuda.mem_get_info(self.device)
         num = num_blocks_for_memory(free, total, c.mem_fraction, per_block)
         if num < 2:
@@ -237,27 +246,22 @@ class ModelRunner(RowSampling):
     def execute(self, plan: StepPlan, *, use_cuda_graph: bool = True) -> StepHandle:
         """Run `plan` (see the module docstring). `use_cuda_graph=False` forces the eager
         path (benchmarks, tests)."""
-        layout = self._begin(plan)
-        drafted = None
-        if self.draft is not None:
-            drafted = self.draft.propose(
-                plan, layout, self.build_batch, self.block_tables, self._generator, use_cuda_graph
-            )
-        logits, scores = self._forward(plan, layout, use_cuda_graph, drafted)
-        outputs = self._sample(plan, layout, logits, drafted)
+        ctx = StepContext(plan, self._begin(plan), use_cuda_graph)
+        for f in self.features:
+            f.before_forward(ctx)
+        logits, scores = self._forward(ctx)
+        outputs = self._sample(ctx, logits)
         outputs.prompt_logprobs = scores
-        return PendingResult(plan, layout, outputs, copy_to_host=self._copy_to_host)
+        return PendingResult(plan, ctx.layout, outputs, copy_to_host=self._copy_to_host)
 
     def _begin(self, plan: StepPlan) -> StepLayout:
-        """Wait until the previous step's inputs left the staging buffers, apply block-table
-        changes, run block ops; returns the step's host layout."""
+        """Wait until the previous step's inputs left the staging buffers, apply slot entries
+        and block-table changes, run block ops; returns the step's host layout."""
         if self._inputs_on_device is not None:
             self._inputs_on_device.synchronize()
-        for r in plan.rows:
-            if r.new_blocks:
-                self.block_tables[r.slot, r.table_start : r.table_start + len(r.new_blocks)] = (
-                    r.new_blocks
-                )
+        if plan.new_slots:
+            self.enter_slots(plan.new_slots)
+        self.slots.apply_table_deltas(plan)
         copies = [op for op in plan.block_ops if isinstance(op, CopyBlock)]
         if self.host_pool is not None:
             self._swap(plan, copies)
@@ -265,9 +269,16 @@ class ModelRunner(RowSampling):
             raise ValueError("swap ops need a host KV tier (host_kv_gb), which is not configured")
         for op in copies:
             self.pool.copy_prefix(op.src, op.dst, op.num_tokens)
-            if self.draft is not None and self.draft.pool is not None:
-                self.draft.pool.copy_prefix(op.src, op.dst, op.num_tokens)
-        return layout_plan(plan)
+            for f in self.features:
+                f.on_block_copy(op)
+        return layout_plan(plan, self.slots.params)
+
+    def enter_slots(self, entries: list[SlotEntry]) -> None:
+        """Apply slot entries (what `execute` does first with a plan's `new_slots`; public
+        for benchmarks that reuse one hand-made plan)."""
+        self.slots.enter(entries)
+        for f in self.features:
+            f.on_slots(entries)
 
     def _swap(self, plan: StepPlan, copies: list[CopyBlock]) -> None:
         """Host tier: wait for the previous step's transfers, start this step's (they come
@@ -288,39 +299,34 @@ class ModelRunner(RowSampling):
                 self._inputs_on_device = torch.cuda.Event()
             self._inputs_on_device.record()
 
-    def _forward(
-        self,
-        plan: StepPlan,
-        layout: StepLayout,
-        use_cuda_graph: bool,
-        drafted: DraftOutput | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of the sampled tokens [S, vocab] float32 (None if S = 0) and the log-probs
-        of the scored prompt tokens [P] float32 (None if P = 0). With a draft model, its KV
-        is filled over the same tokens and `drafted`'s drafts are the verify rows' inputs."""
+        of the scored prompt tokens [P] float32 (None if P = 0). `ctx.input_writes` (a
+        feature's device ids, e.g. the draft model's drafts) overwrite those inputs; the
+        features' `after_forward` hooks run after the target's forward."""
+        plan, layout = ctx.plan, ctx.layout
         graphs = self.cuda_graphs
-        if use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
-            drafts = None  # the draft model's drafts: input ids written on the device
-            if drafted is not None:
-                assert self.draft is not None
-                self.draft.fill_kv_rest(plan, None, drafted, self.build_batch)
-                drafts = (drafted.flat_index, self.draft.draft_inputs(drafted))
-            elif self.draft is not None:
-                self.draft.fill_kv(self.build_batch(layout))
+        if ctx.use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
-                layout, tables, self.last_tokens, self._inputs_staged, device_inputs=drafts
+                layout,
+                tables,
+                self.last_tokens,
+                self._inputs_staged,
+                device_inputs=ctx.input_writes,
             )
+            for f in self.features:
+                f.after_forward(ctx, None)
             return logits, None
         fb = self.build_batch(layout)
-        if drafted is not None:
-            assert self.draft is not None
-            fb.input_ids[drafted.flat_index] = self.draft.draft_inputs(drafted)
+        if ctx.input_writes is not None:
+            index, ids = ctx.input_writes
+            fb.input_ids[index] = ids
         self.backend.prepare(fb)
         self._inputs_staged()
         hidden = self.model(fb, self.backend, self.pool)
-        if self.draft is not None:
-            self.draft.fill_kv_rest(plan, fb, drafted, self.build_batch)
+        for f in self.features:
+            f.after_forward(ctx, fb)
         dev = self.device
         num_s, num_p = len(layout.sample_tokens), len(layout.score_tokens)
         if num_s + num_p == 0:
@@ -341,45 +347,8 @@ class ModelRunner(RowSampling):
         return (logits[:num_s] if num_s else None), scores
 
     def build_batch(self, layout: StepLayout) -> ForwardBatch:
-        """The step's ForwardBatch: inputs copied to the device, device-resident last samples
-        gathered in, attention metadata built from the slots' block tables."""
-        bs, dev = self.block_size, self.device
-        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        input_ids = to_dev(layout.host_ids)
-        if len(layout.last_read_tokens):
-            input_ids[to_dev(layout.last_read_tokens)] = self.last_tokens[
-                to_dev(layout.last_read_slots)
-            ]
-        if not self._is_cuda:
-            return host_forward_batch(layout, self.block_tables, bs, dev, input_ids)
-        from radixrt.kernels import build_kv_metadata, build_token_metadata
-
-        seq_lens = layout.starts + layout.num_new
-        nblocks = (seq_lens + bs - 1) // bs
-        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-        np.cumsum(nblocks, out=kv_indptr[1:])
-        tables = self.block_tables[layout.slots, : int(nblocks.max())]
-        tables_d, seq_lens_d, start_d, new_d, qo_d = map(
-            to_dev, (tables, seq_lens, layout.starts, layout.num_new, layout.qo_indptr)
-        )
-        kv = build_kv_metadata(tables_d, seq_lens_d, bs, int(kv_indptr[-1]))
-        tok = build_token_metadata(tables_d, start_d, new_d, qo_d, layout.num_tokens, bs)
-        return ForwardBatch(
-            input_ids=input_ids,
-            positions=tok.positions,
-            slot_mapping=tok.slot_mapping,
-            qo_indptr=qo_d,
-            kv_indptr=kv.kv_indptr,
-            kv_indices=kv.kv_indices,
-            kv_last_page_len=kv.kv_last_page_len,
-            seq_lens=seq_lens_d,
-            logits_indices=to_dev(layout.sample_tokens),
-            num_decode=layout.num_decode,
-            qo_indptr_cpu=torch.from_numpy(layout.qo_indptr),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-            kv_indptr_cpu=torch.from_numpy(kv_indptr),
-            block_size=bs,
-        )
+        """The step's ForwardBatch (`SlotState.forward_batch`)."""
+        return self.slots.forward_batch(layout)
 
     def _decode_logits(self, fb: ForwardBatch) -> torch.Tensor:
         """What a decode CUDA graph captures: forward + logits of every row."""
@@ -390,8 +359,7 @@ class ModelRunner(RowSampling):
     def logits(self, plan: StepPlan, *, use_cuda_graph: bool = True) -> torch.Tensor | None:
         """Forward `plan` and return the logits of its samples [S, vocab] (no sampling, no
         row state kept). Block-table changes and block ops are applied."""
-        layout = self._begin(plan)
-        return self._forward(plan, layout, use_cuda_graph)[0]
+        return self._forward(StepContext(plan, self._begin(plan), use_cuda_graph))[0]
 
 
 def graph_tokens_per_row(cfg: EngineConfig) -> int:

@@ -10,8 +10,9 @@ Hooks, in the order of one step:
 - `before_schedule(ops)`: a step is being planned; `ops` collects block ops for its plan.
 - `admissible(req)`: whether a waiting request may be admitted now.
 - `before_rows(reqs)`: the requests that get rows this step, before their rows are made.
-- `on_row(req, row, drafts, samples)`: a plan row was made for `req`; the feature may add its
-  side data (a bitmask) and say the row needs its result on the host.
+- `on_row(req, row, drafts, samples, tables)`: a plan row was made for `req`; the feature may
+  add its side tables (drafts, a bitmask: `tables`, a `StepTables`) and say the row needs
+  its result on the host.
 - `on_row_result(req, row, result, i) -> bool`: a row's result for a running request; True:
   the feature consumed it (the row's tokens are not appended as output).
 - `on_token(req, token) -> FinishReason | None`: an output token was appended.
@@ -24,8 +25,29 @@ rules between it and the other features are written.
 
 from __future__ import annotations
 
-from radixrt.plan import BlockOp, PlanRow, StepResult
+from dataclasses import dataclass, field
+
+from radixrt.plan import BlockOp, PlanRow, StepPlan, StepResult, TokenBitmasks
 from radixrt.scheduler.request import FinishReason, Request
+
+
+@dataclass
+class StepTables:
+    """The side tables of the plan being made, keyed by id(row) until the rows are final."""
+
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # host drafts of a row
+    device_drafts: set[int] = field(default_factory=set)  # rows the draft model drafts for
+    masks: dict[int, bytes] = field(default_factory=dict)  # a row's grammar bitmasks
+
+    def fill(self, plan: StepPlan) -> None:
+        """Put the tables into `plan` (its rows final), by row index."""
+        at = {id(r): i for i, r in enumerate(plan.rows)}
+        plan.drafts = {at[k]: d for k, d in self.drafts.items() if k in at}
+        plan.device_drafts = sorted(at[k] for k in self.device_drafts if k in at)
+        masked = sorted((at[k], m) for k, m in self.masks.items() if k in at)
+        if masked:
+            plan.bitmasks = TokenBitmasks([i for i, _ in masked], b"".join(m for _, m in masked))
+
 
 HOOKS = (
     "on_add",
@@ -55,7 +77,9 @@ class SchedulerFeature:
     def before_rows(self, reqs: list[Request]) -> None:
         pass
 
-    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+    def on_row(
+        self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
+    ) -> None:
         pass
 
     def on_row_result(self, req: Request, row: PlanRow, result: StepResult, i: int) -> bool:

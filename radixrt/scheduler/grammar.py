@@ -32,7 +32,7 @@ from typing import Any
 
 from radixrt.grammar.spec import grammar_spec
 from radixrt.plan import BlockOp, PlanRow
-from radixrt.scheduler.features import SchedulerFeature
+from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
@@ -85,9 +85,11 @@ class GrammarFeature(SchedulerFeature):
     def before_rows(self, reqs: list[Request]) -> None:
         self._fill_masks(reqs)
 
-    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+    def on_row(
+        self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
+    ) -> None:
         if req.grammar is not None and samples:  # the next mask needs this step's token
-            row.token_bitmask = self._masks(req, drafts)
+            tables.masks[id(row)] = self._masks(req, drafts)
             row.needs_host_result = True
 
     def on_token(self, req: Request, token: int) -> FinishReason | None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from radixrt.plan import BlockOp, PlanRow, StepResult
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamState
-from radixrt.scheduler.features import SchedulerFeature
+from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
@@ -116,7 +116,9 @@ class GroupsFeature(SchedulerFeature):
             assert parent is parent.group.parent
             self._fork(parent.group, ops)
 
-    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
+    def on_row(
+        self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
+    ) -> None:
         if _is_beam(req):  # its group picks the next beams from this row's top log-probs
             row.needs_host_result = True
 
@@ -162,6 +164,7 @@ class GroupsFeature(SchedulerFeature):
             else:
                 kv.share_prefix(parent, child, copies[i - 1] if partial else None, ops)
                 child.slot = g.reserved_slots.pop()
+            kv.entries.enter(child, source=parent)
             child.num_computed = child.num_kv_done = parent.num_computed
             self.queues.run(child)
         self.stats.num_forks += 1
@@ -234,6 +237,7 @@ class GroupsFeature(SchedulerFeature):
                 else:
                     kv.share_prefix(src, beam, copies.pop() if partial else None, kv.pending_ops)
                     beam.slot = g.reserved_slots.pop()
+                    kv.entries.enter(beam, source=src)
                     self.queues.run(beam)
                     self.stats.num_beam_shared_blocks += full
                     self.stats.num_beam_copied_blocks += 1 if partial else 0

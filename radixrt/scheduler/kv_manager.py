@@ -23,6 +23,7 @@ from radixrt.cache.base import MatchResult, PrefixCache, host_tier_of
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import BlockOp, CopyBlock, SwapIn, SwapOut
 from radixrt.scheduler.request import Request
+from radixrt.scheduler.slot_entries import SlotEntries
 from radixrt.scheduler.stats import SchedulerStats
 
 
@@ -39,6 +40,7 @@ class KVManager:
         self.block_size = cache.block_size
         self.num_slots = num_slots  # runner row slots: one per running sequence
         self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.entries = SlotEntries()  # per-request data for the runner's slots (next plan)
         self.stats = stats
         # Block ops made while applying a result (beam re-parenting), for the next plan.
         self.pending_ops: list[BlockOp] = []
@@ -123,6 +125,7 @@ class KVManager:
         self.cache.lock(m.handle)
         req.cache_handle = m.handle
         req.slot = self.take_slot()
+        self.entries.enter(req)
         req.num_host_cached_tokens = m.num_host_tokens
         if m.num_host_tokens:  # host tier: load the host-resident tail of the match
             assert self.host_cache is not None
@@ -187,6 +190,7 @@ class KVManager:
         self.free(req.block_table)
         req.block_table = []
         if req.slot is not None:
+            self.entries.drop(req.slot)
             self.free_slots.append(req.slot)
             req.slot = None
         g = req.group

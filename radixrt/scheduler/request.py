@@ -37,6 +37,9 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_arrival_counter))  # FCFS order
     block_table: list[int] = field(default_factory=list)  # KV blocks, position p -> [p // B]
     slot: int | None = None  # runner-side row state while the request holds blocks
+    slot_incarnation: int = 0  # of the SlotEntry that set that state (radixrt.plan)
+    num_output_counted: int = 0  # output tokens the slot's penalty counts hold (on the host
+    # or in flight: the runner counts its own samples)
     num_table_sent: int = 0  # block-table entries the runner's slot already has
     # KV positions written by executed steps or by steps in flight (planned and launched)
     num_computed: int = 0

@@ -91,6 +91,7 @@ class ResultApplier:
         """Append the row's accepted tokens, stopping at the first stop condition."""
         tokens = result.tokens[i]
         req.num_inflight_samples -= 1
+        req.num_output_counted += len(tokens)  # the runner counted them in its slot
         if row.num_draft_tokens:
             # Drafts past the accepted ones were fed with wrong KV: roll back to the
             # accepted length (the KV of the last accepted token is computed next step).

@@ -3,8 +3,10 @@ Python).
 
 Decode rows first (one token each, plus drafts with speculative decoding: the token budget left
 after one token per decode row), then prefill chunks. `plan_row` turns a request's next tokens
-into a PlanRow (block-table delta, sample positions, drafts, prompt log-probs; features add
-their side data at the `on_row` hook) and marks them computed and the sample in flight.
+into a PlanRow (block-table delta, sample positions, prompt log-probs; a slot entry when the
+slot's penalty counts miss host-appended tokens; features add their side tables, drafts and
+bitmasks, at the `on_row` hook into `StepTables`) and marks them computed and the sample in
+flight.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from operator import attrgetter
 
 from radixrt.config import SchedulerConfig
 from radixrt.plan import PlanRow, PromptLogprobs
+from radixrt.scheduler.features import StepTables
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
@@ -22,8 +25,10 @@ from radixrt.scheduler.stats import SchedulerStats
 
 _ADMISSION_ORDER = attrgetter("priority", "admission_seq")  # decode rows reserve in this order
 
-# (request, its drafts, whether the row samples) -> None: a feature's on_row hook
-RowHook = Callable[[Request, PlanRow, list[int], bool], None]
+
+# (request, its row, its drafts, whether the row samples, the step's side tables) -> None:
+# a feature's on_row hook
+RowHook = Callable[[Request, PlanRow, list[int], bool, StepTables], None]
 # (request, spare budget) -> drafts: speculative decoding's proposal
 Drafter = Callable[[Request, int], list[int]]
 
@@ -111,19 +116,20 @@ class RowPlanner:
                 scheduled.append((req, drafts))
         return scheduled
 
-    def plan_row(self, req: Request, n: int, drafts: list[int]) -> PlanRow:
+    def plan_row(self, req: Request, n: int, drafts: list[int], tables: StepTables) -> PlanRow:
         """The row of `req` feeding its next `n` tokens (the last len(drafts) of them
-        drafts); marks them computed and the sample in flight."""
+        drafts, which features put in `tables`); marks them computed and the sample in
+        flight."""
         start, seq = req.num_computed, req.seq_token_ids
         p = req.params
         reads_last = req.num_inflight_samples > 0
-        assert not reads_last or (n == 1 and start == len(seq)), "one in-flight sample at most"
         k = len(drafts)
+        assert not reads_last or (n == 1 + k and start == len(seq)), "one in-flight sample"
         samples = start + n - k == req.seq_len and req.max_tokens > 0
-        if reads_last:
-            input_ids = []
-        else:
-            input_ids = seq[start : start + n - k] + drafts if k else seq[start : start + n]
+        input_ids = [] if reads_last else seq[start : start + n - k]
+        if self.kv.entries.recount_due(req):  # host-appended output: count it all again
+            assert not reads_last, "tokens appended on the host while a sample was in flight"
+            self.kv.entries.enter(req)
         row = PlanRow(
             rid=req.rid,
             slot=req.slot,
@@ -135,15 +141,11 @@ class RowPlanner:
             new_blocks=req.block_table[req.num_table_sent :],
             sample_offsets=list(range(n - 1 - k, n)) if samples else [],
             num_draft_tokens=k,
-            params=p,
             num_output_before=req.num_output + req.num_inflight_samples,
         )
         req.num_table_sent = len(req.block_table)
-        if p.has_penalties:  # they need the whole output on the host
-            row.history, row.prompt_len = list(seq), req.prompt_len
-            row.needs_host_result = True
         for hook in self.on_row:
-            hook(req, row, drafts, samples)
+            hook(req, row, drafts, samples, tables)
         if start < req.prompt_len:
             self.stats.num_prompt_tokens_computed += min(start + n, req.prompt_len) - start
         if p.prompt_logprobs:

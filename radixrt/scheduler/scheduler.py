@@ -19,10 +19,11 @@ applied). A row sampled by a step in flight counts as one more token (`num_infli
 whose value the next decode step reads on the device; stop conditions are checked when the
 result arrives, and a request found finished then has the extra step's token dropped. A request
 that is aborted, finished or preempted while in flight frees its KV at once; results of that
-step for it are ignored. Freed blocks are reused only by later plans, which a runner executes
-after the earlier ones (one stream), so no step reads a block after another reused it. Rows
-that need their result on the host before the next plan (penalties, host drafting, grammar
-masks, beams) are not planned again until it arrives.
+step for it are ignored. Freed blocks and slots are reused only by later plans, which a runner
+executes after the earlier ones (one stream), so no step reads a block after another reused it
+and a slot's new entry lands after the old step's device updates. Rows that need their result
+on the host before the next plan (verify rows, grammar masks, beams) are not planned again
+until it arrives; penalised rows do not wait (the runner counts their samples per slot).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from radixrt.limits import group_blocks_needed
 from radixrt.plan import BlockOp, StepPlan, StepResult
 from radixrt.sampling import BeamSearchParams
 from radixrt.scheduler.admission import Admission
-from radixrt.scheduler.features import Hooks, SchedulerFeature
+from radixrt.scheduler.features import Hooks, SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
 from radixrt.scheduler.groups import GroupsFeature
 from radixrt.scheduler.kv_manager import KVManager, is_swap
@@ -64,6 +65,7 @@ class _Launched:
     requests: list[Request]
     epochs: list[int]
     block_ops: list[BlockOp]  # the plan's (a failed earlier plan may have left them wrong inputs)
+    has_verify_rows: bool  # rows with drafts (their next row starts where acceptance ends)
 
 
 class Scheduler:
@@ -197,6 +199,21 @@ class Scheduler:
     def num_inflight_steps(self) -> int:
         return len(self._launched)
 
+    def wants_result_first(self) -> bool:
+        """Whether the loop should apply the in-flight steps' results before planning the
+        next (speculative decoding's rule, see radixrt.scheduler.speculation): one has verify
+        rows, which a plan made now would leave out (they would advance every other step), or
+        a row whose sample is in flight would draft. Other rows that wait for their host
+        result (grammar masks, beams) are left out of the overlapped plan instead."""
+        if any(launched.has_verify_rows for launched in self._launched.values()):
+            return True
+        spec = self.speculation
+        return spec is not None and any(
+            spec.would_draft(r)
+            for r in self.queues.running
+            if r.num_inflight_samples and r.status is Status.RUNNING
+        )
+
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit (nothing is queued)."""
@@ -313,11 +330,12 @@ class Scheduler:
             hook([r for r, _ in decode] + [r for r, _ in extend])
         rows, reqs, failed = [], [], False
         no_drafts: list[int] = []
+        tables = StepTables()
         for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
             (r, n, no_drafts) for r, n in extend
         ]:
             try:
-                rows.append(self.planner.plan_row(req, n, drafts))
+                rows.append(self.planner.plan_row(req, n, drafts, tables))
             except Exception as e:  # a bug planning one request fails that request only
                 self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
                 failed = True
@@ -330,9 +348,12 @@ class Scheduler:
             kv.keep_ops()
             return None
         ops = kv.launch_ops()
-        self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops)
+        verify = any(r.num_draft_tokens for r in rows)
+        self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops, verify)
         self.stats.num_steps += 1
-        return StepPlan(step_id, rows, ops)
+        plan = StepPlan(step_id, rows, ops, new_slots=kv.entries.launch())
+        tables.fill(plan)
+        return plan
 
     def _preempt_until_reserved(self, req: Request, n: int) -> bool:
         """Nothing else runs this step and `req` (a running request with a chunk to feed,

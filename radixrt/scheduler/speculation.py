@@ -2,20 +2,27 @@
 
 A decode row with k drafts feeds its last token plus the drafts and samples at each (k + 1
 tokens); the result applier appends the accepted ones and rolls the rest back. The proposer
-(`radixrt.speculative`) reads the row's token sequence; a host proposer's rows wait for their
-result on the host (the next proposal reads the new tokens). The rules between speculation and
-the other features are all here, in `drafts`:
+(`radixrt.speculative`) reads the row's token sequence. Drafts travel in the plan's side tables
+(`StepPlan.drafts`; `StepPlan.device_drafts` for the draft model's, made by the runner). A
+verify row waits for its result on the host (its length depends on acceptance); a row that did
+not draft does not wait, so it overlaps like any other. The rules between speculation and the
+other features and the overlapped loop are all here:
 - a beam never drafts (its group picks one token per beam from top log-probs);
 - a constrained row's drafts are cut at the first one its grammar refuses, and device drafts
   (a draft model's, made on the device) are not used for constrained rows at all;
-- a row whose last sample is still in flight does not draft (the proposer needs it).
+- a row whose last sample is still in flight does not draft (the proposer needs it);
+- the engine loop takes the in-flight step's result before planning the next
+  (`Scheduler.wants_result_first`) when that step has verify rows (a plan made now would
+  leave them out) or when a row whose sample is in flight would draft (`would_draft`: its
+  proposal from the host tokens reaches past that sample), so drafting rows get exact
+  proposals every step, as without overlap, and rows that do not draft overlap.
 """
 
 from __future__ import annotations
 
 from radixrt.config import SchedulerConfig
 from radixrt.plan import PlanRow
-from radixrt.scheduler.features import SchedulerFeature
+from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature
 from radixrt.scheduler.request import Request
 from radixrt.scheduler.stats import SchedulerStats
@@ -41,7 +48,7 @@ class SpeculationFeature(SchedulerFeature):
         """Draft tokens for a decode row: only with its last token on the host, and room for
         them (max_tokens, the context and `spare` tokens of the step's budget); see the
         module docstring for the rules. Rows with penalties draft: the runner penalises each
-        position with the drafts before it counted (`radixrt.engine.spec_penalties`)."""
+        position with the drafts before it counted (`radixrt.engine.penalties`)."""
         if req.num_inflight_samples or not req.reports:
             return []
         constrained = req.grammar is not None
@@ -63,7 +70,28 @@ class SpeculationFeature(SchedulerFeature):
         self.stats.spec.num_proposals_with_drafts += bool(drafts)
         return drafts
 
-    def on_row(self, req: Request, row: PlanRow, drafts: list[int], samples: bool) -> None:
-        # the proposer reads the sequence: every row waits for its result on the host
-        row.needs_host_result = True
-        row.drafts_on_device = bool(drafts) and self.proposer.drafts_on_device
+    def would_draft(self, req: Request) -> bool:
+        """Whether running `req`, whose last sample is in flight, would draft once that
+        sample is on the host: it has room for a draft after it and the proposer's proposal
+        from the host tokens goes past it (a draft model always drafts). Unconstrained rows
+        only (constrained rows never have a sample in flight)."""
+        assert req.num_inflight_samples
+        if not req.reports or req.grammar is not None:
+            return False
+        room = min(req.max_tokens - req.num_output, self.max_model_len - req.seq_len) - 2
+        if room < 1:
+            return False
+        if self.proposer.drafts_on_device:
+            return True
+        return bool(self.proposer.propose(req.seq_token_ids, 1, req.cache_salt))
+
+    def on_row(
+        self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
+    ) -> None:
+        if not drafts:
+            return
+        row.needs_host_result = True  # the next row starts where acceptance ends
+        if self.proposer.drafts_on_device:
+            tables.device_drafts.add(id(row))
+        else:
+            tables.drafts[id(row)] = drafts

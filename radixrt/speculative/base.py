@@ -17,7 +17,7 @@ from typing import Protocol
 
 class Proposer(Protocol):
     # True: propose() returns placeholders and the runner's draft model writes the drafts
-    # on the device (PlanRow.drafts_on_device); False (also when absent): the drafts are
+    # on the device (StepPlan.device_drafts); False (also when absent): the drafts are
     # the tokens returned
     drafts_on_device: bool
 

@@ -1,8 +1,8 @@
 """The scheduler's side of draft-model speculation: how many drafts a decode row gets.
 
 The draft model itself runs in the runner (`radixrt.engine.draft`): the scheduler stays
-torch-free, reserves KV for k + 1 tokens as for any proposer and plans the row with k
-placeholder drafts and `PlanRow.drafts_on_device`; the runner runs the draft model k steps
+torch-free, reserves KV for k + 1 tokens as for any proposer and lists the row of k drafts in
+`StepPlan.device_drafts` (the placeholders are not sent); the runner runs the draft model k steps
 over the row on the device, writes the drafts into the verify row's inputs and verifies them
 in the same step (no host round trip for the drafts).
 """

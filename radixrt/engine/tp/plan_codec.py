@@ -1,9 +1,10 @@
 """Step plans as bytes, for rank 0 to broadcast to the other tensor-parallel ranks.
 
-msgspec msgpack of one tuple per row (PlanRow's fields in order). SamplingParams are sent
-once: the encoder numbers every params object it has sent (by identity, holding a reference
-so the identity stays valid) and rows carry that number; the decoder keeps the same table.
-After `MAX_PARAMS` entries both sides start a new table (the message says so).
+msgspec msgpack of one tuple per message: the plan's slot entries (per-request data, sent once
+when a sequence takes its slot: sampling parameters and penalty tokens), one tuple per row
+(the `ROW_FIELDS` of PlanRow: ids, positions, the block-table delta, sample offsets; not the
+request id or scheduler bookkeeping, which the ranks never read), the block ops and the side
+tables (drafts, device-draft rows, the grammar bitmask array).
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ from typing import Any
 
 import msgspec
 
-from radixrt.plan import CopyBlock, PlanRow, PromptLogprobs, StepPlan, SwapIn, SwapOut
-from radixrt.sampling import SamplingParams
+from radixrt.plan import (
+    CopyBlock,
+    PlanRow,
+    PromptLogprobs,
+    SlotEntry,
+    StepPlan,
+    SwapIn,
+    SwapOut,
+    TokenBitmasks,
+)
 
-MAX_PARAMS = 1 << 14
-# PlanRow fields in the order of a row tuple; `params` travels as a table index and
-# `prompt_logprobs` as [offset, targets] or None.
+# PlanRow fields a row tuple carries, in order; `prompt_logprobs` as [offset, targets] or None.
 ROW_FIELDS = (
-    "rid",
     "slot",
     "start",
     "num_tokens",
@@ -30,17 +36,21 @@ ROW_FIELDS = (
     "new_blocks",
     "sample_offsets",
     "num_draft_tokens",
-    "params",
     "num_output_before",
-    "history",
-    "prompt_len",
     "prompt_logprobs",
-    "needs_host_result",
-    "drafts_on_device",
-    "token_bitmask",
 )
-assert tuple(f.name for f in fields(PlanRow)) == ROW_FIELDS, "PlanRow changed: update the codec"
-PARAMS_AT = ROW_FIELDS.index("params")
+NOT_SENT = ("rid", "needs_host_result")  # scheduler-side only
+assert {f.name for f in fields(PlanRow)} == {*ROW_FIELDS, *NOT_SENT}, (
+    "PlanRow changed: update the codec"
+)
+assert tuple(f.name for f in fields(SlotEntry)) == (
+    "slot",
+    "incarnation",
+    "params",
+    "copy_from",
+    "prompt_ids",
+    "output_ids",
+), "SlotEntry changed: update the codec"
 PROMPT_LOGPROBS_AT = ROW_FIELDS.index("prompt_logprobs")
 OP_KINDS = (CopyBlock, SwapOut, SwapIn)
 
@@ -51,33 +61,30 @@ class ControlKind:
     COMPARE_LAST_TOKENS = 2  # send rank 0 the slots' last samples (consistency check)
 
 
-# (kind, step id, new table?, new params, rows, block ops as [kind, a, b(, c)])
-Message = tuple[int, int, bool, list[SamplingParams], list[list[Any]], list[list[int]]]
+# (kind, step id, slot entries, rows, block ops as [kind, a, b(, c)], drafts, device-draft
+# rows, bitmasks as (rows, data) or None)
+Message = tuple[
+    int,
+    int,
+    list[SlotEntry],
+    list[list[Any]],
+    list[list[int]],
+    dict[int, list[int]],
+    list[int],
+    tuple[list[int], bytes] | None,
+]
 
 
 class PlanEncoder:
     def __init__(self) -> None:
-        self._index: dict[int, int] = {}  # id(params) -> table index
-        self._held: list[SamplingParams] = []  # table order; keeps the ids alive
         self._encoder = msgspec.msgpack.Encoder()
 
     def encode(self, plan: StepPlan) -> bytearray:
-        reset = len(self._held) + len(plan.rows) > MAX_PARAMS
-        if reset:
-            self._index.clear()
-            self._held.clear()
-        new: list[SamplingParams] = []
         rows = []
         for r in plan.rows:
-            i = self._index.get(id(r.params))
-            if i is None:
-                i = self._index[id(r.params)] = len(self._held)
-                self._held.append(r.params)
-                new.append(r.params)
             pl = r.prompt_logprobs
             rows.append(
                 (
-                    r.rid,
                     r.slot,
                     r.start,
                     r.num_tokens,
@@ -87,22 +94,28 @@ class PlanEncoder:
                     r.new_blocks,
                     r.sample_offsets,
                     r.num_draft_tokens,
-                    i,
                     r.num_output_before,
-                    r.history,
-                    r.prompt_len,
                     None if pl is None else (pl.offset, pl.targets),
-                    r.needs_host_result,
-                    r.drafts_on_device,
-                    r.token_bitmask,
                 )
             )
         ops = [_op(op) for op in plan.block_ops]
-        return self._bytes((ControlKind.PLAN, plan.step_id, reset, new, rows, ops))
+        masks = plan.bitmasks
+        return self._bytes(
+            (
+                ControlKind.PLAN,
+                plan.step_id,
+                plan.new_slots,
+                rows,
+                ops,
+                plan.drafts,
+                plan.device_drafts,
+                None if masks is None else (masks.rows, masks.data),
+            )
+        )
 
     def control(self, kind: int) -> bytearray:
         """A message without a plan (STOP, COMPARE_LAST_TOKENS)."""
-        return self._bytes((kind, 0, False, [], [], []))
+        return self._bytes((kind, 0, [], [], [], {}, [], None))
 
     def _bytes(self, msg: tuple) -> bytearray:
         buf = bytearray()
@@ -120,24 +133,26 @@ def _op(op: CopyBlock | SwapOut | SwapIn) -> list[int]:
 
 class PlanDecoder:
     def __init__(self) -> None:
-        self._table: list[SamplingParams] = []
         self._decoder = msgspec.msgpack.Decoder(Message)
 
     def decode(self, data: bytes | bytearray) -> tuple[int, StepPlan | None]:
-        """(ControlKind, the plan for PLAN messages else None)."""
-        kind, step_id, reset, new, rows, ops = self._decoder.decode(data)
+        """(ControlKind, the plan for PLAN messages else None); rows get rid ""."""
+        kind, step_id, entries, rows, ops, drafts, device_drafts, masks = self._decoder.decode(data)
         if kind != ControlKind.PLAN:
             return kind, None
-        if reset:
-            self._table.clear()
-        self._table += new
-        table = self._table
         plan_rows = []
         for t in rows:
-            t[PARAMS_AT] = table[t[PARAMS_AT]]
             pl = t[PROMPT_LOGPROBS_AT]
             if pl is not None:
                 t[PROMPT_LOGPROBS_AT] = PromptLogprobs(pl[0], pl[1])
-            plan_rows.append(PlanRow(*t))
+            plan_rows.append(PlanRow("", *t))
         block_ops = [OP_KINDS[op[0]](*op[1:]) for op in ops]
-        return kind, StepPlan(step_id, plan_rows, block_ops)
+        return kind, StepPlan(
+            step_id,
+            plan_rows,
+            block_ops,
+            new_slots=entries,
+            drafts=drafts,
+            device_drafts=device_drafts,
+            bitmasks=None if masks is None else TokenBitmasks(masks[0], masks[1]),
+        )
