@@ -253,6 +253,7 @@ class SchedulerConfig:
     # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held prompts
     # take at most this share of the KV pool, for at most this many seconds
     retention_max_share: float = 0.25
+    retention_max_tenant_share: float = 1.0  # of the pool, for the holds of one cache salt
     retention_max_ttl_s: float = 600.0
     num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
 
@@ -272,6 +273,11 @@ class SchedulerConfig:
         if not 0 <= self.retention_max_share <= 1:
             raise ValueError(
                 f"retention_max_share must be in [0, 1], got {self.retention_max_share}"
+            )
+        if not 0 <= self.retention_max_tenant_share <= 1:
+            raise ValueError(
+                "retention_max_tenant_share must be in [0, 1], "
+                f"got {self.retention_max_tenant_share}"
             )
         if not 0 <= self.retention_max_ttl_s <= MAX_CACHE_TTL_S:
             raise ValueError(

@@ -345,7 +345,8 @@ def test_retention_keeps_a_prompt_through_pressure_then_expires():
 def test_retention_is_bounded_and_released_early_or_when_short():
     core, clock = retention_core(retention_max_share=0.25, retention_max_ttl_s=5)
     retention = core.scheduler.retention
-    for i in range(3):  # 10 blocks each, at most 10 held: each new hold releases the older
+    for i in range(3):  # 10 blocks each, at most 10 held: the oldest lineage keeps its hold,
+        # the younger ones are refused
         core.add_request(
             [3000 + 50 * i + j for j in range(40)],
             SamplingParams(max_tokens=1, cache_ttl_s=1000),
@@ -353,15 +354,15 @@ def test_retention_is_bounded_and_released_early_or_when_short():
         )
         run(core)
         assert retention.num_held_blocks <= 10
-    assert list(retention.holds) == ["h2"] and core.scheduler.stats.num_retention_released == 2
-    assert retention.holds["h2"].expires == 5  # capped by retention_max_ttl_s
-    assert retention.release("h2") and not retention.release("h2")
-    assert not core.release_cache_hold("h2")
+    assert list(retention.holds) == ["h0"] and core.scheduler.stats.num_retention_refused == 2
+    assert retention.holds["h0"].expires == 5  # capped by retention_max_ttl_s
+    assert retention.release("h0") and not retention.release("h0")
+    assert not core.release_cache_hold("h0")
     core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
     run(core)
     core.add_request([2901] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h4")
     run(core)
-    assert list(retention.holds) == ["h4"]  # the share bound: one 10-block hold
+    assert list(retention.holds) == ["h3"]  # the share bound: one 10-block hold
     core.flush_cache()  # a flush ends the holds too
     assert not retention.holds and core.cache.cached_blocks == 0
     core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
