@@ -43,6 +43,8 @@ def backend(make_engine):
 class Spy:
     """Wraps a backend, recording calls (and optionally delaying generate at a barrier)."""
 
+    releases_holds = False  # programs through it hold nothing
+
     def __init__(self, inner, barrier: threading.Barrier | None = None) -> None:
         self.inner = inner
         self.tokenizer = inner.tokenizer
@@ -65,9 +67,9 @@ class Spy:
             self.barrier.wait(timeout=30)  # fails unless the branches run concurrently
         return self.inner.generate(ids, params, on_delta)
 
-    def cache_prefix(self, ids, cache_salt=None):
+    def cache_prefix(self, ids, cache_salt=None, cache_ttl_s=0.0):
         self.calls.append(("cache_prefix", list(ids)))
-        return self.inner.cache_prefix(ids)
+        return self.inner.cache_prefix(ids, cache_salt, cache_ttl_s)
 
     def score_continuations(self, prefix, conts, cache_salt=None):
         self.calls.append(("score", list(prefix), [list(c) for c in conts]))

@@ -468,8 +468,9 @@ def test_dsl_program_salt_covers_gens_selects_and_prefills():
     assert backend.salts and all(salt == "tenant-1" for _, salt in backend.salts)
     assert {kind for kind, _ in backend.salts} == {"gen", "score", "prefill"}
     assert backend.released == []  # no retention hint, nothing held
-    # a program's retention hint holds its contexts while it runs: released at its end
+    # a program's retention hint holds its contexts (gens, and the prefixes it sends ahead
+    # for the select and the fork) while it runs: released at its end
     backend = Recorder()
     prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
-    gens = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind == "gen"]
-    assert sorted(backend.released) == sorted(gens) and len(gens) == 3
+    sent = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind != "score"]
+    assert sorted(backend.released) == sorted(sent) and len(sent) == 5
