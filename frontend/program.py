@@ -127,7 +127,9 @@ class Program:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
                 hold_s = program_hold_s(backend, defaults)
-                sent = backend.cache_prefix(prefix, defaults.cache_salt if defaults else None, hold_s)
+                sent = backend.cache_prefix(
+                    prefix, defaults.cache_salt if defaults else None, hold_s
+                )
                 if hold_s > 0 and sent.rid is not None:
                     held.append(sent.rid)
         from tqdm.auto import tqdm

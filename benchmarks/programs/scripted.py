@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from radixrt.config import CacheConfig
 from radixrt.engine import Engine
 from radixrt.testing import ScriptedRunner
 
@@ -18,7 +19,7 @@ NEEDS_MODEL = ("json",)
 def scripted_engine(model_dir: str, filler_token: int, step_s: float, **options) -> Engine:
     """An Engine on `model_dir`'s config and tokenizer whose runner emits, for every request,
     the token its logit bias forces (`filler_token` without a bias) after sleeping `step_s`
-    per step. `options` as for Engine (`num_kv_blocks` is required)."""
+    per step. `options` as for Engine (`num_kv_blocks` None: the engine's CPU pool size)."""
     engine: Engine | None = None
 
     def token(rid: str, position: int) -> int:
@@ -27,6 +28,8 @@ def scripted_engine(model_dir: str, filler_token: int, step_s: float, **options)
         return max(bias, key=lambda kv: kv[1])[0] if bias else filler_token
 
     options = {**options, "device": "cpu", "load_format": "dummy"}
+    if options.get("num_kv_blocks") is None:
+        options["num_kv_blocks"] = CacheConfig().cpu_kv_blocks
     runner = ScriptedRunner(options.get("max_running_requests", 256), options["block_size"], token)
     if step_s > 0:
         execute = runner.execute
