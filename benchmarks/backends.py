@@ -29,6 +29,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         opts["kv_cache_dtype"] = args.kv_cache_dtype
     if cache == "radix-host":  # the host KV tier config of bench_serving
         opts["host_kv_gb"] = getattr(args, "host_kv_gb", 1.0)
+    if getattr(args, "retention_max_share", None) is not None:
+        opts["retention_max_share"] = args.retention_max_share
     if args.aging_tokens_per_step is not None:
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:

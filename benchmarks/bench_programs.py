@@ -75,12 +75,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--aging-tokens-per-step", type=float, default=None)
+    g.add_argument("--retention-max-share", type=float, default=None, help="share of the pool "
+                   "retention holds (a program's context between its calls) may keep; default: "
+                   "the engine's")  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--server-startup-timeout-s", type=float, default=900.0)
-    g.add_argument("--runner", default="model", choices=["model", "scripted"],
-                   help="scripted: no model, the in-process configs simulated on a CPU")  # fmt: skip
+    g.add_argument(
+        "--runner",
+        default="model",
+        choices=["model", "scripted"],
+        help="scripted: no model, the in-process configs simulated on a CPU",
+    )
     g.add_argument("--sim-step-s", type=float, default=0.02, help="--runner scripted: seconds "
                    "per engine step (the stand-in for a forward)")  # fmt: skip
     g.add_argument("--config-timeout-s", type=float, default=None, help="stop a config's "

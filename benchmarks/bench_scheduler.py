@@ -136,8 +136,9 @@ def main() -> None:
     working_set = math.ceil(wl.working_set_tokens() / args.block_size)
     if args.kv_ratio is not None:
         args.num_kv_blocks = math.ceil(working_set / args.kv_ratio)
+    ratio = working_set / args.num_kv_blocks
     print(f"{args.workload} ({args.size}, scale {args.scale}), {args.num_kv_blocks} blocks "
-          f"(working set {working_set} blocks: kv/{working_set / args.num_kv_blocks:.2f})")  # fmt: skip
+          f"(working set {working_set} blocks: kv/{ratio:.2f})")  # fmt: skip
     share = {}
     if args.retention_max_share is not None:
         share["retention_max_share"] = args.retention_max_share
