@@ -102,8 +102,9 @@ class Executor:
         self.children: list[Executor] = []  # forks, finished with this executor
         # the retention hint of gens and sent prefixes that set none (program_hold_s)
         self.hold_s = program_hold_s(backend, gen_defaults)
-        # requests with a retention hint (gens, sent prefixes), shared with the forks: the
-        # program releases their holds when it ends
+        # this state's requests with a retention hint (gens, sent prefixes): their holds end
+        # when it finishes (a fork's at its join: nothing continues a joined branch; the
+        # program's main state's at the program's end)
         self.held_rids: list[str] = []
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
@@ -133,10 +134,10 @@ class Executor:
         self._raise_error()
 
     def finish(self) -> BaseException | None:
-        """Wait for the queued operations and for every fork, stop the worker; returns the
-        first error of this state or its forks that the program has not seen yet (None if
-        there is none). So every error is raised once at least: a program that catches a
-        fork's error (from join or a read) can go on."""
+        """Wait for the queued operations and for every fork, stop the worker, release the
+        state's retention holds; returns the first error of this state or its forks that the
+        program has not seen yet (None if there is none). So every error is raised once at
+        least: a program that catches a fork's error (from join or a read) can go on."""
         if self._finished:
             return None
         if self._queue is not None:
@@ -145,6 +146,9 @@ class Executor:
         self._finished = True
         own = None if self._error_raised else self._error
         errors = [own] + [child.finish() for child in self.children]
+        if self.held_rids:
+            self.backend.release_cache_holds(self.held_rids)
+            self.held_rids = []
         return next((e for e in errors if e is not None), None)
 
     def _check_open(self) -> None:
@@ -172,7 +176,6 @@ class Executor:
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True)
-            child.held_rids = self.held_rids
             child.hold_s = self.hold_s
             child.text = self.text
             child.variables = dict(self.variables)

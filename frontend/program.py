@@ -86,9 +86,8 @@ class Program:
         try:
             self.func(state, *args, **kwargs)
         finally:
-            error = executor.finish()  # joins the forks even when the body failed
-            if executor.held_rids:  # the program's contexts need not stay cached past its end
-                executor.backend.release_cache_holds(executor.held_rids)
+            # joins the forks even when the body failed and releases the program's holds
+            error = executor.finish()
         if error is not None:
             raise error
         return state
