@@ -32,6 +32,8 @@ def engine_options(args: argparse.Namespace, cache: str, policy: str, kv: int | 
         opts["fp8_activation_scale"] = args.fp8_activation_scale
     if cache == "radix-host":  # the host KV tier config of bench_serving
         opts["host_kv_gb"] = getattr(args, "host_kv_gb", 1.0)
+    if getattr(args, "retention_max_share", None) is not None:
+        opts["retention_max_share"] = args.retention_max_share
     if args.aging_tokens_per_step is not None:
         opts["aging_tokens_per_step"] = args.aging_tokens_per_step
     if args.disable_cuda_graph:

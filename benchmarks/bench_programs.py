@@ -21,6 +21,14 @@ the KV pool to F x the largest working set (all configs share the pool).
 
     python -m benchmarks.bench_programs --size smoke                      # CPU, tiny model
     python -m benchmarks.bench_programs --model llama-3-8b --kv-fraction 0.4   # GPU, dummy
+
+`--runner scripted` simulates the in-process configs on a CPU: the real scheduler, caches and
+DSL, no model (a scripted runner emits the forced tokens, `--sim-step-s` per step; the json
+program, which needs a model's grammar, is left out): the GPU run's cache behaviour, hit
+rates and computed tokens, at full size in minutes.
+
+    python -m benchmarks.bench_programs --runner scripted --model llama-3-8b --size full \
+        --scale 0.5 --kv-fraction 0.4 --configs radix,blockhash,no-hints
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 
 from benchmarks.backends import engine_options
 from benchmarks.programs import PROGRAMS, Words
@@ -66,10 +75,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--aging-tokens-per-step", type=float, default=None)
+    g.add_argument("--retention-max-share", type=float, default=None, help="share of the pool "
+                   "retention holds (a program's context between its calls) may keep; default: "
+                   "the engine's")  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--server-startup-timeout-s", type=float, default=900.0)
+    g.add_argument(
+        "--runner",
+        default="model",
+        choices=["model", "scripted"],
+        help="scripted: no model, the in-process configs simulated on a CPU",
+    )
+    g.add_argument("--sim-step-s", type=float, default=0.02, help="--runner scripted: seconds "
+                   "per engine step (the stand-in for a forward)")  # fmt: skip
+    g.add_argument("--config-timeout-s", type=float, default=None, help="stop a config's "
+                   "remaining programs once it ran this long (rows finished are kept)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -141,10 +163,16 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
     for name in [n for n in args.configs.split(",") if n]:
         if name not in CONFIGS:
             raise ValueError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
+        if args.runner == "scripted" and CONFIGS[name].on_server:
+            raise ValueError(f"--runner scripted simulates the in-process configs, not {name!r}")
         cfgs.append(CONFIGS[name])
     if any(c.client.startswith("openai") for c in cfgs):
         import openai  # noqa: F401  (the openai configs need it: pip install openai)
     kv = kv_blocks(args, plans)
+    if args.runner == "scripted":  # the pool is sized as for the model run, with them
+        from benchmarks.programs.scripted import NEEDS_MODEL
+
+        plans = [p for p in plans if p.spec.name not in NEEDS_MODEL]
     os.makedirs(args.out, exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k != "tokenizer"}
     results = {"command": command, "args": meta, "kv_blocks": kv, "rows": [], "targets": [],
@@ -161,7 +189,15 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
         opts = engine_options(args, group[0].cache, group[0].policy, kv)
         with _Target(key, model, opts, args) as target:
             history: list[Call] = []
+            started = time.perf_counter()
             for plan in plans:
+                if (
+                    args.config_timeout_s is not None
+                    and time.perf_counter() - started > args.config_timeout_s
+                ):
+                    print(f"{key}: --config-timeout-s reached, skipping {plan.spec.name} and "
+                          "the programs after it", flush=True)  # fmt: skip
+                    break
                 for cfg in group:
                     row = run_config(cfg, plan, target, args, history)
                     results["rows"].append(row)
@@ -182,7 +218,15 @@ class _Target:
         if self.key[0] == "engine":
             from radixrt.engine import Engine
 
-            self.engine = Engine(self.model, **self.opts)
+            if self.args.runner == "scripted":
+                from benchmarks.programs.scripted import scripted_engine
+
+                filler = Words(self.args.tokenizer).ids[0]  # what the dry run emits
+                opts = {k: v for k, v in self.opts.items() if k not in ("device", "load_format")}
+                opts["overlap_schedule"] = True  # as on CUDA
+                self.engine = scripted_engine(self.model, filler, self.args.sim_step_s, **opts)
+            else:
+                self.engine = Engine(self.model, **self.opts)
             self.engine.generate(
                 prompt_token_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_tokens=4)
             )

@@ -8,10 +8,12 @@ under memory pressure, in seconds on a CPU and independent of GPU timing noise.
 
 Retention hints (agents pausing for tool calls while others fill the pool): each config runs
 once per `--cache-ttl-s` value; `recomputed` is the prompt tokens computed beyond the
-workload's minimum (every prompt token an ideal cache could not have served).
+workload's minimum (every prompt token an ideal cache could not have served). A program's
+holds are released when its last call finishes. `--kv-ratio 3` sizes the pool to a third of
+the workload's working set (every program's KV tree, as bench_serving's pressure runs).
 
-    python -m benchmarks.bench_scheduler --workload agent --tool-pause-s 0.05 \
-        --num-kv-blocks 300 --configs radix+lpm --cache-ttl-s 0,5
+    python -m benchmarks.bench_scheduler --workload agent --scale 0.25 --tool-pause-s 0.2 \
+        --request-rate 5 --step-s 0.001 --kv-ratio 3 --configs radix+lpm --cache-ttl-s 0,5
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def main() -> None:
     p.add_argument("--size", default="full", choices=["full", "smoke"])
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--num-kv-blocks", type=int, default=575)
+    p.add_argument("--kv-ratio", type=float, default=None, help="pool = working set / this "
+                   "(overrides --num-kv-blocks)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--configs",
@@ -119,7 +123,8 @@ def main() -> None:
     p.add_argument("--num-host-kv-blocks", type=int, default=8192)
     p.add_argument("--tool-pause-s", type=float, default=0.0, help="agent: pause per tool call")
     p.add_argument("--cache-ttl-s", default="0", help="retention hints to run, comma-separated")
-    p.add_argument("--retention-max-share", type=float, default=0.25)
+    p.add_argument("--retention-max-share", type=float, default=None, help="default: the "
+                   "engine's")  # fmt: skip
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
     p.add_argument(
         "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
@@ -128,7 +133,15 @@ def main() -> None:
     extra = {"tool_pause_s": args.tool_pause_s} if args.tool_pause_s else {}
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
     wl = make_workload(args.workload, size=args.size, scale=args.scale, vocab_size=2048, **extra)
-    print(f"{args.workload} ({args.size}, scale {args.scale}), {args.num_kv_blocks} blocks")
+    working_set = math.ceil(wl.working_set_tokens() / args.block_size)
+    if args.kv_ratio is not None:
+        args.num_kv_blocks = math.ceil(working_set / args.kv_ratio)
+    ratio = working_set / args.num_kv_blocks
+    print(f"{args.workload} ({args.size}, scale {args.scale}), {args.num_kv_blocks} blocks "
+          f"(working set {working_set} blocks: kv/{ratio:.2f})")  # fmt: skip
+    share = {}
+    if args.retention_max_share is not None:
+        share["retention_max_share"] = args.retention_max_share
     print(f"{'config':>16} {'steps':>6} {'computed':>9} {'preempt':>7} {'evicted':>7} {'hit':>6}")
     for config in args.configs.split(","):
         for ttl in map(float, args.cache_ttl_s.split(",")):
@@ -143,7 +156,7 @@ def main() -> None:
                 ttl,
                 args.request_rate,
                 args.step_s,
-                retention_max_share=args.retention_max_share,
+                **share,
             )
             print(
                 f"{config:>16} ttl {ttl:g} recomputed {r['recomputed']:>8} "

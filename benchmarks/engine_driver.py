@@ -44,8 +44,9 @@ def run_engine(
     integrity check passes and only the prefix cache holds blocks; the cache is kept.
     `on_call_done` is called once per finished call (progress bars). `cache_ttl_s`: every
     call that a later call of its program extends asks that its context stay cached this
-    long (a retention hint; a program's last calls ask nothing); holds left are released at
-    the end. `clock` / `sleep`: the time source (a simulation passes a virtual one)."""
+    long (a retention hint; a program's last calls ask nothing); a program's holds are
+    released when its last call finishes (as the DSL does at a program's end), any left at
+    the end of the run. `clock` / `sleep`: the time source (a simulation passes a virtual one)."""
     core = getattr(engine, "core", engine)  # an Engine, or an EngineCore (simulations)
     alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
@@ -58,6 +59,8 @@ def run_engine(
     disp = Dispatcher(workload, max_concurrency, request_rate, seed)
     before = engine.stats()
     inflight: dict[str, tuple[ReadyCall, CallRecord]] = {}
+    held: dict[int, list[str]] = {}  # program -> its calls that asked for a hold
+    calls_left = [len(p.calls) for p in workload.programs]
     records: list[CallRecord] = []
     outputs: dict[str, list[int]] = {}  # rid -> output token ids so far
     peak_used = peak_active = alloc.num_used
@@ -71,6 +74,8 @@ def run_engine(
         for call in disp.pop_ready(now):
             ttl = cache_ttl_s if has_children[call.program][call.index] else 0.0
             rid = core.add_request(call.prompt, params[call.max_tokens, ttl])
+            if ttl > 0:
+                held.setdefault(call.program, []).append(rid)
             inflight[rid] = (call, CallRecord(len(call.prompt), 0, 0, now, now, now))
         if not core.has_work:  # every program left waits for its arrival time
             nxt = disp.next_arrival()
@@ -94,6 +99,10 @@ def run_engine(
                 rec.end = t
                 records.append(rec)
                 disp.finish(call, outputs.pop(d.rid), t)
+                calls_left[call.program] -= 1
+                if calls_left[call.program] == 0:  # the program ended: its holds go
+                    for rid in held.pop(call.program, []):
+                        core.release_cache_hold(rid)
                 if on_call_done is not None:
                     on_call_done()
     duration = clock() - start

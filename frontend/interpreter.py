@@ -10,15 +10,31 @@ error, skips the operations after it, and the error is raised at the next sync p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .backends.base import Backend
+from .backends.base import Backend, GenResult
 from .errors import UnknownVariableError
 from .ir import Gen, GenParams, OfferTools, Op, RoleBegin, RoleEnd, Select, Text
 from .tool_calls import constrained, read_calls
+
+# A program holds its context between its calls this long at most (each gen's and each sent
+# prefix's `cache_ttl_s`) when its gens leave `cache_ttl_s` unset and the backend can release
+# holds early: the program releases them when it ends, so the time only bounds a program that
+# never gets there (its process died)
+PROGRAM_CACHE_TTL_S = 60.0
+
+
+def program_hold_s(backend: Backend, gen_defaults: GenParams | None) -> float:
+    """The retention hint of a program's gens and prefixes that set none: the program's
+    `gen_defaults` cache_ttl_s, else PROGRAM_CACHE_TTL_S where the backend releases holds
+    early, else 0 (nothing held)."""
+    if gen_defaults is not None and gen_defaults.cache_ttl_s is not None:
+        return gen_defaults.cache_ttl_s
+    return PROGRAM_CACHE_TTL_S if backend.releases_holds else 0.0
 
 
 class TraceStop(BaseException):
@@ -84,8 +100,11 @@ class Executor:
         self.open_role: _OpenRole | None = None
         self.tools: tuple[dict, ...] = ()  # offered to the model (tools(...))
         self.children: list[Executor] = []  # forks, finished with this executor
-        # requests of gens with a retention hint (cache_ttl_s), shared with the forks: the
-        # program releases their holds when it ends
+        # the retention hint of gens and sent prefixes that set none (program_hold_s)
+        self.hold_s = program_hold_s(backend, gen_defaults)
+        # this state's requests with a retention hint (gens, sent prefixes): their holds end
+        # when it finishes (a fork's at its join: nothing continues a joined branch; the
+        # program's main state's at the program's end)
         self.held_rids: list[str] = []
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
@@ -115,10 +134,10 @@ class Executor:
         self._raise_error()
 
     def finish(self) -> BaseException | None:
-        """Wait for the queued operations and for every fork, stop the worker; returns the
-        first error of this state or its forks that the program has not seen yet (None if
-        there is none). So every error is raised once at least: a program that catches a
-        fork's error (from join or a read) can go on."""
+        """Wait for the queued operations and for every fork, stop the worker, release the
+        state's retention holds; returns the first error of this state or its forks that the
+        program has not seen yet (None if there is none). So every error is raised once at
+        least: a program that catches a fork's error (from join or a read) can go on."""
         if self._finished:
             return None
         if self._queue is not None:
@@ -127,6 +146,9 @@ class Executor:
         self._finished = True
         own = None if self._error_raised else self._error
         errors = [own] + [child.finish() for child in self.children]
+        if self.held_rids:
+            self.backend.release_cache_holds(self.held_rids)
+            self.held_rids = []
         return next((e for e in errors if e is not None), None)
 
     def _check_open(self) -> None:
@@ -148,11 +170,13 @@ class Executor:
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
-            self.backend.cache_prefix(prefix_ids, self.cache_salt)
+            self._note_hold(
+                self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s), self.hold_s
+            )
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True)
-            child.held_rids = self.held_rids
+            child.hold_s = self.hold_s
             child.text = self.text
             child.variables = dict(self.variables)
             child.meta = copy.deepcopy(self.meta)
@@ -232,6 +256,8 @@ class Executor:
         if self.tracing:
             raise TraceStop
         params = op.params.resolve(self.gen_defaults)
+        if op.params.cache_ttl_s is None and params.cache_ttl_s != self.hold_s:
+            params = dataclasses.replace(params, cache_ttl_s=self.hold_s)  # the program's hold
         fmt = None
         if op.tool_choice is not None:
             if not self.tools:
@@ -250,8 +276,7 @@ class Executor:
             sink, name = self.sink, op.name
             on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
         result = self.backend.generate(prompt_ids, params, on_delta)
-        if params.cache_ttl_s > 0 and result.rid is not None:
-            self.held_rids.append(result.rid)
+        self._note_hold(result, params.cache_ttl_s)
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         if op.name is not None:
             self.variables[op.name] = result.text
@@ -274,7 +299,8 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
-        self.backend.cache_prefix(prefix_ids, self.cache_salt)
+        prefix = self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s)
+        self._note_hold(prefix, self.hold_s)
         token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
@@ -291,6 +317,11 @@ class Executor:
                 "token_logprobs": token_logprobs,
                 "normalize": op.normalize,
             }
+
+    def _note_hold(self, result: GenResult, cache_ttl_s: float) -> None:
+        """Remember a request sent with a retention hint (released at the program's end)."""
+        if cache_ttl_s > 0 and result.rid is not None:
+            self.held_rids.append(result.rid)
 
     def _role_begin(self, role: str) -> None:
         if self.open_role is not None:

@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import Any
 
 from .backends.base import Backend
-from .interpreter import Executor, StreamSink, TraceStop
+from .interpreter import Executor, StreamSink, TraceStop, program_hold_s
 from .ir import GenParams
 from .state import ProgramState, StreamingState
 
@@ -54,7 +54,11 @@ class Program:
         """Run the program once and return its final state (every fork joined).
 
         gen_defaults: gen() options for gens that leave them unset, e.g.
-        {"temperature": 0, "max_tokens": 32}. stream=True returns a StreamingState at once
+        {"temperature": 0, "max_tokens": 32}. The program's context stays cached between
+        its calls while it runs (a retention hint on every gen and sent prefix that sets no
+        `cache_ttl_s`: `PROGRAM_CACHE_TTL_S`, on backends that release holds early, i.e. the
+        in-process one), released when it ends, also by an error; `{"cache_ttl_s": 0}` turns
+        that off. stream=True returns a StreamingState at once
         (the program runs in a thread); iterate `text_iter()` and/or `wait()`.
         Errors of the program (or of a fork) are raised here (stream: from text_iter/wait).
         """
@@ -82,9 +86,8 @@ class Program:
         try:
             self.func(state, *args, **kwargs)
         finally:
-            error = executor.finish()  # joins the forks even when the body failed
-            if executor.held_rids:  # the program's contexts need not stay cached past its end
-                executor.backend.release_cache_holds(executor.held_rids)
+            # joins the forks even when the body failed and releases the program's holds
+            error = executor.finish()
         if error is not None:
             raise error
         return state
@@ -105,7 +108,8 @@ class Program:
 
         prefix_hint: trace every program up to its first gen/select (running its Python
         code up to there without calling the model), and prefill the token prefix common
-        to all of them once before the batch, so every program hits the prefix cache.
+        to all of them once before the batch, so every program hits the prefix cache (held
+        while the batch runs, as a program holds its context: `PROGRAM_CACHE_TTL_S`).
         Turn it off for programs with side effects before their first gen. An error the
         traced code raises is raised here, before any program runs.
         """
@@ -117,21 +121,33 @@ class Program:
         defaults = _gen_defaults(gen_defaults)
         if not batch_kwargs:
             return []
+        held: list[str] = []  # the batch's shared prefix, held while the batch runs
         if prefix_hint and len(batch_kwargs) > 1:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
-                backend.cache_prefix(prefix, defaults.cache_salt if defaults else None)
+                hold_s = program_hold_s(backend, defaults)
+                sent = backend.cache_prefix(
+                    prefix, defaults.cache_salt if defaults else None, hold_s
+                )
+                if hold_s > 0 and sent.rid is not None:
+                    held.append(sent.rid)
         from tqdm.auto import tqdm
 
         threads = num_threads or min(len(batch_kwargs), MAX_BATCH_THREADS)
-        with ThreadPoolExecutor(threads, thread_name_prefix="radixrt-batch") as pool:
-            futures = {
-                pool.submit(self._run, Executor(backend, defaults), (), kw): i
-                for i, kw in enumerate(batch_kwargs)
-            }
-            with tqdm(total=len(futures), disable=not progress_bar, desc=self.func.__name__) as bar:
-                for _ in as_completed(futures):
-                    bar.update(1)
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="radixrt-batch") as pool:
+                futures = {
+                    pool.submit(self._run, Executor(backend, defaults), (), kw): i
+                    for i, kw in enumerate(batch_kwargs)
+                }
+                with tqdm(
+                    total=len(futures), disable=not progress_bar, desc=self.func.__name__
+                ) as bar:
+                    for _ in as_completed(futures):
+                        bar.update(1)
+        finally:
+            if held:
+                backend.release_cache_holds(held)
         ordered = sorted(futures, key=futures.__getitem__)
         for i, future in enumerate(ordered):
             error = future.exception()

@@ -92,6 +92,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="retention hints: a request's cache_ttl_s is capped at this many seconds",
     )
     g.add_argument(
+        "--retention-max-share",
+        type=float,
+        default=0.5,
+        help="retention hints: held blocks stay within this share of the KV pool",
+    )
+    g.add_argument(
+        "--retention-max-tenant-share",
+        type=float,
+        default=1.0,
+        help="retention hints: one cache salt's held blocks stay within this share of the pool",
+    )
+    g.add_argument(
         "--disable-jump-forward",
         action="store_true",
         help="structured output: sample tokens the grammar forces instead of appending them",
@@ -151,6 +163,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "jump_forward": not args.disable_jump_forward,
         "jump_forward_retokenize": args.jump_forward_retokenize,
         "retention_max_ttl_s": args.retention_max_ttl_s,
+        "retention_max_share": args.retention_max_share,
+        "retention_max_tenant_share": args.retention_max_tenant_share,
     }
     if args.disable_cuda_graph:
         opts["enable_cuda_graph"] = False

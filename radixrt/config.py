@@ -268,9 +268,12 @@ class SchedulerConfig:
     # level more urgent, so a low priority waits a bounded time (radixrt.scheduler.policy);
     # 0: priorities never age
     priority_aging_steps: int = 256
-    # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held prompts
-    # take at most this share of the KV pool, for at most this many seconds
-    retention_max_share: float = 0.25
+    # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held contexts
+    # take at most this share of the KV pool (half: the other half stays for work that holds
+    # nothing; bench_scheduler's agents with tool pauses at kv/3 recompute 0.69x the prompt
+    # tokens of plain LRU with it, 0.85x with a quarter), for at most this many seconds
+    retention_max_share: float = 0.5
+    retention_max_tenant_share: float = 1.0  # of the pool, for the holds of one cache salt
     retention_max_ttl_s: float = 600.0
     num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
 
@@ -290,6 +293,11 @@ class SchedulerConfig:
         if not 0 <= self.retention_max_share <= 1:
             raise ValueError(
                 f"retention_max_share must be in [0, 1], got {self.retention_max_share}"
+            )
+        if not 0 <= self.retention_max_tenant_share <= 1:
+            raise ValueError(
+                "retention_max_tenant_share must be in [0, 1], "
+                f"got {self.retention_max_tenant_share}"
             )
         if not 0 <= self.retention_max_ttl_s <= MAX_CACHE_TTL_S:
             raise ValueError(

@@ -110,7 +110,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     ] = 0
     retention_expired: Annotated[int, _doc("Retention holds ended by their time to live")] = 0
     retention_released: Annotated[int, _doc("Retention holds given up for room")] = 0
-    retention_held_blocks: Annotated[int, _doc("KV blocks retention holds keep now")] = 0
+    retention_refused: Annotated[
+        int, _doc("Retention holds not taken: older holds fill the share bound")
+    ] = 0
+    retention_held_blocks: Annotated[int, _doc("Distinct KV blocks retention holds keep now")] = 0
     # speculative decoding (zero without a proposer)
     spec_proposals: Annotated[int, _doc("Decode rows the proposer was asked to draft for")] = 0
     spec_proposals_with_drafts: Annotated[

@@ -84,3 +84,19 @@ def test_random_policy_is_a_reproducible_permutation():
     assert sorted(r.rid for r in order) == sorted(r.rid for r in waiting)
     assert order != waiting
     assert order == order_waiting(waiting, "random", lambda r: None, 0.0)
+
+
+def test_scripted_runner_simulates_the_in_process_configs(tmp_path):
+    """--runner scripted: the suite without a model sends the dry run's calls (the forced
+    tokens come back), skips the program that needs a grammar, and radix reaches the optimum
+    on a chain program with an ample pool."""
+    from benchmarks import bench_programs
+
+    bench_programs.main(["--size", "smoke", "--programs", "chat-short,json,react", "--configs",
+                         "radix,no-hints", "--latency-programs", "1", "--runner", "scripted",
+                         "--sim-step-s", "0", "--out", str(tmp_path), "--tag", "s"])  # fmt: skip
+    with open(tmp_path / "s.json") as f:
+        rows = {(r["program"], r["config"]): r for r in json.load(f)["rows"]}
+    assert set(rows) == {(p, c) for p in ("chat-short", "react") for c in ("radix", "no-hints")}
+    assert all(r["same_calls"] for r in rows.values())
+    assert rows["chat-short", "radix"]["hit_over_optimal"] == 1.0

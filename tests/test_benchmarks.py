@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import threading
@@ -312,3 +313,16 @@ def test_bench_fork_gpu_tiny_peak_equals_prediction():
     rows = main(["--model", "tiny", "--device", "cuda", "--prompt-len", "100",
                  "--output-len", "29", "--width", "4"])  # fmt: skip
     assert {r["case"] for r in rows} == {"n", "beam", "independent"}
+
+
+def test_retention_hints_target_agents_with_tool_pauses_at_a_third_of_the_working_set():
+    """The retention target in the scheduler simulation (virtual time, no host tier), engine
+    defaults: agents pausing 0.2 s per tool call, the pool a third of the working set; with
+    `cache_ttl_s` the prompt tokens recomputed are at most 0.75x those of plain LRU."""
+    from benchmarks.bench_scheduler import simulate
+
+    w = make_workload("agent", size="full", scale=0.25, vocab_size=2048, tool_pause_s=0.2)
+    pool = math.ceil(math.ceil(w.working_set_tokens() / 16) / 3)
+    runs = {ttl: simulate(w, "radix", "lpm", pool, 16, 0, ttl, 5.0, 0.001) for ttl in (0.0, 5.0)}
+    assert runs[0.0]["recomputed"] > 0
+    assert runs[5.0]["recomputed"] <= 0.75 * runs[0.0]["recomputed"]

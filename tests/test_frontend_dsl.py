@@ -5,6 +5,7 @@ streaming, roles vs the chat template, and clear errors."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -43,6 +44,8 @@ def backend(make_engine):
 class Spy:
     """Wraps a backend, recording calls (and optionally delaying generate at a barrier)."""
 
+    releases_holds = False  # programs through it hold nothing
+
     def __init__(self, inner, barrier: threading.Barrier | None = None) -> None:
         self.inner = inner
         self.tokenizer = inner.tokenizer
@@ -65,9 +68,9 @@ class Spy:
             self.barrier.wait(timeout=30)  # fails unless the branches run concurrently
         return self.inner.generate(ids, params, on_delta)
 
-    def cache_prefix(self, ids, cache_salt=None):
+    def cache_prefix(self, ids, cache_salt=None, cache_ttl_s=0.0):
         self.calls.append(("cache_prefix", list(ids)))
-        return self.inner.cache_prefix(ids)
+        return self.inner.cache_prefix(ids, cache_salt, cache_ttl_s)
 
     def score_continuations(self, prefix, conts, cache_salt=None):
         self.calls.append(("score", list(prefix), [list(c) for c in conts]))
@@ -579,3 +582,65 @@ def test_tool_errors(backend):
 
     with pytest.raises(ValueError, match="tool_choice 'g'"):
         unknown.run(backend=backend)
+
+
+def _wait_no_holds(retention) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while retention.holds and time.monotonic() < deadline:  # the release goes through the
+        time.sleep(0.01)  # engine thread's inbox
+    assert not retention.holds
+
+
+@pytest.mark.parametrize("how", ["ends", "raises", "fork-raises", "closed"])
+def test_a_program_holds_its_context_by_default_and_never_leaks_it(make_engine, how):
+    """Without any hint a program holds its context between its calls (in-process backend:
+    gens, fork prefixes) and the holds end with it: at its end, when its body or a fork
+    raises, or when the backend closes under it; greedy outputs equal a run without holds."""
+    from radixrt.frontend import function
+
+    engine = make_engine()
+    retention = engine.core.scheduler.retention
+    seen: list[int] = []
+
+    @function
+    def prog(s, fail: str):
+        s += "An agent step:" + gen("a", max_tokens=3, temperature=0)
+        seen.append(retention.num_held_blocks)
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" branch {i}:" + gen("b", max_tokens=3, temperature=0)
+            if fail == "fork-raises" and i == 1:  # longer than the model's context: refused
+                f += " word" * 2100 + gen("c", max_tokens=3, temperature=0)
+        forks.join()
+        s += " tool output." + gen("d", max_tokens=3, temperature=0)
+        if fail == "raises":
+            raise RuntimeError("the program failed")
+
+    backend = EngineBackend(engine)
+    try:
+        if how == "ends":
+            state = prog.run(backend=backend, fail="")
+            plain = prog.run(backend=backend, fail="", gen_defaults={"cache_ttl_s": 0})
+            assert state.text() == plain.text()
+        elif how == "closed":
+            run = prog.run(backend=backend, fail="", stream=True)
+            while not seen:
+                time.sleep(0.001)
+            backend.close()
+            with pytest.raises(BackendError):
+                run.wait(30)
+        else:
+            with pytest.raises((RuntimeError, ValueError)):
+                prog.run(backend=backend, fail=how)
+        assert seen and seen[0] > 0  # held while it ran
+        if how != "closed":
+            _wait_no_holds(retention)
+    finally:
+        backend.close()
+    if how == "closed":  # the engine thread is gone: nothing released the holds, they expire
+        retention.clock = lambda: time.monotonic() + 3600
+        engine.core.step()
+        assert not retention.holds
+    engine.check_integrity()

@@ -345,7 +345,8 @@ def test_retention_keeps_a_prompt_through_pressure_then_expires():
 def test_retention_is_bounded_and_released_early_or_when_short():
     core, clock = retention_core(retention_max_share=0.25, retention_max_ttl_s=5)
     retention = core.scheduler.retention
-    for i in range(3):  # 10 blocks each, at most 10 held: each new hold releases the older
+    for i in range(3):  # 10 blocks each, at most 10 held: the oldest lineage keeps its hold,
+        # the younger ones are refused
         core.add_request(
             [3000 + 50 * i + j for j in range(40)],
             SamplingParams(max_tokens=1, cache_ttl_s=1000),
@@ -353,15 +354,15 @@ def test_retention_is_bounded_and_released_early_or_when_short():
         )
         run(core)
         assert retention.num_held_blocks <= 10
-    assert list(retention.holds) == ["h2"] and core.scheduler.stats.num_retention_released == 2
-    assert retention.holds["h2"].expires == 5  # capped by retention_max_ttl_s
-    assert retention.release("h2") and not retention.release("h2")
-    assert not core.release_cache_hold("h2")
+    assert list(retention.holds) == ["h0"] and core.scheduler.stats.num_retention_refused == 2
+    assert retention.holds["h0"].expires == 5  # capped by retention_max_ttl_s
+    assert retention.release("h0") and not retention.release("h0")
+    assert not core.release_cache_hold("h0")
     core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
     run(core)
     core.add_request([2901] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h4")
     run(core)
-    assert list(retention.holds) == ["h4"]  # the share bound: one 10-block hold
+    assert list(retention.holds) == ["h3"]  # the share bound: one 10-block hold
     core.flush_cache()  # a flush ends the holds too
     assert not retention.holds and core.cache.cached_blocks == 0
     core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
@@ -467,8 +468,80 @@ def test_dsl_program_salt_covers_gens_selects_and_prefills():
     assert backend.salts and all(salt == "tenant-1" for _, salt in backend.salts)
     assert {kind for kind, _ in backend.salts} == {"gen", "score", "prefill"}
     assert backend.released == []  # no retention hint, nothing held
-    # a program's retention hint holds its contexts while it runs: released at its end
+    # a program's retention hint holds its contexts (gens, and the prefixes it sends ahead
+    # for the select and the fork) while it runs: released at its end
     backend = Recorder()
     prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
-    gens = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind == "gen"]
-    assert sorted(backend.released) == sorted(gens) and len(gens) == 3
+    sent = [f"r{i + 1}" for i, (kind, _) in enumerate(backend.salts) if kind != "score"]
+    assert sorted(backend.released) == sorted(sent) and len(sent) == 5
+
+
+def test_held_blocks_count_every_block_a_hold_keeps_once():
+    """Two holds diverging inside a block: the second copies the shared partial block, so its
+    path keeps the parent's copy of that block and its own (a match's table shows only its
+    own); a block both holds keep counts once."""
+    core, _ = retention_core(retention_max_share=1.0)
+    retention = core.scheduler.retention
+    shared = [700 + j for j in range(10)]  # 2 full blocks of 4 and 2 tokens of the third
+    for rid, tail in (("a", [20, 21]), ("b", [30, 31])):
+        core.add_request(shared + tail, SamplingParams(max_tokens=1, cache_ttl_s=30), rid=rid)
+    run(core)
+    a, b = retention.holds["a"], retention.holds["b"]
+    assert len(a.blocks) == 3 and len(b.blocks) == 4  # b: its copy of block 2 and a's
+    assert len(set(a.blocks) & set(b.blocks)) == 3
+    assert retention.num_held_blocks == 4 == core.stats()["retention_held_blocks"]
+    retention.release("a")
+    assert retention.num_held_blocks == 4  # b's path keeps all four
+    retention.release("b")
+    assert retention.num_held_blocks == 0
+    core.check_integrity()
+
+
+def test_retention_lineages_keep_the_oldest_and_give_way_youngest_first():
+    """At the share bound (20 of 40 blocks) an agent's next hold inherits its first hold's
+    age: it ends a younger agent's hold for room, and a new agent that does not fit is
+    refused rather than ending an older one."""
+    core, _ = retention_core(retention_max_share=0.5)
+    retention, stats = core.scheduler.retention, core.scheduler.stats
+    x = [800 + j for j in range(39)]  # 40 tokens with the output: 10 blocks
+    y = [900 + j for j in range(31)]  # 8 blocks
+    hold = SamplingParams(max_tokens=1, cache_ttl_s=30, ignore_eos=True)
+    core.add_request(x, hold, rid="x0")
+    run(core)
+    core.add_request(y, hold, rid="y0")
+    run(core)
+    assert set(retention.holds) == {"x0", "y0"} and retention.num_held_blocks == 18
+    x_seq = x + [retention.holds["x0"].tokens[-1]]
+    core.add_request(x_seq + [5] * 15, hold, rid="x1")  # 56 tokens: 14 blocks
+    run(core)
+    assert set(retention.holds) == {"x1"}  # x0 covered, y0 (younger) given up for room
+    assert retention.holds["x1"].born == 0 and stats.num_retention_released == 1
+    core.add_request([950 + j for j in range(31)], hold, rid="z0")  # 8 blocks: no room
+    run(core)
+    assert set(retention.holds) == {"x1"} and stats.num_retention_refused == 1
+    core.check_integrity()
+
+
+def test_a_waiting_request_does_not_take_an_older_hold_while_others_run():
+    """A new request that needs an agent's held blocks waits while other work runs (it may
+    not end an older lineage's hold for its own start), and gets them once nothing runs (so
+    nothing deadlocks); a running request may take them."""
+    core, _ = retention_core(retention_max_share=1.0)
+    retention = core.scheduler.retention
+    core.add_request([400 + j for j in range(95)], SamplingParams(max_tokens=1, cache_ttl_s=30),
+                     rid="agent")  # fmt: skip
+    run(core)  # 24 blocks held
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    core.add_request([600 + j for j in range(8)], long, rid="running")  # up to 8 blocks
+    core.step()
+    new = [1000 + j for j in range(70)]  # 18 blocks: more than the 16 not held
+    core.add_request(new, SamplingParams(max_tokens=1), rid="new")
+    waited = 0
+    while "running" in core.scheduler.requests:
+        core.step()
+        assert "agent" in retention.holds
+        waited += core.scheduler.requests["new"] in core.scheduler.waiting
+    assert waited > 0
+    run(core)
+    assert "agent" not in retention.holds  # given up once nothing else ran
+    core.check_integrity()

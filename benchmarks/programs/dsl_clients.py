@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from radixrt.frontend import Backend, GenResult
 from radixrt.frontend.chat import ChatTemplate
+from radixrt.frontend.interpreter import program_hold_s
 from radixrt.sampling import SamplingParams
 
 from .accounting import Call, CallLog
@@ -22,6 +23,7 @@ class Wrapper(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.tokenizer = inner.tokenizer
+        self.releases_holds = inner.releases_holds
 
     @property
     def chat_template(self) -> ChatTemplate:  # type: ignore[override]
@@ -32,6 +34,9 @@ class Wrapper(Backend):
 
     def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         return self.inner.score_continuations(prefix_ids, continuations, cache_salt)
+
+    def release_cache_holds(self, rids: list[str]) -> None:
+        self.inner.release_cache_holds(rids)
 
 
 class Recording(Wrapper):
@@ -60,9 +65,16 @@ class Recording(Wrapper):
 
 
 class NoHints(Wrapper):
-    """No frontend hints: prefixes are never sent ahead (forks, select, run_batch)."""
+    """No frontend hints: prefixes are never sent ahead (forks, select, run_batch) and a
+    program does not hold its context between its calls (no retention hint)."""
 
-    def cache_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> GenResult:
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.releases_holds = False  # so programs send no retention hint of their own
+
+    def cache_prefix(
+        self, prompt_ids: list[int], cache_salt: str | None = None, cache_ttl_s: float = 0.0
+    ) -> GenResult:
         return GenResult("", [], "length", len(prompt_ids), 0, 0)
 
 
@@ -118,14 +130,21 @@ def run_dsl(
     if parallel:
         spec.dsl.run_batch(list(inputs), backend=backend, num_threads=threads, prefix_hint=hints)
         return
+    held = []  # the shared prefix, held while the programs run (as run_batch does)
     if hints and len(inputs) > 1:
         prefix = common_prefix([backend.encode(spec.dsl.trace_prefix(backend, None, kw))
                                 for kw in inputs])  # fmt: skip
         if prefix:
-            backend.cache_prefix(prefix)
-    with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(spec.dsl.run, backend=Serial(backend), **kw) for kw in inputs]:
-            f.result()
+            hold_s = program_hold_s(backend, None)
+            sent = backend.cache_prefix(prefix, None, hold_s)
+            held += [sent.rid] if hold_s > 0 and sent.rid is not None else []
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(spec.dsl.run, backend=Serial(backend), **kw) for kw in inputs]:
+                f.result()
+    finally:
+        if held:
+            backend.release_cache_holds(held)
 
 
 def common_prefix(seqs: Sequence[list[int]]) -> list[int]:

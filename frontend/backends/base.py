@@ -37,6 +37,10 @@ class Backend(ABC):
     from many threads at once (that is how forks and run_batch run concurrently)."""
 
     tokenizer: Any  # the model's HF fast tokenizer
+    # whether `release_cache_holds` ends holds early: then a program holds its context between
+    # its calls by default (radixrt.frontend.program.PROGRAM_CACHE_TTL_S) and releases it at
+    # its end; without it only an explicit `cache_ttl_s` holds (the holds expire on time)
+    releases_holds: bool = False
 
     @abstractmethod
     def generate(
@@ -58,10 +62,14 @@ class Backend(ABC):
         max_tokens=0 and logprob_start_len = len(prefix_ids), under `cache_salt`. Send the
         prefix first (`cache_prefix`) so every continuation reuses its cached KV."""
 
-    def cache_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> GenResult:
+    def cache_prefix(
+        self, prompt_ids: list[int], cache_salt: str | None = None, cache_ttl_s: float = 0.0
+    ) -> GenResult:
         """Prefill `prompt_ids` without generating (max_tokens=0) so the prefix cache holds
-        them (under `cache_salt`) for the requests that follow."""
-        return self.generate(prompt_ids, SamplingParams(max_tokens=0, cache_salt=cache_salt))
+        them (under `cache_salt`) for the requests that follow; `cache_ttl_s` > 0: held that
+        long (a retention hint; the result's `rid` releases it)."""
+        params = SamplingParams(max_tokens=0, cache_salt=cache_salt, cache_ttl_s=cache_ttl_s)
+        return self.generate(prompt_ids, params)
 
     def release_cache_holds(self, rids: list[str]) -> None:  # noqa: B027 (optional)
         """End the retention holds (`cache_ttl_s`) of finished requests `rids` early (a

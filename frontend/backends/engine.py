@@ -55,6 +55,8 @@ class EngineBackend(Backend):
     """Run programs on an in-process `radixrt.Engine`. The backend's thread owns the engine
     from construction until `close()`: do not call the engine from elsewhere meanwhile."""
 
+    releases_holds = True
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer

@@ -90,6 +90,12 @@ class PrefixCache(Protocol):
 
     def evict(self, num_blocks: int) -> int: ...
 
+    def locked_blocks(self, handle: Any) -> list[int]:
+        """The distinct device blocks `lock(handle)` keeps from eviction (radix: every block
+        a node of the path root..handle records, including a parent's partial block where a
+        deeper node diverged inside it; a match's `blocks` may leave that one out)."""
+        ...
+
     def prefix_boundaries(self, handle: Any) -> list[int]:
         """Lengths (> 0) at which shorter cached prefixes of the match `handle` end, ascending
         (radix: where the path's nodes begin); [] when only the empty prefix is shorter."""

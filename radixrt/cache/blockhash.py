@@ -151,6 +151,10 @@ class BlockHashCache:
         self.stats.num_inserted_tokens += num_new_tokens
         return InsertResult(tuple(handle), num_new_tokens)
 
+    def locked_blocks(self, handle: tuple[int, ...]) -> list[int]:
+        """The handle's blocks."""
+        return list(dict.fromkeys(handle))
+
     def prefix_boundaries(self, handle: tuple[int, ...]) -> list[int]:
         """Block boundaries play no part in admission retries: [] (only the empty prefix)."""
         return []

@@ -33,6 +33,9 @@ class NoCache:
     ) -> InsertResult:
         return InsertResult(None, 0)
 
+    def locked_blocks(self, handle: Any) -> list[int]:
+        return []
+
     def prefix_boundaries(self, handle: Any) -> list[int]:
         return []
 

@@ -226,6 +226,15 @@ class RadixCache(HostTierMixin, RadixChecks):
         """Device block -> references held by the tree (one per node recording the block)."""
         return Counter(self._refs)
 
+    def locked_blocks(self, handle: RadixNode) -> list[int]:
+        """Distinct device blocks recorded by the nodes of the path root..handle."""
+        blocks: dict[int, None] = {}
+        node = handle
+        while node.key:
+            blocks.update(dict.fromkeys(node.blocks))
+            node = node.parent
+        return list(blocks)
+
     def prefix_boundaries(self, handle: RadixNode) -> list[int]:
         """Where the nodes of the path root..handle begin (token counts, ascending, > 0)."""
         starts = []

@@ -460,6 +460,7 @@ class EngineCore:
             retention_holds=s.num_retention_holds,
             retention_expired=s.num_retention_expired,
             retention_released=s.num_retention_released,
+            retention_refused=s.num_retention_refused,
             retention_held_blocks=self.scheduler.retention.num_held_blocks,
             spec_proposals=sp.num_proposals,
             spec_proposals_with_drafts=sp.num_proposals_with_drafts,

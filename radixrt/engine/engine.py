@@ -12,6 +12,7 @@ import torch
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
+from radixrt.plan import Runner
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.request import FinishReason, fork_rid
 from radixrt.token_bytes import TokenBytes
@@ -79,8 +80,16 @@ class Engine:
     """
 
     def __init__(
-        self, model_path: str, device: str = "auto", dtype: str = "auto", **options: object
+        self,
+        model_path: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        *,
+        runner: Runner | None = None,
+        **options: object,
     ) -> None:
+        """`runner` replaces the model runner (a scripted one: simulations, which then give
+        the `num_kv_blocks` option)."""
         from radixrt.hf_dir import check_model_dir, load_tokenizer
 
         check_model_dir(model_path, require_weights=options.get("load_format") != "dummy")
@@ -90,7 +99,9 @@ class Engine:
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.core = EngineCore(cfg, model_config, sorted(eos))
+        self.core = EngineCore(
+            cfg, model_config, sorted(eos), runner=runner, num_kv_blocks=cfg.cache.num_kv_blocks
+        )
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode by windows
         self._detok: dict[str, IncrementalDetokenizer] = {}
 

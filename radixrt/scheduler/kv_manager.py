@@ -46,19 +46,21 @@ class KVManager:
         self.pending_ops: list[BlockOp] = []
         # the cache with its host KV tier, None without one
         self.host_cache = host_tier_of(cache)
-        # gives up retention holds (locks on finished requests' prompts) for `n` blocks when
-        # nothing else is evictable (radixrt.scheduler.retention sets it)
-        self.reclaim: Callable[[int], None] | None = None
+        # gives up retention holds (locks on finished requests' contexts) for `n` blocks for
+        # a request (None: no request's) when nothing else is evictable
+        # (radixrt.scheduler.retention sets it)
+        self.reclaim: Callable[[int, Request | None], None] | None = None
 
     # ---- blocks ----
-    def allocate(self, n: int) -> list[int] | None:
-        """`n` fresh blocks (evicting unlocked cache entries when short), or None."""
+    def allocate(self, n: int, req: Request | None = None) -> list[int] | None:
+        """`n` fresh blocks (evicting unlocked cache entries when short, then retention holds
+        `req` may take: see radixrt.scheduler.retention), or None."""
         short = n - self.allocator.num_free
         if short > 0:
             self.cache.evict(short)
             short = n - self.allocator.num_free
             if short > 0 and self.reclaim is not None:
-                self.reclaim(short)
+                self.reclaim(short, req)
                 self.cache.evict(short)
             if self.allocator.num_free < n:
                 return None
@@ -70,7 +72,7 @@ class KVManager:
         need = math.ceil((req.num_computed + n) / self.block_size) - len(req.block_table)
         if need <= 0:
             return True
-        blocks = self.allocate(need)
+        blocks = self.allocate(need, req)
         if blocks is None:
             return False
         req.block_table += blocks
@@ -151,7 +153,7 @@ class KVManager:
                 req.block_table.append(last)
                 self.stats.num_inplace_appends += 1
             else:
-                copy = self.allocate(1)
+                copy = self.allocate(1, req)
                 if copy is None:
                     self.release(req)
                     return False

@@ -1,21 +1,37 @@
 """Retention hints: a finished request's context (prompt and output) stays cached for
 `cache_ttl_s` seconds (`SamplingParams.cache_ttl_s`), e.g. an agent's context while it waits
-for a tool call.
+for a tool call, or a DSL program's context between its calls.
 
 A hold is a lock on the sequence's cached path, taken when the request finishes (its finish
-just inserted it). Held blocks are evicted only after every unheld entry: when the pool is short
-and nothing else is evictable, the KV manager asks `reclaim` to give up holds (the soonest to
-expire first), and the path becomes an ordinary LRU entry again, which a host tier writes back
-rather than drops. Bounds: the held blocks stay within `retention_max_share` of the pool
-(a new hold ends the holds on prefixes of its sequence, then releases the oldest ones, or is
-not taken when it alone is too large), a
-TTL is capped at `retention_max_ttl_s`, a hold ends on time (checked each step) or early
-(`release`, e.g. when a program ends). A request finished by abort or error holds nothing.
+just inserted it). Held blocks are evicted only after every unheld entry.
+
+Holds form lineages: a hold on a sequence that extends earlier holds (an agent's next step, a
+program's next call, a fork's branch) replaces them and inherits their age, the age of the
+lineage's first hold. Under pressure the youngest lineages give way first: a program that
+has held its context longest is the nearest to its end (when its holds go), and keeping the
+same programs' contexts is what turns a cyclic access pattern that LRU thrashes (every agent
+back just after its context was evicted) into hits for the programs that fit. So:
+- share bound: held blocks (distinct device blocks the holds' locks keep) stay within
+  `retention_max_share` of the pool and, per cache salt (tenant), within
+  `retention_max_tenant_share`; a new hold that would exceed either ends the holds of younger
+  lineages, youngest first, and is not taken when that is not enough (the older lineages keep
+  theirs, its own earlier holds too);
+- when the pool is short with nothing else evictable, the KV manager asks `reclaim` to give up
+  holds, youngest lineage first: for a running request or when nothing runs (progress), any
+  hold; for a waiting request being admitted while others run, only holds of lineages younger
+  than the request's own (a request that continues no hold is the youngest), so new work
+  waits for unheld blocks instead of evicting the programs already under way;
+- a hold ends on time (checked each step), at `retention_max_ttl_s` at most, or early
+  (`release`: a program ended). A released hold is an ordinary LRU entry again, which a host
+  tier writes back rather than drops. A request finished by abort or error holds nothing.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +40,8 @@ from radixrt.config import SchedulerConfig
 from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
-from radixrt.scheduler.request import FinishReason, Request
+from radixrt.scheduler.queues import RequestQueues
+from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.stats import SchedulerStats
 
 
@@ -32,9 +49,10 @@ from radixrt.scheduler.stats import SchedulerStats
 class Hold:
     handle: Any  # the locked cache path
     expires: float  # clock time
-    num_blocks: int  # device blocks of the path when the hold was taken
+    blocks: list[int]  # device blocks the lock keeps (every block a node of the path records)
     tokens: list[int]  # the held sequence
     salt: str | None  # its cache salt
+    born: int  # the lineage's age: order of its first hold (lower: older)
 
 
 class RetentionFeature(SchedulerFeature):
@@ -42,20 +60,31 @@ class RetentionFeature(SchedulerFeature):
         self,
         cfg: SchedulerConfig,
         kv: KVManager,
+        queues: RequestQueues,
         stats: SchedulerStats,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
+        self.queues = queues
         self.stats = stats
         self.clock = clock
         self.max_ttl_s = cfg.retention_max_ttl_s
-        self.max_blocks = int(cfg.retention_max_share * kv.allocator.num_blocks)
-        self.holds: dict[str, Hold] = {}  # by request id, oldest first
+        num_blocks = kv.allocator.num_blocks
+        self.max_blocks = int(cfg.retention_max_share * num_blocks)
+        self.max_tenant_blocks = int(cfg.retention_max_tenant_share * num_blocks)
+        self.holds: dict[str, Hold] = {}  # by request id
+        self._held: Counter[int] = Counter()  # device block -> holds keeping it
+        self._held_by_salt: dict[str | None, Counter[int]] = {}
+        self._births = itertools.count()
         kv.reclaim = self.reclaim
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(h.num_blocks for h in self.holds.values())
+        """Distinct device blocks the holds keep (a block two holds share counts once)."""
+        return len(self._held)
+
+    def num_tenant_held_blocks(self, salt: str | None) -> int:
+        return len(self._held_by_salt.get(salt, ()))
 
     def before_schedule(self, ops: list[BlockOp]) -> None:
         if self.holds:
@@ -73,25 +102,67 @@ class RetentionFeature(SchedulerFeature):
                 self._hold(req)
 
     def _hold(self, req: Request) -> None:
-        cache = self.kv.cache
-        m = cache.match(req.seq_token_ids, req.cache_salt)  # what its finish inserted
-        if m.num_cached_tokens == 0 or len(m.blocks) > self.max_blocks:
+        cache, salt = self.kv.cache, req.cache_salt
+        m = cache.match(req.seq_token_ids, salt)  # what its finish inserted
+        if m.num_cached_tokens == 0:
             return
         self.release(req.rid)  # a request id held again: the newer hold counts
-        tokens = req.seq_token_ids
-        for rid, h in list(self.holds.items()):  # holds the new one covers (an agent's
-            # earlier steps: its next step extends the context) end now
-            if h.salt == req.cache_salt and tokens[: len(h.tokens)] == h.tokens:
-                self._drop(rid)
-        while self.holds and self.num_held_blocks + len(m.blocks) > self.max_blocks:
-            self._drop(next(iter(self.holds)))
-            self.stats.num_retention_released += 1
+        tokens = list(req.seq_token_ids)
+        covered = [rid for rid, h in self.holds.items() if _extends(tokens, salt, h)]
+        born = min((self.holds[r].born for r in covered), default=None)
+        if born is None:
+            born = next(self._births)
+        blocks = cache.locked_blocks(m.handle)
+        if not self._make_room(blocks, salt, born, set(covered)):
+            self.stats.num_retention_refused += 1
+            return  # the lineage keeps its earlier holds
+        for rid in covered:
+            self._drop(rid)
         cache.lock(m.handle)
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
-        self.holds[req.rid] = Hold(
-            m.handle, self.clock() + ttl, len(m.blocks), tokens, req.cache_salt
-        )
+        self.holds[req.rid] = hold = Hold(m.handle, self.clock() + ttl, blocks, tokens, salt, born)
+        self._count(hold, +1)
         self.stats.num_retention_holds += 1
+
+    def _make_room(self, blocks: list[int], salt: str | None, born: int, leaving: set) -> bool:
+        """Whether a hold on `blocks` of lineage `born` fits the share bounds once the holds
+        in `leaving` (its lineage's earlier ones) go. Ends holds of younger lineages for room
+        (youngest first; only the tenant's own when only its share is exceeded), but only
+        when that makes it fit."""
+        total, tenant = Counter(self._held), Counter(self._held_by_salt.get(salt, ()))
+        new = set(blocks)
+
+        def remove(hold: Hold) -> None:
+            total.subtract(hold.blocks)
+            if hold.salt == salt:
+                tenant.subtract(hold.blocks)
+
+        def over() -> tuple[bool, bool]:
+            def size(c: Counter[int]) -> int:
+                return len(new | {b for b, n in c.items() if n > 0})
+
+            return size(total) > self.max_blocks, size(tenant) > self.max_tenant_blocks
+
+        for rid in leaving:
+            remove(self.holds[rid])
+        younger = sorted(
+            (r for r, h in self.holds.items() if h.born > born and r not in leaving),
+            key=lambda r: -self.holds[r].born,
+        )
+        dropped = []
+        for rid in younger:
+            over_total, over_tenant = over()
+            if not (over_total or over_tenant):
+                break
+            if over_total or self.holds[rid].salt == salt:
+                remove(self.holds[rid])
+                dropped.append(rid)
+        if any(over()):
+            return False
+        for rid in dropped:
+            self._drop(rid)
+            self.stats.num_retention_released += 1
+        return True
 
     def release(self, rid: str) -> bool:
         """End the hold of request `rid` early; False when it has none."""
@@ -100,19 +171,60 @@ class RetentionFeature(SchedulerFeature):
         self._drop(rid)
         return True
 
-    def reclaim(self, num_blocks: int) -> None:
+    def reclaim(self, num_blocks: int, req: Request | None = None) -> None:
         """The pool is short of `num_blocks` with nothing else evictable: give up holds, the
-        soonest to expire first, until that many blocks could be evicted (or none is left)."""
-        freed = 0
-        for rid in sorted(self.holds, key=lambda r: self.holds[r].expires):
-            if freed >= num_blocks:
+        youngest lineage first, until that many blocks could be evicted (or none may go).
+        `req`: the request the blocks are for; a waiting one, while others run, takes only
+        holds of lineages younger than its own (see the module docstring)."""
+        limit = -1
+        if req is not None and req.status is Status.WAITING and self.queues.running:
+            limit = self.lineage(req)
+        cache = self.kv.cache
+        for rid in sorted(self.holds, key=lambda r: -self.holds[r].born):
+            if cache.evictable_blocks >= num_blocks or self.holds[rid].born <= limit:
                 break
-            freed += self.holds[rid].num_blocks
             self._drop(rid)
             self.stats.num_retention_released += 1
 
+    def lineage(self, req: Request) -> float:
+        """The age of the oldest hold `req` continues (its sequence extends the held one),
+        math.inf when it continues none (a new lineage: the youngest)."""
+        tokens = req.seq_token_ids
+        return min(
+            (h.born for h in self.holds.values() if _extends(tokens, req.cache_salt, h)),
+            default=math.inf,
+        )
+
     def _drop(self, rid: str) -> None:
-        self.kv.cache.unlock(self.holds.pop(rid).handle)
+        hold = self.holds.pop(rid)
+        self._count(hold, -1)
+        self.kv.cache.unlock(hold.handle)
+
+    def _count(self, hold: Hold, sign: int) -> None:
+        tenant = self._held_by_salt.setdefault(hold.salt, Counter())
+        for counter in (self._held, tenant):
+            if sign > 0:
+                counter.update(hold.blocks)
+            else:
+                counter.subtract(hold.blocks)
+                for b in hold.blocks:
+                    if counter[b] <= 0:
+                        del counter[b]
+        if not tenant:
+            del self._held_by_salt[hold.salt]
 
     def check_integrity(self) -> None:
+        expected: Counter[int] = Counter()
+        for h in self.holds.values():
+            expected.update(h.blocks)
+            assert sorted(h.blocks) == sorted(self.kv.cache.locked_blocks(h.handle)), h
+        assert expected == self._held
         assert self.num_held_blocks <= self.max_blocks
+        for salt in self._held_by_salt:
+            assert self.num_tenant_held_blocks(salt) <= self.max_tenant_blocks
+
+
+def _extends(tokens: list[int], salt: str | None, hold: Hold) -> bool:
+    """Whether the sequence `tokens` of cache salt `salt` continues `hold`'s sequence."""
+    n = len(hold.tokens)
+    return hold.salt == salt and len(tokens) >= n and tokens[:n] == hold.tokens

@@ -93,7 +93,7 @@ class Scheduler:
         self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
-        self.retention = RetentionFeature(cfg, self.kv, self.stats)
+        self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats)
         self._jump_forward = (jump_forward, jump_forward_retokenize)
         self._step_ids = itertools.count()
         self._launched: dict[int, _Launched] = {}

@@ -36,6 +36,7 @@ class SchedulerStats:
     num_retention_holds: int = 0  # finished prompts held cached (SamplingParams.cache_ttl_s)
     num_retention_expired: int = 0  # of those, ended by their time to live
     num_retention_released: int = 0  # of those, given up for room (share bound, short pool)
+    num_retention_refused: int = 0  # holds not taken: older lineages fill the share bound
     finish_reasons: Counter = field(default_factory=Counter)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
 
