@@ -288,7 +288,7 @@ class Fp8Linear(Linear):
             return self._epilogue_product(q)
         if self._rowwise:
             scale_a = q.scale
-            if scale_a.shape[0] != m:  # a per-tensor activation scale
+            if scale_a.dim() == 1:  # a per-tensor activation scale [1] (also at M = 1)
                 scale_a = scale_a.expand(m, 1).contiguous()
             scale_b = self._scale_b
         else:
