@@ -436,7 +436,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(build_s=build_s, weight_bytes=weight_bytes, **results), f, indent=2)
-    print(f"\n## One batch (H200, dummy {PRESET}, bf16, block size {BLOCK_SIZE})")
+    weights = "bf16"
+    if args.quantization:
+        weights = f"{args.quantization} activation scale {args.fp8_activation_scale}"
+    print(f"\n## One batch (H200, dummy {PRESET}, {weights}, block size {BLOCK_SIZE})")
     print("| decode | B | ctx | graph | ms/step | tok/s | graph GPU ms | floor ms | of floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results["decode"]:

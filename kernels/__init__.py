@@ -18,11 +18,14 @@ from .block_table import (
 )
 from .fp8_quant import (
     Fp8Activation,
+    Fp8Product,
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_reference,
     rmsnorm_quantize_fp8,
     rmsnorm_quantize_fp8_reference,
+    scale_product,
+    scale_product_reference,
     silu_mul_quantize_fp8,
     silu_mul_quantize_fp8_reference,
 )
@@ -32,6 +35,7 @@ from .store_kv import store_kv, store_kv_reference
 __all__ = [
     "HAS_TRITON",
     "Fp8Activation",
+    "Fp8Product",
     "KVMetadata",
     "RMSNormResult",
     "TokenMetadata",
@@ -46,6 +50,8 @@ __all__ = [
     "rmsnorm_quantize_fp8",
     "rmsnorm_quantize_fp8_reference",
     "rmsnorm_reference",
+    "scale_product",
+    "scale_product_reference",
     "silu_mul_quantize_fp8",
     "silu_mul_quantize_fp8_reference",
     "store_kv",

@@ -36,6 +36,47 @@ def _to_e4m3(y, scale, out_ty: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, row_scale_ptr, col_scale_ptrs, mask, ROW: tl.constexpr, COL: tl.constexpr):
+    """x (a row of an unscaled GEMM output) * row scale * column scales in float32, rounded
+    back to x's dtype (as a scaled GEMM stores its output); x itself without scales."""
+    if ROW or COL:
+        y = x.to(tl.float32)
+        if ROW:
+            y = y * tl.load(row_scale_ptr)
+        if COL:
+            y = y * tl.load(col_scale_ptrs, mask, other=0.0)
+        return y.to(x.dtype)
+    return x
+
+
+@triton.jit
+def scale_product_kernel(
+    x_ptr,  # [T, N] unscaled GEMM output; scaled in place
+    row_scale_ptr,  # [T] float32 (ROW)
+    col_scale_ptr,  # [N] float32 (COL)
+    bias_ptr,  # [N] (HAS_BIAS)
+    stride_x,
+    n,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (T, cdiv(N, BLOCK)): x = x * row scale * column scales (float32, rounded to x's
+    dtype), then + bias (float32, rounded again: as a scaled GEMM's output plus a bias)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    ptrs = x_ptr + row * stride_x + cols
+    x = tl.load(ptrs, mask, other=0.0)
+    x = _scaled(x, row_scale_ptr + row, col_scale_ptr + cols, mask, ROW, COL)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + bias).to(x_ptr.dtype.element_ty)
+    tl.store(ptrs, x, mask)
+
+
+@triton.jit
 def quant_rows_kernel(
     x_ptr,  # [T, K] float (row stride stride_x)
     out_ptr,  # [T, K] fp8, written
@@ -74,11 +115,14 @@ def quant_rows_kernel(
 def absmax_kernel(
     x_ptr,  # [T, K] float
     amax_ptr,  # [1] float32, zeroed by the caller; atomically maxed
+    num_rows_ptr,  # [1] int: rows at or past it are left out (HAS_ROW_BOUND)
     stride_x,
     k,
+    HAS_ROW_BOUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Per-tensor dynamic scaling, pass 1: one program per row, max |x| into amax_ptr."""
+    """Per-tensor dynamic scaling, pass 1: one program per row, max |x| into amax_ptr; with
+    HAS_ROW_BOUND only rows below num_rows count (a CUDA graph's padding rows do not)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -86,7 +130,10 @@ def absmax_kernel(
         mask = start + cols < k
         x = tl.load(x_ptr + row * stride_x + start + cols, mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+    row_max = tl.max(amax, axis=0)
+    if HAS_ROW_BOUND:
+        row_max = tl.where(row < tl.load(num_rows_ptr), row_max, 0.0)
+    tl.atomic_max(amax_ptr, row_max)
 
 
 @triton.jit
@@ -102,7 +149,9 @@ def rmsnorm_quant_kernel(
     weight_ptr,  # [H]
     out_ptr,  # [T, H] fp8, written
     scale_ptr,  # PER_TOKEN: [T] float32, written; else [1] float32, read
-    new_residual_ptr,  # [T, H], written when HAS_RESIDUAL
+    new_residual_ptr,  # [T, H], written when WRITE_RESIDUAL
+    x_row_scale_ptr,  # [T] float32 (X_ROW_SCALE): x is an unscaled GEMM output
+    x_col_scale_ptr,  # [H] float32 (X_COL_SCALE)
     stride_x,
     stride_residual,
     stride_out,
@@ -110,20 +159,26 @@ def rmsnorm_quant_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr,  # HAS_RESIDUAL or x scaled: new_residual is not x
     PER_TOKEN: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
+    X_COL_SCALE: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per row (BLOCK >= hidden): the residual add and RMSNorm of
-    `_rmsnorm_triton.rmsnorm_kernel` (same roundings: the norm output is rounded to x's
-    dtype), then quantization of that output, without writing it."""
+    """One program per row (BLOCK >= hidden): x scaled by its row / column scales when
+    given (`_scaled`), the residual add and RMSNorm of `_rmsnorm_triton.rmsnorm_kernel`
+    (same roundings: the norm output is rounded to x's dtype), then quantization of that
+    output, without writing it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
+    x = _scaled(x, x_row_scale_ptr + row, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if WRITE_RESIDUAL:
         tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
@@ -143,20 +198,29 @@ def silu_mul_quant_kernel(
     x_ptr,  # [T, 2I]: gate | up
     out_ptr,  # [T, I] fp8, written
     scale_ptr,  # PER_TOKEN: [T] float32, written; else [1] float32, read
+    x_row_scale_ptr,  # [T] float32 (X_ROW_SCALE): x is an unscaled GEMM output
+    x_col_scale_ptr,  # [2I] float32 (X_COL_SCALE)
     stride_x,
     stride_out,
     inter,
     PER_TOKEN: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
+    X_COL_SCALE: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per row (BLOCK >= I): silu(gate) * up in float32, rounded to x's dtype
-    (as FlashInfer's silu_and_mul writes it), then quantized."""
+    """One program per row (BLOCK >= I): gate and up scaled by x's row / column scales when
+    given (`_scaled`), silu(gate) * up in float32, rounded to x's dtype (as FlashInfer's
+    silu_and_mul writes it), then quantized."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0)
+    row_scale = x_row_scale_ptr + row
+    gate = _scaled(gate, row_scale, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    up = _scaled(up, row_scale, x_col_scale_ptr + inter + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     if PER_TOKEN:
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)

@@ -8,7 +8,10 @@ A quantized activation is `Fp8Activation(data, scale)` with x ~ data.float() * s
 
 Fused variants quantize the output of RMSNorm (with the residual add) and of SiLU-and-mul
 without writing it in 16 bits first. Fused kernels take per-token or a given per-tensor
-scale; dynamic per-tensor scaling needs the whole output before any row is cast.
+scale; dynamic per-tensor scaling needs the whole output before any row is cast. Their input
+may be an `Fp8Product`: a GEMM output still to be multiplied by per-row and per-column scales
+(the epilogue of `radixrt.model.fp8_linear`'s tensor-wise GEMM), which they apply as they read
+it; `scale_product` applies them alone (and a bias).
 
 Roundings (the references do the same): q = fp8(clamp(y / scale, -448, 448)), the division
 correctly rounded and the cast to nearest even; the fused kernels round their 16-bit output
@@ -20,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import load_triton_module, next_power_of_2
+from ._triton import cdiv, load_triton_module, next_power_of_2
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -31,6 +34,15 @@ MAX_ROW_BLOCK = 4096  # quantize-only kernels read longer rows in blocks of this
 class Fp8Activation(NamedTuple):
     data: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T, 1] float32 (per token) or [1] float32 (per tensor)
+
+
+class Fp8Product(NamedTuple):
+    """A GEMM output whose scales are still to apply: value = raw.float() * row_scale *
+    col_scale, rounded to raw's dtype (what a row-wise scaled GEMM would have output)."""
+
+    raw: torch.Tensor  # [T, N] bfloat16 or float32 (contiguous rows)
+    row_scale: torch.Tensor | None  # [T, 1] float32 (per-token activation scales), or None
+    col_scale: torch.Tensor | None  # [N] float32 (per-channel weight scales), or None
 
 
 def _software_round(x: torch.Tensor) -> bool:
@@ -57,10 +69,16 @@ def _static_scale(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(
-    x: torch.Tensor, *, per_token: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    per_token: bool,
+    scale: torch.Tensor | None = None,
+    num_rows: torch.Tensor | None = None,
 ) -> Fp8Activation:
     """x [T, K] float -> Fp8Activation. per_token: dynamic per-row scales (`scale` must be
-    None); else per tensor: `scale` (one float32) when given, else dynamic."""
+    None); else per tensor: `scale` (one float32) when given, else dynamic: the absmax of
+    rows [0, num_rows) when `num_rows` ([1] integer, on x's device: a CUDA graph's real rows)
+    is given, else of all rows; rows past it are cast with that scale (clamped)."""
     x = _rows(x, "x")
     t, k = x.shape
     out = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
@@ -77,7 +95,16 @@ def quantize_fp8(
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         scales = torch.empty(1, dtype=torch.float32, device=x.device)
         if t:
-            mod.absmax_kernel[(t,)](x, amax, x.stride(0), k, BLOCK=block, num_warps=warps)
+            mod.absmax_kernel[(t,)](
+                x,
+                amax,
+                amax if num_rows is None else num_rows,
+                x.stride(0),
+                k,
+                HAS_ROW_BOUND=num_rows is not None,
+                BLOCK=block,
+                num_warps=warps,
+            )
         mod.amax_to_scale_kernel[(1,)](amax, scales)
     if t:
         mod.quant_rows_kernel[(t,)](
@@ -96,7 +123,7 @@ def quantize_fp8(
 
 
 def rmsnorm_quantize_fp8(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Product,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -105,9 +132,10 @@ def rmsnorm_quantize_fp8(
     scale: torch.Tensor | None = None,
 ) -> tuple[Fp8Activation, torch.Tensor]:
     """(quantize(rmsnorm(x + residual) * weight), x + residual): `radixrt.kernels.rmsnorm`
-    fused with `quantize_fp8` (per token, or the given per-tensor `scale`). The new residual
-    is a new tensor (x itself without a residual)."""
-    x = _rows(x, "x")
+    fused with `quantize_fp8` (per token, or the given per-tensor `scale`); x may be an
+    `Fp8Product`, scaled as it is read. The new residual is a new tensor (x itself without a
+    residual and without scales)."""
+    x, row_scale, col_scale = _product(x)
     t, hidden = x.shape
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
@@ -117,7 +145,8 @@ def rmsnorm_quantize_fp8(
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     scales = _scales(x, t, per_token, scale)
     out = torch.empty((t, hidden), dtype=FP8_DTYPE, device=x.device)
-    new_residual = x if residual is None else torch.empty_like(x)
+    scaled = row_scale is not None or col_scale is not None
+    new_residual = x if residual is None and not scaled else torch.empty_like(x)
     if t:
         block = next_power_of_2(hidden)
         load_triton_module("_fp8_quant_triton").rmsnorm_quant_kernel[(t,)](
@@ -127,6 +156,8 @@ def rmsnorm_quantize_fp8(
             out,
             scales,
             new_residual,
+            scales if row_scale is None else row_scale,
+            scales if col_scale is None else col_scale,
             x.stride(0),
             x.stride(0) if residual is None else residual.stride(0),
             out.stride(0),
@@ -134,7 +165,10 @@ def rmsnorm_quantize_fp8(
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
+            WRITE_RESIDUAL=residual is not None or scaled,
             PER_TOKEN=per_token,
+            X_ROW_SCALE=row_scale is not None,
+            X_COL_SCALE=col_scale is not None,
             SOFTWARE_ROUND=_software_round(x),
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 16),
@@ -143,11 +177,11 @@ def rmsnorm_quantize_fp8(
 
 
 def silu_mul_quantize_fp8(
-    x: torch.Tensor, *, per_token: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor | Fp8Product, *, per_token: bool, scale: torch.Tensor | None = None
 ) -> Fp8Activation:
     """x [T, 2I] (gate | up) -> quantize(silu(gate) * up) [T, I] (per token, or the given
-    per-tensor `scale`)."""
-    x = _rows(x, "x")
+    per-tensor `scale`); x may be an `Fp8Product`, scaled as it is read."""
+    x, row_scale, col_scale = _product(x)
     t, two_i = x.shape
     if two_i % 2:
         raise ValueError(f"x must be [T, 2I], got {tuple(x.shape)}")
@@ -160,15 +194,61 @@ def silu_mul_quantize_fp8(
             x,
             out,
             scales,
+            scales if row_scale is None else row_scale,
+            scales if col_scale is None else col_scale,
             x.stride(0),
             out.stride(0),
             inter,
             PER_TOKEN=per_token,
+            X_ROW_SCALE=row_scale is not None,
+            X_COL_SCALE=col_scale is not None,
             SOFTWARE_ROUND=_software_round(x),
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 16),
         )
     return Fp8Activation(out, scales)
+
+
+def scale_product(p: Fp8Product, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """p's value (+ bias [N], rounded once more, as a GEMM output plus a bias), written into
+    p.raw, which is returned: one kernel, none when there is nothing to apply."""
+    x = p.raw
+    if p.row_scale is None and p.col_scale is None and bias is None:
+        return x
+    assert x.dim() == 2 and x.stride(-1) == 1, "an Fp8Product's raw output is [T, N] row-major"
+    t, n = x.shape
+    if t:
+        block = min(next_power_of_2(n), 1024)
+        load_triton_module("_fp8_quant_triton").scale_product_kernel[(t, cdiv(n, block))](
+            x,
+            x if p.row_scale is None else p.row_scale,
+            x if p.col_scale is None else p.col_scale,
+            x if bias is None else bias,
+            x.stride(0),
+            n,
+            ROW=p.row_scale is not None,
+            COL=p.col_scale is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return x
+
+
+def _product(
+    x: torch.Tensor | Fp8Product,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rows of x, its row scales or None, its column scales or None) of an input that may
+    be an Fp8Product."""
+    if isinstance(x, Fp8Product):
+        raw = _rows(x.raw, "x.raw")
+        t, n = raw.shape
+        if x.row_scale is not None:
+            assert x.row_scale.shape == (t, 1) and x.row_scale.dtype == torch.float32
+        if x.col_scale is not None:
+            assert x.col_scale.shape == (n,) and x.col_scale.dtype == torch.float32
+        return raw, x.row_scale, x.col_scale
+    return _rows(x, "x"), None, None
 
 
 def _scales(x: torch.Tensor, t: int, per_token: bool, scale: torch.Tensor | None) -> torch.Tensor:
@@ -205,14 +285,38 @@ def _reference_quantize(
 
 
 def quantize_fp8_reference(
-    x: torch.Tensor, *, per_token: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    per_token: bool,
+    scale: torch.Tensor | None = None,
+    num_rows: torch.Tensor | None = None,
 ) -> Fp8Activation:
     """Torch version of `quantize_fp8` (same contract and rounding)."""
-    return _reference_quantize(_rows(x, "x"), per_token, scale)
+    x = _rows(x, "x")
+    if not per_token and scale is None and num_rows is not None:
+        real = x[: int(num_rows.reshape(()).item())].float()
+        amax = real.abs().amax() if real.numel() else real.new_zeros(())
+        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
+    return _reference_quantize(x, per_token, scale)
+
+
+def scale_product_reference(p: Fp8Product, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch version of `scale_product` (a new tensor; p is not modified)."""
+    y = p.raw.float()
+    if p.row_scale is not None:
+        y = y * p.row_scale
+    if p.col_scale is not None:
+        y = y * p.col_scale
+    y = y.to(p.raw.dtype)
+    return y if bias is None else (y.float() + bias.float()).to(p.raw.dtype)
+
+
+def _value(x: torch.Tensor | Fp8Product) -> torch.Tensor:
+    return scale_product_reference(x) if isinstance(x, Fp8Product) else x
 
 
 def rmsnorm_quantize_fp8_reference(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Product,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -223,14 +327,15 @@ def rmsnorm_quantize_fp8_reference(
     """Torch version of `rmsnorm_quantize_fp8`: `rmsnorm_reference`, then quantization."""
     from .rmsnorm import rmsnorm_reference
 
-    normed = rmsnorm_reference(x, weight, eps, residual)
+    normed = rmsnorm_reference(_value(x), weight, eps, residual)
     return _reference_quantize(normed.out, per_token, scale), normed.new_residual
 
 
 def silu_mul_quantize_fp8_reference(
-    x: torch.Tensor, *, per_token: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor | Fp8Product, *, per_token: bool, scale: torch.Tensor | None = None
 ) -> Fp8Activation:
     """Torch version of `silu_mul_quantize_fp8`."""
+    x = _value(x)
     gate, up = x.float().chunk(2, dim=-1)
     y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
     return _reference_quantize(y, per_token, scale)

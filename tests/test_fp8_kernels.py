@@ -15,11 +15,14 @@ import torch
 
 from radixrt.kernels import (
     HAS_TRITON,
+    Fp8Product,
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_reference,
     rmsnorm_quantize_fp8,
     rmsnorm_quantize_fp8_reference,
+    scale_product,
+    scale_product_reference,
     silu_mul_quantize_fp8,
     silu_mul_quantize_fp8_reference,
 )
@@ -127,6 +130,89 @@ def test_silu_mul_quantize_matches_reference(device, dtype, static):
         x.to(device), per_token=not static, scale=None if scale is None else scale.to(device)
     )
     _assert_quantized_close(got, want, exact=False)
+
+
+def _product(t: int, n: int, dtype, row: bool, col: bool, seed: int) -> Fp8Product:
+    """An unscaled GEMM output of large values (sums of e4m3 products) and its scales."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = (3000 * torch.randn(t, n, generator=gen)).to(dtype)
+    row_scale = torch.rand(t, 1, generator=gen) * 1e-3 + 1e-4 if row else None
+    col_scale = torch.exp2(torch.randint(-12, -6, (n,), generator=gen).float()) if col else None
+    return Fp8Product(raw, row_scale, col_scale)
+
+
+def _to(p: Fp8Product, device) -> Fp8Product:
+    """A copy of p on `device` (scale_product writes into its raw output)."""
+    return Fp8Product(*(None if t is None else t.to(device, copy=True) for t in p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["row", "col", "both"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scale_product_matches_reference(device, dtype, scales, bias):
+    p = _product(5, 1500, dtype, scales != "col", scales != "row", seed=1)
+    b = torch.randn(1500).to(dtype) if bias else None
+    want = scale_product_reference(p, b)
+    got_p = _to(p, device)
+    got = scale_product(got_p, None if b is None else b.to(device))
+    assert got.data_ptr() == got_p.raw.data_ptr()  # in place
+    if dtype == torch.float32:
+        assert torch.equal(got.cpu(), want)
+    else:  # the interpreter truncates float32 -> bf16 casts (GPUs round): an ulp per rounding
+        size = scale_product_reference(p).float().abs() + (0 if b is None else b.float().abs())
+        assert ((got.cpu().float() - want.float()).abs() <= 2 * 2**-7 * size).all()
+    nothing = Fp8Product(p.raw.clone(), None, None)
+    assert scale_product(nothing) is nothing.raw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["row", "col", "both"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_quantize_of_an_unscaled_product(device, dtype, scales, with_residual):
+    """The scales are applied as x is read: bit for bit the kernel on x scaled first by
+    `scale_product` (the residual stream gets the scaled x), and the reference's result."""
+    p = _product(7, 192, dtype, scales != "col", scales != "row", seed=2)
+    gen = torch.Generator().manual_seed(5)
+    weight = (1 + 0.1 * torch.randn(192, generator=gen)).to(dtype)
+    residual = torch.randn(7, 192, generator=gen).to(dtype) if with_residual else None
+    want, want_res = rmsnorm_quantize_fp8_reference(p, weight, 1e-6, residual, per_token=True)
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args = (dev(weight), 1e-6, dev(residual))
+    got, got_res = rmsnorm_quantize_fp8(_to(p, device), *args, per_token=True)
+    first, first_res = rmsnorm_quantize_fp8(scale_product(_to(p, device)), *args, per_token=True)
+    assert torch.equal(got.data.float(), first.data.float()) and torch.equal(got.scale, first.scale)
+    assert torch.equal(got_res, first_res)
+    if dtype == torch.float32:
+        _assert_quantized_close(got, want, exact=True)
+        assert torch.equal(got_res.cpu(), want_res)
+    elif device.type == "cuda":  # the interpreter's truncating casts compound here (CPU)
+        _assert_quantized_close(got, want, exact=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["row", "col", "both"])
+def test_silu_mul_quantize_of_an_unscaled_product(device, dtype, scales):
+    p = _product(6, 2 * 512, dtype, scales != "col", scales != "row", seed=3)
+    want = silu_mul_quantize_fp8_reference(p, per_token=True)
+    got = silu_mul_quantize_fp8(_to(p, device), per_token=True)
+    first = silu_mul_quantize_fp8(scale_product(_to(p, device)), per_token=True)
+    assert torch.equal(got.data.float(), first.data.float()) and torch.equal(got.scale, first.scale)
+    _assert_quantized_close(got, want, exact=False)
+
+
+def test_dynamic_tensor_scale_counts_only_rows_below_num_rows(device):
+    """A CUDA graph's padding rows (past num_rows) do not change the per-tensor scale."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 300, generator=gen)
+    x[5:] *= 1000  # padding rows of much larger values
+    num_rows = torch.tensor([5])
+    want = quantize_fp8_reference(x[:5], per_token=False)
+    got = quantize_fp8(x.to(device), per_token=False, num_rows=num_rows.to(device))
+    ref = quantize_fp8_reference(x, per_token=False, num_rows=num_rows)
+    assert torch.equal(got.scale.cpu(), want.scale) and torch.equal(ref.scale, want.scale)
+    assert torch.equal(got.data[:5].cpu().float(), want.data.float())
+    assert torch.equal(got.data.cpu().float(), ref.data.float())
+    assert got.data[5:].cpu().float().abs().max() == FP8_MAX  # clamped
 
 
 def test_bad_arguments():

@@ -19,8 +19,9 @@ from benchmarks.bench_fp8_weights import agreement, heldout_texts, teacher_force
 from radixrt import Engine, SamplingParams
 from radixrt.config import ModelConfig
 from radixrt.hf_dir import load_tokenizer
+from radixrt.kernels.fp8_quant import Fp8Product
 from radixrt.model import LlamaForCausalLM
-from radixrt.model.fp8_linear import Fp8Linear
+from radixrt.model.fp8_linear import EPILOGUE_MAX_ROWS, Fp8Linear, as_tensor
 from radixrt.model.loader import iterate_hf_weight_slices, iterate_hf_weights
 from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme, checkpoint_scheme, resolve_scheme
@@ -195,6 +196,71 @@ def test_channel_scales_apply_per_output_row():
     gemm.finish_loading(dequantize=False)
     assert gemm._scale_b.shape == (1, n) and torch.equal(gemm._scale_b[0], scale)
     torch.testing.assert_close(gemm(x).float(), layer(x), rtol=2e-2, atol=2e-2)
+
+
+EPILOGUE_SCHEMES = {
+    "channel-token": TOKEN,
+    "tensor-token": Fp8Scheme("tensor", "token", checkpoint_format="compressed-tensors"),
+    "channel-static": Fp8Scheme(
+        "channel", "tensor", static_input_scale=True, checkpoint_format="compressed-tensors"
+    ),
+}
+
+
+def _gemm_layer(scheme: Fp8Scheme, k: int, n: int, dtype: torch.dtype, gen) -> Fp8Linear:
+    torch.set_default_dtype(dtype)
+    try:
+        layer = _layer(scheme, k, n)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    w = torch.rand(n, k, generator=gen) * 0.04 - 0.02
+    w = w * torch.exp2(torch.arange(n) % 5 - 2.0)[:, None]  # rows of different ranges
+    if scheme.from_checkpoint:  # fp8 weight + scale, as a checkpoint holds them
+        per_channel = scheme.weight_scale == "channel"
+        amax = w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)
+        scale = amax / 448
+        layer.load(
+            "weight", (w / (scale[:, None] if per_channel else scale)).to(torch.float8_e4m3fn), 0
+        )
+        layer.load("weight_scale", scale, 0)
+        if scheme.static_input_scale:
+            layer.load("input_scale", torch.tensor(0.02), 0)
+    else:
+        layer.load("weight", w.to(dtype), 0)
+    layer.finish_loading(dequantize=False)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", list(EPILOGUE_SCHEMES))
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 300])
+def test_epilogue_path_matches_the_rowwise_gemm(dtype, scheme, rows):
+    """At M <= EPILOGUE_MAX_ROWS, row-wise scales run as the tensor-wise GEMM + an epilogue:
+    the same values as the row-wise GEMM up to bf16 rounding (float32 up to the summation
+    order); at M = 1 with per-tensor weight scales no epilogue is left; above the threshold
+    the row-wise GEMM runs."""
+    _needs_interpreter()
+    gen = torch.Generator().manual_seed(rows)
+    k, n = 256, 96
+    layer = _gemm_layer(EPILOGUE_SCHEMES[scheme], k, n, dtype, gen)
+    x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.arange(rows) % 4 - 1.0)[:, None]
+    x = x.to(dtype)
+    assert layer.epilogue_max_rows == EPILOGUE_MAX_ROWS
+    layer.epilogue_max_rows = 0
+    want = layer(x).float()
+    layer.epilogue_max_rows = EPILOGUE_MAX_ROWS
+    product = layer.product(x)
+    unscaled = rows <= EPILOGUE_MAX_ROWS and not (rows == 1 and scheme == "tensor-token")
+    assert isinstance(product, Fp8Product) == unscaled
+    forward = layer(x)
+    got = as_tensor(product)
+    assert got.dtype == forward.dtype == dtype
+    got = got.float()
+    # bf16: one rounding more (and the interpreter truncates): 3 ulps of the row's size
+    ulps = 3 * 2**-8 if dtype == torch.bfloat16 else 1e-5
+    size = want.abs().amax(dim=1, keepdim=True)
+    assert ((got - want).abs() <= ulps * size).all(), (got - want).abs().max()
+    assert torch.equal(forward.float(), got)  # forward applies the epilogue itself
 
 
 def _emulate_token(row: torch.Tensor) -> torch.Tensor:
@@ -405,6 +471,11 @@ def test_gemm_path_matches_dequantized_path(request, tiny_model_dir, monkeypatch
     assert qkv.weight.dtype == torch.float8_e4m3fn and not qkv.dequantized
     # per-token and static scales quantize inside the norms and silu-and-mul
     assert model.layers[0].fused_fp8 == (source != "tensor")
+    # dynamic per-tensor scales count the rows the model says are real (graph padding)
+    if source == "tensor":
+        assert qkv.num_rows is model.fp8_num_rows and model.fp8_num_rows is not None
+    else:
+        assert qkv.num_rows is None and model.fp8_num_rows is None
     # the same quantization; sums in another order can flip an fp8 rounding here and there
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids

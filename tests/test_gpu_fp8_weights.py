@@ -12,7 +12,7 @@ from benchmarks.bench_fp8_weights import agreement, heldout_texts, teacher_force
 from radixrt import Engine, SamplingParams
 from radixrt.hf_dir import load_tokenizer
 from radixrt.model import weight_bytes
-from radixrt.model.fp8_linear import Fp8Linear
+from radixrt.model.fp8_linear import EPILOGUE_MAX_ROWS, Fp8Linear
 from radixrt.quantization import resolve_scheme
 
 pytestmark = pytest.mark.gpu
@@ -58,6 +58,26 @@ def test_gemm_matches_dequantized_math(mode, rows):
     assert ((got - exact).norm() / exact.norm()).item() < 0.06  # fp8 error, measured ~0.035
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 256, 300])
+def test_epilogue_path_matches_the_rowwise_gemm(rows):
+    """Per-token activation and per-channel weight scales at M <= EPILOGUE_MAX_ROWS: the
+    tensor-wise GEMM + epilogue (`scale_product`, or fused into the next kernel) equals the
+    row-wise GEMM up to one more bf16 rounding (2 ulps of a row's size)."""
+    k, n = 4096, 1024
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.empty(n, k, device="cuda").uniform_(-0.02, 0.02, generator=gen).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    layer = _layer("token", k, n, w, dequantize=False)
+    assert layer.epilogue_max_rows == EPILOGUE_MAX_ROWS
+    got = layer(x).float()
+    layer.epilogue_max_rows = 0
+    want = layer(x).float()
+    size = want.abs().amax(dim=1, keepdim=True)
+    assert ((got - want).abs() <= 2 * 2**-8 * size).all(), (got - want).abs().max()
+    if rows > EPILOGUE_MAX_ROWS:
+        assert torch.equal(got, want)
+
+
 def _greedy(path: str, **options):
     engine = Engine(path, device="cuda", num_kv_blocks=2048, **options)
     try:
@@ -74,7 +94,12 @@ def test_cuda_graphs_match_eager(tiny_model_dir, mode):
     graph, model = _greedy(tiny_model_dir, enable_cuda_graph=True, **options)
     eager, _ = _greedy(tiny_model_dir, enable_cuda_graph=False, **options)
     assert model.layers[0].fused_fp8 == (mode == "token")
-    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn
+    # token: decode graphs run the tensor-wise GEMM + epilogue; tensor: the per-tensor
+    # absmax counts only a graph's real rows (its padding rows feed token 0 at position 0)
+    assert qkv.epilogue_max_rows == (EPILOGUE_MAX_ROWS if mode == "token" else 0)
+    assert (qkv.num_rows is model.fp8_num_rows is not None) == (mode == "tensor")
     for a, b in zip(graph, eager):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(

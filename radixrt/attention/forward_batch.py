@@ -28,6 +28,9 @@ class ForwardBatch:
     seq_lens_cpu: torch.Tensor  # [R] int32, cpu
     kv_indptr_cpu: torch.Tensor  # [R + 1] int32, cpu
     block_size: int
+    # [1] int64, device: tokens [0, n) are real, the rest padding (a CUDA graph's bucket);
+    # None: every token is real
+    num_real_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -79,9 +79,10 @@ class DecodeCudaGraphs:
         self.backend = backend
         self._forward_logits = forward_logits
         n = self.max_batch_size
-        # Static inputs: rows [0, n) of ids | positions | slots, filled by one copy per step.
-        self._host = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
-        self._static = torch.zeros(3 * n, dtype=torch.int64, device=device)
+        # Static inputs: rows [0, n) of ids | positions | slots, then the number of real
+        # (unpadded) tokens, filled by one copy per step.
+        self._host = torch.zeros(3 * n + 1, dtype=torch.int64, pin_memory=True)
+        self._static = torch.zeros(3 * n + 1, dtype=torch.int64, device=device)
         self._host_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32).pin_memory()
         # FlashInfer's graph-mode plan copies host kv_indices with a blocking copy (a host
         # sync that stalls overlap); staged on the device first, its copy is device-to-device.
@@ -117,7 +118,7 @@ class DecodeCudaGraphs:
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         n = self.max_batch_size
-        ids, pos, slots = self._static[:bs], self._static[n : n + bs], self._static[2 * n :]
+        ids, pos, slots = self._static[:bs], self._static[n : n + bs], self._static[2 * n : 3 * n]
         one = torch.ones(bs, dtype=torch.int32)
         indptr = torch.arange(bs + 1, dtype=torch.int32)
         return ForwardBatch(
@@ -135,6 +136,7 @@ class DecodeCudaGraphs:
             seq_lens_cpu=one,
             kv_indptr_cpu=indptr,
             block_size=self.block_size,
+            num_real_tokens=self._static[3 * n :],
         )
 
     def _plan(self, bs: int, indptr, indices, last_page_len, seq_lens) -> None:
@@ -153,7 +155,8 @@ class DecodeCudaGraphs:
         n = self.max_batch_size
         host = self._host.numpy()
         host[:] = 0
-        host[2 * n :] = scratch_block_slots(self.scratch_block, self.block_size, n)
+        host[2 * n : 3 * n] = scratch_block_slots(self.scratch_block, self.block_size, n)
+        host[3 * n] = bs
         self._static.copy_(self._host)
         one = torch.ones(bs, dtype=torch.int32)
         indptr = torch.arange(bs + 1, dtype=torch.int32)
@@ -191,6 +194,7 @@ class DecodeCudaGraphs:
         host[:bs] = meta.input_ids
         host[n : n + bs] = meta.positions
         host[2 * n : 2 * n + bs] = meta.slot_mapping
+        host[3 * n] = num_tokens
         self._static.copy_(self._host, non_blocking=True)
         if len(layout.last_read_tokens):
             dev = self._static.device

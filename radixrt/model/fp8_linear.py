@@ -14,10 +14,23 @@ copy).
 Forward, on CUDA (compute capability >= 8.9): the activation is quantized in one Triton pass
 (`radixrt.kernels.fp8_quant`: dynamic per token, or per tensor with the static or a dynamic
 scale) unless the caller passes an `Fp8Activation` it quantized in a fused kernel, and one
-`torch._scaled_mm` (cuBLASLt) computes the product in the model dtype: tensor-wise scales
-when weight and activation scales are both per tensor, else row-wise (scale_a [M, 1],
-scale_b [1, N]; a per-tensor weight scale is expanded to [N] once, a per-tensor activation
-scale to [M, 1] per call).
+`torch._scaled_mm` (cuBLASLt) computes the product in the model dtype:
+- weight and activation scales both per tensor: the tensor-wise GEMM, scales applied inside;
+- per-token activation or per-channel weight scales (row-wise scales), M > EPILOGUE_MAX_ROWS
+  rows: the row-wise GEMM (scale_a [M, 1], scale_b [1, N]; a per-tensor weight scale is
+  expanded to [N] once, a per-tensor activation scale to [M, 1] per call);
+- row-wise scales, M <= EPILOGUE_MAX_ROWS (decode): the tensor-wise GEMM with the per-tensor
+  parts of the scales (1 for the others; at M = 1 a per-token scale is one number and goes
+  in), and the per-row / per-column scales applied after it as an epilogue. cuBLASLt's
+  row-wise kernel is no faster than bf16 at small M (benchmarks/bench_fp8_gemm.py), its
+  tensor-wise one ~1.8x. `product` returns that output unscaled (an `Fp8Product`) for a
+  kernel of ours that reads it next to apply the scales (the fused residual add + RMSNorm +
+  quantization after o_proj / down_proj, SiLU-and-mul + quantization after gate_up);
+  `forward` applies them itself (`scale_product`: one small kernel, the bias folded in).
+  The unscaled output is in the model dtype: bfloat16 holds any e4m3 dot product (|sum| <=
+  K * 448^2, ~3e9 at K = 14336, bf16's range is 3e38) and rounds it to 8 bits, so the
+  epilogue's output may differ from the row-wise GEMM's by one more bf16 rounding (at most
+  2^-9 of a value, an order below the fp8 quantization error, ~3.5%); float32 is exact.
 
 On a CPU (`finish_loading(dequantize=True)`) the weight is dequantized once into the model
 dtype (weight.float() * scale) and replaces the fp8 one: there is no fp8 GEMM to run and a
@@ -37,10 +50,12 @@ from radixrt.kernels.fp8_quant import (
     FP8_MAX,
     MIN_SCALE,
     Fp8Activation,
+    Fp8Product,
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_reference,
     rmsnorm_quantize_fp8,
+    scale_product,
     silu_mul_quantize_fp8,
 )
 from radixrt.model.linear import Linear
@@ -48,6 +63,11 @@ from radixrt.quantization import Fp8Scheme
 
 FP8_TENSOR_NAMES = ("weight", "weight_scale", "input_scale")  # what `load` takes
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: fp8 tensor cores (torch._scaled_mm)
+# Row-wise scales at M <= this: the tensor-wise GEMM + an epilogue (the module docstring).
+# benchmarks/bench_fp8_gemm.py, 32 Llama-3-8B layers + lm_head: tensor-wise 1.6-1.9x faster
+# than row-wise at M = 1..32, 1.2x at 256, the same at 4096; 256 is also the largest decode
+# CUDA graph, so every graph runs one path.
+EPILOGUE_MAX_ROWS = 256
 
 
 def quantize_weight(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +120,14 @@ class Fp8Linear(Linear):
         self.dequantized = False  # set by finish_loading(dequantize=True)
         self.finished = False
         self._scale_b: torch.Tensor | None = None  # [1, N] float32 for the row-wise GEMM
+        self._one: torch.Tensor | None = None  # [1] float32 1.0: a tensor-wise scale of 1
         self._rowwise = not (scheme.weight_scale == "tensor" and not self.per_token)
+        # rows up to which row-wise scales run as the tensor-wise GEMM + epilogue (0: never;
+        # EPILOGUE_MAX_ROWS once finished on the GEMM path)
+        self.epilogue_max_rows = 0
+        # dynamic per-tensor activation scales: [1] integer on the device, the rows whose
+        # absmax counts (a CUDA graph's real rows; set by the model), or None: all rows
+        self.num_rows: torch.Tensor | None = None
 
     # ---- loading ----
     def load(self, name: str, tensor: torch.Tensor, shard: int) -> None:
@@ -184,6 +211,8 @@ class Fp8Linear(Linear):
             if not dequantize and self._rowwise:
                 self._scale_b = self.weight_scale.expand(self.out_features).reshape(1, -1)
                 self._scale_b = self._scale_b.contiguous()
+                self._one = torch.ones(1, dtype=torch.float32, device=self.weight.device)
+                self.epilogue_max_rows = EPILOGUE_MAX_ROWS
         self.finished = True
 
     def _check_gemm_shape(self) -> None:
@@ -210,37 +239,57 @@ class Fp8Linear(Linear):
 
     def quantize_input(self, x: torch.Tensor) -> Fp8Activation:
         """x [T, K] -> its quantized form for this layer (the CUDA kernels)."""
-        return quantize_fp8(x, per_token=self.per_token, scale=self.input_scale)
+        return quantize_fp8(
+            x, per_token=self.per_token, scale=self.input_scale, num_rows=self.num_rows
+        )
 
     def quantize_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor | Fp8Product,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
     ) -> tuple[Fp8Activation, torch.Tensor]:
-        """RMSNorm (with the residual add) fused with this layer's input quantization;
-        returns (quantized norm output, new residual). Only when `fusable`."""
+        """RMSNorm (with the residual add) fused with this layer's input quantization; x may be
+        another layer's unscaled `product`. Returns (quantized norm output, new residual).
+        Only when `fusable`."""
         return rmsnorm_quantize_fp8(
             x, weight, eps, residual, per_token=self.per_token, scale=self.input_scale
         )
 
-    def quantize_silu_mul(self, gate_up: torch.Tensor) -> Fp8Activation:
-        """silu(gate) * up fused with this layer's input quantization. Only when `fusable`."""
+    def quantize_silu_mul(self, gate_up: torch.Tensor | Fp8Product) -> Fp8Activation:
+        """silu(gate) * up fused with this layer's input quantization; gate_up may be an
+        unscaled `product`. Only when `fusable`."""
         return silu_mul_quantize_fp8(gate_up, per_token=self.per_token, scale=self.input_scale)
 
     def _emulated_input(self, x: torch.Tensor) -> torch.Tensor:
         """The dequantized path: x quantized and dequantized as the GPU quantizes it."""
-        q = quantize_fp8_reference(x, per_token=self.per_token, scale=self.input_scale)
+        q = quantize_fp8_reference(
+            x, per_token=self.per_token, scale=self.input_scale, num_rows=self.num_rows
+        )
         return dequantize_fp8(q, x.dtype)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """x [T, K] (model dtype, or already quantized) -> [T, N] model dtype."""
+        out = Fp8Linear.product(self, x)
+        return out if isinstance(out, torch.Tensor) else scale_product(out, self.bias)
+
+    def product(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Product:
+        """`forward`, except that with row-wise scales at M <= `epilogue_max_rows` (no bias)
+        the output [T, N] comes unscaled, as an `Fp8Product`, for the kernel that reads it
+        to apply them (`quantize_rmsnorm`, `quantize_silu_mul`, `scale_product`)."""
         if self.dequantized:
             assert isinstance(x, torch.Tensor), "the dequantized path takes unquantized inputs"
             return super().forward(self._emulated_input(x))
         assert self.finished, "forward before finish_loading"
         q = x if isinstance(x, Fp8Activation) else self.quantize_input(x)
+        m = q.data.shape[0]
+        if self._rowwise and m <= self.epilogue_max_rows:
+            return self._epilogue_product(q)
         if self._rowwise:
             scale_a = q.scale
-            if scale_a.shape[0] != q.data.shape[0]:  # a per-tensor activation scale
-                scale_a = scale_a.expand(q.data.shape[0], 1).contiguous()
+            if scale_a.dim() == 1:  # a per-tensor activation scale [1] (also at M = 1)
+                scale_a = scale_a.expand(m, 1).contiguous()
             scale_b = self._scale_b
         else:
             scale_a, scale_b = q.scale, self.weight_scale
@@ -248,6 +297,22 @@ class Fp8Linear(Linear):
             q.data, self.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=self.out_dtype
         )
         return out if self.bias is None else out.add_(self.bias)
+
+    def _epilogue_product(self, q: Fp8Activation) -> torch.Tensor | Fp8Product:
+        """The tensor-wise GEMM with the per-tensor parts of the scales; the rest (per-token
+        rows at M > 1, per-channel columns) left to the epilogue. No scale left: a tensor."""
+        per_row = self.per_token and q.data.shape[0] != 1
+        scale_a = self._one if per_row else q.scale.reshape(1)  # M = 1: one row, one scale
+        scale_b = self._one if self.per_channel else self.weight_scale
+        raw = torch._scaled_mm(
+            q.data, self.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=self.out_dtype
+        )
+        out = Fp8Product(
+            raw, q.scale if per_row else None, self.weight_scale if self.per_channel else None
+        )
+        if self.bias is not None or (out.row_scale is None and out.col_scale is None):
+            return scale_product(out, self.bias)
+        return out
 
     def forward_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """The dequantized path's part of the output features (see `Linear.forward_rows`)."""
@@ -267,6 +332,16 @@ class Fp8Linear(Linear):
         """Bytes of the weight and its scales as held now."""
         scales = self.weight_scale.numel() * 4
         return self.weight.numel() * self.weight.element_size() + scales
+
+
+def linear_product(linear: nn.Module, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Product:
+    """`linear.product(x)` for an `Fp8Linear` (perhaps unscaled), else `linear(x)`."""
+    return linear.product(x) if isinstance(linear, Fp8Linear) else linear(x)
+
+
+def as_tensor(x: torch.Tensor | Fp8Product) -> torch.Tensor:
+    """x's value: an `Fp8Product`'s scales applied (`scale_product`, in place), a tensor as is."""
+    return scale_product(x) if isinstance(x, Fp8Product) else x
 
 
 def check_fp8_capability(device: torch.device) -> None:

@@ -2,6 +2,11 @@
 
 Weights are merged at load time: q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
 Shapes: T = new tokens in the step (flattened across requests).
+
+FP8 linears may hand their output on unscaled (`Fp8Linear.product`, an `Fp8Product`): o_proj's
+and down_proj's to the next fused residual add + RMSNorm + quantization, gate_up's to the
+fused SiLU-and-mul + quantization, which apply the scales as they read it; anything else
+applies them first (`as_tensor`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from torch import nn
 from radixrt.attention.base import AttentionBackend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
-from radixrt.kernels.fp8_quant import FP8_DTYPE, Fp8Activation
+from radixrt.kernels.fp8_quant import FP8_DTYPE, Fp8Activation, Fp8Product
 from radixrt.kv.pool import KVPool
-from radixrt.model.fp8_linear import FP8_TENSOR_NAMES, Fp8Linear
+from radixrt.model.fp8_linear import FP8_TENSOR_NAMES, Fp8Linear, as_tensor, linear_product
 from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
@@ -71,7 +76,8 @@ class Attention(nn.Module):
         x: torch.Tensor | Fp8Activation,  # [T, hidden] (quantized by a fused norm)
         backend: AttentionBackend,
         pool: KVPool,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Fp8Product:
+        """[T, hidden]: o_proj's output, perhaps unscaled (`Fp8Linear.product`)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -81,7 +87,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(rope, q, k)
         out = backend.forward(self.layer_id, q, k, v, pool)  # [T, hq, d]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return linear_product(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -109,16 +115,18 @@ class MLP(nn.Module):
         )
         self.fused_fp8 = False  # set by `fuse_fp8` (quantize silu-and-mul's output in one pass)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Product:
+        """[T, hidden]: down_proj's output, perhaps unscaled (`Fp8Linear.product`)."""
         if self.fused_fp8:
             down = self.down_proj
             assert isinstance(down, Fp8Linear)
-            return down(down.quantize_silu_mul(self.gate_up_proj(x)))
+            gate_up = linear_product(self.gate_up_proj, x)
+            return down.product(down.quantize_silu_mul(gate_up))
         assert isinstance(x, torch.Tensor)
         gate_up = self.gate_up_proj
         if x.is_cuda or not gate_up.is_packed or x.shape[0] < PACKED_MIN_ROWS:
             # one GEMM (FlashInfer's silu_and_mul reads its halves; on CPU, few rows)
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return linear_product(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
         # CPU, many rows: the packed gate and up GEMMs apart, so that silu and mul run on
         # contiguous tensors (on strided halves of one [T, 2I] output silu was 3x slower:
         # 2.9 vs 0.9 ms at 4096 x 512)
@@ -198,12 +206,18 @@ class DecoderLayer(nn.Module):
         return self.fused_fp8
 
     def _norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module
+        self,
+        norm: RMSNorm,
+        x: torch.Tensor | Fp8Product,
+        residual: torch.Tensor | None,
+        linear: nn.Module,
     ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
-        """(norm(x + residual), x + residual), quantized for `linear` when fused."""
+        """(norm(x + residual), x + residual), quantized for `linear` when fused (x's scales
+        applied in the same kernel when it is an unscaled product)."""
         if self.fused_fp8:
             assert isinstance(linear, Fp8Linear)
             return linear.quantize_rmsnorm(x, residual, norm.weight, norm.eps)
+        x = as_tensor(x)
         if residual is None:
             return norm(x), x
         return norm(x, residual)
@@ -211,11 +225,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         rope: RopeInputs,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Product,
         residual: torch.Tensor | None,
         backend: AttentionBackend,
         pool: KVPool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Fp8Product, torch.Tensor]:
+        """(the MLP's output, perhaps unscaled, the residual stream): the next layer's x and
+        residual."""
         h, residual = self._norm(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(rope, h, backend, pool)
         h, residual = self._norm(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
@@ -241,6 +257,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.fp8 = fp8
         self.group = group
+        # [1] int64: a forward's real tokens, the only rows whose absmax dynamic per-tensor
+        # activation scales take (padding rows of a CUDA graph must not change them); made
+        # by `finish_loading` when a layer has such scales, else None
+        self.fp8_num_rows: torch.Tensor | None = None
         self.shard = shard = shard or TPShard.of(cfg, 0, 1)
         self.rope = rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
@@ -268,12 +288,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         """Runs every new token of `batch`; returns hidden states [T, hidden] (normed)."""
+        if self.fp8_num_rows is not None:  # the rows dynamic per-tensor scales count
+            if batch.num_real_tokens is None:
+                self.fp8_num_rows.fill_(batch.num_tokens)
+            else:
+                self.fp8_num_rows.copy_(batch.num_real_tokens)
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.prepare(batch.positions, x)  # cos/sin gathered once for all layers
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, backend, pool)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(as_tensor(x), residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -369,9 +394,17 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are in: finish fp8 layers (`Fp8Linear.finish_loading`; with
         `dequantize`, the CPU path) and fuse their input quantization into the norms where
         they allow it."""
+        dynamic_tensor = []
         for m in self.modules():
             if isinstance(m, Fp8Linear):
                 m.finish_loading(dequantize)
+                if not m.per_token and not m.static:
+                    dynamic_tensor.append(m)
+        if dynamic_tensor:
+            device = dynamic_tensor[0].weight.device
+            self.fp8_num_rows = torch.zeros(1, dtype=torch.int64, device=device)
+            for m in dynamic_tensor:
+                m.num_rows = self.fp8_num_rows
         for layer in self.layers:
             layer.fuse_fp8()
 

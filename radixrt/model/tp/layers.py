@@ -34,8 +34,9 @@ class RowParallelLinear(Linear):
 
 class Fp8RowParallelLinear(Fp8Linear):
     """`RowParallelLinear` with fp8 weights: each rank quantizes its own input slice (its
-    dynamic activation scales are its own; partial products are in the model dtype before
-    the all-reduce). Per-channel weight scales are per output row: whole on every rank."""
+    dynamic activation scales are its own; partial products are in the model dtype, their
+    scales applied, before the all-reduce: `product` is `forward`, never unscaled).
+    Per-channel weight scales are per output row: whole on every rank."""
 
     def __init__(self, in_local: int, out_features: int, scheme: Fp8Scheme, group: TPGroup):
         super().__init__(in_local, out_features, scheme)
@@ -43,6 +44,9 @@ class Fp8RowParallelLinear(Fp8Linear):
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
+
+    def product(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        return self.forward(x)
 
 
 class VocabParallelEmbedding(nn.Embedding):
