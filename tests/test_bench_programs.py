@@ -100,3 +100,43 @@ def test_scripted_runner_simulates_the_in_process_configs(tmp_path):
     assert set(rows) == {(p, c) for p in ("chat-short", "react") for c in ("radix", "no-hints")}
     assert all(r["same_calls"] for r in rows.values())
     assert rows["chat-short", "radix"]["hit_over_optimal"] == 1.0
+
+
+def test_run_resets_the_cache_after_the_warmup_releases_its_holds(tiny_model_dir):
+    """The warm-up program's holds are released through the engine thread's queue: the
+    cache reset before the timed run must come after that release, or the held path stays
+    cached and the run hits it beyond its optimum (which replays from an empty cache). Here
+    the release is slow; a reset that overtakes it leaves the warm-up's context behind."""
+    import argparse
+    import threading
+
+    from benchmarks.programs import PROGRAMS
+    from benchmarks.programs.runner import CONFIGS, Plan, run_config
+    from benchmarks.programs.scripted import scripted_engine
+    from benchmarks.programs.text import Words
+
+    spec = PROGRAMS["mmlu"]  # one forced gen per program, held while the program runs
+    engine = scripted_engine(tiny_model_dir, 0, 0.0, block_size=16)
+    words = Words(engine.tokenizer)
+    inputs = spec.inputs(words, "smoke", 0, 0, 4)
+    warmup = spec.inputs(words, "smoke", 1, 0, 1)  # shares the header's first words
+    plan = Plan(spec, inputs, [], warmup, [], 0, 0)
+
+    reset, release = engine.cache.reset, engine.core.release_cache_hold
+    resetting = threading.Event()
+
+    def slow_reset() -> None:
+        resetting.set()
+        reset()
+
+    def slow_release(rid: str) -> bool:
+        resetting.wait(timeout=1.0)  # a reset from another thread goes first
+        return release(rid)
+
+    engine.cache.reset, engine.core.release_cache_hold = slow_reset, slow_release
+    row = run_config(CONFIGS["radix"], plan, engine, argparse.Namespace(max_concurrency=4), [])
+    optimal = row["optimal_hit_rate"] * row["recorded_prompt_tokens"]
+    assert row["prompt_tokens"] == row["recorded_prompt_tokens"]
+    assert row["cached_tokens"] <= optimal, row
+    assert engine.allocator.num_used == 0
+    engine.shutdown()

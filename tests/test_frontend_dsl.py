@@ -593,6 +593,22 @@ def _wait_no_holds(retention) -> None:
     assert not retention.holds
 
 
+def test_run_on_engine_comes_after_the_releases_queued_before_it(backend):
+    """`run_on_engine` runs on the engine thread in queue order: a hold released just before
+    is gone when it runs (no polling), and its function's result or error comes back."""
+    retention = backend.engine.core.scheduler.retention
+    sent = backend.cache_prefix(backend.encode(SHARED), None, 60.0)
+    assert backend.run_on_engine(lambda e: list(e.core.scheduler.retention.holds)) == [sent.rid]
+    backend.release_cache_holds([sent.rid])
+    assert backend.run_on_engine(lambda e: len(e.core.scheduler.retention.holds)) == 0
+    assert not retention.holds
+    with pytest.raises(ZeroDivisionError):
+        backend.run_on_engine(lambda e: 1 / 0)
+    backend.close()
+    with pytest.raises(BackendError):
+        backend.run_on_engine(lambda e: None)
+
+
 @pytest.mark.parametrize("how", ["ends", "raises", "fork-raises", "closed"])
 def test_a_program_holds_its_context_by_default_and_never_leaks_it(make_engine, how):
     """Without any hint a program holds its context between its calls (in-process backend:

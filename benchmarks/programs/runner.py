@@ -66,8 +66,7 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
     warm = CallLog()
     client.run(spec, plan.warmup_inputs, warm, 1)
     if engine:  # the engine's cache starts empty; a server's keeps what it served
-        # (the client's engine thread is idle between runs: nothing is pending)
-        target.cache.reset()
+        client.reset_cache()
         history.clear()
     else:
         history += warm.calls
@@ -86,10 +85,10 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
         client.run(spec, [kw], lat, 1)
         latencies.append(time.perf_counter() - t0)
         history += lat.calls
-    client.close()
+    client.close()  # its engine thread applies the holds released before it stops
     if engine:
         target.check_integrity()
-        target.cache.reset()
+        _reset_cache(target)
         history.clear()
     calls = log.calls
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
@@ -147,8 +146,22 @@ class Client:
         run_dsl(spec, inputs, Recording(self.backend, log), threads=threads,
                 hints=self.cfg.hints, parallel=self.cfg.parallel)  # fmt: skip
 
+    def reset_cache(self) -> None:
+        """Empty an in-process engine's prefix cache on the client's engine thread, after
+        the holds the programs released: `release_cache_holds` only queues them, and a
+        reset from this thread that overtook them kept the held paths, which the next run
+        then hit (more than its optimum, replayed from an empty cache, allows)."""
+        self.backend.run_on_engine(_reset_cache)
+
     def close(self) -> None:
         (self.backend or self.openai).close()
+
+
+def _reset_cache(engine) -> None:
+    """Empty the engine's prefix cache; nothing may stay (no hold, no locked path): the
+    optimum of the next run assumes an empty cache."""
+    engine.cache.reset()
+    assert engine.allocator.num_used == 0, "blocks in use after resetting the cache"
 
 
 def _counters(target) -> dict:

@@ -3,6 +3,8 @@
 Callers from any thread submit requests through a queue and wait on futures; the engine
 thread adds them, loops `engine.step()` while anything is running (sleeping on the queue
 otherwise), forwards text deltas and resolves each request's future when it finishes.
+Everything queued is applied in queue order: a hold released (`release_cache_holds`) before
+a `run_on_engine` call is gone when that call runs.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +48,14 @@ class _Release:
     """Retention holds to end (`release_cache_holds`)."""
 
     rids: list[str]
+
+
+@dataclass
+class _Call:
+    """A function to run on the engine thread (`run_on_engine`)."""
+
+    fn: Callable[[Any], Any]
+    future: Future
 
 
 _STOP = object()  # queue item that ends the engine thread
@@ -107,6 +117,17 @@ class EngineBackend(Backend):
         if rids and not self._closed:
             self._inbox.put(_Release(list(rids)))
 
+    def run_on_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine thread, after everything queued before it (requests
+        added, holds released), between steps; returns its result (raises its error). The
+        way to touch the engine while this backend owns it: e.g. resetting the cache after
+        programs ended, whose holds `release_cache_holds` only queued."""
+        if self._closed:
+            raise BackendError("the EngineBackend is closed")
+        future: Future = Future()
+        self._inbox.put(_Call(fn, future))
+        return future.result()
+
     def close(self) -> None:
         """Stop the engine thread; requests still running are aborted and their futures
         fail with BackendError. The engine itself stays usable by the caller."""
@@ -132,6 +153,11 @@ class EngineBackend(Backend):
                 if isinstance(item, _Release):
                     for rid in item.rids:
                         self.engine.core.release_cache_hold(rid)
+                elif isinstance(item, _Call):
+                    try:
+                        item.future.set_result(item.fn(self.engine))
+                    except Exception as e:  # the caller gets its function's error
+                        item.future.set_exception(e)
                 else:
                     self._add(item, pending)
             if pending:
@@ -187,7 +213,9 @@ class EngineBackend(Backend):
         """Fail submissions that raced with close()."""
         while not self._inbox.empty():
             item = self._inbox.get()
-            for future in item.futures if isinstance(item, _Submit) else []:
+            futures = item.futures if isinstance(item, _Submit) else []
+            futures = [item.future] if isinstance(item, _Call) else futures
+            for future in futures:
                 future.set_exception(BackendError("the EngineBackend was closed"))
 
     def _fail_all(self, pending: dict[str, _Pending], error: BaseException) -> None:
