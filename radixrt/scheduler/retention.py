@@ -25,7 +25,7 @@ from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.request import FinishReason, Request
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RetentionFeature(SchedulerFeature):
         self,
         cfg: SchedulerConfig,
         kv: KVManager,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
@@ -62,7 +62,7 @@ class RetentionFeature(SchedulerFeature):
             now = self.clock()
             for rid in [r for r, h in self.holds.items() if h.expires <= now]:
                 self._drop(rid)
-                self.stats.num_retention_expired += 1
+                self.stats.retention_expired += 1
 
     def after_update(self, changed: list[Request]) -> None:
         for req in changed:
@@ -85,13 +85,13 @@ class RetentionFeature(SchedulerFeature):
                 self._drop(rid)
         while self.holds and self.num_held_blocks + len(m.blocks) > self.max_blocks:
             self._drop(next(iter(self.holds)))
-            self.stats.num_retention_released += 1
+            self.stats.retention_released += 1
         cache.lock(m.handle)
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
         self.holds[req.rid] = Hold(
             m.handle, self.clock() + ttl, len(m.blocks), tokens, req.cache_salt
         )
-        self.stats.num_retention_holds += 1
+        self.stats.retention_holds += 1
 
     def release(self, rid: str) -> bool:
         """End the hold of request `rid` early; False when it has none."""
@@ -109,7 +109,7 @@ class RetentionFeature(SchedulerFeature):
                 break
             freed += self.holds[rid].num_blocks
             self._drop(rid)
-            self.stats.num_retention_released += 1
+            self.stats.retention_released += 1
 
     def _drop(self, rid: str) -> None:
         self.kv.cache.unlock(self.holds.pop(rid).handle)

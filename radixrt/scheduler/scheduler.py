@@ -53,8 +53,8 @@ from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
 from radixrt.scheduler.speculation import SpeculationFeature
-from radixrt.scheduler.stats import SchedulerStats
-from radixrt.speculative.base import Proposer
+from radixrt.speculative.base import Proposer, SpecStats
+from radixrt.stats import SchedulerCounters
 
 
 @dataclass
@@ -88,7 +88,8 @@ class Scheduler:
         self.cfg = cfg
         self.max_model_len = max_model_len
         eos = frozenset(eos_token_ids)
-        self.stats = SchedulerStats()
+        self.stats = SchedulerCounters()  # mutated in place by the parts and features
+        self.spec_stats = SpecStats()  # speculative decoding's (zero without a proposer)
         self.queues = RequestQueues()
         self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len)
@@ -132,7 +133,7 @@ class Scheduler:
             None
             if proposer is None
             else SpeculationFeature(
-                proposer, self.cfg, self.stats, self.max_model_len, self.grammar
+                proposer, self.cfg, self.spec_stats, self.max_model_len, self.grammar
             )
         )
         self._compose()
@@ -146,6 +147,8 @@ class Scheduler:
         if self.speculation is not None:
             features.append(self.speculation)
         self.hooks = hooks = Hooks(features)
+        self.lifecycle.on_preempt = hooks.on_preempt
+        self.lifecycle.on_finish = hooks.on_finish
         self.admission = Admission(
             self.cfg, self.kv, self.queues, self.lifecycle, self.stats, hooks.admissible
         )
@@ -228,10 +231,11 @@ class Scheduler:
         Returns the children; the parent `req.rid` gets no outputs of its own. Raises
         ValueError when the n sequences can never fit."""
         self._check_fits(req, req.params.n, "n")
-        for hook in self.hooks.on_add:  # the parent waits for its grammar; children get one
-            hook(req)
         children = self.groups.fork_children(req)
-        self.groups.add_group(req, children, None)
+        parent = self.groups.make_group(req, children, None)
+        for hook in self.hooks.on_add:  # the parent waits for its grammar; children get one
+            hook(parent)
+        self.groups.add_group(parent)
         return children
 
     def add_beam_search(
@@ -242,7 +246,7 @@ class Scheduler:
         Raises ValueError on bad input (nothing is queued)."""
         req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens)
         self._check_fits(req, params.beam_width, "beam_width")
-        self.groups.add_group(req, [beam], state)
+        self.groups.add_group(self.groups.make_group(req, [beam], state))
         return req
 
     def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:
@@ -350,7 +354,7 @@ class Scheduler:
         ops = kv.launch_ops()
         verify = any(r.num_draft_tokens for r in rows)
         self._launched[step_id] = _Launched(reqs, [r.epoch for r in reqs], ops, verify)
-        self.stats.num_steps += 1
+        self.stats.steps += 1
         plan = StepPlan(step_id, rows, ops, new_slots=kv.entries.launch())
         tables.fill(plan)
         return plan
@@ -380,7 +384,7 @@ class Scheduler:
         with FinishReason.ERROR. With host-tier swap ops in it, none of its block ops counts as
         done (`_discard_unmade_copies`). Returns the failed requests."""
         launched = self._launched.pop(plan.step_id)
-        self.stats.num_failed_steps += 1
+        self.stats.failed_steps += 1
         failed = []
         for req, epoch in zip(launched.requests, launched.epochs):
             if req.epoch == epoch and req.status is Status.RUNNING:
