@@ -158,6 +158,28 @@ class GroupsFeature(SchedulerFeature):
     def check_integrity(self) -> None:
         assert all(b.status is Status.RUNNING and not b.reports for b in self._top_logprobs)
 
+    def idle_members(self) -> tuple[list[Request], list[int]]:
+        """The live groups' members that hold nothing but wait outside the waiting queue
+        (children waiting inside their group, forked parents) and the slots reserved for
+        children to come; asserts each group is consistent."""
+        q = self.queues
+        groups = {id(r.group): r.group for r in q.requests.values() if r.group is not None}
+        idle: list[Request] = []
+        reserved: list[int] = []
+        for g in groups.values():
+            assert g.parent.status is not Status.FINISHED
+            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.beam is None or len(g.children) <= g.beam.width
+            idle += [c for c in g.children if c.status is Status.WAITING]
+            if g.parent.status is Status.FORKED:
+                idle.append(g.parent)
+                assert not g.ready and g.children
+            elif g.parent.status is Status.WAITING:
+                assert not g.reserved_slots and not g.ready
+                assert all(c.status is Status.WAITING for c in g.children)
+            reserved += g.reserved_slots
+        return idle, reserved
+
     # ---- forking ----
     def _fork(self, g: ForkGroup, ops: list[BlockOp]) -> None:
         """Fork a ready parent into its children (see ForkGroup); waits a step when the
