@@ -67,3 +67,34 @@ def group_blocks_needed(
     total = min(prompt_len + max_tokens, max_model_len)
     shared = max(prompt_len - 1, 0) // block_size if num_seqs > 1 else 0
     return shared + num_seqs * (-(-total // block_size) - shared)
+
+
+def check_fits(
+    prompt_len: int,
+    max_tokens: int,
+    num_seqs: int,
+    field_name: str,
+    *,
+    num_slots: int,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+) -> None:
+    """RequestValueError (naming `field_name` when num_seqs > 1) unless `num_seqs` sequences
+    of one prompt sharing its full blocks (all but the last prompt token) fit in the engine's
+    `num_slots` and its pool of `num_blocks` together."""
+    if num_seqs > num_slots:
+        raise RequestValueError(
+            f"invalid {field_name}={num_seqs}: the engine runs at most "
+            f"{num_slots} sequences at once (max_running_requests)",
+            field_name or None,
+        )
+    blocks = group_blocks_needed(prompt_len, max_tokens, num_seqs, block_size, max_model_len)
+    if blocks > num_blocks:
+        what = f"{field_name}={num_seqs} sequences of " if num_seqs > 1 else ""
+        raise RequestValueError(
+            f"{what}prompt + max_tokens need {blocks} KV blocks but the pool has only "
+            f"{num_blocks}; shorten the prompt or lower max_tokens"
+            + (f" or {field_name}" if num_seqs > 1 else ""),
+            field_name if num_seqs > 1 else "max_tokens",
+        )

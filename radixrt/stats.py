@@ -1,9 +1,12 @@
 """`EngineStats`: every counter and gauge the engine reports, declared once.
 
-`EngineCore.stats_struct()` fills it; the scheduler process sends it as it is inside each
+The scheduler's counters are `SchedulerCounters`, which the scheduler and its parts mutate in
+place (`Scheduler.stats`); `EngineStats` inherits them and adds the gauges and the other
+components' counters. `EngineCore.stats_struct()` copies the scheduler's struct whole (no line
+per field) and fills the rest; the scheduler process sends the result as it is inside each
 `SchedulerSnapshot`; `/metrics` exports every field as `radixrt_<field>` (or the name in the
-field's `metric`) with the field's description as help text; `EngineCore.stats()` is its
-dict view. A new counter is one field here, one line where `stats_struct` fills it, and a
+field's `metric`) with the field's description as help text; `EngineCore.stats()` is its dict
+view. A new scheduler counter is one field of `SchedulerCounters` (with its description) and a
 test of what it counts. Torch-free: the front imports it.
 """
 
@@ -20,12 +23,11 @@ def _doc(description: str, metric: str | None = None) -> Meta:
     return Meta(description=description, extra={"metric": metric} if metric else None)
 
 
-class EngineStats(msgspec.Struct, kw_only=True):
-    """Counters since start (totals) and gauges (state after the latest step)."""
+class SchedulerCounters(msgspec.Struct, kw_only=True):
+    """The scheduler's counters since start, mutated in place where they count (plain
+    attribute increments, as cheap as a dataclass's)."""
 
     # requests and tokens
-    running: Annotated[int, _doc("Requests running in the scheduler", "num_requests_running")] = 0
-    waiting: Annotated[int, _doc("Requests waiting in the scheduler", "num_requests_waiting")] = 0
     num_requests: Annotated[int, _doc("Requests admitted for the first time, since start")] = 0
     prompt_tokens: Annotated[
         int, _doc("Prompt tokens of admitted requests, since start", "scheduler_prompt_tokens")
@@ -34,9 +36,6 @@ class EngineStats(msgspec.Struct, kw_only=True):
         int,
         _doc("Of those, served by the prefix cache, since start", "scheduler_cached_tokens"),
     ] = 0
-    cache_hit_rate: Annotated[
-        float, _doc("Cached / prompt tokens of admitted requests since start")
-    ] = 0.0
     generated_tokens: Annotated[
         int, _doc("Tokens generated, since start", "scheduler_generated_tokens")
     ] = 0
@@ -63,16 +62,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
             "scheduler_failed_steps",
         ),
     ] = 0
-    # the device KV pool and the prefix cache
-    kv_blocks_total: Annotated[int, _doc("KV blocks in the pool")] = 0
-    kv_tokens_total: Annotated[int, _doc("KV tokens in the pool (blocks * block size)")] = 0
-    kv_fp8: Annotated[float, _doc("1 when the KV pool stores fp8_e4m3")] = 0.0
-    kv_blocks_free: Annotated[int, _doc("KV blocks nobody holds")] = 0
-    kv_blocks_cached: Annotated[int, _doc("KV blocks the prefix cache holds")] = 0
-    kv_blocks_in_use: Annotated[
-        int, _doc("KV blocks held by requests or locked cache paths (not free, not evictable)")
-    ] = 0
-    evicted_blocks: Annotated[int, _doc("KV blocks freed by prefix-cache eviction")] = 0
+    # prefix matches inside a block
     cow_copies: Annotated[int, _doc("Partial blocks copied on a mid-block prefix match")] = 0
     inplace_appends: Annotated[
         int, _doc("Mid-block prefix matches that wrote on in the cached block")
@@ -84,7 +74,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     beam_steps: Annotated[int, _doc("Beam-search selection steps, since start")] = 0
     beam_shared_blocks: Annotated[int, _doc("Full blocks shared by re-parented beams")] = 0
     beam_copied_blocks: Annotated[int, _doc("Partial blocks copied for re-parented beams")] = 0
-    # structured output
+    # structured output (radixrt.scheduler.grammar)
     grammar_requests: Annotated[int, _doc("Constrained requests whose grammar compiled")] = 0
     grammar_errors: Annotated[
         int, _doc("Constrained requests refused (compile error or timeout)")
@@ -92,6 +82,45 @@ class EngineStats(msgspec.Struct, kw_only=True):
     grammar_forced_tokens: Annotated[
         int, _doc("Tokens appended by jump-forward (also generated)")
     ] = 0
+    # retention hints (cache_ttl_s; radixrt.scheduler.retention)
+    retention_holds: Annotated[
+        int, _doc("Finished contexts held cached (cache_ttl_s), since start")
+    ] = 0
+    retention_expired: Annotated[int, _doc("Retention holds ended by their time to live")] = 0
+    retention_released: Annotated[int, _doc("Retention holds given up for room")] = 0
+    retention_refused: Annotated[
+        int, _doc("Retention holds not taken: older holds fill the share bound")
+    ] = 0
+    # host KV tier (zero without one)
+    host_hit_tokens: Annotated[
+        int, _doc("Prompt tokens loaded from the host KV tier, since start")
+    ] = 0
+    host_deferred_loads: Annotated[
+        int, _doc("Admissions whose first row waited a step for host loads")
+    ] = 0
+
+
+class EngineStats(SchedulerCounters, kw_only=True):
+    """Counters since start (totals) and gauges (state after the latest step): the
+    scheduler's counters (inherited) and the fields below."""
+
+    # requests and tokens
+    running: Annotated[int, _doc("Requests running in the scheduler", "num_requests_running")] = 0
+    waiting: Annotated[int, _doc("Requests waiting in the scheduler", "num_requests_waiting")] = 0
+    cache_hit_rate: Annotated[
+        float, _doc("Cached / prompt tokens of admitted requests since start")
+    ] = 0.0
+    # the device KV pool and the prefix cache
+    kv_blocks_total: Annotated[int, _doc("KV blocks in the pool")] = 0
+    kv_tokens_total: Annotated[int, _doc("KV tokens in the pool (blocks * block size)")] = 0
+    kv_fp8: Annotated[float, _doc("1 when the KV pool stores fp8_e4m3")] = 0.0
+    kv_blocks_free: Annotated[int, _doc("KV blocks nobody holds")] = 0
+    kv_blocks_cached: Annotated[int, _doc("KV blocks the prefix cache holds")] = 0
+    kv_blocks_in_use: Annotated[
+        int, _doc("KV blocks held by requests or locked cache paths (not free, not evictable)")
+    ] = 0
+    evicted_blocks: Annotated[int, _doc("KV blocks freed by prefix-cache eviction")] = 0
+    # structured output: the grammar backend's cache and compiles (radixrt.grammar.base)
     grammar_cache_hits: Annotated[int, _doc("Constrained requests whose grammar was cached")] = 0
     grammar_cache_misses: Annotated[
         int, _doc("Constrained requests that started a grammar compile")
@@ -104,15 +133,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     grammar_compile_preemptions: Annotated[
         int, _doc("Grammar compiles stopped for a waiting one")
     ] = 0
-    # retention hints (cache_ttl_s; radixrt.scheduler.retention)
-    retention_holds: Annotated[
-        int, _doc("Finished contexts held cached (cache_ttl_s), since start")
-    ] = 0
-    retention_expired: Annotated[int, _doc("Retention holds ended by their time to live")] = 0
-    retention_released: Annotated[int, _doc("Retention holds given up for room")] = 0
-    retention_refused: Annotated[
-        int, _doc("Retention holds not taken: older holds fill the share bound")
-    ] = 0
+    # retention hints (radixrt.scheduler.retention)
     retention_held_blocks: Annotated[int, _doc("Distinct KV blocks retention holds keep now")] = 0
     # speculative decoding (zero without a proposer)
     spec_proposals: Annotated[int, _doc("Decode rows the proposer was asked to draft for")] = 0
@@ -135,13 +156,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_acceptance_rate_per_position: Annotated[
         list[float], _doc("Acceptance rate of drafts at this position")
     ] = []
-    # host KV tier (zero without one; radixrt.engine.tier_stats)
-    host_hit_tokens: Annotated[
-        int, _doc("Prompt tokens loaded from the host KV tier, since start")
-    ] = 0
-    host_deferred_loads: Annotated[
-        int, _doc("Admissions whose first row waited a step for host loads")
-    ] = 0
+    # host KV tier: the cache's and the runner's (zero without one; radixrt.engine.tier_stats)
     host_written_back_blocks: Annotated[
         int, _doc("KV blocks written back to the host, since start")
     ] = 0
@@ -185,13 +200,16 @@ class StatField(NamedTuple):
 
 
 def _stat_fields() -> tuple[StatField, ...]:
+    """EngineStats' fields in declaration order (the scheduler's counters first). A field
+    declared without `_doc` metadata gets an empty description (tests refuse it)."""
     hints = get_type_hints(EngineStats, include_extras=True)
     out = []
     for name in EngineStats.__struct_fields__:
-        meta: Meta = hints[name].__metadata__[0]
+        metas = [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, Meta)]
+        meta = metas[0] if metas else Meta()
         metric = (meta.extra or {}).get("metric", name)
         per_position = name.endswith("_per_position")
-        out.append(StatField(name, metric, meta.description, per_position))
+        out.append(StatField(name, metric, meta.description or "", per_position))
     return tuple(out)
 
 

@@ -38,7 +38,7 @@ def reference(tiny_model_dir):
 def test_chunked_prefill_same_tokens(make_engine, reference, cache, overlap):
     engine = make_engine(prefix_cache=cache, max_num_batched_tokens=7, overlap_schedule=overlap)
     assert run(engine) == reference
-    assert engine.scheduler.stats.num_steps > len(PROMPTS)
+    assert engine.scheduler.stats.steps > len(PROMPTS)
 
 
 @pytest.mark.parametrize("cache", ["none", "radix"])
@@ -55,7 +55,7 @@ def test_preemption_same_tokens(make_engine, reference, cache, overlap):
         prefix_cache=cache, block_size=4, num_kv_blocks=12, overlap_schedule=overlap
     )
     assert run(engine) == reference
-    assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.scheduler.stats.preemptions > 0
 
 
 def test_max_running_and_block_sizes(make_engine, reference):

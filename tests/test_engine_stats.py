@@ -5,6 +5,7 @@ its flat view, and the counters count what their descriptions say."""
 from __future__ import annotations
 
 import math
+from typing import get_type_hints
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,7 +15,7 @@ from radixrt.sampling import SamplingParams
 from radixrt.server.channel import MsgpackCodec
 from radixrt.server.messages import FromScheduler, SchedulerSnapshot, TokenBatchOut
 from radixrt.server.metrics import ServerMetrics
-from radixrt.stats import STAT_FIELDS, EngineStats
+from radixrt.stats import STAT_FIELDS, EngineStats, SchedulerCounters
 
 
 def distinct_stats() -> EngineStats:
@@ -50,6 +51,35 @@ def test_every_field_is_on_metrics_with_its_value_and_help():
             assert values == [], f.name
         else:
             assert len(values) == 1 and math.isnan(values[0]), f.name
+
+
+def test_every_declared_field_has_metadata_and_is_rendered():
+    """Each field as declared (not through STAT_FIELDS) carries a description and is rendered
+    on /metrics with it as help text: a new field without `_doc` metadata fails here."""
+    hints = get_type_hints(EngineStats, include_extras=True)
+    rendered = ServerMetrics()
+    rendered.update(SchedulerSnapshot(distinct_stats()))
+    text = rendered.render().decode()
+    for name in EngineStats.__struct_fields__:
+        metas = [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)]
+        assert metas and metas[0].description, f"{name} has no description"
+        metric = (metas[0].extra or {}).get("metric", name)
+        assert f"# HELP radixrt_{metric} {metas[0].description}\n" in text, name
+        assert f"\nradixrt_{metric}" in text, name
+
+
+def test_every_scheduler_counter_reaches_stats_by_its_name():
+    """The scheduler's counters are EngineStats fields and stats_struct carries each as it
+    is: a new counter is one field of SchedulerCounters, nothing else to wire."""
+    assert set(SchedulerCounters.__struct_fields__) <= set(EngineStats.__struct_fields__)
+    core, _ = content_core(overlap=False)
+    live = core.scheduler.stats
+    assert type(live) is SchedulerCounters
+    for i, name in enumerate(SchedulerCounters.__struct_fields__, start=1):
+        setattr(live, name, 1000 + i)
+    s, view = core.stats_struct(), core.stats()
+    for i, name in enumerate(SchedulerCounters.__struct_fields__, start=1):
+        assert getattr(s, name) == view[name] == 1000 + i, name
 
 
 # the scheduler gauges /metrics exported before EngineStats (dashboards read them)

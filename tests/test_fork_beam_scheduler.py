@@ -172,7 +172,7 @@ def test_group_preemption_recomputes_the_prefix_once():
             rid = fork_rid(f"g{i}", c)
             assert done[rid][0] == expect(rid, p, 12)
     s = core.scheduler.stats
-    assert s.num_preemptions > 0 and s.num_forks > 3  # some group forked again
+    assert s.preemptions > 0 and s.forks > 3  # some group forked again
     rows = [r for plan in plans for r in plan.rows]
     assert all(r.end <= 10 for r in rows if "#" not in r.rid)  # parents: the shared prefix
     assert all(r.start >= 10 for r in rows if "#" in r.rid)  # children: their own suffix

@@ -215,24 +215,24 @@ def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     """allowed_drafts keeps the longest allowed prefix and leaves the matcher unchanged; the
     row's masks are one per sample (current state, then after each draft)."""
     from radixrt.engine.grammar_masks import allowed_tokens
-    from radixrt.scheduler.grammar import GrammarFeature
 
     engine = make_engine()
     tok = engine.tokenizer
+    grammar = engine.scheduler.grammar
     engine.add_request(tok.encode("x"), SamplingParams(max_tokens=20, regex="abcabc"))
     while True:  # until the grammar compiled and the request runs
         engine.core.step()
         req = next(iter(engine.scheduler.requests.values()))
-        if req.grammar is not None:
+        if grammar.matcher(req) is not None:
             break
-    m = req.grammar
+    m = grammar.matcher(req)
     before = (m.num_accepted, m.next_mask())
     good = [t for t in tok.encode("abcabc") if t != tok.bos_token_id]
     bad = tok.encode("z")[-1]
-    drafts = GrammarFeature.allowed_drafts(req, good[:2] + [bad] + good[2:])
+    drafts = grammar.allowed_drafts(req, good[:2] + [bad] + good[2:])
     assert drafts == good[:2]
     assert (m.num_accepted, m.next_mask()) == before
-    masks = GrammarFeature._masks(req, drafts)
+    masks = grammar._masks(req, drafts)
     width = len(before[1])
     assert len(masks) == width * 3 and masks[:width] == before[1]
     vocab = engine.model_config.vocab_size

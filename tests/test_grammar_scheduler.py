@@ -193,7 +193,8 @@ def test_grammar_pending_request_waits_alone():
         finished += [d.rid for d in core.step() if d.finished]
     c0 = core.request("c0")
     assert finished == ["f0"] and c0.status is Status.WAITING and not c0.block_table
-    assert c0.grammar_ticket is not None and c0.grammar is None
+    grammar = core.scheduler.grammar
+    assert grammar.compiling(c0) and grammar.matcher(c0) is None
     backend.ready.add(GRAMMAR)
     out, done = drive(core, [])
     check_follows(out["c0"])

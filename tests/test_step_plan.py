@@ -428,5 +428,5 @@ def test_a_shared_prefix_in_flight_is_computed_once(overlap):
     assert out == expected(reqs, [4] * len(reqs))
     stats = core.scheduler.stats
     # the last prompt token is always recomputed; the shared part is cached for all but one
-    assert stats.num_cached_tokens == (len(reqs) - 1) * len(shared)
+    assert stats.cached_tokens == (len(reqs) - 1) * len(shared)
     assert runner.overlapped() == overlap

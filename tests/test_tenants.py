@@ -134,14 +134,14 @@ def test_tenants_share_no_kv_and_compute_every_prompt_token(prefix_cache):
     sp = {s: SamplingParams(max_tokens=3, ignore_eos=True, cache_salt=s) for s in "ab"}
     core.add_request(PROMPT, sp["a"], rid="a0")
     run(core, record)
-    before = core.scheduler.stats.num_prompt_tokens_computed
+    before = core.scheduler.stats.prompt_tokens_computed
     # b sends a's prompt while a sends it again: b's is computed in full, a's is not
     core.add_request(PROMPT, sp["b"], rid="b0")
     core.add_request(PROMPT + [7], sp["a"], rid="a1")
     cached = run(core, record)
     assert cached["b0"] == 0
     assert cached["a1"] >= 56  # the same salt shares as before
-    computed = core.scheduler.stats.num_prompt_tokens_computed - before
+    computed = core.scheduler.stats.prompt_tokens_computed - before
     assert len(PROMPT) <= computed <= len(PROMPT) + 5
     assert tables["a"].isdisjoint(tables["b"])
 
@@ -158,9 +158,9 @@ def test_tenants_get_no_host_tier_hits():
     for i, p in enumerate(prompts):
         core.add_request(p, sp["b"], rid=f"b{i}")
         assert run(core)[f"b{i}"] == 0
-    assert stats.num_host_hit_tokens == 0
+    assert stats.host_hit_tokens == 0
     core.add_request(prompts[0], sp["a"], rid="again")  # control: a's own host hits
-    assert run(core)["again"] > 0 and stats.num_host_hit_tokens > 0
+    assert run(core)["again"] > 0 and stats.host_hit_tokens > 0
 
 
 def test_in_batch_dedup_holds_back_only_the_same_salt():
@@ -335,7 +335,7 @@ def test_retention_keeps_a_prompt_through_pressure_then_expires():
     assert run(core)["step1"] >= 36  # kept under pressure
     clock.now = 31
     core.step()  # the hold expires
-    assert retention.num_held_blocks == 0 and core.scheduler.stats.num_retention_expired == 1
+    assert retention.num_held_blocks == 0 and core.scheduler.stats.retention_expired == 1
     fill(core, 2000, n=4)
     core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="step2")
     assert run(core)["step2"] < 36  # plain LRU again
@@ -354,7 +354,7 @@ def test_retention_is_bounded_and_released_early_or_when_short():
         )
         run(core)
         assert retention.num_held_blocks <= 10
-    assert list(retention.holds) == ["h0"] and core.scheduler.stats.num_retention_refused == 2
+    assert list(retention.holds) == ["h0"] and core.scheduler.stats.retention_refused == 2
     assert retention.holds["h0"].expires == 5  # capped by retention_max_ttl_s
     assert retention.release("h0") and not retention.release("h0")
     assert not core.release_cache_hold("h0")
@@ -382,7 +382,7 @@ def test_retention_hold_goes_to_the_host_tier():
     core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
     run(core)  # needs the whole pool: the hold is released and written back, not dropped
     core.add_request(agent + [1], SamplingParams(max_tokens=1), rid="again")
-    assert run(core)["again"] >= 36 and core.scheduler.stats.num_host_hit_tokens > 0
+    assert run(core)["again"] >= 36 and core.scheduler.stats.host_hit_tokens > 0
 
 
 @pytest.mark.parametrize("host_blocks", [None, 96])
@@ -423,7 +423,7 @@ def test_salted_mixed_load_matches_an_unconstrained_run(host_blocks):
         retention_max_share=0.3,
     )
     assert workload(core, salted=True) == reference
-    assert core.scheduler.stats.num_preemptions + core.cache.stats.num_evicted_blocks > 0
+    assert core.scheduler.stats.preemptions + core.cache.stats.num_evicted_blocks > 0
 
 
 def test_dsl_program_salt_covers_gens_selects_and_prefills():
@@ -515,10 +515,10 @@ def test_retention_lineages_keep_the_oldest_and_give_way_youngest_first():
     core.add_request(x_seq + [5] * 15, hold, rid="x1")  # 56 tokens: 14 blocks
     run(core)
     assert set(retention.holds) == {"x1"}  # x0 covered, y0 (younger) given up for room
-    assert retention.holds["x1"].born == 0 and stats.num_retention_released == 1
+    assert retention.holds["x1"].born == 0 and stats.retention_released == 1
     core.add_request([950 + j for j in range(31)], hold, rid="z0")  # 8 blocks: no room
     run(core)
-    assert set(retention.holds) == {"x1"} and stats.num_retention_refused == 1
+    assert set(retention.holds) == {"x1"} and stats.retention_refused == 1
     core.check_integrity()
 
 

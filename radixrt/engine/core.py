@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import msgspec
+
 from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
@@ -327,7 +329,7 @@ class EngineCore:
         """Fail `req` (live: with its group; finished: only counted). Returns the other
         members of its group that failed with it and report."""
         if req.status is Status.FINISHED:
-            self.scheduler.stats.num_failed_requests += int(req.reports)
+            self.scheduler.stats.failed_requests += int(req.reports)
             return []
         return [r for r in self.scheduler.fail_request(req, message) if r is not req]
 
@@ -384,9 +386,10 @@ class EngineCore:
             prompt_logprobs=list(req.prompt_logprobs) if finished else [],
             parent_rid=g.parent.rid if g is not None else None,
             index=req.index,
-            num_draft_tokens=req.num_draft_tokens,
-            num_accepted_tokens=req.num_accepted_tokens,
         )
+        spec = self.scheduler.speculation
+        if spec is not None:
+            delta.num_draft_tokens, delta.num_accepted_tokens = spec.verified(req)
         if finished:
             del self._sent[req.rid]
         else:
@@ -421,60 +424,29 @@ class EngineCore:
         return self.stats_struct().as_dict()
 
     def stats_struct(self) -> EngineStats:
-        """Counters since start and the state after the latest step (a new struct)."""
-        s, c, sp = self.scheduler.stats, self.cache.stats, self.scheduler.stats.spec
+        """Counters since start and the state after the latest step (a new struct): the
+        scheduler's counters as they are, then the gauges and the other components' stats."""
+        sched = self.scheduler
         total, free = self.allocator.num_blocks, self.allocator.num_free
+        counters = sched.stats
         return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            num_requests=s.num_requests,
-            prompt_tokens=s.num_prompt_tokens,
-            cached_tokens=s.num_cached_tokens,
-            cache_hit_rate=s.cache_hit_rate,
-            generated_tokens=s.num_generated_tokens,
-            dropped_tokens=s.num_dropped_tokens,
-            prompt_tokens_computed=s.num_prompt_tokens_computed,
-            preemptions=s.num_preemptions,
-            steps=s.num_steps,
-            failed_requests=s.num_failed_requests,
-            failed_steps=s.num_failed_steps,
+            **msgspec.structs.asdict(counters),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            cache_hit_rate=counters.cached_tokens / counters.prompt_tokens
+            if counters.prompt_tokens
+            else 0.0,
             kv_blocks_total=total,
             kv_tokens_total=total * self.config.cache.block_size,
             kv_fp8=float(self.config.cache.kv_fp8),
             kv_blocks_free=free,
             kv_blocks_cached=self.cache.cached_blocks,
             kv_blocks_in_use=total - free - self.cache.evictable_blocks,
-            evicted_blocks=c.num_evicted_blocks,
-            cow_copies=s.num_cow_copies,
-            inplace_appends=s.num_inplace_appends,
-            forks=s.num_forks,
-            fork_shared_blocks=s.num_fork_shared_blocks,
-            fork_copied_blocks=s.num_fork_copied_blocks,
-            beam_steps=s.num_beam_steps,
-            beam_shared_blocks=s.num_beam_shared_blocks,
-            beam_copied_blocks=s.num_beam_copied_blocks,
-            grammar_requests=s.num_grammar_requests,
-            grammar_errors=s.num_grammar_errors,
-            grammar_forced_tokens=s.num_forced_tokens,
+            evicted_blocks=self.cache.stats.num_evicted_blocks,
             **self._grammar_stats(),
-            retention_holds=s.num_retention_holds,
-            retention_expired=s.num_retention_expired,
-            retention_released=s.num_retention_released,
-            retention_refused=s.num_retention_refused,
-            retention_held_blocks=self.scheduler.retention.num_held_blocks,
-            spec_proposals=sp.num_proposals,
-            spec_proposals_with_drafts=sp.num_proposals_with_drafts,
-            spec_fire_rate=sp.fire_rate,
-            spec_verify_rows=sp.num_verify_rows,
-            spec_draft_tokens=sp.num_draft_tokens,
-            spec_accepted_tokens=sp.num_accepted_tokens,
-            spec_acceptance_rate=sp.acceptance_rate,
-            spec_mean_acceptance_length=sp.mean_acceptance_length,
-            spec_accepted_per_position=list(sp.accepted_per_position),
-            spec_acceptance_rate_per_position=[
-                sp.acceptance_rate_at(i) for i in range(len(sp.drafted_per_position))
-            ],
-            **host_tier_stats(self.cache, s, self.runner),
+            retention_held_blocks=sched.retention.num_held_blocks,
+            **sched.spec_stats.as_engine_stats(),
+            **host_tier_stats(self.cache, self.runner),
         )
 
     def _grammar_stats(self) -> dict[str, int]:

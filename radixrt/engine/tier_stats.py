@@ -1,21 +1,19 @@
-"""Host KV tier counters for `EngineCore.stats()` (all zero without a host tier)."""
+"""Host KV tier fields of `EngineStats` (all zero without a host tier)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def host_tier_stats(cache: Any, sched_stats: Any, runner: Any) -> dict[str, float]:
-    """`host_hit_tokens`: prompt tokens served from the host tier (part of cached_tokens);
-    `host_deferred_loads`: admissions whose first row waited one step for their loads;
-    blocks written back / loaded (swap ops of plans that did not fail) / evicted from the
-    host / dropped without a host copy (the host was full); host pool usage; and, from a
-    runner with a host pool, bytes and seconds of the transfers it executed (a failed step's
-    too, if it got that far; `swap_seconds`: copy-stream time on CUDA, wall time on a CPU)."""
+def host_tier_stats(cache: Any, runner: Any) -> dict[str, float]:
+    """The cache's and the runner's host-tier fields of EngineStats (the scheduler counts
+    `host_hit_tokens` and `host_deferred_loads` itself): blocks written back / loaded (swap ops of
+    plans that did not fail) / evicted from the host / dropped without a host copy (the host was
+    full); host pool usage; and, from a runner with a host pool, bytes and seconds of the transfers
+    it executed (a failed step's too, if it got that far; `swap_seconds`: copy-stream time on CUDA,
+    wall time on a CPU)."""
     host = getattr(cache, "host", None)
     out: dict[str, float] = {
-        "host_hit_tokens": sched_stats.num_host_hit_tokens,
-        "host_deferred_loads": sched_stats.num_deferred_loads,
         "host_written_back_blocks": 0,
         "host_loaded_blocks": 0,
         "host_evicted_blocks": 0,

@@ -20,7 +20,7 @@ from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_le
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import Request
 from radixrt.scheduler.rows import chunk_len
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 # Scanning the waiting queue past this many held-back requests stops for the step (each
 # check costs a prefix match).
@@ -34,7 +34,7 @@ class Admission:
         kv: KVManager,
         queues: RequestQueues,
         lifecycle: Lifecycle,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         admissible: list[Callable[[Request], bool]],
     ) -> None:
         """`admissible`: the features' vetoes (a request any of them refuses waits)."""
@@ -107,12 +107,12 @@ class Admission:
                 req.group.reserved_slots = [kv.take_slot() for _ in range(group_slots - 1)]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed
-                stats.num_host_hit_tokens += req.num_host_cached_tokens
+                stats.host_hit_tokens += req.num_host_cached_tokens
                 # a group's parent holds the prompt but its last token
                 prompt_len = req.prompt_len + (1 if req.group is not None else 0)
                 stats.num_requests += 1
-                stats.num_prompt_tokens += prompt_len
-                stats.num_cached_tokens += req.num_computed
+                stats.prompt_tokens += prompt_len
+                stats.cached_tokens += req.num_computed
                 kv.cache.stats.record_lookup(prompt_len, req.num_computed)
             q.admit(req)
             if n == 0:  # a fork parent with its whole prefix cached
@@ -122,7 +122,7 @@ class Admission:
                 # Its blocks load from the host tier in this step (SwapIn ops): its first row
                 # comes with the next plan, so this step's other rows need not wait for the
                 # transfer (see radixrt.kv.host_pool).
-                stats.num_deferred_loads += 1
+                stats.host_deferred_loads += 1
                 continue
             extend.append((req, n))
             computing.append(req)

@@ -3,7 +3,9 @@
 A feature (structured output, speculative decoding, n > 1 / beam-search groups, ...) is one
 object with its own state that overrides some of the hooks below; the scheduler calls each hook
 on the features that override it, in the order they were given, and nothing else of theirs.
-A request that does not use a feature costs it at most a check of its own field per hook.
+A feature keeps its per-request state itself (a table keyed by the `Request`, which hashes by
+identity), never on `Request`: a request that does not use a feature costs it at most a lookup
+per hook, and `on_preempt` / `on_finish` tell it when to drop that state.
 
 Hooks, in the order of one step:
 - `on_add(req)`: a request (a group's parent) is queued; may raise ValueError (nothing queued).
@@ -17,6 +19,9 @@ Hooks, in the order of one step:
   the feature consumed it (the row's tokens are not appended as output).
 - `on_token(req, token) -> FinishReason | None`: an output token was appended.
 - `after_update(changed)`: a result was applied; `changed` collects requests with news.
+- `on_preempt(req)`: a sequence lost its KV and waits again (results in flight are dropped).
+- `on_finish(req)`: a request (or a beam) finished, however (stop, abort, failure); it is in
+  no queue anymore.
 - `check_integrity()`: assert the feature's own invariants.
 
 Speculative decoding is asked for drafts (`SpeculationFeature.drafts`), which is where the
@@ -58,6 +63,8 @@ HOOKS = (
     "on_row_result",
     "on_token",
     "after_update",
+    "on_preempt",
+    "on_finish",
     "check_integrity",
 )
 
@@ -91,6 +98,12 @@ class SchedulerFeature:
     def after_update(self, changed: list[Request]) -> None:
         pass
 
+    def on_preempt(self, req: Request) -> None:
+        pass
+
+    def on_finish(self, req: Request) -> None:
+        pass
+
     def check_integrity(self) -> None:
         pass
 
@@ -114,4 +127,6 @@ class Hooks:
     on_row_result: list
     on_token: list
     after_update: list
+    on_preempt: list
+    on_finish: list
     check_integrity: list

@@ -1,19 +1,19 @@
 """The scheduler half of structured output (a feature at the scheduler's hooks; plain Python,
 no torch).
 
-Life of a constrained request: `add_request` / `add_fork` submit its GrammarSpec to the
-backend and it waits (grammar-pending: `req.grammar_ticket` set, skipped by admission, other
-requests go ahead) until `schedule()` polls the compile done. A compile error or timeout
-finishes it with FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands
-such requests to EngineCore. Then every sequence (an n > 1 request: every child) holds its own
-matcher (`req.grammar`); its rows carry the matcher's next-token bitmask and wait for their
-result on the host (`needs_host_result`: the mask of step N+1 needs step N's token), and the
-matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained
-row drafts too: its drafts are cut at the first one the grammar refuses, and the row carries
-one mask per sample (the state after each draft; the matcher is rolled back after reading
-them), so a verify position samples exactly what masked decoding would. Draft-model drafts
-(made on the device) are not checked: constrained rows do not draft with them. A row whose
-matcher terminated (it accepted a stop token) stops with FinishReason.STOP.
+Life of a constrained request: `add_request` / `add_fork` submit its GrammarSpec to the backend and
+it waits (grammar-pending: it has a ticket in `_tickets`, skipped by admission, other requests go
+ahead) until `schedule()` polls the compile done. A compile error or timeout finishes it with
+FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands such requests to
+EngineCore. Then every sequence (an n > 1 request: every child) holds its own matcher (in
+`_matchers`, dropped when it finishes); its rows carry the matcher's next-token bitmask and wait for
+their result on the host (`needs_host_result`: the mask of step N+1 needs step N's token), and the
+matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained row
+drafts too: its drafts are cut at the first one the grammar refuses, and the row carries one mask
+per sample (the state after each draft; the matcher is rolled back after reading them), so a verify
+position samples exactly what masked decoding would. Draft-model drafts (made on the device) are not
+checked: constrained rows do not draft with them. A row whose matcher terminated (it accepted a stop
+token) stops with FinishReason.STOP.
 
 Jump-forward (on by default): after the tokens of a step are accepted, while the grammar
 allows exactly one token, that token is appended without sampling (log-prob 0: it has
@@ -36,7 +36,7 @@ from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 class NoGrammar(SchedulerFeature):
@@ -57,7 +57,7 @@ class GrammarFeature(SchedulerFeature):
         backend: Any,  # radixrt.grammar.base.GrammarBackend
         queues: RequestQueues,
         lifecycle: Lifecycle,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         *,
         jump_forward: bool = True,
         jump_forward_retokenize: bool = False,
@@ -68,19 +68,34 @@ class GrammarFeature(SchedulerFeature):
         self.stats = stats
         self.jump_forward = jump_forward
         self.jump_forward_retokenize = jump_forward_retokenize
+        self._tickets: dict[Request, Any] = {}  # grammar-pending requests: their compiles
+        self._matchers: dict[Request, Any] = {}  # constrained sequences: their GrammarMatcher
+
+    # ---- per-request state (for speculation, tests and introspection) ----
+    def constrained(self, req: Request) -> bool:
+        """Whether `req` is a sequence with a matcher (its output is constrained)."""
+        return req in self._matchers
+
+    def matcher(self, req: Request) -> Any:
+        """The sequence's GrammarMatcher, or None."""
+        return self._matchers.get(req)
+
+    def compiling(self, req: Request) -> bool:
+        """Whether `req` waits for its grammar's compile."""
+        return req in self._tickets
 
     # ---- hooks ----
     def on_add(self, req: Request) -> None:
         """Start compiling `req`'s grammar (it stays grammar-pending)."""
         spec = grammar_spec(req.params)
         if spec is not None:
-            req.grammar_ticket = self.backend.submit(spec)
+            self._tickets[req] = self.backend.submit(spec)
 
     def before_schedule(self, ops: list[BlockOp]) -> None:
         self._poll()
 
     def admissible(self, req: Request) -> bool:
-        return req.grammar_ticket is None  # grammar-pending: its compile runs
+        return req not in self._tickets  # grammar-pending: its compile runs
 
     def before_rows(self, reqs: list[Request]) -> None:
         self._fill_masks(reqs)
@@ -88,13 +103,13 @@ class GrammarFeature(SchedulerFeature):
     def on_row(
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
     ) -> None:
-        if req.grammar is not None and samples:  # the next mask needs this step's token
+        if samples and req in self._matchers:  # the next mask needs this step's token
             tables.masks[id(row)] = self._masks(req, drafts)
             row.needs_host_result = True
 
     def on_token(self, req: Request, token: int) -> FinishReason | None:
         """Feed an appended token to the request's matcher; STOP once it terminated."""
-        m = req.grammar
+        m = self._matchers.get(req)
         if m is None:
             return None
         assert m.accept(token), f"token {token} is outside {req.rid}'s grammar"
@@ -104,7 +119,8 @@ class GrammarFeature(SchedulerFeature):
         """Jump-forward for the running constrained requests that got tokens; then fail
         those whose grammar allows no next token (`_dead_end`). One that raises fails alone
         (its group with it): the failed requests join `changed`."""
-        reqs = [r for r in changed if r.grammar is not None and r.status is Status.RUNNING]
+        matchers = self._matchers
+        reqs = [r for r in changed if r in matchers and r.status is Status.RUNNING]
         if not reqs:
             return
         self._fill_masks(reqs)
@@ -123,9 +139,10 @@ class GrammarFeature(SchedulerFeature):
         """Stop `req` with ERROR (the request's fault: a 400) when its grammar allows no
         token now: the grammar's language is empty past this point (`root ::= "a" b` with
         `b ::= b`), and a sample from an all-masked row would be garbage."""
-        if req.grammar.is_terminated():
+        m = self._matchers[req]
+        if m.is_terminated():
             return
-        mask = req.grammar.next_mask()
+        mask = m.next_mask()
         if mask.count(0) != len(mask):
             return
         field = grammar_spec(req.params).field
@@ -134,34 +151,36 @@ class GrammarFeature(SchedulerFeature):
             f"{req.num_output} output tokens it allowed)"
         )
         req.invalid_request = True
-        self.stats.num_grammar_errors += 1
+        self.stats.grammar_errors += 1
         was_waiting = req.status is Status.WAITING
         self.lifecycle.stop(req, FinishReason.ERROR)
         if was_waiting:
             self.lifecycle.finished_outside_update.append(req)
 
+    def on_finish(self, req: Request) -> None:
+        self._tickets.pop(req, None)
+        self._matchers.pop(req, None)
+
     def check_integrity(self) -> None:
-        for req in self.queues.requests.values():
-            if req.grammar is not None:
-                assert req.grammar_ticket is None
-                assert req.grammar.num_accepted == req.num_output, (
-                    f"{req.rid}: matcher saw {req.grammar.num_accepted} tokens, "
-                    f"the request has {req.num_output}"
-                )
+        for req, m in self._matchers.items():
+            assert req not in self._tickets and not req.is_finished
+            assert m.num_accepted == req.num_output, (
+                f"{req.rid}: matcher saw {m.num_accepted} tokens, the request has {req.num_output}"
+            )
+        assert all(r.status is Status.WAITING for r in self._tickets)
 
     # ---- for the engine loop and speculation ----
     def wait(self, timeout_s: float) -> None:
         """Block up to `timeout_s` until a pending compile finishes (returns at once when
         none is pending). For a loop whose step planned nothing."""
-        tickets = [r.grammar_ticket for r in self.queues.waiting if r.grammar_ticket is not None]
+        tickets = list(self._tickets.values())
         if tickets:
             self.backend.wait(tickets, timeout_s)
 
-    @staticmethod
-    def allowed_drafts(req: Request, drafts: list[int]) -> list[int]:
+    def allowed_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the request's grammar allows (the matcher is left
         as it was); `drafts` as they are for an unconstrained request."""
-        m, n = req.grammar, 0
+        m, n = self._matchers.get(req), 0
         if m is None:
             return drafts
         while n < len(drafts) and not m.is_terminated() and m.accept(drafts[n]):
@@ -173,15 +192,16 @@ class GrammarFeature(SchedulerFeature):
     def _poll(self) -> None:
         """Admit compiled grammars: give each waiting sequence its matcher; fail the requests
         whose compile failed or timed out (or whose start raised: that request alone)."""
-        for req in [r for r in self.queues.waiting if r.grammar_ticket is not None]:
-            outcome = self.backend.poll(req.grammar_ticket)
+        tickets = self._tickets
+        for req in [r for r in self.queues.waiting if r in tickets]:
+            outcome = self.backend.poll(tickets[req])
             if outcome is None:
                 continue
-            req.grammar_ticket = None
+            del tickets[req]
             if outcome.error is not None:
                 self._reject(req, outcome.error, invalid=not outcome.internal)
                 continue
-            self.stats.num_grammar_requests += 1
+            self.stats.grammar_requests += 1
             try:
                 self._start_matchers(req, outcome.grammar)
             except Exception as e:  # a bug for one request fails that request (group) only
@@ -192,9 +212,9 @@ class GrammarFeature(SchedulerFeature):
         g = req.group
         seqs = [req] if g is None else list(g.children)
         for seq in seqs:
-            seq.grammar = self.backend.new_matcher(grammar)
+            m = self._matchers[seq] = self.backend.new_matcher(grammar)
             for token in seq.output_token_ids:  # none yet, unless re-added
-                assert seq.grammar.accept(token)
+                assert m.accept(token)
         if g is None and not (self.jump_forward and self._jump_forward(req)):
             self._dead_end(req)  # after forced tokens (the start is checked at compile)
 
@@ -202,9 +222,9 @@ class GrammarFeature(SchedulerFeature):
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
         client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500)."""
         if invalid:
-            self.stats.num_grammar_errors += 1
+            self.stats.grammar_errors += 1
         else:
-            self.stats.num_failed_requests += 1
+            self.stats.failed_requests += 1
         g = req.group
         seqs = [req] if g is None else list(g.children)
         for seq in seqs:
@@ -219,16 +239,15 @@ class GrammarFeature(SchedulerFeature):
     def _fill_masks(self, reqs: list[Request]) -> None:
         """Compute the next masks of these requests' matchers in one batch: before planning
         their rows, and before jump-forward looks at them."""
-        matchers = [r.grammar for r in reqs if r.grammar is not None]
+        matchers = [m for m in map(self._matchers.get, reqs) if m is not None]
         if matchers:
             self.backend.fill_masks(matchers)
 
-    @staticmethod
-    def _masks(req: Request, drafts: list[int]) -> bytes:
+    def _masks(self, req: Request, drafts: list[int]) -> bytes:
         """The masks of a row's samples, back to back: the current state's, then the state
         after each draft (the matcher is left as it was). The drafts must be allowed
         (`allowed_drafts`)."""
-        m = req.grammar
+        m = self._matchers[req]
         masks = [m.next_mask()]
         for token in drafts:
             assert m.accept(token), f"draft {token} is outside {req.rid}'s grammar"
@@ -240,7 +259,7 @@ class GrammarFeature(SchedulerFeature):
         """Append the tokens the grammar forces (see the module docstring); True when that
         finished the request. With `jump_forward_retokenize`, also the tokens of the string
         the grammar forces (xgrammar's own tokenization of it: not output-identical)."""
-        m, p = req.grammar, req.params
+        m, p = self._matchers[req], req.params
         queue: list[int] = []
         while req.num_output < req.max_tokens:
             token = queue.pop(0) if queue else m.forced_token()
@@ -254,8 +273,8 @@ class GrammarFeature(SchedulerFeature):
                 req.output_logprobs.append(0.0)
             if p.top_logprobs:
                 req.output_top_logprobs.append([(token, 0.0)])
-            self.stats.num_generated_tokens += 1
-            self.stats.num_forced_tokens += 1
+            self.stats.generated_tokens += 1
+            self.stats.grammar_forced_tokens += 1
             reason = self.on_token(req, token) or self.lifecycle.stop_reason(req, token)
             if reason is not None:
                 was_waiting = req.status is Status.WAITING

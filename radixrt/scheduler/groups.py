@@ -7,7 +7,8 @@ Forks: the parent computes the prompt but its last token; once its result is app
 (it needs its result on the host); when all live beams of a group have theirs (`after_update`),
 `_beam_step` picks the next beams and re-parents them by references (copies of partial blocks
 are block ops of the next plan). Admission, preemption, abort and failure take a group as a
-whole (`radixrt.scheduler.lifecycle`).
+whole (`radixrt.scheduler.lifecycle`). A beam's top log-probs wait here (`_top_logprobs`) until
+its group picks; a preempted or finished beam's are dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status, fork_rid
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 class GroupsFeature(SchedulerFeature):
@@ -32,7 +33,7 @@ class GroupsFeature(SchedulerFeature):
         kv: KVManager,
         queues: RequestQueues,
         lifecycle: Lifecycle,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.kv = kv
@@ -41,6 +42,8 @@ class GroupsFeature(SchedulerFeature):
         self.stats = stats
         self.eos_token_ids = eos_token_ids
         self._beam_groups: dict[int, ForkGroup] = {}  # groups with beam results this update
+        # a beam's top log-probs from its latest step, until its group picks the next beams
+        self._top_logprobs: dict[Request, list[tuple[int, float]]] = {}
 
     # ---- adding ----
     def fork_children(self, req: Request) -> list[Request]:
@@ -86,9 +89,9 @@ class GroupsFeature(SchedulerFeature):
         state = BeamState(params.beam_width, k, max_tokens, params.length_penalty, eos)
         return req, beam, state
 
-    def add_group(self, req: Request, children: list[Request], beam: BeamState | None) -> None:
-        """Queue the group: its parent computes the prompt but its last token and samples
-        nothing."""
+    def make_group(self, req: Request, children: list[Request], beam: BeamState | None) -> Request:
+        """The group's parent (not queued yet: `add_group`), which computes the prompt but its
+        last token and samples nothing."""
         assert req.prompt_len >= 1
         parent = Request(
             rid=req.rid,
@@ -97,14 +100,18 @@ class GroupsFeature(SchedulerFeature):
             params=req.params,
             max_tokens=0,
             reports=beam is not None,
-            grammar_ticket=req.grammar_ticket,
         )
         group = ForkGroup(parent, children, beam=beam)
         parent.group = group
-        requests = self.queues.requests
-        requests[parent.rid] = parent
         for child in children:
             child.group = group
+        return parent
+
+    def add_group(self, parent: Request) -> None:
+        """Queue a group by its parent (`make_group`)."""
+        requests = self.queues.requests
+        requests[parent.rid] = parent
+        for child in parent.group.children:
             if child.reports:
                 requests[child.rid] = child
         self.queues.waiting.append(parent)
@@ -127,7 +134,7 @@ class GroupsFeature(SchedulerFeature):
             return False
         # a beam: its group picks the next beams once all its rows are in (after_update)
         req.num_inflight_samples -= 1
-        req.beam_top_logprobs = result.top_logprobs[i][0]
+        self._top_logprobs[req] = result.top_logprobs[i][0]
         self._beam_groups[id(req.group)] = req.group
         return True
 
@@ -135,12 +142,43 @@ class GroupsFeature(SchedulerFeature):
         groups, self._beam_groups = self._beam_groups, {}
         for g in groups.values():
             if g.parent.status is Status.FORKED and all(
-                b.beam_top_logprobs is not None for b in g.children
+                b in self._top_logprobs for b in g.children
             ):
                 try:
                     self._beam_step(g, changed)
                 except Exception as e:  # e.g. its scoring: fails this search only
                     changed += self.lifecycle.fail(g.parent, e)
+
+    def on_preempt(self, req: Request) -> None:
+        self._top_logprobs.pop(req, None)  # the group picks again after it recomputed
+
+    def on_finish(self, req: Request) -> None:
+        self._top_logprobs.pop(req, None)
+
+    def check_integrity(self) -> None:
+        assert all(b.status is Status.RUNNING and not b.reports for b in self._top_logprobs)
+
+    def idle_members(self) -> tuple[list[Request], list[int]]:
+        """The live groups' members that hold nothing but wait outside the waiting queue
+        (children waiting inside their group, forked parents) and the slots reserved for
+        children to come; asserts each group is consistent."""
+        q = self.queues
+        groups = {id(r.group): r.group for r in q.requests.values() if r.group is not None}
+        idle: list[Request] = []
+        reserved: list[int] = []
+        for g in groups.values():
+            assert g.parent.status is not Status.FINISHED
+            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.beam is None or len(g.children) <= g.beam.width
+            idle += [c for c in g.children if c.status is Status.WAITING]
+            if g.parent.status is Status.FORKED:
+                idle.append(g.parent)
+                assert not g.ready and g.children
+            elif g.parent.status is Status.WAITING:
+                assert not g.reserved_slots and not g.ready
+                assert all(c.status is Status.WAITING for c in g.children)
+            reserved += g.reserved_slots
+        return idle, reserved
 
     # ---- forking ----
     def _fork(self, g: ForkGroup, ops: list[BlockOp]) -> None:
@@ -167,9 +205,9 @@ class GroupsFeature(SchedulerFeature):
             kv.entries.enter(child, source=parent)
             child.num_computed = child.num_kv_done = parent.num_computed
             self.queues.run(child)
-        self.stats.num_forks += 1
-        self.stats.num_fork_shared_blocks += len(shared) * (len(children) - 1)
-        self.stats.num_fork_copied_blocks += len(copies)
+        self.stats.forks += 1
+        self.stats.fork_shared_blocks += len(shared) * (len(children) - 1)
+        self.stats.fork_copied_blocks += len(copies)
         self.queues.running.remove(parent)
         parent.block_table, parent.slot, parent.cache_handle = [], None, None
         parent.num_computed = parent.num_kv_done = parent.num_table_sent = 0
@@ -185,12 +223,9 @@ class GroupsFeature(SchedulerFeature):
         kv, lifecycle, running = self.kv, self.lifecycle, self.queues.running
         beams = g.children
         state = g.beam
-        picks = state.step(
-            [b.output_token_ids for b in beams], [b.beam_top_logprobs for b in beams]
-        )
-        for b in beams:
-            b.beam_top_logprobs = None
-        self.stats.num_beam_steps += 1
+        tops = self._top_logprobs
+        picks = state.step([b.output_token_ids for b in beams], [tops.pop(b) for b in beams])
+        self.stats.beam_steps += 1
         if not picks:
             for b in list(beams):
                 lifecycle.finish_running(b, FinishReason.LENGTH)
@@ -239,8 +274,8 @@ class GroupsFeature(SchedulerFeature):
                     beam.slot = g.reserved_slots.pop()
                     kv.entries.enter(beam, source=src)
                     self.queues.run(beam)
-                    self.stats.num_beam_shared_blocks += full
-                    self.stats.num_beam_copied_blocks += 1 if partial else 0
+                    self.stats.beam_shared_blocks += full
+                    self.stats.beam_copied_blocks += 1 if partial else 0
             new.append(beam)
         for j, (beam, c) in enumerate(zip(new, picks)):
             beam.seq_token_ids.append(c.token)

@@ -24,7 +24,7 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import BlockOp, CopyBlock, SwapIn, SwapOut
 from radixrt.scheduler.request import Request
 from radixrt.scheduler.slot_entries import SlotEntries
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 class KVManager:
@@ -33,7 +33,7 @@ class KVManager:
         allocator: BlockAllocator,
         cache: PrefixCache,
         num_slots: int,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
@@ -151,14 +151,14 @@ class KVManager:
                 # so nothing lives past the matched tokens: append in place, no copy.
                 self.allocator.incref([last])
                 req.block_table.append(last)
-                self.stats.num_inplace_appends += 1
+                self.stats.inplace_appends += 1
             else:
                 copy = self.allocate(1, req)
                 if copy is None:
                     self.release(req)
                     return False
                 ops.append(CopyBlock(last, copy[0], partial))
-                self.stats.num_cow_copies += 1
+                self.stats.cow_copies += 1
                 req.block_table += copy
         req.num_computed = req.num_kv_done = m.num_cached_tokens
         return True

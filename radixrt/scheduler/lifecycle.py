@@ -4,17 +4,20 @@ A request finishes by caching what executed steps computed and releasing its KV;
 children, beam search) is preempted, aborted and failed as a whole: its children leave holding
 nothing and its parent is requeued (preemption) or finished with them. Requests finished
 outside `Scheduler.update` (a failed compile, a failure while planning) are collected in
-`finished_outside_update` until the engine drains them for their last delta.
+`finished_outside_update` until the engine drains them for their last delta. The features'
+`on_preempt` / `on_finish` hooks (set by `Scheduler._compose`) hear of each sequence preempted
+and each request finished.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues, is_queued
 from radixrt.scheduler.request import FinishReason, Request, Status
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 logger = logging.getLogger("radixrt.scheduler.scheduler")
 
@@ -24,7 +27,7 @@ class Lifecycle:
         self,
         kv: KVManager,
         queues: RequestQueues,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         eos_token_ids: frozenset[int],
         max_model_len: int,
     ) -> None:
@@ -34,6 +37,8 @@ class Lifecycle:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.finished_outside_update: list[Request] = []
+        self.on_preempt: list[Callable[[Request], None]] = []  # the features' hooks
+        self.on_finish: list[Callable[[Request], None]] = []
 
     def stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """Why `req` stops after its newest output token `token` (already appended), if it
@@ -91,13 +96,13 @@ class Lifecycle:
         self.kv.release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        for hook in self.on_finish:
+            hook(req)
         g = req.group
         if g is not None and req is not g.parent:
             g.children.remove(req)
             if not req.reports:
                 return  # a beam
-        if req.reports:
-            self.stats.finish_reasons[reason.value] += 1
         del self.queues.requests[req.rid]
         if g is not None and g.beam is None and not g.children and req is not g.parent:
             self.stop(g.parent, reason)  # the last child of an n > 1 request
@@ -129,7 +134,7 @@ class Lifecycle:
             error = f"internal error: {type(error).__name__}: {error}"
         req.error = error
         if req.reports:
-            self.stats.num_failed_requests += 1
+            self.stats.failed_requests += 1
         if req.status is Status.RUNNING:
             if req in q.running:  # a failure half-way through moving it may have left it
                 q.running.remove(req)
@@ -144,6 +149,8 @@ class Lifecycle:
             if req.group is not None and req in req.group.children:
                 req.group.children.remove(req)
             req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            for hook in self.on_finish:
+                hook(req)
 
     # ---- preempting ----
     def preempt(self, req: Request) -> None:
@@ -156,11 +163,10 @@ class Lifecycle:
             for child in g.children:
                 if child.status is Status.RUNNING:
                     self._unrun(child)
-                    child.beam_top_logprobs = None
             g.ready = False
             req = g.parent
         self._unrun(req)
-        self.stats.num_preemptions += 1
+        self.stats.preemptions += 1
         self.queues.waiting.appendleft(req)
 
     def preempt_newest(self, exclude: list[Request]) -> None:
@@ -176,3 +182,5 @@ class Lifecycle:
         seq.epoch += 1
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        for hook in self.on_preempt:
+            hook(seq)

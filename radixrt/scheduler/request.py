@@ -28,6 +28,10 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """What the scheduler's core needs of a request. Features keep their own per-request
+    state (grammar matchers, verify counts, beams' top log-probs) in tables keyed by the
+    request (it hashes by identity); see `radixrt.scheduler.features`."""
+
     rid: str
     prompt_len: int
     seq_token_ids: list[int]  # the sequence: prompt, then the output tokens on the host
@@ -57,23 +61,15 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: what went wrong
     invalid_request: bool = False  # with ERROR: the request's own fault (a bad grammar: 400)
-    # structured output (radixrt.scheduler.grammar): the compile in progress (grammar-
-    # pending: not admitted), then the sequence's GrammarMatcher (opaque handles)
-    grammar_ticket: Any = None
-    grammar: Any = None
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     # when params.top_logprobs: per output token, the most likely (token, log-prob) pairs
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # when params.prompt_logprobs: log-probs of prompt tokens [logprob_start_len, prompt_len)
     prompt_logprobs: list[float] = field(default_factory=list)
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
-    num_draft_tokens: int = 0  # speculative drafts verified for this request
-    num_accepted_tokens: int = 0  # of those, accepted
     group: ForkGroup | None = None  # n > 1 or beam search: parent, children / beams
     index: int = 0  # a fork child's index (choice) in its group
     reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
-    # a beam's top log-probs from its latest step, until its group picks the next beams
-    beam_top_logprobs: list[tuple[int, float]] | None = None
 
     @property
     def cache_salt(self) -> str | None:

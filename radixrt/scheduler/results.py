@@ -17,7 +17,7 @@ from radixrt.plan import PlanRow, StepPlan, StepResult
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.request import FinishReason, Request, Status
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 class ResultApplier:
@@ -25,7 +25,7 @@ class ResultApplier:
         self,
         kv: KVManager,
         lifecycle: Lifecycle,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         on_row_result: list[Callable[[Request, PlanRow, StepResult, int], bool]],
         on_token: list[Callable[[Request, int], FinishReason | None]],
         after_update: list[Callable[[list[Request]], None]],
@@ -48,7 +48,7 @@ class ResultApplier:
         changed: list[Request] = []
         for i, (row, req, epoch) in enumerate(zip(plan.rows, requests, epochs)):
             if req.epoch != epoch or req.status is not Status.RUNNING:
-                self.stats.num_dropped_tokens += len(result.tokens[i])
+                self.stats.dropped_tokens += len(result.tokens[i])
                 continue  # finished, aborted or preempted since the plan was made
             try:
                 self.apply_row(req, row, result, i, changed)
@@ -96,10 +96,7 @@ class ResultApplier:
             # Drafts past the accepted ones were fed with wrong KV: roll back to the
             # accepted length (the KV of the last accepted token is computed next step).
             req.num_computed = req.num_kv_done = row.start + len(tokens)
-            self.kv.truncate(req)
-            self.stats.spec.record_verify(row.num_draft_tokens, len(tokens) - 1)
-            req.num_draft_tokens += row.num_draft_tokens
-            req.num_accepted_tokens += len(tokens) - 1
+            self.kv.truncate(req)  # (speculation counted the row at on_row_result)
         p = req.params
         stop_reason = self.lifecycle.stop_reason
         for j, token in enumerate(tokens):
@@ -108,11 +105,11 @@ class ResultApplier:
                 req.output_logprobs.append(result.logprobs[i][j])
             if p.top_logprobs:
                 req.output_top_logprobs.append(result.top_logprobs[i][j])
-            self.stats.num_generated_tokens += 1
+            self.stats.generated_tokens += 1
             reason = stop_reason(req, token)
             for hook in self.on_token:
                 reason = hook(req, token) or reason
             if reason is not None:
-                self.stats.num_dropped_tokens += len(tokens) - j - 1
+                self.stats.dropped_tokens += len(tokens) - j - 1
                 self.lifecycle.finish_running(req, reason)
                 return

@@ -42,7 +42,7 @@ from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 
 @dataclass
@@ -61,7 +61,7 @@ class RetentionFeature(SchedulerFeature):
         cfg: SchedulerConfig,
         kv: KVManager,
         queues: RequestQueues,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
@@ -91,7 +91,7 @@ class RetentionFeature(SchedulerFeature):
             now = self.clock()
             for rid in [r for r, h in self.holds.items() if h.expires <= now]:
                 self._drop(rid)
-                self.stats.num_retention_expired += 1
+                self.stats.retention_expired += 1
 
     def after_update(self, changed: list[Request]) -> None:
         for req in changed:
@@ -114,7 +114,7 @@ class RetentionFeature(SchedulerFeature):
             born = next(self._births)
         blocks = cache.locked_blocks(m.handle)
         if not self._make_room(blocks, salt, born, set(covered)):
-            self.stats.num_retention_refused += 1
+            self.stats.retention_refused += 1
             return  # the lineage keeps its earlier holds
         for rid in covered:
             self._drop(rid)
@@ -122,7 +122,7 @@ class RetentionFeature(SchedulerFeature):
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
         self.holds[req.rid] = hold = Hold(m.handle, self.clock() + ttl, blocks, tokens, salt, born)
         self._count(hold, +1)
-        self.stats.num_retention_holds += 1
+        self.stats.retention_holds += 1
 
     def _make_room(self, blocks: list[int], salt: str | None, born: int, leaving: set) -> bool:
         """Whether a hold on `blocks` of lineage `born` fits the share bounds once the holds
@@ -161,7 +161,7 @@ class RetentionFeature(SchedulerFeature):
             return False
         for rid in dropped:
             self._drop(rid)
-            self.stats.num_retention_released += 1
+            self.stats.retention_released += 1
         return True
 
     def release(self, rid: str) -> bool:
@@ -184,7 +184,7 @@ class RetentionFeature(SchedulerFeature):
             if cache.evictable_blocks >= num_blocks or self.holds[rid].born <= limit:
                 break
             self._drop(rid)
-            self.stats.num_retention_released += 1
+            self.stats.retention_released += 1
 
     def lineage(self, req: Request) -> float:
         """The age of the oldest hold `req` continues (its sequence extends the held one),

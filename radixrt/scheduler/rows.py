@@ -21,7 +21,7 @@ from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import Request, Status
-from radixrt.scheduler.stats import SchedulerStats
+from radixrt.stats import SchedulerCounters
 
 _ADMISSION_ORDER = attrgetter("priority", "admission_seq")  # decode rows reserve in this order
 
@@ -59,7 +59,7 @@ class RowPlanner:
         kv: KVManager,
         queues: RequestQueues,
         lifecycle: Lifecycle,
-        stats: SchedulerStats,
+        stats: SchedulerCounters,
         max_model_len: int,
         on_row: list[RowHook],
         drafter: Drafter | None,
@@ -147,7 +147,7 @@ class RowPlanner:
         for hook in self.on_row:
             hook(req, row, drafts, samples, tables)
         if start < req.prompt_len:
-            self.stats.num_prompt_tokens_computed += min(start + n, req.prompt_len) - start
+            self.stats.prompt_tokens_computed += min(start + n, req.prompt_len) - start
         if p.prompt_logprobs:
             lo = max(start, p.logprob_start_len - 1)
             hi = min(start + n, req.prompt_len - 1)

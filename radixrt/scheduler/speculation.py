@@ -16,17 +16,22 @@ other features and the overlapped loop are all here:
   leave them out) or when a row whose sample is in flight would draft (`would_draft`: its
   proposal from the host tokens reaches past that sample), so drafting rows get exact
   proposals every step, as without overlap, and rows that do not draft overlap.
+
+Verify rows' results are counted here (`on_row_result`): the engine's `SpecStats` and, per
+request, the drafts verified and accepted (`verified`, which the engine's deltas report; kept
+as long as the request object lives, so that its last delta still reads them).
 """
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from radixrt.config import SchedulerConfig
-from radixrt.plan import PlanRow
+from radixrt.plan import PlanRow, StepResult
 from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature
 from radixrt.scheduler.request import Request
-from radixrt.scheduler.stats import SchedulerStats
-from radixrt.speculative.base import Proposer
+from radixrt.speculative.base import Proposer, SpecStats
 
 
 class SpeculationFeature(SchedulerFeature):
@@ -34,7 +39,7 @@ class SpeculationFeature(SchedulerFeature):
         self,
         proposer: Proposer,
         cfg: SchedulerConfig,
-        stats: SchedulerStats,
+        stats: SpecStats,
         max_model_len: int,
         grammar: GrammarFeature | None,
     ) -> None:
@@ -43,6 +48,13 @@ class SpeculationFeature(SchedulerFeature):
         self.stats = stats
         self.max_model_len = max_model_len
         self.grammar = grammar
+        # per request: [drafts verified, of those accepted] (entries go with the request)
+        self._verified: WeakKeyDictionary[Request, list[int]] = WeakKeyDictionary()
+
+    def verified(self, req: Request) -> tuple[int, int]:
+        """Speculative drafts verified for `req` so far, and how many of them were accepted."""
+        counts = self._verified.get(req)
+        return (counts[0], counts[1]) if counts is not None else (0, 0)
 
     def drafts(self, req: Request, spare: int) -> list[int]:
         """Draft tokens for a decode row: only with its last token on the host, and room for
@@ -51,7 +63,7 @@ class SpeculationFeature(SchedulerFeature):
         position with the drafts before it counted (`radixrt.engine.penalties`)."""
         if req.num_inflight_samples or not req.reports:
             return []
-        constrained = req.grammar is not None
+        constrained = self._constrained(req)
         if constrained and self.proposer.drafts_on_device:
             return []  # device drafts cannot be checked against the grammar
         room = min(
@@ -66,8 +78,8 @@ class SpeculationFeature(SchedulerFeature):
         if constrained and drafts:
             assert self.grammar is not None
             drafts = self.grammar.allowed_drafts(req, drafts)
-        self.stats.spec.num_proposals += 1
-        self.stats.spec.num_proposals_with_drafts += bool(drafts)
+        self.stats.num_proposals += 1
+        self.stats.num_proposals_with_drafts += bool(drafts)
         return drafts
 
     def would_draft(self, req: Request) -> bool:
@@ -76,7 +88,7 @@ class SpeculationFeature(SchedulerFeature):
         from the host tokens goes past it (a draft model always drafts). Unconstrained rows
         only (constrained rows never have a sample in flight)."""
         assert req.num_inflight_samples
-        if not req.reports or req.grammar is not None:
+        if not req.reports or self._constrained(req):
             return False
         room = min(req.max_tokens - req.num_output, self.max_model_len - req.seq_len) - 2
         if room < 1:
@@ -95,3 +107,17 @@ class SpeculationFeature(SchedulerFeature):
             tables.device_drafts.add(id(row))
         else:
             tables.drafts[id(row)] = drafts
+
+    def on_row_result(self, req: Request, row: PlanRow, result: StepResult, i: int) -> bool:
+        """Count a verify row's result (the result applier appends the accepted tokens)."""
+        k = row.num_draft_tokens
+        if k:
+            accepted = len(result.tokens[i]) - 1
+            self.stats.record_verify(k, accepted)
+            counts = self._verified.setdefault(req, [0, 0])
+            counts[0] += k
+            counts[1] += accepted
+        return False
+
+    def _constrained(self, req: Request) -> bool:
+        return self.grammar is not None and self.grammar.constrained(req)

@@ -80,3 +80,20 @@ class SpecStats:
     def fire_rate(self) -> float:
         """Share of proposals that drafted anything."""
         return self.num_proposals_with_drafts / self.num_proposals if self.num_proposals else 0.0
+
+    def as_engine_stats(self) -> dict[str, float | list]:
+        """The `spec_*` fields of `radixrt.stats.EngineStats` (counters, rates, per position)."""
+        return {
+            "spec_proposals": self.num_proposals,
+            "spec_proposals_with_drafts": self.num_proposals_with_drafts,
+            "spec_fire_rate": self.fire_rate,
+            "spec_verify_rows": self.num_verify_rows,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_mean_acceptance_length": self.mean_acceptance_length,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+            "spec_acceptance_rate_per_position": [
+                self.acceptance_rate_at(i) for i in range(len(self.drafted_per_position))
+            ],
+        }
