@@ -109,7 +109,7 @@ BAD = {
     "kv_pool_too_small": (
         GEN,
         {"text": "a", "sampling_params": {"max_new_tokens": 1000}},
-        None,
+        "sampling_params.max_new_tokens",
         ["KV blocks"],
     ),
     "abort_without_rid": ("/abort", {}, "rid", ["rid"]),

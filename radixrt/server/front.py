@@ -295,6 +295,7 @@ class Front(FrontOutputs):
             num_choices,
             beam=beam,
             grammar_param=spec.grammar_param,
+            field_names={"max_tokens": spec.max_tokens_param, "prompt": spec.prompt_param},
         )
 
     def _prepare(

@@ -68,6 +68,8 @@ class FrontOutputs:
                         param = err.param
                         if (err.grammar or param in SAMPLING_FIELDS) and st.grammar_param:
                             param = st.grammar_param  # the field the client used
+                        elif param in st.field_names:
+                            param = st.field_names[param]  # e.g. max_tokens on /generate
                         error = ApiError(err.message, param, status=err.status, type=kind)
                         self._fail(st, error)
             self.snapshot = msg.snapshot

@@ -52,6 +52,8 @@ class RequestState:
     num_choices: int = 1  # n of its scheduler request (1 for a beam search)
     beam: bool = False  # a beam search: no deltas but the last, results in `beams`
     grammar_param: str | None = None  # the request field holding its constraint, if any
+    # the request's names of the engine's `max_tokens` / `prompt` (for the scheduler's errors)
+    field_names: dict[str, str] = field(default_factory=dict)
     beams: list[BeamResult] = field(default_factory=list)  # beam search: best first
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
