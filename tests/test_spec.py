@@ -55,6 +55,20 @@ def test_ngram_lookup_matches_naive(tokens, min_n, extra, k):
     assert ngram_lookup(tokens, min_n, max_n, k) == naive_ngram(tokens, min_n, max_n, k)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=14),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_ngram_may_propose_next_is_exact(tokens, min_n, extra):
+    """`may_propose_next(tokens)` (the overlapped loop's test, the next token unknown) holds
+    exactly when some next token makes `propose` draft (4 stands for a token never seen)."""
+    proposer = NgramProposer(min_n, min_n + extra)
+    some = any(proposer.propose(tokens + [t], 1) for t in range(5))
+    assert proposer.may_propose_next(tokens) == some
+
+
 def fill(cache: RadixCache, tokens: list[int]) -> None:
     blocks = cache.allocator.allocate(-(-len(tokens) // cache.block_size))
     cache.insert(tokens, blocks)
@@ -74,6 +88,18 @@ def test_peek_continuation_follows_the_most_recent_branch():
     assert cache.peek_continuation([1, 2, 3, 4, 5, 6, 7], 3) == []
     assert cache.peek_continuation([], 3) == []
     assert cache.peek_continuation([1], 0) == []
+
+
+def test_radix_may_propose_next():
+    """The radix proposer's test for a row whose next token is unknown: some next token is
+    followed by one to draft."""
+    cache = RadixCache(BlockAllocator(64), 4)
+    fill(cache, [1, 2, 3, 4, 5, 6])
+    fill(cache, [1, 2, 3, 7, 8])
+    proposer = RadixProposer(cache)
+    for tokens in ([1], [1, 2], [1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 7], [1, 2, 3, 7, 8], [9]):
+        some = any(proposer.propose(tokens + [t], 1) for t in range(10))
+        assert proposer.may_propose_next(tokens) == some, tokens
 
 
 def test_peek_continuation_is_read_only():
@@ -378,3 +404,63 @@ def test_cli_flags_reach_the_config():
     args = p.parse_args(["--speculative-method", "draft", "--speculative-draft-model", "/d"])
     cfg = resolve_config("-", **{**engine_options(args), "device": "cpu"})
     assert cfg.speculative.speculative_draft_model == "/d"
+
+
+# ---- overlap: rows draft where a synchronous loop drafts, and rows that do not draft overlap ----
+
+PATTERN = [100 + 37 * i % 997 for i in range(16)]
+
+
+def noisy_pattern(rid: str, position: int) -> int:
+    """A 16-token pattern with a token never seen before at every 6th position: drafts
+    start again a few tokens after each divergence."""
+    row = int(rid[1:])
+    return 1200 + 4 * position + row if position % 6 == 0 else PATTERN[(position + row) % 16]
+
+
+def unique_tokens(rid: str, position: int) -> int:
+    """No token repeats within a row: the ngram proposer never drafts."""
+    return 100 + 4 * position + int(rid[1:])
+
+
+def decode_steps(overlap: bool, token_fn, num_rows: int, steps: int):
+    """`steps` loop steps after the prompts: (what they generated, drafted and accepted,
+    whether every result of the run was taken only after the next plan was made)."""
+    core, runner = make_core(overlap=overlap, num_kv_blocks=256, num_speculative_tokens=4)
+    core.scheduler.use_proposer(NgramProposer(2, 4))
+    runner.token_fn = token_fn
+    params = SamplingParams(max_tokens=180, ignore_eos=True)
+    for i in range(num_rows):
+        core.add_request([token_fn(f"r{i}", p) for p in range(48)], params, rid=f"r{i}")
+    while any(r.num_output < 2 for r in core.scheduler.requests.values()):
+        core.step()
+    before = core.stats()
+    for _ in range(steps):
+        core.step()
+    after, overlapped = core.stats(), runner.overlapped()
+    for rid in list(core.scheduler.requests):
+        core.abort(rid)
+    while core.has_work:
+        core.step()
+    core.check_integrity()
+    keys = ("generated_tokens", "spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
+    return {k: after[k] - before[k] for k in keys}, overlapped
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_overlap_drafts_where_a_synchronous_loop_does(num_rows):
+    """A row whose sample is in flight drafts once the loop has its result whenever the exact
+    context drafts: with overlap on, tokens per step, verify rows and acceptance equal the
+    synchronous loop's (a row used to be planned without drafts whenever the context one
+    token short proposed nothing, losing the first verify after each divergence)."""
+    sync, _ = decode_steps(False, noisy_pattern, num_rows, 30)
+    overlapped, _ = decode_steps(True, noisy_pattern, num_rows, 30)
+    assert sync["spec_accepted_tokens"] > 0
+    assert overlapped == sync  # tokens per step, drafts, acceptance
+
+
+def test_rows_that_cannot_draft_overlap():
+    """Rows that no next token could make draft never make the loop wait for a result."""
+    out, overlapped = decode_steps(True, unique_tokens, 4, 20)
+    assert out["generated_tokens"] == 4 * 20 and out["spec_verify_rows"] == 0
+    assert overlapped

@@ -197,8 +197,8 @@ class Scheduler:
         """Whether the loop should apply the in-flight steps' results before planning the
         next (speculative decoding's rule, see radixrt.scheduler.speculation): one has verify
         rows, which a plan made now would leave out (they would advance every other step), or
-        a row whose sample is in flight would draft. Other rows that wait for their host
-        result (grammar masks, beams) are left out of the overlapped plan instead."""
+        a row in flight could draft once its sample is known. Other rows that wait for their
+        host result (grammar masks, beams) are left out of the overlapped plan instead."""
         if self.steps.has_verify_rows:
             return True
         spec = self.speculation

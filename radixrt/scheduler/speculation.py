@@ -13,9 +13,12 @@ other features and the overlapped loop are all here:
 - a row whose last sample is still in flight does not draft (the proposer needs it);
 - the engine loop takes the in-flight step's result before planning the next
   (`Scheduler.wants_result_first`) when that step has verify rows (a plan made now would
-  leave them out) or when a row whose sample is in flight would draft (`would_draft`: its
-  proposal from the host tokens reaches past that sample), so drafting rows get exact
-  proposals every step, as without overlap, and rows that do not draft overlap.
+  leave them out) or when a row whose sample is in flight could draft once that sample is
+  known (`would_draft`: the proposer's `may_propose_next`, some next token makes it draft), so
+  a row drafts at every position where a loop without overlap drafts, from the exact
+  context, and rows that cannot draft overlap. (Asking the proposer about the host tokens
+  alone, a context one token short, drafted one position late after every divergence: the
+  first verify of each run of matches was lost and acceptance fell.)
 
 Verify rows' results are counted here (`on_row_result`): the engine's `SpecStats` and, per
 request, the drafts verified and accepted (`verified`, which the engine's deltas report; kept
@@ -83,19 +86,21 @@ class SpeculationFeature(SchedulerFeature):
         return drafts
 
     def would_draft(self, req: Request) -> bool:
-        """Whether running `req`, whose last sample is in flight, would draft once that
-        sample is on the host: it has room for a draft after it and the proposer's proposal
-        from the host tokens goes past it (a draft model always drafts). Unconstrained rows
-        only (constrained rows never have a sample in flight)."""
+        """Whether running `req`, whose last sample is in flight, could draft once that
+        sample is on the host: it has room for a draft after it and some value of that sample
+        makes the proposer draft (`may_propose_next`; a draft model always drafts, a proposer
+        without the method is taken to). Unconstrained rows only (constrained rows never have
+        a sample in flight)."""
         assert req.num_inflight_samples
         if not req.reports or self._constrained(req):
             return False
         room = min(req.max_tokens - req.num_output, self.max_model_len - req.seq_len) - 2
         if room < 1:
             return False
-        if self.proposer.drafts_on_device:
+        may_propose_next = getattr(self.proposer, "may_propose_next", None)
+        if self.proposer.drafts_on_device or may_propose_next is None:
             return True
-        return bool(self.proposer.propose(req.seq_token_ids, 1, req.cache_salt))
+        return may_propose_next(req.seq_token_ids, req.cache_salt)
 
     def on_row(
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables

@@ -27,6 +27,13 @@ class Proposer(Protocol):
         the prefix cache reads only that salt's entries); [] when it has nothing to propose."""
         ...
 
+    def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+        """Whether `propose(tokens + [t], ...)` drafts for some token t: asked for a row whose
+        next token t is still being sampled, so that the loop waits for it only when drafts
+        could follow (False only when none can; ngram's is exact). Optional: a host proposer
+        without it is taken to say True (the loop always waits for such rows' results)."""
+        ...
+
 
 @dataclass
 class SpecStats:

@@ -22,6 +22,17 @@ class NgramProposer:
     def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         return ngram_lookup(tokens, self.min_n, self.max_n, max_drafts)
 
+    def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+        """Whether `propose(tokens + [t])` drafts for some token t: exactly when the last
+        min_n - 1 tokens occur earlier with a token after them (t can be that token); always
+        for min_n = 1."""
+        m = self.min_n - 1
+        if m == 0:
+            return len(tokens) > 0
+        if m == 1:  # the common case (min_n = 2), without numpy
+            return len(tokens) > 1 and tokens[-1] in tokens[:-1]
+        return bool(ngram_lookup(tokens, m, m, 1))
+
 
 def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
     """Up to `max_drafts` tokens that followed the most recent earlier occurrence of the

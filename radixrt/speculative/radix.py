@@ -18,3 +18,8 @@ class RadixProposer:
 
     def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         return self.cache.peek_continuation(tokens, max_drafts, salt)
+
+    def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+        """Whether the tree holds two tokens after `tokens` (one for the unknown next token,
+        one to draft) along the most recently used path (another branch can make this miss)."""
+        return len(self.cache.peek_continuation(tokens, 2, salt)) == 2
