@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .admission import ProgramGate
 from .backends.base import Backend, GenResult
 from .errors import UnknownVariableError
 from .ir import Gen, GenParams, OfferTools, Op, RoleBegin, RoleEnd, Select, Text
@@ -85,6 +86,7 @@ class Executor:
         concurrent: bool = False,
         sink: StreamSink | None = None,
         tracing: bool = False,
+        gate: ProgramGate | None = None,
     ) -> None:
         self.backend = backend
         self.gen_defaults = gen_defaults
@@ -106,6 +108,10 @@ class Executor:
         # when it finishes (a fork's at its join: nothing continues a joined branch; the
         # program's main state's at the program's end)
         self.held_rids: list[str] = []
+        # run_batch's admission (None: a program run alone): its calls with a retention hint
+        # go through the gate, which reads whether the latest of `held_calls` is held
+        self.gate = gate
+        self.held_calls: list[tuple[str, int]] = []  # (request id, context tokens), in order
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
@@ -170,13 +176,12 @@ class Executor:
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
-            self._note_hold(
-                self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s), self.hold_s
-            )
+            self._send_prefix(prefix_ids)
         children = []
         for _ in range(n):
-            child = Executor(self.backend, self.gen_defaults, concurrent=True)
+            child = Executor(self.backend, self.gen_defaults, concurrent=True, gate=self.gate)
             child.hold_s = self.hold_s
+            child.held_calls = list(self.held_calls)
             child.text = self.text
             child.variables = dict(self.variables)
             child.meta = copy.deepcopy(self.meta)
@@ -275,8 +280,10 @@ class Executor:
         if self.sink is not None:
             sink, name = self.sink, op.name
             on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
-        result = self.backend.generate(prompt_ids, params, on_delta)
-        self._note_hold(result, params.cache_ttl_s)
+        tokens = len(prompt_ids) + (params.max_tokens or 0)
+        result = self._call(
+            params.cache_ttl_s, tokens, lambda: self.backend.generate(prompt_ids, params, on_delta)
+        )
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         if op.name is not None:
             self.variables[op.name] = result.text
@@ -299,8 +306,7 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
-        prefix = self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s)
-        self._note_hold(prefix, self.hold_s)
+        self._send_prefix(prefix_ids)
         token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
@@ -318,10 +324,34 @@ class Executor:
                 "normalize": op.normalize,
             }
 
-    def _note_hold(self, result: GenResult, cache_ttl_s: float) -> None:
-        """Remember a request sent with a retention hint (released at the program's end)."""
-        if cache_ttl_s > 0 and result.rid is not None:
+    def _send_prefix(self, prefix_ids: list[int]) -> None:
+        """Prefill the state's prefix (held for the program, as its gens' contexts)."""
+        self._call(
+            self.hold_s,
+            len(prefix_ids),
+            lambda: self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s),
+        )
+
+    def _call(self, cache_ttl_s: float, tokens: int, send) -> GenResult:
+        """Send a request (`send()`) whose context is `tokens` long; with a retention hint,
+        through the admission gate (when run_batch has one) and remembered for release at
+        the program's end."""
+        if cache_ttl_s <= 0:
+            return send()
+        reservation = None
+        if self.gate is not None:
+            reservation = self.gate.before_call(self.held_calls, tokens)
+        result = None
+        try:
+            result = send()
+        finally:
+            if self.gate is not None:
+                n = tokens if result is None else result.prompt_tokens + result.completion_tokens
+                self.gate.after_call(reservation, result, n)
+        if result.rid is not None:
             self.held_rids.append(result.rid)
+            self.held_calls.append((result.rid, result.prompt_tokens + result.completion_tokens))
+        return result
 
     def _role_begin(self, role: str) -> None:
         if self.open_role is not None:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import fields
 from typing import Any
 
+from .admission import BatchAdmission
 from .backends.base import Backend
 from .interpreter import Executor, StreamSink, TraceStop, program_hold_s
 from .ir import GenParams
@@ -83,11 +84,16 @@ class Program:
 
     def _run(self, executor: Executor, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
         state = ProgramState(executor)
+        gate = executor.gate
         try:
+            if gate is not None:
+                gate.start()  # run_batch's admission: when its context is likely to be kept
             self.func(state, *args, **kwargs)
         finally:
             # joins the forks even when the body failed and releases the program's holds
             error = executor.finish()
+            if gate is not None:
+                gate.end()
         if error is not None:
             raise error
         return state
@@ -101,6 +107,7 @@ class Program:
         progress_bar: bool = False,
         gen_defaults: dict[str, Any] | None = None,
         prefix_hint: bool = True,
+        admission: bool = True,
     ) -> list[ProgramState]:
         """Run the program once per kwargs dict, `num_threads` at a time (default: all, up
         to 64), and return the final states in input order. If any program fails, the
@@ -112,6 +119,14 @@ class Program:
         while the batch runs, as a program holds its context: `PROGRAM_CACHE_TTL_S`).
         Turn it off for programs with side effects before their first gen. An error the
         traced code raises is raised here, before any program runs.
+
+        admission: on backends that report their cache pressure (`Backend.cache_pressure`:
+        the in-process one) and programs that hold their contexts, finish the programs under
+        way before starting (or going on with) those whose contexts the engine's retention
+        share cannot keep: a program whose latest hold was refused waits before its next
+        call, and new programs wait to start, until the held programs of the batch end and
+        their holds make room (`radixrt.frontend.admission`). Off: every program runs as
+        soon as a thread is free.
         """
         if not all(isinstance(kw, dict) for kw in batch_kwargs):
             raise ValueError("run_batch takes a list of keyword-argument dicts, one per run")
@@ -122,22 +137,32 @@ class Program:
         if not batch_kwargs:
             return []
         held: list[str] = []  # the batch's shared prefix, held while the batch runs
+        hold_s = program_hold_s(backend, defaults)
+        shared = 0  # tokens of it
         if prefix_hint and len(batch_kwargs) > 1:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
-                hold_s = program_hold_s(backend, defaults)
                 sent = backend.cache_prefix(
                     prefix, defaults.cache_salt if defaults else None, hold_s
                 )
                 if hold_s > 0 and sent.rid is not None:
                     held.append(sent.rid)
+                    shared = len(prefix)
+        gates = None
+        if admission and hold_s > 0 and backend.cache_pressure() is not None:
+            gates = BatchAdmission(backend, shared)
         from tqdm.auto import tqdm
 
         threads = num_threads or min(len(batch_kwargs), MAX_BATCH_THREADS)
         try:
             with ThreadPoolExecutor(threads, thread_name_prefix="radixrt-batch") as pool:
                 futures = {
-                    pool.submit(self._run, Executor(backend, defaults), (), kw): i
+                    pool.submit(
+                        self._run,
+                        Executor(backend, defaults, gate=gates and gates.program(i)),
+                        (),
+                        kw,
+                    ): i
                     for i, kw in enumerate(batch_kwargs)
                 }
                 with tqdm(

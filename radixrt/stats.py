@@ -214,3 +214,24 @@ def _stat_fields() -> tuple[StatField, ...]:
 
 
 STAT_FIELDS = _stat_fields()
+
+
+class CachePressure(msgspec.Struct, frozen=True, kw_only=True):
+    """How full the KV pool is with retention holds, after the latest step
+    (`EngineCore.cache_pressure()`): what a client that runs many multi-call programs reads to
+    decide whether to start another one or to let a program go on whose context is not held
+    (`radixrt.frontend`'s run_batch admission). Plain data, taken between steps."""
+
+    num_blocks: int  # the device pool
+    block_size: int  # tokens per block
+    free_blocks: int  # unallocated
+    evictable_blocks: int  # cached, unlocked: taken back on demand
+    held_blocks: int  # distinct blocks retention holds keep (`retention_held_blocks`)
+    max_held_blocks: int  # the share bound on them (`retention_max_share` x the pool)
+    holds_refused: int  # holds not taken for want of room, since start
+    held: frozenset[str] = frozenset()  # finished requests whose holds are in place
+
+    @property
+    def room_blocks(self) -> int:
+        """Blocks another hold may add before the share bound."""
+        return max(0, self.max_held_blocks - self.held_blocks)

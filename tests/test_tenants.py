@@ -545,3 +545,23 @@ def test_a_waiting_request_does_not_take_an_older_hold_while_others_run():
     run(core)
     assert "agent" not in retention.holds  # given up once nothing else ran
     core.check_integrity()
+
+
+def test_cache_pressure_reports_holds_against_the_share_as_data():
+    """`cache_pressure()`: the pool, the held blocks and their share bound, the refusals and
+    which finished requests are held, as plain data between steps."""
+    core, _ = retention_core(retention_max_share=0.5)
+    empty = core.cache_pressure()
+    assert (empty.num_blocks, empty.max_held_blocks, empty.held_blocks) == (40, 20, 0)
+    assert empty.room_blocks == 20 and empty.held == frozenset() and empty.block_size == 4
+    hold = SamplingParams(max_tokens=1, cache_ttl_s=30, ignore_eos=True)
+    core.add_request([800 + j for j in range(59)], hold, rid="x0")  # 15 blocks
+    run(core)
+    core.add_request([900 + j for j in range(31)], hold, rid="y0")  # 8 blocks: no room
+    run(core)
+    p = core.cache_pressure()
+    assert p.held == frozenset({"x0"}) and p.held_blocks == 15 and p.room_blocks == 5
+    assert p.holds_refused == 1 and p.free_blocks + p.evictable_blocks + 15 <= 40
+    core.scheduler.retention.release("x0")
+    assert core.cache_pressure().held == frozenset() and core.cache_pressure().room_blocks == 20
+    core.check_integrity()

@@ -38,6 +38,9 @@ class Wrapper(Backend):
     def release_cache_holds(self, rids: list[str]) -> None:
         self.inner.release_cache_holds(rids)
 
+    def cache_pressure(self):
+        return self.inner.cache_pressure()
+
 
 class Recording(Wrapper):
     """Records every request in `log` (send order), as the engine will count it."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrt.sampling import SamplingParams
+from radixrt.stats import CachePressure
 
 from ..chat import ChatTemplate
 
@@ -74,6 +75,13 @@ class Backend(ABC):
     def release_cache_holds(self, rids: list[str]) -> None:  # noqa: B027 (optional)
         """End the retention holds (`cache_ttl_s`) of finished requests `rids` early (a
         program ended). By default nothing: the holds end when their time runs out."""
+
+    def cache_pressure(self) -> CachePressure | None:
+        """The engine's retention holds against its KV pool after its latest step (plain
+        data, without waiting for the engine), for `run_batch` to start only as many programs
+        as their held contexts fit; None where the backend cannot tell (then run_batch starts
+        every program at once)."""
+        return None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt: special tokens (BOS) are added unless the text already

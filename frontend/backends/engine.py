@@ -4,7 +4,10 @@ Callers from any thread submit requests through a queue and wait on futures; the
 thread adds them, loops `engine.step()` while anything is running (sleeping on the queue
 otherwise), forwards text deltas and resolves each request's future when it finishes.
 Everything queued is applied in queue order: a hold released (`release_cache_holds`) before
-a `run_on_engine` call is gone when that call runs.
+a `run_on_engine` call is gone when that call runs. The engine thread also keeps the engine's
+`cache_pressure()` of the latest step (taken before the step's requests are resolved, so a
+caller sees whether its own request's context is held), which `cache_pressure` returns
+without waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrt.sampling import SamplingParams
+from radixrt.stats import CachePressure
 
 from ..errors import BackendError
 from .base import Backend, DeltaCallback, GenResult
@@ -73,6 +77,7 @@ class EngineBackend(Backend):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._close_lock = threading.Lock()
+        self._pressure: CachePressure | None = self._read_pressure()  # the engine thread's
         self._thread = threading.Thread(target=self._loop, name="radixrt-frontend-engine")
         self._thread.daemon = True  # a forgotten close() must not hang interpreter exit
         self._thread.start()
@@ -116,6 +121,9 @@ class EngineBackend(Backend):
     def release_cache_holds(self, rids: list[str]) -> None:
         if rids and not self._closed:
             self._inbox.put(_Release(list(rids)))
+
+    def cache_pressure(self) -> CachePressure | None:
+        return self._pressure
 
     def run_on_engine(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(engine)` on the engine thread, after everything queued before it (requests
@@ -162,6 +170,12 @@ class EngineBackend(Backend):
                     self._add(item, pending)
             if pending:
                 self._step(pending)
+            elif items:  # holds released (or a call) between steps
+                self._pressure = self._read_pressure()
+
+    def _read_pressure(self) -> CachePressure | None:
+        read = getattr(self.engine, "cache_pressure", None)  # engines of other makes: None
+        return read() if read is not None else None
 
     def _add(self, sub: _Submit, pending: dict[str, _Pending]) -> None:
         for ids, params, future in zip(sub.prompts, sub.params, sub.futures):
@@ -181,6 +195,7 @@ class EngineBackend(Backend):
             logger.exception("engine step failed")
             self._fail_all(pending, e)
             return
+        self._pressure = self._read_pressure()  # before the callers see their results
         for d, text in outputs:
             p = pending[d.rid]
             p.output_ids += d.new_token_ids

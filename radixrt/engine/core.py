@@ -35,7 +35,7 @@ from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
-from radixrt.stats import EngineStats
+from radixrt.stats import CachePressure, EngineStats
 
 logger = logging.getLogger(__name__)
 # A step that planned nothing while grammars compile waits this long (or until one is done)
@@ -264,6 +264,21 @@ class EngineCore:
         """End the retention hold of finished request `rid` early (its `cache_ttl_s`); False
         when it holds nothing (never had a hint, expired, or released for room)."""
         return self.scheduler.retention.release(rid)
+
+    def cache_pressure(self) -> CachePressure:
+        """The pool's fill with retention holds now (between steps): plain data for clients
+        that decide how many held contexts to run at once (`CachePressure`)."""
+        retention = self.scheduler.retention
+        return CachePressure(
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.config.cache.block_size,
+            free_blocks=self.allocator.num_free,
+            evictable_blocks=self.cache.evictable_blocks,
+            held_blocks=retention.num_held_blocks,
+            max_held_blocks=retention.max_blocks,
+            holds_refused=self.scheduler.stats.retention_refused,
+            held=frozenset(retention.holds),
+        )
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
         """Finish a request now; returns its last delta, or None if it is unknown. The id an

@@ -15,6 +15,7 @@ from radixrt.engine.core import EngineCore, RequestDelta
 from radixrt.plan import Runner
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.request import FinishReason, fork_rid
+from radixrt.stats import CachePressure
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,10 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
+
+    def cache_pressure(self) -> CachePressure:
+        """`EngineCore.cache_pressure()`: retention holds against the pool, now."""
+        return self.core.cache_pressure()
 
     def shutdown(self) -> None:
         """Abort everything in flight and release the model and KV memory."""
