@@ -7,7 +7,9 @@ For each workload, the same requests (streaming POST /generate) go to:
 Every server is fresh; its replicas are warmed up directly and their caches flushed before the
 run. Hit rates are the replicas' own counters (GET /metrics on each replica:
 radixrt_cached_tokens_total / radixrt_prompt_tokens_total, differences over the run, summed);
-the client's sum of meta_info cached_tokens is kept beside them as a cross-check.
+the client's sum of meta_info cached_tokens is kept beside them as a cross-check. With
+`--router-args "--log-level debug"`, cache_aware rows also count the router's spills (requests
+it sent by load, not by prefix: its "Load balancing triggered" lines during the run).
 
 Workloads (seeded random token ids, ignore_eos, `benchmarks/workloads.py` generators):
 - shared-prefix: G prefix groups (a long system prompt each) x P questions, the G x P requests
@@ -63,6 +65,7 @@ SIZES: dict[str, dict[str, tuple[dict, int | None]]] = {
     },
 }  # fmt: skip
 REPLICA_LINE = re.compile(r"replica (\d+): (http://127\.0\.0\.1:\d+) \(pid \d+")
+SPILL_LINE = "Load balancing triggered"  # sglang-router's debug line per imbalanced decision
 HIT_TARGET = 0.95  # cache_aware's hit rate / single's
 THROUGHPUT_TARGET = 1.5  # cache_aware's request throughput / round_robin's (shared-prefix)
 
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{SINGLE} and router policies ({', '.join(POLICIES)})")  # fmt: skip
     p.add_argument("--size", default="smoke", choices=["smoke", "full"])
     p.add_argument("--scale", type=float, default=1.0, help="x groups / users")
+    p.add_argument("--per-group", type=int, default=None, help="shared-prefix: requests per "
+                   "group (default: the size's; with --scale 1/G: one hot prefix)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="programs in flight (default: the size's, see SIZES)")  # fmt: skip
     p.add_argument("--kv-fit", type=float, default=0.75, help="working set / total KV pool "
@@ -98,9 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_router_workload(name: str, size: str, scale: float, seed: int, vocab: int) -> Workload:
-    """The workload `name` at `size`; shared-prefix's requests in a seeded random order."""
+def make_router_workload(
+    name: str, size: str, scale: float, seed: int, vocab: int, per_group: int | None = None
+) -> Workload:
+    """The workload `name` at `size`; shared-prefix's requests in a seeded random order
+    (`per_group`: its requests per group instead of the size's)."""
     params, _ = SIZES[name][size]
+    if name == "shared-prefix" and per_group is not None:
+        params = {**params, "prompts_per_group": per_group}
     w = make_workload(name, size, scale, seed, vocab, **params)
     if name == "shared-prefix":
         order = np.random.default_rng(seed).permutation(len(w.programs))
@@ -174,6 +184,12 @@ def serve_args(args: argparse.Namespace, config: str, kv_blocks: int) -> list[st
             "--log-level", "info", "--router-args", router]  # fmt: skip
 
 
+def _router_debug(args: argparse.Namespace) -> bool:
+    opts = shlex.split(args.router_args)
+    levels = [opts[i + 1] for i, o in enumerate(opts[:-1]) if o == "--log-level"]
+    return bool(levels) and levels[-1] == "debug"
+
+
 def run_one(
     args: argparse.Namespace, model: str, w: Workload, config: str, kv_blocks: int,
     concurrency: int | None,
@@ -201,12 +217,16 @@ def run_one(
         for url in replicas:
             flush_cache(url)
         before = [replica_metrics(u) for u in replicas]
+        log_offset = os.path.getsize(log)
         result = run_server(
             srv.url, w, max_concurrency=concurrency, seed=args.seed,
             timeout_s=args.run_timeout_s, server_stats=False,
         )  # fmt: skip
         time.sleep(0.5)  # the scheduler gauges follow its snapshots
         after = [replica_metrics(u) for u in replicas]
+    with open(log, errors="replace") as f:
+        f.seek(log_offset)
+        spills = f.read().count(SPILL_LINE)
     per_replica = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     prompt = sum(r["prompt_tokens"] for r in per_replica)
     cached = sum(r["cached_tokens"] for r in per_replica)
@@ -232,6 +252,9 @@ def run_one(
         "prompt_tokens_computed": sum(r["prompt_tokens_computed"] for r in per_replica),
         "evicted_blocks": sum(r["evicted_blocks"] for r in per_replica),
         "preemptions": sum(r["preemptions"] for r in per_replica),
+        # cache_aware's routing decisions made by load (imbalanced); the router logs them at
+        # debug level only: None unless --router-args has --log-level debug
+        "router_spills": spills if config == "cache_aware" and _router_debug(args) else None,
         **{k: s[k] for k in ("complete", "num_calls", "duration_s", "request_throughput",
                              "input_throughput", "output_throughput", "ttft_ms", "e2e_ms")},
     }  # fmt: skip
@@ -264,6 +287,7 @@ def _one_line(r: dict) -> str:
         f"{r['startup_s']:.0f} s), {r['request_throughput']:7.2f} req/s, hit "
         f"{100 * r['hit_rate']:.1f}% (client {100 * r['client_hit_rate']:.1f}%, best "
         f"{100 * r['best_hit_rate']:.1f}%), requests per replica {r['requests_per_replica']}"
+        + ("" if r.get("router_spills") is None else f", spills {r['router_spills']}")
     )
 
 
@@ -274,7 +298,7 @@ def _target(ok: bool, text: str) -> dict:
 TABLE_HEADER = (
     "| workload | config | KV blocks / replica | req/s | out tok/s | TTFT p50/p99 ms "
     "| hit % (best) | x single hit | x round_robin req/s | requests per replica "
-    "| hit % per replica | evicted | preempt |"
+    "| hit % per replica | evicted | preempt | spills |"
 )
 
 
@@ -294,7 +318,8 @@ def format_table(rows: list[dict]) -> str:
             f"| {100 * r['hit_rate']:.1f} ({100 * r['best_hit_rate']:.1f}) | {x_hit} | {x_rr} "
             f"| {' / '.join(map(str, r['requests_per_replica']))} "
             f"| {' / '.join(f'{100 * h:.0f}' for h in r['hit_rate_per_replica'])} "
-            f"| {r['evicted_blocks']:.0f} | {r['preemptions']:.0f} |"
+            f"| {r['evicted_blocks']:.0f} | {r['preemptions']:.0f} "
+            f"| {'-' if r.get('router_spills') is None else r['router_spills']} |"
         )
     return "\n".join(lines)
 
@@ -341,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in [n for n in args.workloads.split(",") if n]:
         if name not in SIZES:
             raise ValueError(f"unknown workload {name!r}; allowed: {', '.join(SIZES)}")
-        w = make_router_workload(name, args.size, args.scale, args.seed, vocab)
+        w = make_router_workload(name, args.size, args.scale, args.seed, vocab, args.per_group)
         concurrency = args.max_concurrency or SIZES[name][args.size][1]
         ws = working_set_blocks(w, args.block_size, concurrency)
         kv = math.ceil(ws / args.kv_fit / args.replicas)

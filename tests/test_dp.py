@@ -77,6 +77,9 @@ def test_router_command_defaults_then_user_args():
     assert cmd.index("--balance-abs-threshold") < cmd.index("--worker-urls")
     thresholds = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cache-threshold"]
     assert thresholds == ["0.5", "0.3"]
+    assert cmd[cmd.index("--balance-abs-threshold") + 1] == "8"
+    # loads of busy replicas drift apart by chance: spill only below a quarter of the load
+    assert cmd[cmd.index("--balance-rel-threshold") + 1] == "3"
     assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--api-key")] == ["http://a", "http://b"]
 
 

@@ -266,7 +266,8 @@ def add_serve_command(
         "--router-args",
         default="",
         help="--dp > 1: more sglang-router options, one string, after radixrt's "
-        "'--cache-threshold 0.5 --balance-abs-threshold 8' (e.g. '--balance-rel-threshold 2')",
+        "'--cache-threshold 0.5 --balance-abs-threshold 8 --balance-rel-threshold 3' (e.g. "
+        "'--balance-rel-threshold 2')",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
