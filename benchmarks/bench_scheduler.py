@@ -6,6 +6,10 @@ under memory pressure, in seconds on a CPU and independent of GPU timing noise.
     python -m benchmarks.bench_scheduler --workload agent --num-kv-blocks 575 \
         --configs radix+lpm,blockhash+lpm,blockhash+fcfs
 
+`--step-s` runs on a virtual clock: each step takes `--step-s` plus `--token-s` per token it
+computes (a cost model: recomputed prompts then cost time), so `duration` and the calls'
+end-to-end latency (`e2e`, submit to last token) compare settings.
+
 Retention hints (agents pausing for tool calls while others fill the pool): each config runs
 once per `--cache-ttl-s` value; `recomputed` is the prompt tokens computed beyond the
 workload's minimum (every prompt token an ideal cache could not have served). A program's
@@ -56,11 +60,13 @@ def simulate(
     cache_ttl_s: float = 0.0,
     request_rate: float = math.inf,
     step_s: float = 0.0,
+    token_s: float = 0.0,
     **options,
 ) -> dict:
     """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks; `cache_ttl_s`:
     every call's retention hint; `request_rate`: programs per second (inf: all at once);
-    `step_s` > 0: virtual time, each step taking that long (`StepClock`); 0: wall time;
+    `step_s` > 0: virtual time, each step taking that long plus `token_s` per token it
+    computes (`StepClock`); 0: wall time;
     `options`: more engine options (resolve_config)."""
     model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
     host = {"num_host_kv_blocks": host_blocks} if cache == "radix-host" else {}
@@ -84,11 +90,19 @@ def simulate(
         clock = StepClock(step_s)
         core.scheduler.retention.clock = clock
         execute = runner.execute
-        runner.execute = lambda plan: (clock.sleep(step_s), execute(plan))[1]
+
+        def timed(plan):
+            clock.sleep(step_s + token_s * sum(row.num_tokens for row in plan.rows))
+            return execute(plan)
+
+        runner.execute = timed
         timing = {"clock": clock, "sleep": clock.sleep}
     start = time.perf_counter()
-    run_engine(core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, **timing)
+    result = run_engine(
+        core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, **timing
+    )
     core.check_integrity()
+    e2e = sorted(r.end - r.submit for r in result.records)
     stats = core.stats()
     minimum = math.ceil(workload.prompt_tokens * (1 - workload.best_hit_rate()))
     return {
@@ -102,6 +116,9 @@ def simulate(
         "host_hit_tokens": stats["host_hit_tokens"],
         "loaded_blocks": stats["host_loaded_blocks"],
         "written_back_blocks": stats["host_written_back_blocks"],
+        "duration_s": result.duration_s,  # virtual with step_s > 0
+        "e2e_mean_s": sum(e2e) / len(e2e) if e2e else 0.0,
+        "e2e_p50_s": e2e[len(e2e) // 2] if e2e else 0.0,
         "wall_s": time.perf_counter() - start,
     }
 
@@ -129,6 +146,8 @@ def main() -> None:
     p.add_argument(
         "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
     )
+    p.add_argument("--token-s", type=float, default=0.0, help="with --step-s: virtual seconds "
+                   "per computed token, added to each step")  # fmt: skip
     args = p.parse_args()
     extra = {"tool_pause_s": args.tool_pause_s} if args.tool_pause_s else {}
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
@@ -156,6 +175,7 @@ def main() -> None:
                 ttl,
                 args.request_rate,
                 args.step_s,
+                args.token_s,
                 **share,
             )
             print(
@@ -163,7 +183,8 @@ def main() -> None:
                 f"{r['steps']:>6} {r['computed_tokens']:>9} {r['preemptions']:>7} "
                 f"{r['evicted_blocks']:>7} {r['hit_rate']:>6.3f} host {r['host_hit_tokens']:>8} "
                 f"loaded {r['loaded_blocks']:>7} written back {r['written_back_blocks']:>7} "
-                f"{r['wall_s']:6.1f} s"
+                f"duration {r['duration_s']:7.2f} s e2e mean {r['e2e_mean_s']:6.3f} s "
+                f"p50 {r['e2e_p50_s']:6.3f} s ({r['wall_s']:.1f} s wall)"
             )
 
 
