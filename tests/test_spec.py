@@ -78,17 +78,22 @@ def test_ngram_may_propose_next_is_exact(tokens, min_n, extra):
     st.integers(1, 4),
     st.integers(0, 3),
     st.integers(1, 6),
+    st.lists(st.integers(0, 40), max_size=13),
 )
-def test_ngram_index_equals_lookup_on_the_list(prompt, appends, min_n, extra, k):
+def test_ngram_index_equals_lookup_on_the_list(prompt, appends, min_n, extra, k, advances):
     """The tracked index (the scheduler's path) drafts what `ngram_lookup` drafts on the
     plain list, and `may_propose_next` agrees, after every batch of appended tokens (accepted
-    runs, jump-forward) including lookups between no appends at all."""
+    runs, jump-forward) including lookups between no appends at all, and after the
+    scheduler's `advance` over part of the list (prefill chunks)."""
     max_n = min_n + extra
     proposer = NgramProposer(min_n, max_n)
     tokens = list(prompt)
     view = proposer.track(tokens)
-    for batch in [[], *appends]:
+    for i, batch in enumerate([[], *appends]):
         tokens.extend(batch)
+        if i < len(advances):
+            view.advance(advances[i])
+            view.check()
         assert len(view) == len(tokens) and list(view) == tokens
         expect = ngram_lookup(tokens, min_n, max_n, k)
         assert proposer.propose(view, k) == expect == proposer.propose(list(tokens), k)
@@ -112,6 +117,14 @@ def test_ngram_index_long_repetitive_context():
     del tokens[700:]
     assert proposer.propose(view, 5) == ngram_lookup(tokens, 2, 4, 5)
     view.check()
+    # far behind (a long prompt never advanced): exact answers from the list meanwhile
+    tokens += [rng.randrange(40) for _ in range(3000)]
+    for _ in range(6):
+        assert proposer.propose(view, 5) == ngram_lookup(tokens, 2, 4, 5)
+        assert proposer.may_propose_next(view) == (tokens[-1] in tokens[:-1])
+        view.check()
+        tokens.append(rng.randrange(40))
+    assert view._done == len(tokens) - 1  # caught up CATCH_UP_MAX tokens per lookup
 
 
 def fill(cache: RadixCache, tokens: list[int]) -> None:

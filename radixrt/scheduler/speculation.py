@@ -22,7 +22,8 @@ other features and the overlapped loop are all here:
 
 The proposer reads a request's tokens through the view its `track` makes (the ngram proposer's
 index: a lookup then costs O(max_n), not O(context)), one per request, kept here until the
-request finishes (`on_finish`); a proposer without `track` reads `seq_token_ids` itself.
+request finishes (`on_finish`; the view indexes each prefill chunk as its row is planned); a
+proposer without `track` reads `seq_token_ids` itself.
 
 Verify rows' results are counted here (`on_row_result`): the engine's `SpecStats` and, per
 request, the drafts verified and accepted (`verified`, which the engine's deltas report; kept
@@ -114,6 +115,11 @@ class SpeculationFeature(SchedulerFeature):
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
     ) -> None:
         if not drafts:
+            if row.num_tokens > 1 and req.reports and self._track is not None:
+                # a prefill chunk: index it now, not at the row's first draft
+                advance = getattr(self._tokens(req), "advance", None)
+                if advance is not None:
+                    advance(row.end)
             return
         row.needs_host_result = True  # the next row starts where acceptance ends
         if self.proposer.drafts_on_device:

@@ -50,11 +50,16 @@ class NgramProposer:
         return bool(ngram_lookup(tokens, m, m, 1))
 
 
+# tokens a lookup indexes at most (~1.5 ms); with more behind, it reads the whole list
+CATCH_UP_MAX = 1024
+
+
 class NgramIndex(Sequence[int]):
     """A read-only view of an append-only token list (a request's `seq_token_ids`) with the
     latest end of each of its n-grams, lo <= n <= hi, among the ends that a token follows (the
-    candidates of `ngram_lookup`). The table catches up with the list on each lookup; a list
-    that got shorter (never done to a request's sequence) is indexed afresh."""
+    candidates of `ngram_lookup`). The table catches up with the list on each lookup (by at most
+    CATCH_UP_MAX tokens, answering from the whole list meanwhile); a list that got shorter
+    (never done to a request's sequence) is indexed afresh."""
 
     __slots__ = ("tokens", "lo", "hi", "_last", "_done")
 
@@ -78,12 +83,15 @@ class NgramIndex(Sequence[int]):
     def covers(self, min_n: int, max_n: int) -> bool:
         return self.lo <= min_n and max_n <= self.hi
 
-    def _catch_up(self) -> None:
+    def advance(self, upto: int) -> None:
+        """Index the list's first `upto` tokens (at most its length) if not done yet: the
+        scheduler calls it for prefill chunks, so that decoding starts with the prompt indexed."""
         tokens, last, lo, hi = self.tokens, self._last, self.lo, self.hi
         n_tok = len(tokens)
         if n_tok < self._done:
             last.clear()
             self._done = 0
+        n_tok = min(n_tok, upto)
         # ends j = done - 1 .. n_tok - 2 got a token after them since the last call
         for j in range(max(self._done - 1, 0), n_tok - 1):
             gram = tuple(tokens[max(j + 1 - hi, 0) : j + 1])  # the longest n-gram ending at j
@@ -92,7 +100,7 @@ class NgramIndex(Sequence[int]):
                 last[gram[size - n :]] = j
             if size >= lo:
                 last[gram] = j
-        self._done = n_tok
+        self._done = max(self._done, n_tok)
 
     def lookup(self, min_n: int, max_n: int, max_drafts: int) -> list[int]:
         """`ngram_lookup(self.tokens, min_n, max_n, max_drafts)`, for lo <= min_n, max_n <= hi."""
@@ -101,7 +109,10 @@ class NgramIndex(Sequence[int]):
         if n_tok <= min_n or max_drafts <= 0:
             return []
         if n_tok != self._done:
-            self._catch_up()
+            if n_tok - self._done > CATCH_UP_MAX:  # spread a long catch-up over calls
+                self.advance(self._done + CATCH_UP_MAX)
+                return ngram_lookup(tokens, min_n, max_n, max_drafts)
+            self.advance(n_tok)
         last = self._last
         top = min(max_n, n_tok - 1)
         suffix = tuple(tokens[n_tok - top :])
@@ -114,7 +125,7 @@ class NgramIndex(Sequence[int]):
     def check(self) -> None:
         """Assert the table is that of the list's first `done` tokens (O(context))."""
         fresh = NgramIndex(self.tokens[: self._done], self.lo, self.hi)
-        fresh._catch_up()
+        fresh.advance(self._done)
         assert fresh._last == self._last, "ngram index out of step with its token list"
 
 
