@@ -5,6 +5,8 @@ say, the pools balance)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,6 +69,62 @@ def test_ngram_may_propose_next_is_exact(tokens, min_n, extra):
     proposer = NgramProposer(min_n, min_n + extra)
     some = any(proposer.propose(tokens + [t], 1) for t in range(5))
     assert proposer.may_propose_next(tokens) == some
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=20),
+    st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=12),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.integers(1, 6),
+    st.lists(st.integers(0, 40), max_size=13),
+)
+def test_ngram_index_equals_lookup_on_the_list(prompt, appends, min_n, extra, k, advances):
+    """The tracked index (the scheduler's path) drafts what `ngram_lookup` drafts on the
+    plain list, and `may_propose_next` agrees, after every batch of appended tokens (accepted
+    runs, jump-forward) including lookups between no appends at all, and after the
+    scheduler's `advance` over part of the list (prefill chunks)."""
+    max_n = min_n + extra
+    proposer = NgramProposer(min_n, max_n)
+    tokens = list(prompt)
+    view = proposer.track(tokens)
+    for i, batch in enumerate([[], *appends]):
+        tokens.extend(batch)
+        if i < len(advances):
+            view.advance(advances[i])
+            view.check()
+        assert len(view) == len(tokens) and list(view) == tokens
+        expect = ngram_lookup(tokens, min_n, max_n, k)
+        assert proposer.propose(view, k) == expect == proposer.propose(list(tokens), k)
+        assert proposer.may_propose_next(view) == proposer.may_propose_next(list(tokens))
+        view.check()
+
+
+def test_ngram_index_long_repetitive_context():
+    """Thousands of tokens with many repeats, queried at every length (and a list that got
+    shorter is indexed afresh)."""
+    rng = random.Random(7)
+    tokens: list[int] = []
+    proposer = NgramProposer(2, 4)
+    view = proposer.track(tokens)
+    for _ in range(1500):
+        tokens.append(rng.choice([rng.randrange(6), rng.randrange(50)]))
+        if len(tokens) % 7 == 0:
+            assert proposer.propose(view, 5) == ngram_lookup(tokens, 2, 4, 5)
+        assert proposer.may_propose_next(view) == (tokens[-1] in tokens[:-1])
+    view.check()
+    del tokens[700:]
+    assert proposer.propose(view, 5) == ngram_lookup(tokens, 2, 4, 5)
+    view.check()
+    # far behind (a long prompt never advanced): exact answers from the list meanwhile
+    tokens += [rng.randrange(40) for _ in range(3000)]
+    for _ in range(6):
+        assert proposer.propose(view, 5) == ngram_lookup(tokens, 2, 4, 5)
+        assert proposer.may_propose_next(view) == (tokens[-1] in tokens[:-1])
+        view.check()
+        tokens.append(rng.randrange(40))
+    assert view._done == len(tokens) - 1  # caught up CATCH_UP_MAX tokens per lookup
 
 
 def fill(cache: RadixCache, tokens: list[int]) -> None:
@@ -232,6 +290,8 @@ def test_scripted_ngram_equals_plain_decoding(config):
             core.scheduler.use_proposer(NgramProposer(2, 4))
         outs[k] = run(core, reqs, params)
         stats[k] = core.stats()
+    assert core.scheduler.speculation is not None
+    assert not core.scheduler.speculation._views  # the n-gram indexes went with their requests
     assert outs[4] == outs[0] == expected_cyclic(reqs, max_tokens)
     s = stats[4]
     assert s["spec_proposals"] > s["spec_proposals_with_drafts"] > 0

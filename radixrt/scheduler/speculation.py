@@ -20,6 +20,11 @@ other features and the overlapped loop are all here:
   alone, a context one token short, drafted one position late after every divergence: the
   first verify of each run of matches was lost and acceptance fell.)
 
+The proposer reads a request's tokens through the view its `track` makes (the ngram proposer's
+index: a lookup then costs O(max_n), not O(context)), one per request, kept here until the
+request finishes (`on_finish`; the view indexes each prefill chunk as its row is planned); a
+proposer without `track` reads `seq_token_ids` itself.
+
 Verify rows' results are counted here (`on_row_result`): the engine's `SpecStats` and, per
 request, the drafts verified and accepted (`verified`, which the engine's deltas report; kept
 as long as the request object lives, so that its last delta still reads them).
@@ -27,6 +32,7 @@ as long as the request object lives, so that its last delta still reads them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from weakref import WeakKeyDictionary
 
 from radixrt.config import SchedulerConfig
@@ -53,6 +59,9 @@ class SpeculationFeature(SchedulerFeature):
         self.grammar = grammar
         # per request: [drafts verified, of those accepted] (entries go with the request)
         self._verified: WeakKeyDictionary[Request, list[int]] = WeakKeyDictionary()
+        # per running request: the proposer's view of its tokens (dropped when it finishes)
+        self._track = getattr(proposer, "track", None)
+        self._views: dict[Request, Sequence[int]] = {}
 
     def verified(self, req: Request) -> tuple[int, int]:
         """Speculative drafts verified for `req` so far, and how many of them were accepted."""
@@ -77,7 +86,7 @@ class SpeculationFeature(SchedulerFeature):
         k = min(self.num_speculative_tokens, room)
         if k <= 0:
             return []
-        drafts = self.proposer.propose(req.seq_token_ids, k, req.cache_salt)[:k]
+        drafts = self.proposer.propose(self._tokens(req), k, req.cache_salt)[:k]
         if constrained and drafts:
             assert self.grammar is not None
             drafts = self.grammar.allowed_drafts(req, drafts)
@@ -100,12 +109,17 @@ class SpeculationFeature(SchedulerFeature):
         may_propose_next = getattr(self.proposer, "may_propose_next", None)
         if self.proposer.drafts_on_device or may_propose_next is None:
             return True
-        return may_propose_next(req.seq_token_ids, req.cache_salt)
+        return may_propose_next(self._tokens(req), req.cache_salt)
 
     def on_row(
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
     ) -> None:
         if not drafts:
+            if row.num_tokens > 1 and req.reports and self._track is not None:
+                # a prefill chunk: index it now, not at the row's first draft
+                advance = getattr(self._tokens(req), "advance", None)
+                if advance is not None:
+                    advance(row.end)
             return
         row.needs_host_result = True  # the next row starts where acceptance ends
         if self.proposer.drafts_on_device:
@@ -123,6 +137,26 @@ class SpeculationFeature(SchedulerFeature):
             counts[0] += k
             counts[1] += accepted
         return False
+
+    def on_finish(self, req: Request) -> None:
+        self._views.pop(req, None)
+
+    def check_integrity(self) -> None:
+        for req, view in self._views.items():
+            assert req.finish_reason is None, req.rid  # (on_finish dropped it)
+            assert getattr(view, "tokens", req.seq_token_ids) is req.seq_token_ids, req.rid
+            check = getattr(view, "check", None)
+            if check is not None:
+                check()
+
+    def _tokens(self, req: Request) -> Sequence[int]:
+        """The proposer's view of `req`'s tokens (made on first use), or the list itself."""
+        if self._track is None:
+            return req.seq_token_ids
+        view = self._views.get(req)
+        if view is None:
+            view = self._views[req] = self._track(req.seq_token_ids)
+        return view
 
     def _constrained(self, req: Request) -> bool:
         return self.grammar is not None and self.grammar.constrained(req)

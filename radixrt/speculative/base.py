@@ -34,6 +34,11 @@ class Proposer(Protocol):
         without it is taken to say True (the loop always waits for such rows' results)."""
         ...
 
+    # Optional, too: `track(tokens: list[int]) -> Sequence[int]`, a view of a request's
+    # append-only token list that the scheduler keeps per request and passes to `propose` and
+    # `may_propose_next` in place of the list (the ngram proposer's n-gram index), so that
+    # a proposer can keep per-request state without reading the whole context each step.
+
 
 @dataclass
 class SpecStats:
