@@ -185,7 +185,7 @@ def test_bad_history_arguments(server):
 
 
 def test_langchain_bind_tools(server):
-    """langchain-openai's bind_tools (skipped when it is not installed)."""
+    """langchain-openai's bind_tools (the `test` extra installs it)."""
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage
 
