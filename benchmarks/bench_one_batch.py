@@ -156,6 +156,8 @@ def engine_core_decode(
     ms = statistics.median(times[5:])
     drafts = after["spec_draft_tokens"] - spec["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - spec["spec_accepted_tokens"]
+    verify_rows = after["spec_verify_rows"] - spec["spec_verify_rows"]
+    skipped = after.get("spec_proposals_skipped", 0) - spec.get("spec_proposals_skipped", 0)
     return dict(
         case=case,
         batch=batch,
@@ -165,6 +167,8 @@ def engine_core_decode(
         tokens_per_step=tokens / steps,
         output_tok_s=tokens / wall_ms * 1e3,
         spec_acceptance=accepted / drafts if drafts else 0.0,
+        verify_rows_per_step=verify_rows / steps,
+        skipped_proposals_per_step=skipped / steps,
         graph_gpu_ms=gpu_ms,
         over=ms / gpu_ms - 1,
     )
@@ -315,8 +319,12 @@ def main() -> None:
         block_size=BLOCK_SIZE,
         max_running_requests=max(DECODE_BATCHES),
         max_model_len=MAX_MODEL_LEN,
-        quantization=args.quantization,
-        fp8_activation_scale=args.fp8_activation_scale,
+        # (only when set: a tree from before FP8 weights runs this script too)
+        **(
+            dict(quantization="fp8", fp8_activation_scale=args.fp8_activation_scale)
+            if args.quantization
+            else {}
+        ),
     )
     results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
     results["quantization"] = [{"quantization": args.quantization,

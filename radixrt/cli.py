@@ -83,6 +83,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="draft: HF dir of a smaller checkpoint with the target's tokenizer",
     )
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per decode row")
+    g.add_argument(
+        "--speculative-min-gain",
+        type=float,
+        default=0.3,
+        help="verify drafts in a step only when its expected accepted drafts reach this many "
+        "per decode row (0: always)",
+    )
     g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
     g.add_argument("--ngram-max-n", type=int, default=4, help="ngram: longest suffix matched")
     g.add_argument(
@@ -154,6 +161,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_min_gain": args.speculative_min_gain,
         "ngram_min_n": args.ngram_min_n,
         "ngram_max_n": args.ngram_max_n,
         "speculative_draft_model": args.speculative_draft_model,

@@ -276,6 +276,11 @@ class SchedulerConfig:
     retention_max_tenant_share: float = 1.0  # of the pool, for the holds of one cache salt
     retention_max_ttl_s: float = 600.0
     num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
+    # a step verifies drafts only when the accepted drafts it expects (per row: the row's
+    # recent accepted drafts per verify) reach this share of its decode rows: a step with
+    # verify rows waits for its result on the host, which costs +20-40% of a decode step on the
+    # H200 (B = 1..256, benchmarks/RESULTS.md); 0: every drafted row verifies
+    speculative_min_gain: float = 0.3
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -311,6 +316,10 @@ class SchedulerConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
+        if not 0 <= self.speculative_min_gain <= 16:
+            raise ValueError(
+                f"speculative_min_gain must be in [0, 16], got {self.speculative_min_gain}"
             )
 
 

@@ -195,6 +195,9 @@ class Runner(Protocol):
 
     num_usable_blocks: int  # device KV blocks the scheduler's allocator manages
     num_host_blocks: int  # host KV tier blocks (0: no host tier)
+    # tokens of the largest decode CUDA graph (0: no graphs); a decode step feeding more
+    # tokens (speculative drafts) runs eagerly
+    max_graph_tokens: int
 
     def execute(self, plan: StepPlan) -> StepHandle:
         """Start the step (on a GPU: enqueue it and return at once)."""

@@ -140,6 +140,10 @@ class EngineStats(SchedulerCounters, kw_only=True):
     spec_proposals_with_drafts: Annotated[
         int, _doc("Of those, rows it drafted at least one token for")
     ] = 0
+    spec_proposals_skipped: Annotated[
+        int,
+        _doc("Of those, rows whose step did not verify their drafts (too few expected accepted)"),
+    ] = 0
     spec_fire_rate: Annotated[float, _doc("Proposals with drafts / proposals")] = 0.0
     spec_verify_rows: Annotated[int, _doc("Rows that verified speculative drafts, since start")] = 0
     spec_draft_tokens: Annotated[int, _doc("Speculative draft tokens verified, since start")] = 0

@@ -62,6 +62,7 @@ class ScriptedRunner:
     # size from its config when a scripted runner drives it
     num_usable_blocks: int = 0
     num_host_blocks: int = 0
+    max_graph_tokens: int = 0  # no CUDA graphs
 
     def check_health(self) -> None:
         pass
@@ -213,15 +214,20 @@ class ScriptedRunner:
     def overlapped(self) -> bool:
         """Whether every step's result was taken only after the next plan was made (a plan,
         or a schedule() that found nothing to run): needs `watch`."""
+        return self.num_waits() == 0
+
+    def num_waits(self) -> int:
+        """Steps whose result was taken before the next plan was made (needs `watch`); a
+        result whose `execute` is no longer in `events` (cleared since) is not counted."""
         executed_at = {}
+        waits = 0
         for n, (kind, i) in enumerate(self.events):
             if kind == "execute":
                 executed_at[i] = n
-            elif kind == "result":
+            elif kind == "result" and i in executed_at:
                 between = self.events[executed_at[i] + 1 : n]
-                if not any(k == "plan" for k, _ in between):
-                    return False
-        return True
+                waits += not any(k == "plan" for k, _ in between)
+        return waits
 
 
 @dataclass

@@ -524,3 +524,154 @@ def test_rows_that_cannot_draft_overlap():
     out, overlapped = decode_steps(True, unique_tokens, 4, 20)
     assert out["generated_tokens"] == 4 * 20 and out["spec_verify_rows"] == 0
     assert overlapped
+
+
+class WrongDrafts:
+    """Proposes k drafts for every row, never right (no `may_propose_next`: the loop takes
+    every row as one that may draft)."""
+
+    drafts_on_device = False
+
+    def propose(self, tokens, max_drafts, salt=None):
+        return [1] * max_drafts
+
+
+def spec_run(proposer, token_fn, num_rows: int, steps: int, graph_tokens: int = 0, **sched):
+    """`decode_steps` with any proposer, scheduler settings and decode graph size (the
+    runner's `max_graph_tokens`); also the plans' draft tokens and the steps whose result
+    the loop waited for."""
+    core, runner = make_core(overlap=True, num_kv_blocks=512, num_speculative_tokens=4, **sched)
+    core.scheduler.max_graph_tokens = graph_tokens
+    core.scheduler.use_proposer(proposer)
+    runner.token_fn = token_fn
+    drafted = []  # per plan: its draft tokens
+    execute = runner.execute
+
+    def recording(plan):
+        drafted.append(sum(len(d) for d in plan.drafts.values()))
+        return execute(plan)
+
+    runner.execute = recording
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    for i in range(num_rows):
+        core.add_request([token_fn(f"r{i}", p) for p in range(48)], params, rid=f"r{i}")
+    while any(r.num_output < 2 for r in core.scheduler.requests.values()):
+        core.step()
+    before, first_plan = core.stats(), len(drafted)
+    runner.events.clear()
+    for _ in range(steps):
+        core.step()
+    after, waits = core.stats(), runner.num_waits()
+    for rid in list(core.scheduler.requests):
+        core.abort(rid)
+    while core.has_work:
+        core.step()
+    core.check_integrity()
+    assert not core.scheduler.speculation._estimates  # they went with their requests
+    keys = ("generated_tokens", "spec_verify_rows", "spec_proposals_with_drafts",
+            "spec_proposals_skipped", "spec_accepted_tokens", "steps")  # fmt: skip
+    return {k: after[k] - before[k] for k in keys}, drafted[first_plan:], waits
+
+
+def test_rows_whose_drafts_fail_stop_verifying():
+    """Drafts that are never accepted: after a few verify steps the rows' expected gain
+    falls below speculative_min_gain per row and the steps stop verifying (and overlap);
+    STALE_TOKENS later the rows are tried again; with speculative_min_gain = 0 (or without
+    overlap) every drafted row verifies, as before the rule."""
+    from radixrt.scheduler.speculation import STALE_TOKENS
+
+    steps = STALE_TOKENS + 20
+    gated, drafted, waits = spec_run(WrongDrafts(), unique_tokens, 8, steps)
+    assert gated["spec_accepted_tokens"] == 0
+    # 3 verifies take the prior (2) to 0.25 < 0.3 per row: verify steps at the start (partly
+    # before the counted steps), again STALE_TOKENS later; the other steps overlap
+    verify_plans = [i for i, n in enumerate(drafted) if n]
+    assert verify_plans[0] < 3 and STALE_TOKENS - 8 < verify_plans[-1] < steps
+    assert len(verify_plans) <= 6 and gated["spec_verify_rows"] <= 8 * 6
+    assert gated["generated_tokens"] >= 8 * (steps - 6) and waits <= 6
+    always, _, _ = spec_run(WrongDrafts(), unique_tokens, 8, 120, speculative_min_gain=0.0)
+    assert always["spec_proposals_skipped"] == 0
+    assert always["spec_verify_rows"] == always["spec_proposals_with_drafts"]
+    assert always["spec_verify_rows"] >= 8 * 119  # every step verifies (and waits)
+
+
+def test_rows_whose_drafts_are_accepted_keep_verifying():
+    """A repeating text: drafts accepted, every proposal verified, more than a token a row a
+    step, the same with the rule off."""
+    gated, _, _ = spec_run(NgramProposer(2, 4), cyclic_token, 8, 30)
+    always, _, _ = spec_run(NgramProposer(2, 4), cyclic_token, 8, 30, speculative_min_gain=0.0)
+    assert gated["spec_proposals_skipped"] == 0
+    assert gated == always
+    assert gated["generated_tokens"] > 2 * 8 * 30
+
+
+def test_drafts_stay_within_the_decode_graphs():
+    """With a runner whose largest decode graph takes 11 tokens, no step of 6 rows has more
+    than 5 draft tokens (a longer step would run eagerly), nor any step more than 11 tokens;
+    rows left out count as skipped."""
+    core, runner = make_core(overlap=False, num_kv_blocks=512, num_speculative_tokens=4)
+    core.scheduler.max_graph_tokens = 6 + 5
+    core.scheduler.use_proposer(NgramProposer(2, 4))
+    runner.token_fn = cyclic_token
+    drafted = []
+    execute = runner.execute
+    runner.execute = lambda plan: (drafted.append(plan), execute(plan))[1]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    reqs = [[9, 8, 7, 6, 5, 4, 3 + i] for i in range(6)]
+    plain, _ = make_core(overlap=False, num_kv_blocks=512)
+    plain.runner.token_fn = cyclic_token
+    assert run(core, reqs, [params] * 6) == run(plain, reqs, [params] * 6)
+    verify = [p for p in drafted if p.drafts]
+    assert max(sum(r.num_tokens for r in p.rows) for p in verify) == 11
+    assert max(sum(len(d) for d in p.drafts.values()) for p in verify if len(p.rows) == 6) == 5
+    s = core.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_proposals_skipped"] > 0
+    # graphs as large as the batch: no room for drafts, so the loop never waits for them
+    full, _, waits = spec_run(NgramProposer(2, 4), cyclic_token, 8, 30, graph_tokens=8)
+    assert full["spec_verify_rows"] == 0 and waits == 0
+
+
+def test_choose_ranks_rows_by_expected_gain():
+    """`choose`: rows with the most expected accepted drafts first, within the spare budget;
+    nothing when the total falls short of min_gain per decode row; a stale estimate counts
+    as the prior."""
+    from radixrt.config import SchedulerConfig
+    from radixrt.scheduler.speculation import STALE_TOKENS, SpeculationFeature, _Estimate
+    from radixrt.speculative.base import SpecStats
+
+    cfg = SchedulerConfig(num_speculative_tokens=4, speculative_min_gain=0.5)
+    spec = SpeculationFeature(NgramProposer(2, 4), cfg, SpecStats(), 1000, None, overlap=True)
+    a, b, c = (request([1, 2, 3]) for _ in range(3))
+    spec._estimates[a] = _Estimate(3.5, 0, 1.0, 0)
+    spec._estimates[b] = _Estimate(0.25, 0, 1.0, 0)  # c: the prior, 2
+    proposals = [(a, [5] * 4), (b, [6] * 4), (c, [7] * 4)]
+    chosen = spec.choose(proposals, num_rows=4, spare=6)
+    assert chosen == {a: [5] * 4, c: [7] * 2}  # a, then c within the 6 spare tokens
+    # b expects 0.25 and c 1 of its 1 draft: 1.25 < 0.5 * 4 rows
+    assert spec.choose([(b, [6]), (c, [7])], num_rows=4, spare=8) == {}
+    assert spec.stats.num_proposals_skipped == 1 + 2
+    b.seq_token_ids += [0] * STALE_TOKENS  # b's estimate is stale now: the prior again
+    assert spec.choose([(b, [6]), (c, [7])], num_rows=4, spare=8) == {b: [6], c: [7]}
+    spec.overlap = False  # every step waits anyway: all verify
+    assert spec.choose([(b, [6]), (c, [7])], num_rows=40, spare=8) == {b: [6], c: [7]}
+
+
+def alternating(rid: str, position: int) -> int:
+    """Every other token the same (it recurs, so `may_propose_next` is true while the next
+    is in flight), the others never seen before (so no 2-gram ever repeats: no drafts)."""
+    return 7 if position % 2 == 0 else 1000 + 8 * position + int(rid[1:])
+
+
+def test_rows_that_may_draft_but_do_not_stop_the_waits():
+    """Rows whose proposer could draft after the in-flight token (`may_propose_next`) but
+    then does not: the loop waits a few times, learns that these rows do not draft and
+    overlaps again (until the estimate is stale); without the rule it waits every other step."""
+    from radixrt.scheduler.speculation import STALE_TOKENS
+
+    steps = STALE_TOKENS + 30
+    gated, _, waits = spec_run(NgramProposer(2, 4), alternating, 8, steps)
+    assert gated["spec_proposals_with_drafts"] == 0
+    assert gated["generated_tokens"] == 8 * steps
+    assert 2 <= waits <= 10
+    always, _, waits = spec_run(NgramProposer(2, 4), alternating, 8, steps, speculative_min_gain=0)
+    assert waits >= steps // 2 - 1

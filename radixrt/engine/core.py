@@ -106,7 +106,6 @@ class EngineCore:
         self.grammar_backend = grammar_backend
         assert num_kv_blocks is not None, "a custom runner needs num_kv_blocks"
         self.runner = runner
-        self.overlap = cfg.overlap_schedule
         self.allocator = BlockAllocator(num_kv_blocks)
         # Host KV tier: our runner sized its host pool; a custom runner takes the config's.
         num_host_blocks = (
@@ -130,6 +129,8 @@ class EngineCore:
             grammar_backend=grammar_backend,
             jump_forward=cfg.grammar.jump_forward,
             jump_forward_retokenize=cfg.grammar.jump_forward_retokenize,
+            max_graph_tokens=runner.max_graph_tokens if own_runner else 0,
+            overlap=cfg.overlap_schedule,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
@@ -142,6 +143,16 @@ class EngineCore:
             gc.collect()
             gc.freeze()
             self._froze_gc = True
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a step plans and launches the next before applying its result (the
+        config's `overlap_schedule`; settable between steps)."""
+        return self.scheduler.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.scheduler.overlap = on
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None

@@ -187,6 +187,7 @@ class ModelRunner(RowSampling):
                 logger.info(
                     "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
                 )
+        self.max_graph_tokens = 0 if self.cuda_graphs is None else self.cuda_graphs.max_batch_size
         scratch = None if self.cuda_graphs is None else self.pool.num_blocks - 1
         for f in self.features:
             f.on_pool(num_blocks, self.block_size, scratch)

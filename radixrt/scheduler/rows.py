@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
+from typing import Protocol
 
 from radixrt.config import SchedulerConfig
 from radixrt.plan import PlanRow, PromptLogprobs
@@ -29,8 +30,21 @@ _ADMISSION_ORDER = attrgetter("priority", "admission_seq")  # decode rows reserv
 # (request, its row, its drafts, whether the row samples, the step's side tables) -> None:
 # a feature's on_row hook
 RowHook = Callable[[Request, PlanRow, list[int], bool, StepTables], None]
-# (request, spare budget) -> drafts: speculative decoding's proposal
-Drafter = Callable[[Request, int], list[int]]
+
+
+class Drafter(Protocol):
+    """Speculative decoding's scheduler half (radixrt.scheduler.speculation), as rows see it."""
+
+    def drafts(self, req: Request, spare: int) -> list[int]:
+        """At most `spare` draft tokens proposed for `req`'s decode row."""
+        ...
+
+    def choose(
+        self, proposals: list[tuple[Request, list[int]]], num_rows: int, spare: int
+    ) -> dict[Request, list[int]]:
+        """The drafts this step verifies, out of the rows' proposals (`num_rows` decode
+        rows, at most `spare` draft tokens in all)."""
+        ...
 
 
 def chunk_len(req: Request, budget: int, cfg: SchedulerConfig) -> int:
@@ -94,18 +108,11 @@ class RowPlanner:
             for r in sorted(self.queues.running, key=_ADMISSION_ORDER)
             if schedulable(r) and self._decode_due(r)
         ]
-        # drafts take what the token budget leaves after one token for every decode row
-        spare = self.cfg.max_num_batched_tokens - len(due)
+        chosen = self._drafts(due) if self.drafter is not None else {}
         for req in due:
             if req.status is not Status.RUNNING:
-                continue  # preempted for an earlier row's blocks
-            try:
-                drafts = self.drafter(req, spare) if self.drafter is not None else []
-            except Exception as e:  # a bug drafting for one request fails that request only
-                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
-                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
-                continue
-            spare -= len(drafts)
+                continue  # preempted for an earlier row's blocks, or failed drafting
+            drafts = chosen.get(req, [])
             while not self.kv.reserve(req, 1 + len(drafts)):
                 self.lifecycle.preempt_newest(exclude=[r for r, _ in scheduled])
                 # a group goes as a whole, rows already picked for it too
@@ -115,6 +122,24 @@ class RowPlanner:
             else:
                 scheduled.append((req, drafts))
         return scheduled
+
+    def _drafts(self, due: list[Request]) -> dict[Request, list[int]]:
+        """The drafts of this step's decode rows: each row's proposal, then the drafter's
+        choice among them. Drafts take what the token budget leaves after one token for every
+        decode row."""
+        assert self.drafter is not None
+        spare = self.cfg.max_num_batched_tokens - len(due)
+        proposals = []
+        for req in due:
+            try:
+                drafts = self.drafter.drafts(req, spare)
+            except Exception as e:  # a bug drafting for one request fails that request only
+                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                continue
+            if drafts:
+                proposals.append((req, drafts))
+        proposals = [(r, d) for r, d in proposals if r.status is Status.RUNNING]
+        return self.drafter.choose(proposals, len(due), spare) if proposals else {}
 
     def plan_row(self, req: Request, n: int, drafts: list[int], tables: StepTables) -> PlanRow:
         """The row of `req` feeding its next `n` tokens (the last len(drafts) of them

@@ -60,12 +60,19 @@ class Scheduler:
         grammar_backend: Any = None,
         jump_forward: bool = True,
         jump_forward_retokenize: bool = False,
+        max_graph_tokens: int = 0,
+        overlap: bool = False,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
-        `jump_forward` and `jump_forward_retokenize` (see radixrt.scheduler.grammar)."""
+        `jump_forward` and `jump_forward_retokenize` (see radixrt.scheduler.grammar).
+        `max_graph_tokens`: the runner's largest decode CUDA graph (Runner.max_graph_tokens;
+        0: none), which a decode step's drafts stay within; `overlap`: whether the loop
+        overlaps steps (`overlap`, settable)."""
         self.cfg = cfg
         self.max_model_len = max_model_len
+        self.max_graph_tokens = max_graph_tokens
+        self._overlap = overlap
         eos = frozenset(eos_token_ids)
         self.stats = SchedulerCounters()  # mutated in place by the parts and features
         self.spec_stats = SpecStats()  # speculative decoding's (zero without a proposer)
@@ -111,10 +118,28 @@ class Scheduler:
             None
             if proposer is None
             else SpeculationFeature(
-                proposer, self.cfg, self.spec_stats, self.max_model_len, self.grammar
+                proposer,
+                self.cfg,
+                self.spec_stats,
+                self.max_model_len,
+                self.grammar,
+                self.max_graph_tokens,
+                self._overlap,
             )
         )
         self._compose()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine loop overlaps steps (speculative decoding verifies only drafts
+        worth a wait then)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._overlap = on
+        if self.speculation is not None:
+            self.speculation.overlap = on
 
     def _compose(self) -> None:
         """Wire the features' hooks into the admission, planning and result halves."""
@@ -138,7 +163,7 @@ class Scheduler:
             self.stats,
             self.max_model_len,
             hooks.on_row,
-            self.speculation.drafts if self.speculation is not None else None,
+            self.speculation,
         )
         self.results = ResultApplier(
             self.kv,
@@ -197,15 +222,14 @@ class Scheduler:
         """Whether the loop should apply the in-flight steps' results before planning the
         next (speculative decoding's rule, see radixrt.scheduler.speculation): one has verify
         rows, which a plan made now would leave out (they would advance every other step), or
-        a row in flight could draft once its sample is known. Other rows that wait for their
-        host result (grammar masks, beams) are left out of the overlapped plan instead."""
+        rows in flight could draft, once their samples are known, enough for a step to verify
+        them. Other rows that wait for their host result (grammar masks, beams) are left out
+        of the overlapped plan instead."""
         if self.steps.has_verify_rows:
             return True
         spec = self.speculation
-        return spec is not None and any(
-            spec.would_draft(r)
-            for r in self.queues.running
-            if r.num_inflight_samples and r.status is Status.RUNNING
+        return spec is not None and spec.worth_waiting(
+            [r for r in self.queues.running if r.status is Status.RUNNING]
         )
 
     # ---- requests in and out ----

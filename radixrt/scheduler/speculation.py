@@ -11,14 +11,30 @@ other features and the overlapped loop are all here:
 - a constrained row's drafts are cut at the first one its grammar refuses, and device drafts
   (a draft model's, made on the device) are not used for constrained rows at all;
 - a row whose last sample is still in flight does not draft (the proposer needs it);
+- with overlap, a step verifies drafts only when they are worth a wait: a step with verify
+  rows must have its result on the host before the next is planned (the next row of a verify
+  row starts where acceptance ends), which costs the overlap of the whole batch (+20-40% of a
+  decode step on the H200, B = 1..256). So the drafted rows of a step (`choose`) verify only
+  when the accepted drafts they are expected to bring reach `speculative_min_gain` per decode
+  row, the rows expecting most first (without overlap every step waits anyway: all verify).
+  Drafts also stay within the runner's largest decode CUDA graph (`max_graph_tokens`): a step
+  of more tokens would run eagerly, slower than it gains;
 - the engine loop takes the in-flight step's result before planning the next
   (`Scheduler.wants_result_first`) when that step has verify rows (a plan made now would
-  leave them out) or when a row whose sample is in flight could draft once that sample is
-  known (`would_draft`: the proposer's `may_propose_next`, some next token makes it draft), so
-  a row drafts at every position where a loop without overlap drafts, from the exact
-  context, and rows that cannot draft overlap. (Asking the proposer about the host tokens
-  alone, a context one token short, drafted one position late after every divergence: the
-  first verify of each run of matches was lost and acceptance fell.)
+  leave them out) or when the rows whose samples are in flight could draft, once those
+  samples are known, enough to pass that test (`worth_waiting`: rows whose proposer's
+  `may_propose_next` says some next token makes it draft), so a row drafts at every position
+  where a loop without overlap drafts, from the exact context, and steps that cannot verify
+  overlap. (Asking the proposer about the host tokens alone, a context one token short,
+  drafted one position late after every divergence: the first verify of each run of matches
+  was lost and acceptance fell.)
+
+What a row expects (`_Estimate`, per running request): its accepted drafts per verify (an
+average over its recent verify rows; half its drafts before any), and for a wait, the share of
+the waits for its sample after which it did draft (`may_propose_next` is true of many more rows
+than draft: on random text, most of the batch). An estimate not updated within the row's last
+STALE_TOKENS tokens counts as its prior again, so a row whose drafts failed is tried again
+once its text may have changed (a few waits per STALE_TOKENS steps on text that never repeats).
 
 The proposer reads a request's tokens through the view its `track` makes (the ngram proposer's
 index: a lookup then costs O(max_n), not O(context)), one per request, kept here until the
@@ -33,6 +49,7 @@ as long as the request object lives, so that its last delta still reads them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 from radixrt.config import SchedulerConfig
@@ -41,6 +58,26 @@ from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature
 from radixrt.scheduler.request import Request
 from radixrt.speculative.base import Proposer, SpecStats
+
+# A row's estimates (see the module docstring): exponential averages with this weight on the
+# newest observation (three verifies that accept nothing take the prior to an eighth), priors
+# (PRIOR_SHARE of the drafts accepted; every wait drafts), and the tokens after which an
+# estimate not updated is the prior again
+NEW_WEIGHT = 0.5
+PRIOR_SHARE = 0.5
+STALE_TOKENS = 64
+
+
+@dataclass(slots=True)
+class _Estimate:
+    accepted: float  # accepted drafts per verify row
+    accepted_at: int  # the row's output length when it was last updated
+    fires: float  # share of the waits for its sample after which it drafted
+    fires_at: int
+
+
+def _current(value: float, prior: float, at: int, now: int) -> float:
+    return prior if now - at >= STALE_TOKENS else value
 
 
 class SpeculationFeature(SchedulerFeature):
@@ -51,9 +88,19 @@ class SpeculationFeature(SchedulerFeature):
         stats: SpecStats,
         max_model_len: int,
         grammar: GrammarFeature | None,
+        max_graph_tokens: int = 0,
+        overlap: bool = False,
     ) -> None:
+        """`max_graph_tokens`: the runner's largest decode CUDA graph (0: none); `overlap`:
+        whether the engine loop overlaps steps (then steps verify only drafts worth a wait)."""
         self.proposer = proposer
         self.num_speculative_tokens = cfg.num_speculative_tokens
+        self.min_gain = cfg.speculative_min_gain
+        self.max_graph_tokens = max_graph_tokens
+        self.overlap = overlap
+        self.prior_accepted = PRIOR_SHARE * cfg.num_speculative_tokens
+        self._estimates: dict[Request, _Estimate] = {}  # per running request, once it drafts
+        self._awaited: set[Request] = set()  # rows whose samples the loop waits for to draft
         self.stats = stats
         self.max_model_len = max_model_len
         self.grammar = grammar
@@ -87,6 +134,11 @@ class SpeculationFeature(SchedulerFeature):
         if k <= 0:
             return []
         drafts = self.proposer.propose(self._tokens(req), k, req.cache_salt)[:k]
+        if req in self._awaited:
+            self._awaited.discard(req)
+            e = self._estimate(req)
+            old = self._fires(req)
+            e.fires, e.fires_at = old + NEW_WEIGHT * (bool(drafts) - old), req.num_output
         if constrained and drafts:
             assert self.grammar is not None
             drafts = self.grammar.allowed_drafts(req, drafts)
@@ -110,6 +162,70 @@ class SpeculationFeature(SchedulerFeature):
         if self.proposer.drafts_on_device or may_propose_next is None:
             return True
         return may_propose_next(self._tokens(req), req.cache_salt)
+
+    def worth_waiting(self, running: Sequence[Request]) -> bool:
+        """Whether the loop should wait for the in-flight samples of `running` rows before
+        planning: the rows that could draft once their sample is known (`would_draft`) expect
+        enough accepted drafts, within the decode graphs, to pass `choose`'s test."""
+        self._awaited.clear()
+        need = self.min_gain * len(running)
+        k = self.num_speculative_tokens
+        room = self.max_graph_tokens - len(running) if self.max_graph_tokens else len(running) * k
+        if room <= 0:
+            return False  # no room for drafts in this step's decode graph
+        may = [r for r in running if r.num_inflight_samples and self.would_draft(r)]
+        expected = sorted(self._fires(r) * self._accepted(r, k) for r in may)
+        gain = 0.0
+        while expected and room > 0 and gain < need:
+            gain += expected.pop() * min(room, k) / k
+            room -= k
+        if gain >= need:
+            self._awaited.update(may)
+            return True
+        return False
+
+    def choose(
+        self, proposals: list[tuple[Request, list[int]]], num_rows: int, spare: int
+    ) -> dict[Request, list[int]]:
+        """The drafts this step verifies (see the module docstring): the rows expecting the
+        most accepted drafts first, within `spare` tokens and the decode graphs; with overlap,
+        none unless their expected accepted drafts reach `min_gain` per decode row
+        (`num_rows`)."""
+        if self.max_graph_tokens:
+            spare = min(spare, self.max_graph_tokens - num_rows)
+        ranked = sorted(proposals, key=lambda p: self._accepted(p[0], len(p[1])), reverse=True)
+        chosen: dict[Request, list[int]] = {}
+        gain = 0.0
+        for req, drafts in ranked:
+            drafts = drafts[: max(spare, 0)]
+            if not drafts:
+                break
+            spare -= len(drafts)
+            chosen[req] = drafts
+            gain += self._accepted(req, len(drafts))
+        if self.overlap and gain < self.min_gain * num_rows:
+            chosen = {}
+        self.stats.num_proposals_skipped += len(proposals) - len(chosen)
+        return chosen
+
+    def _estimate(self, req: Request) -> _Estimate:
+        e = self._estimates.get(req)
+        if e is None:
+            n = req.num_output
+            e = self._estimates[req] = _Estimate(self.prior_accepted, n, 1.0, n)
+        return e
+
+    def _accepted(self, req: Request, k: int) -> float:
+        """Drafts `req` expects accepted of `k` drafts verified now."""
+        e = self._estimates.get(req)
+        if e is None:
+            return min(self.prior_accepted, k)
+        return min(_current(e.accepted, self.prior_accepted, e.accepted_at, req.num_output), k)
+
+    def _fires(self, req: Request) -> float:
+        """The share of waits for `req`'s sample after which it drafts, expected now."""
+        e = self._estimates.get(req)
+        return 1.0 if e is None else _current(e.fires, 1.0, e.fires_at, req.num_output)
 
     def on_row(
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
@@ -136,12 +252,19 @@ class SpeculationFeature(SchedulerFeature):
             counts = self._verified.setdefault(req, [0, 0])
             counts[0] += k
             counts[1] += accepted
+            e = self._estimate(req)
+            old = self._accepted(req, k)
+            e.accepted, e.accepted_at = old + NEW_WEIGHT * (accepted - old), req.num_output
         return False
 
     def on_finish(self, req: Request) -> None:
         self._views.pop(req, None)
+        self._estimates.pop(req, None)
+        self._awaited.discard(req)
 
     def check_integrity(self) -> None:
+        for req in [*self._estimates, *self._awaited]:
+            assert req.finish_reason is None, req.rid  # (on_finish dropped it)
         for req, view in self._views.items():
             assert req.finish_reason is None, req.rid  # (on_finish dropped it)
             assert getattr(view, "tokens", req.seq_token_ids) is req.seq_token_ids, req.rid

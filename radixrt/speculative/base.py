@@ -46,6 +46,9 @@ class SpecStats:
 
     num_proposals: int = 0  # decode rows the proposer was asked to draft for
     num_proposals_with_drafts: int = 0  # of those, rows it drafted >= 1 token for (fired)
+    # of those, rows whose drafts their step did not verify (expected too few accepted, or
+    # no room left in the step)
+    num_proposals_skipped: int = 0
     num_verify_rows: int = 0  # rows with drafts whose result was applied
     num_draft_tokens: int = 0  # drafts in those rows
     num_accepted_tokens: int = 0  # of those, accepted by verification
@@ -98,6 +101,7 @@ class SpecStats:
         return {
             "spec_proposals": self.num_proposals,
             "spec_proposals_with_drafts": self.num_proposals_with_drafts,
+            "spec_proposals_skipped": self.num_proposals_skipped,
             "spec_fire_rate": self.fire_rate,
             "spec_verify_rows": self.num_verify_rows,
             "spec_draft_tokens": self.num_draft_tokens,

@@ -117,6 +117,7 @@ class TensorParallelRunner:
         self._encoder = PlanEncoder()
         self.num_usable_blocks = self.local.num_usable_blocks
         self.num_host_blocks = 0  # no host tier under tensor parallelism (config refuses it)
+        self.max_graph_tokens = self.local.max_graph_tokens
         self.last_send_s = 0.0  # time the last plan took to encode and broadcast
         logger.info("tensor parallelism: %d ranks on %s", size, cfg.device)
 
