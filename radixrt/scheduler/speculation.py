@@ -22,8 +22,9 @@ other features and the overlapped loop are all here:
 - the engine loop takes the in-flight step's result before planning the next
   (`Scheduler.wants_result_first`) when that step has verify rows (a plan made now would
   leave them out) or when the rows whose samples are in flight could draft, once those
-  samples are known, enough to pass that test (`worth_waiting`: rows whose proposer's
-  `may_propose_next` says some next token makes it draft), so a row drafts at every position
+  samples are known, enough to pay for two steps without overlap, twice that test (the wait,
+  then the verify step's; `worth_waiting`: rows whose proposer's `may_propose_next` says some
+  next token makes it draft), so a row drafts at every position
   where a loop without overlap drafts, from the exact context, and steps that cannot verify
   overlap. (Asking the proposer about the host tokens alone, a context one token short,
   drafted one position late after every divergence: the first verify of each run of matches
@@ -166,9 +167,11 @@ class SpeculationFeature(SchedulerFeature):
     def worth_waiting(self, running: Sequence[Request]) -> bool:
         """Whether the loop should wait for the in-flight samples of `running` rows before
         planning: the rows that could draft once their sample is known (`would_draft`) expect
-        enough accepted drafts, within the decode graphs, to pass `choose`'s test."""
+        enough accepted drafts, within the decode graphs, for two steps without overlap (this
+        wait, then the verify step's), twice `choose`'s test."""
         self._awaited.clear()
-        need = self.min_gain * len(running)
+        # a wait and then the verify step's own wait: two steps that do not overlap
+        need = 2 * self.min_gain * len(running)
         k = self.num_speculative_tokens
         room = self.max_graph_tokens - len(running) if self.max_graph_tokens else len(running) * k
         if room <= 0:
