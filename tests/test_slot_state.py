@@ -29,11 +29,11 @@ KINDS = [
 ]
 
 
-def _random_case(seed: int):
+def _random_case(seed: int, kinds: list[dict] = KINDS):
     """Slots with prompts / outputs, a plan of decode and verify rows (host drafts)."""
     rng = random.Random(seed)
     num_slots = 6
-    params = [SamplingParams(**KINDS[s % len(KINDS)]) for s in range(num_slots)]
+    params = [SamplingParams(**kinds[s % len(kinds)]) for s in range(num_slots)]
     prompt = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))] for _ in params]
     output = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 9))] for _ in params]
     rows, drafts = [], {}
@@ -49,8 +49,11 @@ def _random_case(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_penalties_from_slot_counts_equal_the_host_reference(seed):
-    params, prompt, output, plan = _random_case(seed)
+@pytest.mark.parametrize("kinds", ["mixed", *range(4)])
+def test_penalties_from_slot_counts_equal_the_host_reference(seed, kinds):
+    """Every kind of penalty, mixed with rows without any; and batches whose every row has
+    the same kind (the penalties then run on the logits in place, terms left out where 0)."""
+    params, prompt, output, plan = _random_case(seed, KINDS if kinds == "mixed" else [KINDS[kinds]])
     pen = SlotPenalties(len(params), VOCAB, torch.device("cpu"))
     pen.enter(
         [

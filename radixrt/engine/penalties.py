@@ -104,11 +104,12 @@ class SlotPenalties(RunnerFeature):
         dev = self.device
         rows = layout.sample_rows[samples]
         slots = torch.from_numpy(layout.slots[rows]).to(dev, non_blocking=True)
-        counts = self.output_counts[slots].float()  # [P, V]
+        counts = self.output_counts[slots]  # [P, V] int32
         self._count_drafts(counts, plan, layout, samples, drafted)
         params = [layout.sample_params[s] for s in samples]
-        index = torch.tensor(samples, dtype=torch.int64).to(dev, non_blocking=True)
-        sub = logits[index]
+        every = len(samples) == logits.shape[0]  # (samples ascending: all of them, in order)
+        index = None if every else torch.tensor(samples).to(dev, non_blocking=True)
+        sub = logits if index is None else logits[index]
         if any(p.repetition_penalty != 1.0 for p in params):
             rep = _col([p.repetition_penalty for p in params], dev)
             seen = (counts > 0) | self.prompt_seen[slots]
@@ -116,10 +117,22 @@ class SlotPenalties(RunnerFeature):
             # with its float32 reciprocal (CPU divides): the same floats here
             up = sub * (1 / rep) if dev.type == "cuda" else sub / rep
             sub = torch.where(seen, torch.where(sub > 0, up, sub * rep), sub)
-        freq = _col([p.frequency_penalty for p in params], dev)
-        pres = _col([p.presence_penalty for p in params], dev)
-        sub -= freq * counts + pres * (counts > 0).float()
-        logits[index] = sub
+        # `x -= f * counts + p * (counts > 0)` as the reference computes it; a term whose
+        # penalty is 0 on every row adds 0.0 there, so it is left out (the same floats)
+        frequency = any(p.frequency_penalty != 0.0 for p in params)
+        presence = any(p.presence_penalty != 0.0 for p in params)
+        freq = _col([p.frequency_penalty for p in params], dev) if frequency else None
+        pres = _col([p.presence_penalty for p in params], dev) if presence else None
+        if freq is not None and pres is not None:
+            sub -= freq * counts + pres * (counts > 0)
+        elif freq is not None:
+            sub -= freq * counts
+        elif pres is not None:
+            sub -= pres * (counts > 0)
+        if index is not None:
+            logits[index] = sub
+        elif sub is not logits:
+            logits.copy_(sub)
 
     @staticmethod
     def _count_drafts(
@@ -148,12 +161,14 @@ class SlotPenalties(RunnerFeature):
         dev = counts.device
         if host_at:
             at, ids = _ids(host_at, dev), _ids(host_ids, dev)
-            counts.index_put_((at, ids), torch.ones(len(host_at), device=dev), accumulate=True)
+            ones = torch.ones(len(host_at), dtype=counts.dtype, device=dev)
+            counts.index_put_((at, ids), ones, accumulate=True)
         if dev_at:
             assert drafted is not None
             ids = drafted.token_ids[_ids(dev_rows, dev), _ids(dev_pos, dev)]
             at = _ids(dev_at, dev)
-            counts.index_put_((at, ids), torch.ones(len(dev_at), device=dev), accumulate=True)
+            ones = torch.ones(len(dev_at), dtype=counts.dtype, device=dev)
+            counts.index_put_((at, ids), ones, accumulate=True)
 
     def count(
         self,
