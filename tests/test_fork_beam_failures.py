@@ -23,10 +23,12 @@ PROMPT = list(range(100, 111))
 
 
 def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
-    """Make scheduler part `method` ("part.name", e.g. "planner.plan_row"), called as
-    `method(req, ...)`, raise for `bad_rid` from its `after`-th call on."""
-    part, name = method.split(".")
-    owner = getattr(core.scheduler, part)
+    """Make scheduler part `method` ("part.name", e.g. "planner.plan_row", or a longer path),
+    called as `method(req, ...)`, raise for `bad_rid` from its `after`-th call on."""
+    *path, name = method.split(".")
+    owner = core.scheduler
+    for part in path:
+        owner = getattr(owner, part)
     original = getattr(owner, name)
     calls = [0]
 
@@ -181,8 +183,21 @@ def test_a_failing_beam_scorer_fails_its_search_only(overlap, after):
     assert not core.scheduler.requests
 
 
+class NoDrafts:
+    """A drafter of nothing (`radixrt.scheduler.rows.Drafter`), for an engine without
+    speculation."""
+
+    def drafts(self, req, spare):
+        return []
+
+    def choose(self, proposals, num_rows, spare):
+        return dict(proposals)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("method, after", [("admission._try_start", 0), ("planner.drafter", 2)])
+@pytest.mark.parametrize(
+    "method, after", [("admission._try_start", 0), ("planner.drafter.drafts", 2)]
+)
 def test_a_failing_admission_or_draft_fails_that_request_only(overlap, method, after):
     """Starting a request (match, lock, blocks) or drafting for it raising fails it alone
     (ERROR, counted, nothing held), in the step that planned it; the others run on."""
@@ -190,8 +205,8 @@ def test_a_failing_admission_or_draft_fails_that_request_only(overlap, method, a
     core.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), rid="bad")
     core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
     core.add_request(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True, n=2), rid="p")
-    if method == "planner.drafter":  # an engine without speculation: a drafter of nothing
-        core.scheduler.planner.drafter = lambda req, spare: []
+    if method.startswith("planner.drafter"):
+        core.scheduler.planner.drafter = NoDrafts()
     calls = _breaks(core, method, "bad", after)
     done = drive(core)
     assert calls[0] > after
