@@ -57,9 +57,9 @@ class Program:
         gen_defaults: gen() options for gens that leave them unset, e.g.
         {"temperature": 0, "max_tokens": 32}. The program's context stays cached between
         its calls while it runs (a retention hint on every gen and sent prefix that sets no
-        `cache_ttl_s`: `PROGRAM_CACHE_TTL_S`, on backends that release holds early, i.e. the
-        in-process one), released when it ends, also by an error; `{"cache_ttl_s": 0}` turns
-        that off. stream=True returns a StreamingState at once
+        `cache_ttl_s`: `PROGRAM_CACHE_TTL_S`, on backends that release holds early: the
+        in-process one, and a radixrt server's), released when it ends, also by an error;
+        `{"cache_ttl_s": 0}` turns that off. stream=True returns a StreamingState at once
         (the program runs in a thread); iterate `text_iter()` and/or `wait()`.
         Errors of the program (or of a fork) are raised here (stream: from text_iter/wait).
         """
@@ -121,12 +121,12 @@ class Program:
         traced code raises is raised here, before any program runs.
 
         admission: on backends that report their cache pressure (`Backend.cache_pressure`:
-        the in-process one) and programs that hold their contexts, finish the programs under
-        way before starting (or going on with) those whose contexts the engine's retention
-        share cannot keep: a program whose latest hold was refused waits before its next
-        call, and new programs wait to start, until the held programs of the batch end and
-        their holds make room (`radixrt.frontend.admission`). Off: every program runs as
-        soon as a thread is free.
+        the in-process one, and a radixrt server's) and programs that hold their contexts,
+        finish the programs under way before starting (or going on with) those whose
+        contexts the engine's retention share cannot keep: a program whose latest hold was
+        refused waits before its next call, and new programs wait to start, until the held
+        programs of the batch end and their holds make room (`radixrt.frontend.admission`).
+        Off: every program runs as soon as a thread is free.
         """
         if not all(isinstance(kw, dict) for kw in batch_kwargs):
             raise ValueError("run_batch takes a list of keyword-argument dicts, one per run")

@@ -1,16 +1,21 @@
 """RuntimeEndpoint against a real `radixrt serve` subprocess on the tiny model: the same
-programs give the same greedy results as the in-process backend."""
+programs give the same greedy results as the in-process backend, and hold their contexts
+while they run (run_batch's admission included) as they do in-process."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
+from server_utils import serving
+from test_frontend_admission import chain
 
 from radixrt import SamplingParams
 from radixrt.frontend import (
@@ -26,6 +31,7 @@ from radixrt.frontend import (
     tools,
     user,
 )
+from radixrt.frontend.admission import BatchAdmission
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 90
@@ -194,3 +200,84 @@ def test_tool_calls_over_http_equal_in_process(endpoint, local):
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c["name"], c["arguments"]) for c in here.tool_calls("step")
     ]
+
+
+@function
+def agent(s, endpoint, seen):
+    s += "An agent step:" + gen("a", max_tokens=3, temperature=0)
+    s += " tool output." + gen("b", max_tokens=3, temperature=0)
+    s["b"]  # noqa: B018 (waits for the gen)
+    seen.append(endpoint.cache_pressure())  # read while the program runs
+
+
+def test_a_program_over_http_holds_its_context_and_releases_it(endpoint):
+    """A radixrt server gives a program the holds it gets in-process: its context is held
+    between its calls (under the ids /generate returned) and released at its end."""
+    assert endpoint.releases_holds
+    seen = []
+    agent.run(endpoint, seen, backend=endpoint)
+    during, after = seen[0], endpoint.cache_pressure()
+    assert during.held_blocks > 0 and during.held and during.block_size == 16
+    assert after.held == frozenset() and after.held_blocks == 0
+
+
+def test_run_batch_admission_over_http(tiny_model_dir, monkeypatch):
+    """8 chains whose contexts need twice the held share (as the in-process admission test):
+    over HTTP some wait for the held ones to end, outputs equal a run without admission, no
+    hold is left and the pool's integrity holds."""
+    import radixrt.frontend.program as program
+
+    gates = []
+
+    class Recorded(BatchAdmission):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            gates.append(self)
+
+    monkeypatch.setattr(program, "BatchAdmission", Recorded)
+    args = ("--num-kv-blocks", "96", "--block-size", "16", "--retention-max-share", "0.5")
+    with serving(tiny_model_dir, *args) as srv:
+        endpoint = RuntimeEndpoint(srv.url, model_path=tiny_model_dir)
+        batch = [{"i": i} for i in range(8)]
+        states = chain.run_batch(batch, backend=endpoint)
+        assert gates and gates[0].waits > 0
+        assert not gates[0]._reserved and not gates[0]._waiters
+        pressure = endpoint.cache_pressure()
+        assert pressure.held == frozenset() and pressure.held_blocks == 0
+        off = chain.run_batch(batch, backend=endpoint, admission=False)
+        assert [s.text() for s in states] == [s.text() for s in off]
+        assert len(gates) == 1
+        srv.wait_idle()  # nothing runs or holds KV, integrity holds
+        assert "integrity check failed" not in srv.output(None)
+
+
+class _OlderServer(http.server.BaseHTTPRequestHandler):
+    """A server without the hold routes: /health answers, everything else is a 404."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        ok = self.path == "/health"
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}' if ok else b'{"error": "not found"}')
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_hold_routes_keeps_holds_off(tiny_model_dir):
+    """GET /cache_pressure answers 404 (an older radixrt, SGLang): explicit hints only, no
+    release, no admission data."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OlderServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        endpoint = RuntimeEndpoint(url, model_path=tiny_model_dir)
+        assert not endpoint.releases_holds and endpoint.cache_pressure() is None
+        endpoint.release_cache_holds(["x"])  # sends nothing
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -1,6 +1,7 @@
 """Outbox / Generation.batches: one batch per wake-up, one delta per output in it (several
 steps' deltas of an output merged, in order), an error after the deltas that came before it,
-and `text` kept as parts."""
+and `text` kept as parts; the front's record of finished requests that may hold their context
+(`HeldRequests`)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,29 @@ def test_wait_returns_when_every_output_finished(n):
         box.put(st, Delta("t", [1], [], "length"))
         st.finish_reason = "length"
     assert asyncio.run(gen.wait()) == states
+
+
+def test_held_requests_map_client_ids_per_tenant_until_the_hold_surely_ended():
+    """A client id stands for every scheduler request it made (children, reused rids), for
+    its tenant only; a record goes when released, when a read of the engine's holds lacks
+    it, or when its time-to-live from the finish has passed."""
+    from radixrt.server.holds import HeldRequests
+
+    now = [0.0]
+    held = HeldRequests(clock=lambda: now[0])
+    held.add("acme", "job", "1-t#0", 60)
+    held.add("acme", "job", "1-t#1", 60)
+    held.add("beta", "job", "2-t", 60)
+    held.add(None, "other", "3-t", 5)
+    assert held.rids("acme", ["job", "nope"]) == ["1-t#0", "1-t#1"]
+    assert held.rids("beta", ["job"]) == ["2-t"] and held.rids("gamma", ["job"]) == []
+    assert held.client_ids("acme", ["1-t#1", "2-t", "9-t"]) == ["job"]
+    assert held.client_ids("beta", ["1-t#1"]) == []
+    held.keep_only(frozenset({"1-t#0", "2-t", "3-t"}))
+    assert held.rids("acme", ["job"]) == ["1-t#0"]
+    held.forget(["2-t"])
+    assert held.rids("beta", ["job"]) == [] and len(held) == 2
+    now[0] = 5.0
+    assert held.rids(None, ["other"]) == [] and len(held) == 1
+    now[0] = 60.0
+    assert held.rids("acme", ["job"]) == [] and len(held) == 0 and not held.by_owner

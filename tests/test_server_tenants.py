@@ -1,6 +1,7 @@
 """Tenants on the server: API keys from a file or the environment mapped to tenants, each
 tenant's cache salt namespace, `cache_salt` and `priority` honoured on every route, and a live
-server on which one tenant's prompt is never a cache hit for another."""
+server on which one tenant's prompt is never a cache hit for another and one tenant neither
+sees nor releases another's retention holds."""
 
 from __future__ import annotations
 
@@ -114,3 +115,37 @@ def test_cache_ttl_s_is_honoured_and_reported():
     metrics.update(snap)
     text = metrics.render().decode()
     assert "radixrt_retention_held_blocks 5.0" in text and "radixrt_retention_holds 3.0" in text
+
+
+def test_a_tenant_sees_and_releases_only_its_own_holds(tiny_model_dir, tmp_path):
+    """Another tenant's request ids behave as unknown ones on /cache_pressure and
+    /release_cache_holds, even when it sent the same rid; keys of one tenant share them."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\n")
+    body = {"text": "An agent's context to hold. " * 4, "sampling_params": {"max_new_tokens": 2}}
+
+    def call(srv, key, path, payload=None):
+        headers = {"Authorization": f"Bearer {key}"}
+        method = "GET" if payload is None else "POST"
+        status, out = http_call(srv.url + path, payload, headers, method=method)
+        assert status == 200, out
+        return out
+
+    def held(srv, key):
+        return call(srv, key, "/cache_pressure")["held"]
+
+    def release(srv, key, rid):
+        return call(srv, key, "/release_cache_holds", {"rids": [rid]})["released"]
+
+    with serving(tiny_model_dir, "--api-keys-file", str(keys), api_key="admin") as srv:
+        call(srv, "key-a", "/generate", {**body, "rid": "job", "cache_ttl_s": 60})
+        assert held(srv, "key-a2") == ["job"]  # the same tenant
+        assert held(srv, "key-b") == [] and held(srv, "admin") == []
+        assert release(srv, "key-b", "job") == 0 and release(srv, "admin", "job") == 0
+        call(srv, "key-b", "/generate", {**body, "rid": "job", "cache_ttl_s": 60})
+        assert held(srv, "key-b") == ["job"] == held(srv, "key-a")
+        assert call(srv, "key-b", "/cache_pressure")["held_blocks"] > 0
+        assert release(srv, "key-b", "job") == 1
+        assert held(srv, "key-b") == [] and held(srv, "key-a") == ["job"]
+        assert release(srv, "key-a2", "job") == 1
+        assert call(srv, "key-a", "/cache_pressure")["held_blocks"] == 0

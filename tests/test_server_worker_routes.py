@@ -1,6 +1,7 @@
 """A live replica as a router's worker: metadata, load, cache flush under load (running
 requests unaffected, integrity after), generation health, version, vLLM's tokenize /
-detokenize, KV event sources, GET /v1/models/{id}; and the honoured SGLang / vLLM fields
+detokenize, KV event sources, GET /v1/models/{id}, retention holds (POST
+/release_cache_holds, GET /cache_pressure); and the honoured SGLang / vLLM fields
 end to end (min_tokens, stop_regex, no_stop_trim, continuous_usage_stats,
 continue_final_message, unknown names, --strict-fields)."""
 
@@ -101,6 +102,52 @@ def test_load_and_flush_under_load(server):
     idle = ok(server, "/get_load")[0]
     assert idle["num_reqs"] == 0
     assert "integrity check failed" not in server.output(None)
+
+
+PRESSURE_FIELDS = {
+    "num_blocks", "block_size", "free_blocks", "evictable_blocks", "held_blocks",
+    "max_held_blocks", "holds_refused", "held",
+}  # fmt: skip
+
+
+def test_release_cache_holds_and_cache_pressure(server):
+    """A request with cache_ttl_s holds its context under the id the client saw (its rid,
+    else the front's id; n > 1: every child); releasing ends the holds once; unknown ids
+    count 0; a body that is not a list of ids is a 400 naming rids."""
+    sampling = {"max_new_tokens": 6, "temperature": 0}
+    prompt = "Hold this context for the agent's next step, please. " * 3
+    before = ok(server, "/cache_pressure")
+    assert set(before) == PRESSURE_FIELDS and before["held"] == [] and before["held_blocks"] == 0
+    body = {"text": prompt, "sampling_params": sampling, "cache_ttl_s": 60, "rid": "agent-1"}
+    assert ok(server, "/generate", body)["meta_info"]["id"] == "agent-1"
+    seeded = {**sampling, "n": 2, "temperature": 1.0, "seed": 7}
+    outs = ok(server, "/generate", {"text": "Two ways " + prompt, "sampling_params": seeded,
+                                     "cache_ttl_s": 60})  # fmt: skip
+    assert len(outs) == 2 and outs[0]["output_ids"] != outs[1]["output_ids"]
+    both = outs[0]["meta_info"]["id"]  # the front's id: one for the request's choices
+    assert outs[1]["meta_info"]["id"] == both
+    ok(server, "/generate", {"text": "No hint " + prompt, "sampling_params": sampling})
+    held = ok(server, "/cache_pressure")
+    assert held["held"] == sorted(["agent-1", both]) and held["held_blocks"] > 0
+    assert held["max_held_blocks"] == held["num_blocks"] // 2 and held["block_size"] == 16
+    release = "/release_cache_holds"
+    assert ok(server, release, {"rids": ["agent-1", "never-sent"]}) == {"released": 1}
+    assert ok(server, "/cache_pressure")["held"] == [both]
+    assert ok(server, release, {"rids": ["agent-1"]}) == {"released": 0}  # once
+    assert ok(server, release, {"rids": [both]}) == {"released": 2}  # every child
+    after = ok(server, "/cache_pressure")
+    assert after["held"] == [] and after["held_blocks"] == 0
+    assert ok(server, release, {"rids": []}) == {"released": 0}
+    for bad in ({}, {"rids": "agent-1"}, {"rids": [1]}, {"rids": ["x"] * 1025},
+                {"rids": ["x" * 257]}):  # fmt: skip
+        status, out = server.post(release, bad)
+        assert status == 400 and out["error"]["param"].split("[")[0] == "rids", (bad, out)
+    for path, body in (("/cache_pressure", None), (release, {"rids": []})):
+        status, _ = http_call(
+            server.url + path, body, headers={}, method="GET" if body is None else "POST"
+        )
+        assert status == 401  # the API key is required
+    server.wait_idle()
 
 
 def test_tokenize_and_detokenize(server, tokenizer):

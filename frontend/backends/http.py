@@ -4,22 +4,34 @@ Prompts are tokenized here (with the model's tokenizer) and sent as `input_ids`,
 as the in-process backend feeds the engine, so a program gives the same results on both.
 The tokenizer comes from `model_path`, else from the path the server reports at
 GET /get_model_info (which works when client and server share a filesystem).
+
+A radixrt server that has GET /cache_pressure (probed once) also gives programs their
+retention holds as the in-process backend does: results carry the request's id, which
+POST /release_cache_holds takes, and `cache_pressure()` reads the engine's holds for
+run_batch's admission. Another server (an older radixrt, SGLang) answers 404 there: then only
+explicit `cache_ttl_s` hints hold, they expire on time, and run_batch starts every program
+at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import urllib.error
 import urllib.request
 from typing import Any
 
 from radixrt.sampling import SamplingParams
+from radixrt.stats import CachePressure
 
 from ..errors import BackendError
 from .base import Backend, DeltaCallback, GenResult
 
 HEALTH_TIMEOUT_S = 10.0
+RELEASE_BATCH = 1024  # ids per POST /release_cache_holds (the server's bound)
+
+logger = logging.getLogger(__name__)
 
 
 class RuntimeEndpoint(Backend):
@@ -45,6 +57,24 @@ class RuntimeEndpoint(Backend):
 
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
+        probe = self._read_pressure(missing_ok=True, timeout=HEALTH_TIMEOUT_S)
+        self.releases_holds = probe is not None
+
+    def _read_pressure(
+        self, missing_ok: bool = False, timeout: float | None = None
+    ) -> CachePressure | None:
+        """GET /cache_pressure as a CachePressure (`held`: the ids `GenResult.rid` carries);
+        None when the server has no such route and `missing_ok`."""
+        try:
+            out = self._request("GET", "/cache_pressure", None, timeout, missing_ok)
+        except ValueError as e:  # a 400: not a radixrt answer
+            raise BackendError(f"GET {self.url}/cache_pressure failed: {e}") from None
+        if out is None and missing_ok:
+            return None
+        try:
+            return CachePressure(**{**out, "held": frozenset(out["held"])})
+        except (TypeError, KeyError) as e:
+            raise BackendError(f"GET {self.url}/cache_pressure answered {str(out)[:200]}") from e
 
     def _model_path_from_server(self) -> str:
         """The server's model dir: GET /get_model_info's `model_path`, else the model id of
@@ -80,7 +110,7 @@ class RuntimeEndpoint(Backend):
         if params.cache_ttl_s:
             body["cache_ttl_s"] = params.cache_ttl_s
         if on_delta is None:
-            return _result(self._request("POST", "/generate", body))
+            return self._result(self._request("POST", "/generate", body))
         body["stream"] = True
         text = ""
         out: dict[str, Any] = {}
@@ -92,7 +122,7 @@ class RuntimeEndpoint(Backend):
             out = event
         if not out.get("meta_info", {}).get("finish_reason"):
             raise BackendError(f"the stream from {self.url}/generate ended before finishing")
-        return _result({**out, "text": text})
+        return self._result({**out, "text": text})
 
     def score_continuations(
         self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
@@ -119,6 +149,29 @@ class RuntimeEndpoint(Backend):
             scores.append(lps)
         return scores
 
+    def release_cache_holds(self, rids: list[str]) -> None:
+        """POST /release_cache_holds (RELEASE_BATCH ids per call). A server that cannot be
+        reached ends nothing, which only costs time: its holds expire on their own."""
+        if not self.releases_holds:
+            return
+        rids = list(rids)
+        for i in range(0, len(rids), RELEASE_BATCH):
+            body = {"rids": rids[i : i + RELEASE_BATCH]}
+            try:
+                self._request("POST", "/release_cache_holds", body)
+            except BackendError as e:
+                logger.warning("holds not released (they expire on time): %s", e)
+                return
+
+    def cache_pressure(self) -> CachePressure | None:
+        return self._read_pressure() if self.releases_holds else None
+
+    def _result(self, out: dict[str, Any]) -> GenResult:
+        result = _result(out)
+        if self.releases_holds:
+            result.rid = out["meta_info"].get("id")
+        return result
+
     # ---- transport ----
     def _open(self, method: str, path: str, body: Any, timeout: float | None):
         data = None if body is None else json.dumps(body).encode()
@@ -140,9 +193,23 @@ class RuntimeEndpoint(Backend):
                 "is `radixrt serve` running there?"
             ) from e
 
-    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None):
-        with self._open(method, path, body, timeout) as resp:
-            raw = resp.read()
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        missing_ok: bool = False,
+    ):
+        """The JSON answer; `missing_ok`: None when the server has no route `path` (404)."""
+        try:
+            with self._open(method, path, body, timeout) as resp:
+                raw = resp.read()
+        except BackendError as e:
+            cause = e.__cause__
+            if missing_ok and isinstance(cause, urllib.error.HTTPError) and cause.code == 404:
+                return None
+            raise
         return json.loads(raw) if raw.strip() else None
 
     def _stream(self, path: str, body: Any):

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -22,14 +23,19 @@ from radixrt.server.channel import Channel
 from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
 from radixrt.server.groups import beam_params, check_group_fits
+from radixrt.server.holds import HeldRequests
 from radixrt.server.liveness import Liveness, StallPolicy
 from radixrt.server.messages import (
     AbortRequest,
     BeamSearchRequest,
     CacheFlushed,
+    CacheHoldsReleased,
+    CachePressureRead,
     FlushCache,
     FromScheduler,
+    ReadCachePressure,
     Ready,
+    ReleaseCacheHolds,
     SchedulerSnapshot,
     TokenizedRequest,
     ToScheduler,
@@ -83,7 +89,9 @@ class Front(FrontOutputs):
         self._reader: asyncio.Task | None = None
         self.liveness = Liveness(stall_policy or StallPolicy())
         self._watchdog: asyncio.Task | None = None
-        self.flushes: dict[int, asyncio.Future[CacheFlushed]] = {}  # FlushCache in flight
+        # FlushCache, ReleaseCacheHolds, ReadCachePressure in flight, by their id
+        self.calls: dict[int, asyncio.Future] = {}
+        self.held = HeldRequests()  # finished requests that may hold their context
         metrics.in_flight.set_function(lambda: len(self.states))
 
     # ---- lifecycle ----
@@ -211,12 +219,15 @@ class Front(FrontOutputs):
         except (TemplateError, ValueError, TypeError) as e:  # ValueError: no template
             raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
 
-    def generate(self, spec: GenerationSpec, client_rid: str | None = None) -> Generation:
+    def generate(
+        self, spec: GenerationSpec, client_rid: str | None = None, tenant: str | None = None
+    ) -> Generation:
         """Tokenize and send one scheduler request per prompt of `spec` (n > 1: the
-        scheduler forks n children; beam_width: a beam search). Raises ApiError (nothing
-        is sent and no state is kept then): 503 while not serving, 400 for a prompt that
-        does not fit, n / beam_width sequences that can never fit the KV pool or the
-        running slots, or a client rid already in flight."""
+        scheduler forks n children; beam_width: a beam search), made under `tenant` (None:
+        the server has no tenants). Raises ApiError (nothing is sent and no state is kept
+        then): 503 while not serving, 400 for a prompt that does not fit, n / beam_width
+        sequences that can never fit the KV pool or the running slots, or a client rid
+        already in flight."""
         if not self.serving:
             raise self.unavailable_error()
         if client_rid is not None and client_rid in self.by_client_rid:
@@ -230,7 +241,9 @@ class Front(FrontOutputs):
 
             def state(rid: str, j: int, n: int, ids=ids, max_tokens=max_tokens, first=first):
                 index, choice = first + j, j if n > 1 else 0
-                return self._state(spec, rid, index, choice, n, ids, max_tokens, events, client_rid)
+                return self._state(
+                    spec, rid, index, choice, n, ids, max_tokens, events, client_rid, tenant
+                )
 
             rid = self._new_rid()
             if spec.beam_width is not None:
@@ -277,6 +290,7 @@ class Front(FrontOutputs):
         max_tokens: int,
         events: Outbox,
         client_rid: str | None,
+        tenant: str | None,
     ) -> RequestState:
         """The front's state of output `index` of the HTTP request: choice `choice` of the
         scheduler request `rid` (its own detokenizer and stop strings)."""
@@ -296,6 +310,7 @@ class Front(FrontOutputs):
             beam=beam,
             grammar_param=spec.grammar_param,
             field_names={"max_tokens": spec.max_tokens_param, "prompt": spec.prompt_param},
+            tenant=tenant,
         )
 
     def _prepare(
@@ -352,14 +367,40 @@ class Front(FrontOutputs):
     async def flush_cache(self) -> CacheFlushed:
         """Flush the scheduler's prefix cache (unlocked entries only) and wait for its
         answer; ApiError 503 while not serving."""
+        return await self._ask(FlushCache)
+
+    async def release_cache_holds(self, tenant: str | None, client_ids: list[str]) -> int:
+        """End the retention holds of `tenant`'s finished requests known to their client as
+        `client_ids` (every scheduler request of each: its children, its prompts); returns
+        how many holds ended. Ids of no request of `tenant` that may hold count 0. ApiError
+        503 while not serving."""
         if not self.serving:
             raise self.unavailable_error()
-        flush_id = next(self._ids)
+        rids = self.held.rids(tenant, client_ids)
+        if not rids:
+            return 0
+        self.held.forget(rids)
+        out: CacheHoldsReleased = await self._ask(lambda i: ReleaseCacheHolds(i, rids))
+        return out.released
+
+    async def cache_pressure(self) -> CachePressureRead:
+        """The engine's `CachePressure`, read by the scheduler between steps (its `held`: the
+        scheduler's ids; `held.client_ids` maps them for a tenant); ApiError 503 while not
+        serving."""
+        return await self._ask(ReadCachePressure)
+
+    async def _ask(self, message: Callable[[int], ToScheduler]) -> Any:
+        """Send `message(call_id)` to the scheduler and wait for its answer with that id
+        (`FrontOutputs._dispatch`); ApiError 503 while not serving or once the scheduler is
+        gone."""
+        if not self.serving:
+            raise self.unavailable_error()
+        call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self.flushes[flush_id] = future
+        self.calls[call_id] = future
         dead = asyncio.ensure_future(self.dead_event.wait())
         try:
-            if not self._send(FlushCache(flush_id)):
+            if not self._send(message(call_id)):
                 raise self.unavailable_error()
             await asyncio.wait([future, dead], return_when=asyncio.FIRST_COMPLETED)
             if not future.done():
@@ -367,7 +408,7 @@ class Front(FrontOutputs):
             return future.result()
         finally:
             dead.cancel()
-            self.flushes.pop(flush_id, None)
+            self.calls.pop(call_id, None)
 
     def abort_states(self, states: list[RequestState]) -> None:
         """Client gone: end these outputs now; the scheduler frees their KV (one abort per

@@ -2,8 +2,8 @@
 strings, deltas for the HTTP handlers, metrics), errors, Ready and the scheduler's failure.
 
 `FrontOutputs` is a mixin of `radixrt.server.front.Front` (it uses the front's `states`,
-`by_client_rid`, `metrics`, `tokenizer`, `from_scheduler`, `liveness`, `_send`,
-`_on_progress` and `stop_serving`).
+`by_client_rid`, `held`, `calls`, `metrics`, `tokenizer`, `from_scheduler`, `liveness`,
+`_send`, `_on_progress` and `stop_serving`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from radixrt.grammar.api import SAMPLING_FIELDS
 from radixrt.server.messages import (
     AbortRequest,
     CacheFlushed,
+    CacheHoldsReleased,
+    CachePressureRead,
     FromScheduler,
     Ready,
     SchedulerFailed,
@@ -85,8 +87,11 @@ class FrontOutputs:
                 msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
             )  # fmt: skip
             self._check_ready()
-        elif isinstance(msg, CacheFlushed):
-            future = self.flushes.get(msg.flush_id)
+        elif isinstance(msg, (CacheFlushed, CacheHoldsReleased, CachePressureRead)):
+            if isinstance(msg, CachePressureRead):
+                # read after every request recorded so far had finished (and held or not)
+                self.held.keep_only(msg.pressure.held)
+            future = self.calls.get(msg.flush_id if isinstance(msg, CacheFlushed) else msg.call_id)
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, SchedulerFailed):
@@ -145,6 +150,9 @@ class FrontOutputs:
         if final:
             if reason != "abort":
                 self.liveness.on_finished()
+            if reason in ("stop", "length") and not st.stop_seen and st.params.cache_ttl_s > 0:
+                # the scheduler held its context (out.rid: a child's own id) or refused to
+                self.held.add(st.tenant, st.client_id, out.rid, st.params.cache_ttl_s)
             self._finish(st, reason)
         return len(new_ids)
 

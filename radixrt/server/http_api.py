@@ -191,7 +191,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     model = front.model_info()  # 503 while not serving
     g = parse_generate(await read_body(request), model, request.app[UNKNOWN_FIELDS])
     spec = g.gen
-    apply_tenant(spec.sampling, request_tenant(request))
+    tenant = request_tenant(request)
+    apply_tenant(spec.sampling, tenant)
     top = spec.sampling["top_logprobs"]
     text_of = (
         (lambda t: front.tokenizer.decode([t], skip_special_tokens=False))
@@ -206,7 +207,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         """meta_info: of the whole output (d None), or of delta `d` only."""
         reason = st.finish_reason if d is None else d.finish_reason
         m: dict[str, Any] = {
-            "id": st.rid if st.client_rid is None else st.client_rid,
+            "id": st.client_id,
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": st.completion_tokens,
             "cached_tokens": st.num_cached_tokens,
@@ -232,7 +233,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return m
 
     many = spec.batched or spec.n > 1  # a list of outputs; streamed events carry "index"
-    async with front.generate(spec, client_rid=g.rid) as gen:
+    async with front.generate(spec, client_rid=g.rid, tenant=tenant) as gen:
         if spec.stream:
             incremental = request.app[INCREMENTAL_STREAMING]
 

@@ -1,10 +1,12 @@
 """Typed messages between the front process and the scheduler process (msgpack via msgspec).
 
 front -> scheduler (`ToScheduler`): `TokenizedRequest` (n > 1: one message, the scheduler
-forks the children), `BeamSearchRequest`, `AbortRequest`, `FlushCache`, `Shutdown`.
+forks the children), `BeamSearchRequest`, `AbortRequest`, `FlushCache`, `ReleaseCacheHolds`,
+`ReadCachePressure`, `Shutdown`.
 scheduler -> front (`FromScheduler`): `Ready` once after the model loads, then one
 `TokenBatchOut` per loop iteration that did something (a step, or handled messages), and
-`SchedulerFailed` if the loop dies of an exception, `CacheFlushed` per `FlushCache`.
+`SchedulerFailed` if the loop dies of an exception, `CacheFlushed` per `FlushCache`,
+`CacheHoldsReleased` per `ReleaseCacheHolds`, `CachePressureRead` per `ReadCachePressure`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from radixrt.sampling import BeamSearchParams, SamplingParams
-from radixrt.stats import EngineStats
+from radixrt.stats import CachePressure, EngineStats
 
 
 # ---- front -> scheduler ----
@@ -50,7 +52,31 @@ class FlushCache(msgspec.Struct, tag=True, frozen=True):
     flush_id: int
 
 
-ToScheduler = TokenizedRequest | BeamSearchRequest | AbortRequest | Shutdown | FlushCache
+class ReleaseCacheHolds(msgspec.Struct, tag=True, frozen=True):
+    """End the retention holds of the finished scheduler requests `rids` early
+    (`EngineCore.release_cache_hold`); the scheduler answers with `CacheHoldsReleased`
+    carrying the same `call_id`."""
+
+    call_id: int
+    rids: list[str]
+
+
+class ReadCachePressure(msgspec.Struct, tag=True, frozen=True):
+    """Read the engine's `CachePressure`; the scheduler answers with `CachePressureRead`
+    carrying the same `call_id`."""
+
+    call_id: int
+
+
+ToScheduler = (
+    TokenizedRequest
+    | BeamSearchRequest
+    | AbortRequest
+    | Shutdown
+    | FlushCache
+    | ReleaseCacheHolds
+    | ReadCachePressure
+)
 
 
 # ---- scheduler -> front ----
@@ -137,4 +163,16 @@ class CacheFlushed(msgspec.Struct, tag=True, frozen=True):
     error: str | None = None  # the integrity check's failure after the flush, if any
 
 
-FromScheduler = Ready | TokenBatchOut | SchedulerFailed | CacheFlushed
+class CacheHoldsReleased(msgspec.Struct, tag=True, frozen=True):
+    call_id: int  # the ReleaseCacheHolds answered
+    released: int  # holds it ended (requests that held nothing count 0)
+
+
+class CachePressureRead(msgspec.Struct, tag=True, frozen=True):
+    call_id: int  # the ReadCachePressure answered
+    pressure: CachePressure  # between steps, after every message before it was handled
+
+
+FromScheduler = (
+    Ready | TokenBatchOut | SchedulerFailed | CacheFlushed | CacheHoldsReleased | CachePressureRead
+)

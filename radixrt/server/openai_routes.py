@@ -148,10 +148,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     spec = parse_completion(
         await read_body(request), front.model_info(), request.app[UNKNOWN_FIELDS]
     )
-    apply_tenant(spec.sampling, request_tenant(request))
+    tenant = request_tenant(request)
+    apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
-    async with front.generate(spec) as gen:
+    async with front.generate(spec, tenant=tenant) as gen:
         if spec.stream:
             offsets = [0] * len(gen.states)
 
@@ -209,10 +210,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         request.app[UNKNOWN_FIELDS],
         tool_parser(request),
     )
-    apply_tenant(spec.sampling, request_tenant(request))
+    tenant = request_tenant(request)
+    apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
-    async with front.generate(spec) as gen:
+    async with front.generate(spec, tenant=tenant) as gen:
         if spec.stream:
             chead = {**head, "object": "chat.completion.chunk"}
             deltas = ChatDeltas(spec.tools)

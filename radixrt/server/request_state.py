@@ -54,6 +54,7 @@ class RequestState:
     grammar_param: str | None = None  # the request field holding its constraint, if any
     # the request's names of the engine's `max_tokens` / `prompt` (for the scheduler's errors)
     field_names: dict[str, str] = field(default_factory=dict)
+    tenant: str | None = None  # whose API key made the request (None: no tenants)
     beams: list[BeamResult] = field(default_factory=list)  # beam search: best first
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
@@ -68,6 +69,12 @@ class RequestState:
     stop_seen: bool = False  # a stop string ended the text; the scheduler's abort is pending
     finish_reason: str | None = None
     error: ApiError | None = None
+
+    @property
+    def client_id(self) -> str:
+        """The id the client knows the request by (/generate's `meta_info["id"]`): its
+        `rid`, else the front's id of the scheduler request."""
+        return self.rid if self.client_rid is None else self.client_rid
 
     @property
     def finished(self) -> bool:

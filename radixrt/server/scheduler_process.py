@@ -31,9 +31,13 @@ from radixrt.server.messages import (
     BeamOut,
     BeamSearchRequest,
     CacheFlushed,
+    CacheHoldsReleased,
+    CachePressureRead,
     FlushCache,
     FromScheduler,
+    ReadCachePressure,
     Ready,
+    ReleaseCacheHolds,
     RequestError,
     SchedulerFailed,
     SchedulerSnapshot,
@@ -253,6 +257,11 @@ class SchedulerLoop:
                     finished.append(delta)
             elif isinstance(msg, FlushCache):
                 self.outbox.send(self._flush(msg))
+            elif isinstance(msg, ReleaseCacheHolds):
+                released = sum(self.core.release_cache_hold(rid) for rid in msg.rids)
+                self.outbox.send(CacheHoldsReleased(msg.call_id, released))
+            elif isinstance(msg, ReadCachePressure):
+                self.outbox.send(CachePressureRead(msg.call_id, self.core.cache_pressure()))
         return errors, finished
 
     def _flush(self, msg: FlushCache) -> CacheFlushed:

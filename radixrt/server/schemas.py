@@ -373,6 +373,15 @@ class AbortBody(Body, kw_only=True):
     rid: str
 
 
+MAX_RELEASE_RIDS = 1024  # ids per POST /release_cache_holds
+
+
+class ReleaseHoldsBody(Body, kw_only=True):
+    """POST /release_cache_holds: /generate ids (`meta_info["id"]`) whose holds end."""
+
+    rids: Annotated[list[str], msgspec.Meta(max_length=MAX_RELEASE_RIDS)]
+
+
 class TokenizeRequest(Body, kw_only=True):
     """vLLM's POST /tokenize: a completion prompt, or chat messages."""
 

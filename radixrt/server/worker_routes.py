@@ -1,6 +1,7 @@
 """The routes that make a replica a worker of sglang-router and vllm-router: server and
 model metadata, load, cache flush, generation health, version, vLLM's tokenize /
-detokenize, KV event sources, and GET /v1/models/{id}.
+detokenize, KV event sources, and GET /v1/models/{id}; and radixrt's retention-hold routes
+(release holds early, the engine's cache pressure), which the DSL's `RuntimeEndpoint` uses.
 
 Metadata fields are those the routers read (sglang-router's ServerInfo / model info,
 vllm-router's model card); load is one entry per data-parallel rank (one here) with
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from radixrt.server.chat import chat_messages, template_options
@@ -25,9 +27,10 @@ from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_res
 from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.kv_publisher import kv_event_sources as kv_event_sources_of
 from radixrt.server.protocol import ApiError, GenerationSpec, accepted_names
-from radixrt.server.schemas import DetokenizeRequest, TokenizeRequest
+from radixrt.server.schemas import DetokenizeRequest, ReleaseHoldsBody, TokenizeRequest
+from radixrt.server.tenants import request_tenant
 from radixrt.server.tools.request import checked_tools, template_messages
-from radixrt.server.validate import check_model
+from radixrt.server.validate import check_model, check_rid
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # /health_generate: one token within this long
 
@@ -85,6 +88,8 @@ def add_worker_routes(app: web.Application, info: WorkerInfo) -> None:
     app.router.add_get("/get_load", get_load)
     app.router.add_route("GET", "/flush_cache", flush_cache)
     app.router.add_route("POST", "/flush_cache", flush_cache)
+    app.router.add_post("/release_cache_holds", release_cache_holds)
+    app.router.add_get("/cache_pressure", cache_pressure)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/version", get_version)
     app.router.add_post("/tokenize", tokenize)
@@ -185,6 +190,32 @@ async def flush_cache(request: web.Request) -> web.Response:
             type="server_error",
         )
     return json_response({"success": True, "freed_blocks": out.freed_blocks})
+
+
+async def release_cache_holds(request: web.Request) -> web.Response:
+    """End early the retention holds (`cache_ttl_s`) of the caller's finished requests
+    `rids` (/generate's `meta_info["id"]`; n > 1: every child's). Ids of requests another
+    tenant made, unknown ids and requests that hold nothing count 0."""
+    body: ReleaseHoldsBody = decode_checked(
+        await read_body(request),
+        ReleaseHoldsBody,
+        "/release_cache_holds",
+        request.app[UNKNOWN_FIELDS],
+    )
+    for rid in body.rids:
+        check_rid(rid, "rids")
+    released = await request.app[FRONT].release_cache_holds(request_tenant(request), body.rids)
+    return json_response({"released": released})
+
+
+async def cache_pressure(request: web.Request) -> web.Response:
+    """The engine's retention holds against its KV pool (`radixrt.stats.CachePressure`);
+    `held`: the ids of the caller's finished requests whose holds are in place."""
+    front = request.app[FRONT]
+    read = await front.cache_pressure()
+    out = msgspec.to_builtins(read.pressure)
+    out["held"] = front.held.client_ids(request_tenant(request), read.pressure.held)
+    return json_response(out)
 
 
 async def health_generate(request: web.Request) -> web.Response:
