@@ -99,7 +99,7 @@ def test_internal_ids_only_and_finish_forgets():
             front._dispatch(batch([out(r, [1, 2], "length")]))
         states = await g.wait()
         assert [st.finish_reason for st in states] == ["length", "length"]
-        assert "col" not in front.by_client_rid and len(front.states) == 1
+        assert "col" not in front.outputs.by_client_rid and len(front.outputs.states) == 1
 
     run(main())
 
@@ -114,7 +114,7 @@ def test_scheduler_error_then_client_gone_forgets_all():
         with pytest.raises(ApiError, match="too big"):
             async with g:
                 await g.wait()
-        assert front.states == {} and front.by_client_rid == {}
+        assert front.outputs.states == {} and front.outputs.by_client_rid == {}
         assert front.to_scheduler.sent[-1] == AbortRequest(second)
 
     run(main())
@@ -130,7 +130,7 @@ def test_abort_by_client_rid_and_own_id():
         (req,) = [m for m in front.to_scheduler.sent if isinstance(m, TokenizedRequest)]
         front._dispatch(batch([out(req.rid, [], "abort")]))
         (st,) = await g.wait()
-        assert st.finish_reason == "abort" and front.states == {}
+        assert st.finish_reason == "abort" and front.outputs.states == {}
         g2 = front.generate(gen)  # no client rid: /abort takes the request's own id
         own = g2.states[0].rid
         assert front.abort_client_rid(own) == 1
@@ -147,7 +147,7 @@ def test_scheduler_death_fails_and_forgets_everything():
         with pytest.raises(ApiError) as e:
             await g.wait()
         assert e.value.status == 503
-        assert front.states == {} and front.by_client_rid == {}
+        assert front.outputs.states == {} and front.outputs.by_client_rid == {}
         with pytest.raises(ApiError):
             front.model_info()
 
@@ -161,7 +161,8 @@ def test_send_failure_fails_and_forgets():
         g = front.generate(gen, "x")
         with pytest.raises(ApiError) as e:
             await g.wait()
-        assert e.value.status == 503 and front.states == {} and front.by_client_rid == {}
+        assert e.value.status == 503
+        assert front.outputs.states == {} and front.outputs.by_client_rid == {}
 
     run(main())
 
@@ -173,7 +174,7 @@ def test_encoding_failure_keeps_no_state():
         with pytest.raises(ApiError) as e:
             front.generate(gen, "x")
         assert e.value.status == 500
-        assert front.states == {} and front.by_client_rid == {}
+        assert front.outputs.states == {} and front.outputs.by_client_rid == {}
 
     run(main())
 
@@ -188,7 +189,7 @@ def test_stop_string_finishes_with_stop():
         assert front.to_scheduler.sent[-1] == AbortRequest(rid, reason="stop")
         front._dispatch(batch([out(rid, [4], "stop")]))
         (st,) = await g.wait()
-        assert (st.text, st.finish_reason) == ("ab", "stop") and front.states == {}
+        assert (st.text, st.finish_reason) == ("ab", "stop") and front.outputs.states == {}
 
     run(main())
 
@@ -199,7 +200,7 @@ def test_metrics_from_ready_and_in_flight():
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["radixrt_kv_blocks_free"] == values["radixrt_kv_blocks_total"] == 8
     assert values["radixrt_front_in_flight"] == 0 and values["radixrt_ready"] == 1
-    assert front.snapshot is not None and front.snapshot.stats.kv_blocks_free == 8
+    assert front.outputs.snapshot is not None and front.outputs.snapshot.stats.kv_blocks_free == 8
     front.stop_serving("gone")
     text = front.metrics.render().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -218,7 +219,8 @@ def test_scheduler_fault_on_one_request_is_a_500():
         front._dispatch(batch(errors=[RequestError(rid, "planning failed: KeyError", 500)]))
         with pytest.raises(ApiError) as e:
             await g.wait()
-        assert (e.value.status, e.value.type) == (500, "server_error") and front.states == {}
+        assert (e.value.status, e.value.type) == (500, "server_error")
+        assert front.outputs.states == {}
         assert front.metrics.internal_errors._value.get() == 1  # a server bug, counted
 
 

@@ -50,13 +50,13 @@ def test_one_request_per_prompt_and_outputs_by_choice():
         (msg,) = front.to_scheduler.sent
         assert isinstance(msg, TokenizedRequest) and msg.params.n == 3 and msg.params.seed == 5
         assert [st.params.seed for st in g.states] == [5, 6, 7]  # choice i: seed + i
-        assert [st.index for st in g.states] == [0, 1, 2] and len(front.states) == 1
+        assert [st.index for st in g.states] == [0, 1, 2] and len(front.outputs.states) == 1
         front._dispatch(batch([child_out(msg.rid, 2, [0, 1]), child_out(msg.rid, 0, [2])]))
         front._dispatch(batch([child_out(msg.rid, c, [3], "length") for c in range(3)]))
         states = await g.wait()
         assert [st.output_ids for st in states] == [[2, 3], [3], [0, 1, 3]]
         assert [st.text for st in states] == ["cd", "d", "abd"]
-        assert front.states == {}
+        assert front.outputs.states == {}
 
     asyncio.run(main())
 
@@ -87,7 +87,7 @@ def test_client_gone_aborts_each_parent_once_and_errors_fail_choices():
         async with g:
             pass  # the client left
         assert front.to_scheduler.sent[2:] == [AbortRequest(first), AbortRequest(second)]
-        assert front.states == {}
+        assert front.outputs.states == {}
 
         g = front.generate(gen, "mine")
         first, second = (m.rid for m in front.to_scheduler.sent[4:])
@@ -121,7 +121,7 @@ def test_groups_that_can_never_run_are_400_and_nothing_is_sent(sampling, ready, 
     with pytest.raises(ApiError) as e:
         front.generate(gen)
     assert e.value.param == param and e.value.status == 400, e.value.message
-    assert front.to_scheduler.sent == [] and front.states == {}
+    assert front.to_scheduler.sent == [] and front.outputs.states == {}
 
 
 def test_beam_search_request_and_results():
@@ -145,7 +145,7 @@ def test_beam_search_request_and_results():
             ("bc", [1, 2], -0.7),
             ("def", [3, 4, 5], -1.1),
         ]
-        assert st.finish_reason == "stop" and front.states == {}
+        assert st.finish_reason == "stop" and front.outputs.states == {}
 
     asyncio.run(main())
 
@@ -216,4 +216,4 @@ def test_echo_with_logprobs_and_n_goes_as_independent_requests():
         (1, 4, True),
         (1, 5, True),
     ]
-    assert [st.index for st in g.states] == [0, 1] and len(front.states) == 2
+    assert [st.index for st in g.states] == [0, 1] and len(front.outputs.states) == 2

@@ -4,6 +4,9 @@ detokenization and stop strings, talking to the scheduler process over two chann
 Runs on the asyncio loop of the HTTP server. `Front.generate(spec)` validates and
 tokenizes a request, sends it, and returns a `Generation` whose events the HTTP handler
 consumes; leaving its `async with` block aborts whatever is unfinished (client gone).
+The front's reader hands the scheduler's token batches to its `FrontOutputs` (which owns
+the in-flight states) and handles the rest itself: Ready, answers to its calls (cache
+flush, hold release, cache pressure) and the scheduler's failure.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -36,7 +39,8 @@ from radixrt.server.messages import (
     ReadCachePressure,
     Ready,
     ReleaseCacheHolds,
-    SchedulerSnapshot,
+    SchedulerFailed,
+    TokenBatchOut,
     TokenizedRequest,
     ToScheduler,
 )
@@ -56,9 +60,9 @@ def eos_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
     return sorted(eos)
 
 
-class Front(FrontOutputs):
-    """Requests in (validate, tokenize, send) and the lifecycle; what the scheduler sends
-    back is handled by `FrontOutputs`."""
+class Front:
+    """Requests in (validate, tokenize, send), calls to the scheduler and the lifecycle;
+    the in-flight requests and the handling of their outputs belong to `outputs`."""
 
     def __init__(
         self,
@@ -79,10 +83,6 @@ class Front(FrontOutputs):
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
         self.ready_event = asyncio.Event()  # set when serving starts
-        self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
-        # in-flight scheduler requests by (internal) rid: their outputs, by choice index
-        self.states: dict[str, list[RequestState]] = {}
-        self.by_client_rid: dict[str, list[RequestState]] = {}  # in flight, by client rid
         # internal rids: a counter plus this process's random tag (never a client's id)
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
@@ -92,7 +92,9 @@ class Front(FrontOutputs):
         # FlushCache, ReleaseCacheHolds, ReadCachePressure in flight, by their id
         self.calls: dict[int, asyncio.Future] = {}
         self.held = HeldRequests()  # finished requests that may hold their context
-        metrics.in_flight.set_function(lambda: len(self.states))
+        self.outputs = FrontOutputs(
+            metrics, self._send, self._decode, self.liveness.on_finished, self.held.add
+        )
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -115,17 +117,46 @@ class Front(FrontOutputs):
         logger.warning("not serving any more: %s", reason)
         self.metrics.scheduler_gone()
         self.dead_event.set()
-        self._fail_in_flight(self.unavailable_error(), abort=False)
+        self.outputs.fail_all(self.unavailable_error(), abort=False)
 
-    def _fail_in_flight(self, error: ApiError, abort: bool) -> None:
-        """Fail every unfinished request with `error`; `abort`: also tell the scheduler to
-        drop them (it frees their KV once it runs again)."""
-        for rid, group in list(self.states.items()):
-            for st in group:
-                if not st.finished:
-                    self._fail(st, error)
-            if abort:
-                self._send(AbortRequest(rid))
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.from_scheduler.recv_async()
+                self._on_progress()
+                self._dispatch(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("front failed to handle a scheduler message")
+            self.stop_serving(f"the front failed to read scheduler output ({e!r})")
+
+    def _dispatch(self, msg: FromScheduler) -> None:
+        if isinstance(msg, TokenBatchOut):
+            self.outputs.on_batch(msg)
+        elif isinstance(msg, Ready):
+            self.ready = msg
+            self.outputs.on_ready(msg)
+            logger.info(
+                "scheduler ready (pid %d): max_model_len=%d, vocab=%d, %d KV blocks",
+                msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
+            )  # fmt: skip
+            self._check_ready()
+        elif isinstance(msg, (CacheFlushed, CacheHoldsReleased, CachePressureRead)):
+            if isinstance(msg, CachePressureRead):
+                # read after every request recorded so far had finished (and held or not)
+                self.held.keep_only(msg.pressure.held)
+            future = self.calls.get(msg.flush_id if isinstance(msg, CacheFlushed) else msg.call_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, SchedulerFailed):
+            last = msg.message.strip().splitlines()[-1]
+            self.stop_serving(f"the scheduler process failed ({last})")
+
+    def _check_ready(self) -> None:
+        if self.serving:
+            self.metrics.ready.set(1)
+            self.ready_event.set()
 
     async def _watch_liveness(self) -> None:
         """Every check interval (1 s at most): has the scheduler, with work in flight,
@@ -136,7 +167,7 @@ class Front(FrontOutputs):
             await asyncio.sleep(liveness.policy.check_interval_s)
             if self.ready is None or self.dead is not None or liveness.stalled:
                 continue
-            silence = liveness.check(has_work=bool(self.states))
+            silence = liveness.check(has_work=bool(self.outputs.states))
             if silence is not None:
                 self._on_stall(silence)
 
@@ -144,12 +175,12 @@ class Front(FrontOutputs):
         logger.error(
             "the scheduler process made no progress for %.1f s with %d requests in flight "
             "(limit %g s): failing them and refusing new requests until it does",
-            silence, len(self.states), self.liveness.limit_s,
+            silence, len(self.outputs.states), self.liveness.limit_s,
         )  # fmt: skip
         self.metrics.scheduler_stalls.inc()
         self.metrics.scheduler_stalled.set(1)
         self.metrics.ready.set(0)
-        self._fail_in_flight(self.unavailable_error(), abort=True)
+        self.outputs.fail_all(self.unavailable_error(), abort=True)
 
     def _on_progress(self) -> None:
         """A message from the scheduler arrived: it makes progress."""
@@ -166,6 +197,9 @@ class Front(FrontOutputs):
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
         self._check_ready()
+
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def unavailable_error(self) -> ApiError:
         if self.dead is not None:
@@ -230,7 +264,7 @@ class Front(FrontOutputs):
         already in flight."""
         if not self.serving:
             raise self.unavailable_error()
-        if client_rid is not None and client_rid in self.by_client_rid:
+        if client_rid is not None and client_rid in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events = Outbox()
@@ -267,10 +301,8 @@ class Front(FrontOutputs):
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             logger.exception("could not encode a validated request")
             raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
-        self.liveness.on_work_sent(had_work=bool(self.states))
-        self.states.update(groups)
-        if client_rid is not None:
-            self.by_client_rid[client_rid] = list(states)
+        self.liveness.on_work_sent(had_work=bool(self.outputs.states))
+        self.outputs.add(groups, client_rid)
         for data in encoded:  # a failed send fails every registered request (503)
             if not self._send_encoded(data):
                 break
@@ -391,8 +423,7 @@ class Front(FrontOutputs):
 
     async def _ask(self, message: Callable[[int], ToScheduler]) -> Any:
         """Send `message(call_id)` to the scheduler and wait for its answer with that id
-        (`FrontOutputs._dispatch`); ApiError 503 while not serving or once the scheduler is
-        gone."""
+        (`_dispatch`); ApiError 503 while not serving or once the scheduler is gone."""
         if not self.serving:
             raise self.unavailable_error()
         call_id = next(self._ids)
@@ -416,7 +447,7 @@ class Front(FrontOutputs):
         rids = [st.rid for st in states if not st.finished]
         for st in states:
             if not st.finished:
-                self._finish(st, "abort")
+                self.outputs.finish(st, "abort")
         for rid in dict.fromkeys(rids):
             self._send(AbortRequest(rid))
 
@@ -424,11 +455,7 @@ class Front(FrontOutputs):
         """/abort: end the unfinished requests with this client rid, or the one request
         without a client rid whose own id (the `id` /generate returned) this is; they
         finish with "abort" when the scheduler confirms. Returns how many outputs."""
-        states = self.by_client_rid.get(rid)
-        if states is None:
-            group = self.states.get(rid)
-            states = group if group is not None and group[0].client_rid is None else []
-        pending = [st for st in states if not st.finished]
+        pending = self.outputs.unfinished(rid)
         for r in dict.fromkeys(st.rid for st in pending):
             self._send(AbortRequest(r))
         return len(pending)

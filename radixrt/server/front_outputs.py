@@ -1,31 +1,30 @@
-"""The front's handling of what the scheduler sends: per-step token batches (text, stop
-strings, deltas for the HTTP handlers, metrics), errors, Ready and the scheduler's failure.
+"""The front's in-flight requests and what the scheduler sends back about them: per-step
+token batches (text, stop strings, deltas for the HTTP handlers, metrics) and errors.
 
-`FrontOutputs` is a mixin of `radixrt.server.front.Front` (it uses the front's `states`,
-`by_client_rid`, `held`, `calls`, `metrics`, `tokenizer`, `from_scheduler`, `liveness`,
-`_send`, `_on_progress` and `stop_serving`).
+`FrontOutputs` owns the in-flight states (by scheduler rid and by client rid) and the
+scheduler's latest snapshot. `radixrt.server.front.Front` builds it, registers the requests
+it sends, hands it every `TokenBatchOut` and `Ready`, and ends requests through it (client
+gone, stall, scheduler gone). Its collaborators come in as callbacks: sending to the
+scheduler, decoding a beam's tokens, counting a finished request for liveness and recording
+a request that may hold its context.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixrt.grammar.api import SAMPLING_FIELDS
 from radixrt.server.messages import (
     AbortRequest,
-    CacheFlushed,
-    CacheHoldsReleased,
-    CachePressureRead,
-    FromScheduler,
     Ready,
-    SchedulerFailed,
     SchedulerSnapshot,
     TokenBatchOut,
     TokenOut,
+    ToScheduler,
 )
+from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import BeamResult, Delta, RequestState
 from radixrt.stats import EngineStats
@@ -34,74 +33,117 @@ logger = logging.getLogger("radixrt.server.front")
 
 
 class FrontOutputs:
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = await self.from_scheduler.recv_async()
-                self._on_progress()
-                self._dispatch(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("front failed to handle a scheduler message")
-            self.stop_serving(f"the front failed to read scheduler output ({e!r})")
+    """In-flight requests and the handling of their outputs; runs on the front's event loop
+    (nothing here locks)."""
 
-    def _dispatch(self, msg: FromScheduler) -> None:
-        if isinstance(msg, TokenBatchOut):
-            states = self.states
-            new_tokens = 0
-            now = time.perf_counter()  # one arrival time for the step's outputs
-            for out in msg.outputs:
-                group = states.get(out.parent_rid or out.rid)
-                if group is not None and not group[out.index].finished:
-                    new_tokens += self._on_output(group[out.index], out, now)
-            if new_tokens:
-                self.metrics.generated_tokens.inc(new_tokens)
-            for err in msg.errors:
-                group = states.get(err.parent_rid or err.rid)
-                if group is None:
-                    continue
-                kind = "server_error" if err.status >= 500 else "invalid_request_error"
-                if err.status >= 500:
-                    self.metrics.internal_errors.inc()
-                # a child's error fails that choice; the request's (a 400) every choice
-                for st in [group[err.index]] if err.parent_rid is not None else group:
-                    if not st.finished:
-                        param = err.param
-                        if (err.grammar or param in SAMPLING_FIELDS) and st.grammar_param:
-                            param = st.grammar_param  # the field the client used
-                        elif param in st.field_names:
-                            param = st.field_names[param]  # e.g. max_tokens on /generate
-                        error = ApiError(err.message, param, status=err.status, type=kind)
-                        self._fail(st, error)
-            self.snapshot = msg.snapshot
-            self.metrics.update(msg.snapshot)
-        elif isinstance(msg, Ready):
-            self.ready = msg
-            # Nothing has run yet: every block is free. This is the state until the first
-            # TokenBatchOut replaces it.
-            self.snapshot = initial_snapshot(msg)
-            self.metrics.update(self.snapshot)
-            logger.info(
-                "scheduler ready (pid %d): max_model_len=%d, vocab=%d, %d KV blocks",
-                msg.pid, msg.max_model_len, msg.vocab_size, msg.kv_blocks_total,
-            )  # fmt: skip
-            self._check_ready()
-        elif isinstance(msg, (CacheFlushed, CacheHoldsReleased, CachePressureRead)):
-            if isinstance(msg, CachePressureRead):
-                # read after every request recorded so far had finished (and held or not)
-                self.held.keep_only(msg.pressure.held)
-            future = self.calls.get(msg.flush_id if isinstance(msg, CacheFlushed) else msg.call_id)
-            if future is not None and not future.done():
-                future.set_result(msg)
-        elif isinstance(msg, SchedulerFailed):
-            last = msg.message.strip().splitlines()[-1]
-            self.stop_serving(f"the scheduler process failed ({last})")
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        send: Callable[[ToScheduler], bool],
+        decode: Callable[[Sequence[int], bool], str],
+        on_finished: Callable[[], None],
+        record_hold: Callable[[str | None, str, str, float], None],
+    ) -> None:
+        """`send`: to the scheduler (False when it is unreachable); `decode(ids,
+        skip_special_tokens)`: the tokenizer's text of a beam; `on_finished`: a request
+        finished (not aborted); `record_hold(tenant, client_id, rid, ttl_s)`: a finished
+        request may hold its context."""
+        self.metrics = metrics
+        self._send = send
+        self._decode = decode
+        self._on_finished = on_finished
+        self._record_hold = record_hold
+        # in-flight scheduler requests by (internal) rid: their outputs, by choice index
+        self.states: dict[str, list[RequestState]] = {}
+        self.by_client_rid: dict[str, list[RequestState]] = {}  # in flight, by client rid
+        self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
+        metrics.in_flight.set_function(lambda: len(self.states))
 
-    def _check_ready(self) -> None:
-        if self.serving:
-            self.metrics.ready.set(1)
-            self.ready_event.set()
+    # ---- requests in and out ----
+    def add(self, groups: dict[str, list[RequestState]], client_rid: str | None) -> None:
+        """Register the states of the scheduler requests of one HTTP request (by rid)."""
+        self.states.update(groups)
+        if client_rid is not None:
+            self.by_client_rid[client_rid] = [st for group in groups.values() for st in group]
+
+    def unfinished(self, rid: str) -> list[RequestState]:
+        """The unfinished outputs with this client rid, or of the one request without a
+        client rid whose own id this is."""
+        states = self.by_client_rid.get(rid)
+        if states is None:
+            group = self.states.get(rid)
+            states = group if group is not None and group[0].client_rid is None else []
+        return [st for st in states if not st.finished]
+
+    def fail_all(self, error: ApiError, abort: bool) -> None:
+        """Fail every unfinished request with `error`; `abort`: also tell the scheduler to
+        drop them (it frees their KV once it runs again)."""
+        for rid, group in list(self.states.items()):
+            for st in group:
+                if not st.finished:
+                    self.fail(st, error)
+            if abort:
+                self._send(AbortRequest(rid))
+
+    def finish(self, st: RequestState, reason: str) -> None:
+        st.finish_reason = reason
+        self._forget(st)
+        # an n > 1 request's prompt counts once (with its first choice)
+        prompt, cached = (st.prompt_tokens, st.num_cached_tokens) if st.choice == 0 else (0, 0)
+        self.metrics.finished(reason, prompt, cached, time.perf_counter() - st.created)
+
+    def fail(self, st: RequestState, error: ApiError) -> None:
+        st.error = error
+        self._forget(st)
+        self.metrics.requests.labels(finish_reason="error").inc()
+        st.events.put(st, error)
+
+    def _forget(self, st: RequestState) -> None:
+        """Drop the state of a finished or failed request (every path ends here)."""
+        group = self.states.get(st.rid)
+        if group is not None and all(s.finished for s in group):
+            del self.states[st.rid]
+        if st.client_rid is not None:
+            group = self.by_client_rid.get(st.client_rid)
+            if group is not None and all(s.finished for s in group):
+                del self.by_client_rid[st.client_rid]
+
+    # ---- what the scheduler sends ----
+    def on_ready(self, ready: Ready) -> None:
+        # Nothing has run yet: every block is free. This is the state until the first
+        # TokenBatchOut replaces it.
+        self.snapshot = initial_snapshot(ready)
+        self.metrics.update(self.snapshot)
+
+    def on_batch(self, msg: TokenBatchOut) -> None:
+        states = self.states
+        new_tokens = 0
+        now = time.perf_counter()  # one arrival time for the step's outputs
+        for out in msg.outputs:
+            group = states.get(out.parent_rid or out.rid)
+            if group is not None and not group[out.index].finished:
+                new_tokens += self._on_output(group[out.index], out, now)
+        if new_tokens:
+            self.metrics.generated_tokens.inc(new_tokens)
+        for err in msg.errors:
+            group = states.get(err.parent_rid or err.rid)
+            if group is None:
+                continue
+            kind = "server_error" if err.status >= 500 else "invalid_request_error"
+            if err.status >= 500:
+                self.metrics.internal_errors.inc()
+            # a child's error fails that choice; the request's (a 400) every choice
+            for st in [group[err.index]] if err.parent_rid is not None else group:
+                if not st.finished:
+                    param = err.param
+                    if (err.grammar or param in SAMPLING_FIELDS) and st.grammar_param:
+                        param = st.grammar_param  # the field the client used
+                    elif param in st.field_names:
+                        param = st.field_names[param]  # e.g. max_tokens on /generate
+                    error = ApiError(err.message, param, status=err.status, type=kind)
+                    self.fail(st, error)
+        self.snapshot = msg.snapshot
+        self.metrics.update(msg.snapshot)
 
     def _on_output(self, st: RequestState, out: TokenOut, now: float) -> int:
         """One step's output of one choice (arrived at `now`): its text so far, stop
@@ -149,11 +191,11 @@ class FrontOutputs:
             st.events.put(st, Delta(text, list(new_ids), new_lps, reason, new_top))
         if final:
             if reason != "abort":
-                self.liveness.on_finished()
+                self._on_finished()
             if reason in ("stop", "length") and not st.stop_seen and st.params.cache_ttl_s > 0:
                 # the scheduler held its context (out.rid: a child's own id) or refused to
-                self.held.add(st.tenant, st.client_id, out.rid, st.params.cache_ttl_s)
-            self._finish(st, reason)
+                self._record_hold(st.tenant, st.client_id, out.rid, st.params.cache_ttl_s)
+            self.finish(st, reason)
         return len(new_ids)
 
     def _on_beams(self, st: RequestState, out: TokenOut) -> int:
@@ -162,7 +204,7 @@ class FrontOutputs:
         skip = st.params.skip_special_tokens
         st.beams = [
             BeamResult(
-                self.tokenizer.decode(b.output_ids, skip_special_tokens=skip),
+                self._decode(b.output_ids, skip),
                 list(b.output_ids),
                 b.cumulative_logprob,
                 b.score,
@@ -173,31 +215,8 @@ class FrontOutputs:
         if st.beams:
             st.output_ids, st.text = st.beams[0].output_ids, st.beams[0].text
         st.events.put(st, Delta(st.text, list(st.output_ids), [], out.finish_reason))
-        self._finish(st, out.finish_reason)
+        self.finish(st, out.finish_reason)
         return sum(len(b.output_ids) for b in st.beams)
-
-    def _finish(self, st: RequestState, reason: str) -> None:
-        st.finish_reason = reason
-        self._forget(st)
-        # an n > 1 request's prompt counts once (with its first choice)
-        prompt, cached = (st.prompt_tokens, st.num_cached_tokens) if st.choice == 0 else (0, 0)
-        self.metrics.finished(reason, prompt, cached, time.perf_counter() - st.created)
-
-    def _fail(self, st: RequestState, error: ApiError) -> None:
-        st.error = error
-        self._forget(st)
-        self.metrics.requests.labels(finish_reason="error").inc()
-        st.events.put(st, error)
-
-    def _forget(self, st: RequestState) -> None:
-        """Drop the front's state of a finished or failed request (every path ends here)."""
-        group = self.states.get(st.rid)
-        if group is not None and all(s.finished for s in group):
-            del self.states[st.rid]
-        if st.client_rid is not None:
-            group = self.by_client_rid.get(st.client_rid)
-            if group is not None and all(s.finished for s in group):
-                del self.by_client_rid[st.client_rid]
 
 
 def initial_snapshot(ready: Ready) -> SchedulerSnapshot:

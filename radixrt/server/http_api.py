@@ -153,14 +153,15 @@ async def debug_state(request: web.Request) -> web.Response:
     """The front's and the scheduler's state. `scheduler` is the latest snapshot (from
     Ready on); once the scheduler is gone it is the last one seen and `dead` says why."""
     front = request.app[FRONT]
-    snap = front.snapshot
+    outputs = front.outputs
+    snap = outputs.snapshot
     return json_response(
         {
             "serving": front.serving,
             "dead": front.dead,
             "scheduler_pid": front.ready.pid if front.ready else None,
-            "in_flight": len(front.states),
-            "in_flight_client_rids": len(front.by_client_rid),
+            "in_flight": len(outputs.states),
+            "in_flight_client_rids": len(outputs.by_client_rid),
             "scheduler": _snapshot_json(snap) if snap else None,
         }
     )

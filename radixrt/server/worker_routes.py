@@ -156,7 +156,8 @@ async def server_info(request: web.Request) -> web.Response:
 def _load(request: web.Request) -> dict[str, Any]:
     """This rank's load: requests running and waiting, KV tokens in use."""
     front = request.app[FRONT]
-    stats, ready = front.snapshot.stats if front.snapshot else None, front.ready
+    snap, ready = front.outputs.snapshot, front.ready
+    stats = snap.stats if snap else None
     running = stats.running if stats else 0
     waiting = stats.waiting if stats else 0
     block = ready.block_size if ready else 0
