@@ -24,8 +24,10 @@ into fresh device blocks (SwapIn ops). A block index shared by a parent and its 
 edge ending inside a block) moves once: the parent's write-back shares its host-only child's
 copy of that block, and a load of both loads the deeper node's copy once for both. Locking
 covers both tiers: a locked host-only node is never evicted. After a failed step,
-`discard_copies` forgets the copies its swap ops may not have made. The host-tier methods live
-in `radixrt.cache.radix_host`. Without a host tier the tree behaves as before (a long leaf's
+`discard_copies` forgets the copies its swap ops may not have made. The cache owns the tree,
+the device blocks and counters and the device candidate list; its host-tier component
+(`RadixHostTier`, `radixrt.cache.radix_host`) owns the `HostTier`, the host reference counter
+and the host candidate list. Without a host tier the tree behaves as before (a long leaf's
 tail is trimmed first).
 
 Cache salt (tenants): the tree has one root per salt (`salt=None`: the unsalted root `root`;
@@ -52,15 +54,15 @@ from sortedcontainers import SortedKeyList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
 from radixrt.cache.kv_events import MEDIUM_GPU
-from radixrt.cache.radix_check import RadixChecks
+from radixrt.cache.radix_check import check_tree, format_tree
 from radixrt.cache.radix_events import RadixEventRecorder
-from radixrt.cache.radix_host import HostTierMixin, host_eviction_key
-from radixrt.cache.radix_node import RadixNode
+from radixrt.cache.radix_host import RadixHostTier
+from radixrt.cache.radix_node import RadixNode, drop_ref, is_device_leaf
 from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
 
 
-class RadixCache(HostTierMixin, RadixChecks):
+class RadixCache:
     """Prefix cache keyed by exact token prefixes; see `radixrt.cache.base` for ownership.
 
     `evictable_blocks` counts the distinct cached device blocks that no locked node records.
@@ -80,12 +82,13 @@ class RadixCache(HostTierMixin, RadixChecks):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.allocator = allocator
         self.block_size = block_size
-        self.host = host  # the host KV tier, or None
         # KV events (radixrt.cache.radix_events): told of every change to the set of full
         # blocks held on each tier; None: off
         self.events = events
         if events is not None:
             events.salt_of = self.salt_of
+        # the host KV tier's bookkeeping (owns `host`), or None: no host tier
+        self.host_tier = RadixHostTier(host, events) if host is not None else None
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction or trim (match results go stale)
         self._ids = itertools.count()
@@ -96,12 +99,8 @@ class RadixCache(HostTierMixin, RadixChecks):
         # Device eviction candidates (unlocked non-root device leaves): the least urgent
         # priority (highest number) of the requests that inserted them first, LRU within one.
         self._evictable = SortedKeyList(key=lambda n: (-n.priority, n.last_access, n.id))
-        # Host eviction candidates (nodes with a host copy that are on the device too, or
-        # unlocked host-only leaves), in eviction order (`host_eviction_key`).
-        self._host_evictable = SortedKeyList(key=host_eviction_key)
         self._refs: Counter[int] = Counter()  # device block -> nodes recording it
         self._locked_refs: Counter[int] = Counter()  # device block -> locked nodes recording it
-        self._host_refs: Counter[int] = Counter()  # host block -> nodes recording it
         self._total_tokens = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -151,6 +150,11 @@ class RadixCache(HostTierMixin, RadixChecks):
         while node.key:
             node = node.parent
         return self._root_salts.get(node.id)
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host KV tier (allocator, swap op outbox, counters), or None."""
+        return self.host_tier.host if self.host_tier is not None else None
 
     @property
     def roots(self) -> list[RadixNode]:
@@ -215,7 +219,7 @@ class RadixCache(HostTierMixin, RadixChecks):
     @property
     def host_cached_blocks(self) -> int:
         """Distinct host blocks the tree holds a reference on (0 without a host tier)."""
-        return len(self._host_refs)
+        return self.host_tier.num_cached_blocks if self.host_tier is not None else 0
 
     @property
     def total_tokens(self) -> int:
@@ -246,7 +250,7 @@ class RadixCache(HostTierMixin, RadixChecks):
 
     def take_swap_ops(self) -> list:
         """Swap ops made since the last call, in order ([] without a host tier)."""
-        return self.host.take_ops() if self.host is not None else []
+        return self.host_tier.take_ops() if self.host_tier is not None else []
 
     # ---- locking -------------------------------------------------------------------
 
@@ -274,7 +278,7 @@ class RadixCache(HostTierMixin, RadixChecks):
                 self._unlist(node)
                 node.lock_ref = 0
                 for b in node.blocks:
-                    self._drop(self._locked_refs, b)
+                    drop_ref(self._locked_refs, b)
                 self._relist(node)
             else:
                 node.lock_ref -= 1
@@ -341,7 +345,7 @@ class RadixCache(HostTierMixin, RadixChecks):
             self.version += 1
             leaf = self._evictable.pop(0)
             leaf.in_lru = False
-            if self.host is not None:
+            if self.host_tier is not None:
                 freed += self._evict_to_host(leaf)
                 continue
             trimmed = self._trim_leaf(leaf, num_blocks - freed)
@@ -359,12 +363,188 @@ class RadixCache(HostTierMixin, RadixChecks):
             leaf = self._evictable.pop(0)
             leaf.in_lru = False
             freed += self._remove_subtree(leaf)
-        while self._host_evictable:
+        while self.host_tier is not None and self.host_tier.evictable:
             self.version += 1
             self._evict_host_one()
         self.stats.num_evicted_blocks += freed
         if self.events is not None:
             self.events.reset_done()
+
+    # ---- host tier (moves between the tiers; the bookkeeping is `self.host_tier`'s) ----
+
+    def load(self, handle: RadixNode) -> list[int] | None:
+        """Bring the host-only nodes of the (locked) path root..handle to the device: a fresh
+        device block per block index they cover (allocating may evict other nodes), one
+        SwapIn op each; the nodes keep their host copies. A block index two of them share (an
+        edge ending inside a block) is loaded once, from the deeper node's host copy (it
+        holds the shallower node's positions too), and both record that device block.
+        Returns the path's device block table, or None, with the path unchanged, when the
+        device cannot free enough blocks. Caller: lock `handle` first."""
+        path = self._path(handle)
+        assert all(n.lock_ref > 0 for n in path), "load of an unlocked path"
+        tier = self.host_tier
+        assert tier is not None
+        bs = self.block_size
+        todo = [n for n in path if not n.blocks]
+        source: dict[int, int] = {}  # block index -> host block to load (deepest node's)
+        for node in todo:  # root side first
+            assert node.host_blocks
+            first = node.start // bs
+            for k, h in enumerate(node.host_blocks):
+                source[first + k] = h
+        short = len(source) - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        if self.allocator.num_free < len(source):
+            return None
+        fresh = dict(zip(source, self.allocator.allocate(len(source))))  # one ref each
+        tier.load(list(source.values()), list(fresh.values()))
+        held: set[int] = set()  # blocks whose allocation reference a node took already
+        for node in todo:  # root side first: a parent is on the device before its child
+            self._unlist(node)
+            self._unlist(node.parent)
+            first = node.start // bs
+            node.blocks = [fresh[first + k] for k in range(len(node.host_blocks))]
+            for b in node.blocks:  # the node's references
+                if b in held:
+                    self.allocator.incref([b])
+                held.add(b)
+                self._refs[b] += 1
+                self._locked_refs[b] += 1
+            if self.events is not None:
+                self.events.stored(node, MEDIUM_GPU)
+            self._relist(node.parent)
+            self._relist(node)
+        return self._table(path)
+
+    def stale_nodes(self, device_blocks: set[int], host_blocks: set[int]) -> list[RadixNode]:
+        """The nodes `discard_copies(device_blocks, host_blocks)` takes off the device or out
+        of the tree, deepest first. Read-only: the caller stops the requests locking any of
+        them (on their paths) before it discards."""
+        nodes, off_device = self._stale(device_blocks)
+        return [
+            n
+            for n in reversed(nodes)
+            if n.id in off_device or (not n.blocks and not host_blocks.isdisjoint(n.host_blocks))
+        ]
+
+    def discard_copies(self, device_blocks: set[int], host_blocks: set[int]) -> None:
+        """Forget the copies a failed step may not have made: a node recording one of
+        `device_blocks` loses its device copy, and so do its device descendants (a device
+        node's parent is on the device); a node recording one of `host_blocks` loses its host
+        copy; a node left with no copy leaves the tree with its subtree. Every node in
+        `stale_nodes(...)` must be unlocked."""
+        tier = self.host_tier
+        assert tier is not None
+        nodes, off_device = self._stale(device_blocks)
+        for node in reversed(nodes):  # deepest first: children leave the device first
+            bad_host = not host_blocks.isdisjoint(node.host_blocks)
+            if node.parent is None or not (bad_host or node.id in off_device):
+                continue
+            assert not node.lock_ref or (node.id not in off_device and node.blocks), (
+                f"discard_copies of a locked node at [{node.start}, {node.end})"
+            )
+            self.version += 1
+            parent = node.parent
+            self._unlist(node)
+            self._unlist(parent)
+            if bad_host:
+                tier.drop_copy(node)
+            if node.id in off_device:
+                dropped, node.blocks = node.blocks, []
+                for b in dropped:
+                    drop_ref(self._refs, b)
+                self.allocator.decref(dropped)
+                if self.events is not None:
+                    self.events.removed(node, MEDIUM_GPU)
+            if node.blocks or node.host_blocks:
+                self._relist(node)
+                self._relist(parent)
+            else:
+                self._remove_subtree(node)  # relists the parent
+
+    def _stale(self, device_blocks: set[int]) -> tuple[list[RadixNode], set[int]]:
+        """Every node, parents before children, and the ids of the device nodes that record
+        one of `device_blocks` or lie below one that does."""
+        nodes: list[RadixNode] = []
+        off_device: set[int] = set()
+        stack = [(c, False) for top in self.roots for c in top.children.values()]
+        while stack:
+            node, below = stack.pop()
+            nodes.append(node)
+            off = bool(node.blocks) and (below or not device_blocks.isdisjoint(node.blocks))
+            if off:
+                off_device.add(node.id)
+            stack += [(c, off) for c in node.children.values()]
+        return nodes, off_device
+
+    def _evict_to_host(self, leaf: RadixNode) -> int:
+        """Drop an (already unlisted) device leaf's device blocks, writing them back first
+        unless it has a host copy; with no room on the host, remove it and its host-only
+        subtree. Returns device blocks freed."""
+        tier = self.host_tier
+        assert tier is not None and leaf.lock_ref == 0
+        if not leaf.host_blocks:
+            # An edge ending inside a block: a host-only child's copy of that block holds the
+            # leaf's positions there too; share it (one reference, taken before allocating
+            # may evict the child) instead of writing the block back again.
+            shared = None
+            if leaf.end % self.block_size:
+                shared = next((c.host_blocks[0] for c in leaf.children.values()), None)
+            if shared is not None:
+                tier.host.allocator.incref([shared])
+            num_new = len(leaf.blocks) - (shared is not None)
+            host_blocks = self._host_allocate(num_new)  # may relist `leaf`
+            if host_blocks is None:
+                if shared is not None:
+                    tier.host.allocator.decref([shared])
+                freed = self._remove_subtree(leaf)
+                tier.host.stats.num_dropped_blocks += freed
+                return freed
+            self._unlist(leaf)
+            if shared is not None:
+                host_blocks.append(shared)
+            tier.write_back(leaf, leaf.blocks[:num_new], host_blocks)
+        self._unlist(leaf)
+        self._unlist(leaf.parent)
+        dropped, leaf.blocks = leaf.blocks, []
+        for b in dropped:
+            drop_ref(self._refs, b)
+        if self.events is not None:
+            self.events.removed(leaf, MEDIUM_GPU)
+        self._relist(leaf)
+        self._relist(leaf.parent)
+        return self.allocator.decref(dropped)
+
+    def _host_allocate(self, n: int) -> list[int] | None:
+        """`n` fresh host blocks, evicting host entries for room (in
+        `radixrt.cache.radix_host.host_eviction_key` order);
+        None, evicting nothing, when `n` exceeds the host pool."""
+        tier = self.host_tier
+        assert tier is not None
+        alloc = tier.host.allocator
+        if n > alloc.num_blocks:
+            return None
+        while alloc.num_free < n and tier.evictable:
+            self._evict_host_one()
+        return alloc.allocate(n) if alloc.num_free >= n else None
+
+    def _evict_host_one(self) -> None:
+        """Evict the first host candidate: a node on both tiers loses its host copy, a
+        host-only leaf leaves the tree."""
+        tier = self.host_tier
+        assert tier is not None
+        node = tier.pop_lru()
+        if not node.blocks:
+            assert node.lock_ref == 0 and not node.children
+            parent = node.parent
+            self._unlist(parent)
+            del parent.children[node.key[0]]
+            node.parent = None
+            self._total_tokens -= len(node.key)
+            self._relist(parent)
+            self._prune_root(parent)
+        tier.host.stats.num_host_evicted_blocks += tier.drop_copy(node)
 
     # ---- removal and the candidate lists ---------------------------------------------------
 
@@ -381,21 +561,12 @@ class RadixCache(HostTierMixin, RadixChecks):
             node.children = {}
             node.parent = None
             self._total_tokens -= len(node.key)
-            self._drop_host_copy(node)
+            self.host_tier.drop_copy(node)
         top.children = {}
         self._unlist(top)
         if top.host_blocks:
-            self._drop_host_copy(top)
+            self.host_tier.drop_copy(top)
         return self._remove_leaf(top)
-
-    def _is_device_leaf(self, node: RadixNode) -> bool:
-        """A device eviction candidate: unlocked, on the device, no child on the device."""
-        return (
-            bool(node.key)
-            and node.lock_ref == 0
-            and bool(node.blocks)
-            and not any(c.blocks for c in node.children.values())
-        )
 
     def _unlist(self, node: RadixNode) -> None:
         """Take `node` off both candidate lists (before changing its state or access time)."""
@@ -403,17 +574,15 @@ class RadixCache(HostTierMixin, RadixChecks):
             self._evictable.remove(node)
             node.in_lru = False
         if node.in_host_lru:
-            self._host_evictable.remove(node)
-            node.in_host_lru = False
+            self.host_tier.unlist(node)
 
     def _relist(self, node: RadixNode) -> None:
         """Put `node` on the candidate lists it belongs to and is not on yet."""
-        if not node.in_lru and self._is_device_leaf(node):
+        if not node.in_lru and is_device_leaf(node):
             self._evictable.add(node)
             node.in_lru = True
-        if not node.in_host_lru and node.host_blocks and self._is_host_candidate(node):
-            self._host_evictable.add(node)
-            node.in_host_lru = True
+        if not node.in_host_lru and node.host_blocks:
+            self.host_tier.relist(node)
 
     # ---- internals -----------------------------------------------------------------
 
@@ -451,13 +620,6 @@ class RadixCache(HostTierMixin, RadixChecks):
             self._refs[b] += 1
             if node.lock_ref:
                 self._locked_refs[b] += 1
-
-    @staticmethod
-    def _drop(counter: Counter[int], block: int) -> None:
-        if counter[block] == 1:
-            del counter[block]
-        else:
-            counter[block] -= 1
 
     def _attach(self, parent: RadixNode, leaf: RadixNode) -> None:
         self._unlist(parent)
@@ -501,8 +663,7 @@ class RadixCache(HostTierMixin, RadixChecks):
             if upper.blocks:
                 self._hold(upper, [upper.blocks[-1]])
             if upper.host_blocks:
-                self.host.allocator.incref([upper.host_blocks[-1]])
-                self._host_refs[upper.host_blocks[-1]] += 1
+                self.host_tier.hold_split(upper)
         self._relist(upper)  # on both tiers it may be a host candidate; never a leaf
         return upper
 
@@ -526,7 +687,7 @@ class RadixCache(HostTierMixin, RadixChecks):
         self._total_tokens -= len(node.key) - new_len
         del node.key[new_len:]
         for b in dropped:
-            self._drop(self._refs, b)
+            drop_ref(self._refs, b)
         self._relist(node)
         return self.allocator.decref(dropped)
 
@@ -539,12 +700,36 @@ class RadixCache(HostTierMixin, RadixChecks):
         node.parent = None
         self._total_tokens -= len(node.key)
         for b in node.blocks:
-            self._drop(self._refs, b)
+            drop_ref(self._refs, b)
         if self.events is not None and node.blocks:  # (discard_copies may have dropped them)
             self.events.removed(node, MEDIUM_GPU)
         self._relist(parent)
         self._prune_root(parent)
         return self.allocator.decref(node.blocks)
+
+    # ---- checks and printing ---------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert tree shape, tier residency, lock counts, reference counters (both tiers)
+        and the candidate lists (`radixrt.cache.radix_check.check_tree`)."""
+        check_tree(
+            self.roots,
+            self.block_size,
+            self.allocator,
+            self._refs,
+            self._locked_refs,
+            self._total_tokens,
+            self._evictable,
+            self.host_tier,
+            self.events,
+        )
+
+    def format_tree(self) -> str:
+        """One line per node: tokens, position range, blocks, lock_ref, last_access."""
+        return format_tree(self.roots, self.salt_of, self._total_tokens, self.cached_blocks)
+
+    def pretty_print(self) -> None:
+        print(self.format_tree())
 
 
 def _common_prefix_len(key: list[int], tokens: list[int], pos: int) -> int:

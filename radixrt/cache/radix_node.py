@@ -1,10 +1,14 @@
-"""A node of the radix tree (`radixrt.cache.radix`): one edge, its KV blocks on each tier."""
+"""A node of the radix tree (`radixrt.cache.radix`): one edge, its KV blocks on each tier; and
+the two helpers the tree's owners share: the device-leaf test and the reference-counter drop."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 class RadixNode:
-    """One edge of the tree. Fields are read-only outside `RadixCache`."""
+    """One edge of the tree. Fields are written only by `RadixCache` and, for `host_blocks` and
+    `in_host_lru`, by its host-tier component (`radixrt.cache.radix_host.RadixHostTier`)."""
 
     __slots__ = (
         "id",
@@ -50,3 +54,21 @@ class RadixNode:
         """Block recorded for absolute position `pos` (start <= pos < end)."""
         assert self.start <= pos < self.end
         return self.blocks[pos // block_size - self.start // block_size]
+
+
+def is_device_leaf(node: RadixNode) -> bool:
+    """A device eviction candidate: unlocked, on the device, no child on the device."""
+    return (
+        bool(node.key)
+        and node.lock_ref == 0
+        and bool(node.blocks)
+        and not any(c.blocks for c in node.children.values())
+    )
+
+
+def drop_ref(counter: Counter[int], block: int) -> None:
+    """Take one reference on `block` out of a block -> references counter."""
+    if counter[block] == 1:
+        del counter[block]
+    else:
+        counter[block] -= 1

@@ -1,13 +1,15 @@
 """The host KV tier's scheduler-side state: a host block allocator and the swap ops to send.
 
 Plain Python (no torch): the runner holds the host tensors (`radixrt.kv.host_pool`). The radix
-cache (`radixrt.cache.radix`) decides what moves: evicting a device leaf writes its blocks back
-(`SwapOut`, one host block per device block) unless the node already has a host copy; loading
-a host-resident node into fresh device blocks is a `SwapIn`. The ops collect here in the order
-the cache made them and go, first, into the next plan (`take_ops`); the runner executes them
-in list order, before that step's copies and forward, so every op reads what earlier ops and
-steps wrote. Host blocks are reference counted like device blocks: each node with a host copy
-holds one reference per host block it records (a split inside a block adds one).
+cache's host-tier component (`radixrt.cache.radix_host.RadixHostTier`) owns the `HostTier`; the
+radix cache (`radixrt.cache.radix`) decides what moves: evicting a device leaf writes its
+blocks back (`SwapOut`, one host block per device block) unless the node already has a host
+copy; loading a host-resident node into fresh device blocks is a `SwapIn`. The ops collect here
+in the order the cache made them and go, first, into the next plan (`take_ops`); the runner
+executes them in list order, before that step's copies and forward, so every op reads what
+earlier ops and steps wrote. Host blocks are reference counted like device blocks: each node
+with a host copy holds one reference per host block it records (a split inside a block adds
+one).
 """
 
 from __future__ import annotations
