@@ -193,14 +193,14 @@ class PlaceholderProposer:
 
 
 class ForcedAcceptance:
-    """ORACLE: replaces `runner._verify` (installed on the instance, removed by `remove`):
+    """ORACLE: replaces `runner.sampler.verify` (installed on the instance, removed by `remove`):
     each drafting row accepts the leading successes of Bernoulli(alpha) trials over its
     drafts (seeded), independent of the logits."""
 
     def __init__(self, runner: ModelRunner, alpha: float, seed: int = 0) -> None:
         self.runner, self.alpha = runner, alpha
         self.rng = np.random.default_rng(seed)
-        runner._verify = self
+        runner.sampler.verify = self
 
     def __call__(self, ctx, tokens) -> torch.Tensor:
         plan, rows = ctx.plan, ctx.drafting
@@ -211,7 +211,7 @@ class ForcedAcceptance:
         return torch.from_numpy(accepted.astype(np.int64)).to(tokens.device)
 
     def remove(self) -> None:
-        del self.runner._verify
+        del self.runner.sampler.verify
 
 
 def run_core(s: Setup, core: EngineCore, prompts: list[list[int]]) -> tuple[dict, float, int]:

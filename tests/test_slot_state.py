@@ -1,7 +1,8 @@
 """Per-slot runner state: slot entries set it, forks copy it, the runner counts its own samples
-(penalties on the device), and a slot granted again while a step of its old sequence is in
-flight gets none of that step's tokens. Penalties from per-slot counts equal the per-row host
-implementation (`sampler.apply_penalties`) float for float."""
+(penalties on the device), the row sampler keeps each plain row's last sample in its slot, and
+a slot granted again while a step of its old sequence is in flight gets none of that step's
+tokens. Penalties from per-slot counts equal the per-row host implementation
+(`sampler.apply_penalties`) float for float."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import torch
 from test_step_plan import expected, make_core, prompts
 
 from radixrt import SamplingParams
-from radixrt.engine.inputs import general_layout
+from radixrt.engine.inputs import general_layout, layout_plan
 from radixrt.engine.penalties import SlotPenalties
+from radixrt.engine.row_sampling import RowSampler
+from radixrt.engine.runner_features import RunnerFeature, StepContext
 from radixrt.engine.sampler import apply_penalties
+from radixrt.engine.slots import SlotState
 from radixrt.plan import PlanRow, SlotEntry, StepPlan
 from radixrt.scheduler.request import Status
 
@@ -102,6 +106,40 @@ def test_counts_follow_accepted_samples_and_copies():
     assert pen.output_counts[2].tolist() == np.bincount([3, 3, 5, 2], minlength=VOCAB).tolist()
     pen.enter([SlotEntry(0, 5, SamplingParams())])  # a sequence without penalties
     assert not pen.active[0] and pen.active[2]
+
+
+def test_row_sampler_verifies_drafts_and_keeps_last_samples_of_plain_rows():
+    """A RowSampler built from its parts alone: greedy samples, the exact-match verification
+    of a row's host drafts, the features' hooks around sampling, and each plain row's sample
+    in its slot of `last_tokens` (a drafting row's slot is left alone)."""
+    slots = SlotState(4, 4, 16, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0)
+    slots.enter([SlotEntry(s, 1, greedy) for s in range(3)])
+    seen = []
+
+    class Recorder(RunnerFeature):
+        def on_logits(self, ctx, logits):
+            seen.append(("on_logits", list(ctx.drafting)))
+
+        def after_sample(self, ctx, logits, out):
+            seen.append(("after_sample", out.num_accepted.tolist()))
+
+    sampler = RowSampler(torch.device("cpu"), slots, [Recorder()], (VOCAB - 1,), None)
+    rows = [PlanRow("a", 0, 5, 1, [], True, sample_offsets=[0])]
+    rows.append(PlanRow("b", 1, 5, 3, [7], sample_offsets=[0, 1, 2], num_draft_tokens=2))
+    rows.append(PlanRow("c", 2, 5, 1, [], True, sample_offsets=[0]))
+    plan = StepPlan(1, rows, drafts={1: [9, 10]})
+    layout = layout_plan(plan, slots.params)
+    want = [5, 9, 11, 12, 7]  # row b: draft 9 accepted, 10 is not (11 sampled there)
+    logits = torch.zeros(len(want), VOCAB)
+    logits[torch.arange(len(want)), torch.tensor(want)] = 1.0
+    before = slots.last_tokens.clone()
+    out = sampler.sample(StepContext(plan, layout, False), logits)
+    assert out.tokens.tolist() == want
+    assert out.num_accepted.tolist() == [1]
+    assert seen == [("on_logits", [1]), ("after_sample", [1])]
+    assert slots.last_tokens[[0, 2]].tolist() == [5, 7]
+    assert torch.equal(slots.last_tokens[[1, 3]], before[[1, 3]])
 
 
 def test_preempt_and_readmit_into_the_same_slot_while_in_flight():

@@ -1,6 +1,6 @@
 """Verification of the draft model's drafts for non-greedy rows: rejection sampling over the
 target's distribution at each of the row's k + 1 positions (`radixrt.engine.rejection`).
-Greedy rows need none of this: their drafts are verified by exact match (`ModelRunner._verify`),
+Greedy rows need none of this: their drafts are verified by exact match (`RowSampler.verify`),
 which is what rejection sampling reduces to for one-hot p and q."""
 
 from __future__ import annotations

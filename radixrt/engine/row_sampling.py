@@ -3,8 +3,9 @@ bias, min-tokens masks, grammar masks, sampling, verification of drafts (exact m
 model's after-sample hook verifies its drafts on non-greedy rows by rejection sampling), and
 each row's last accepted sample kept in its slot for the next step.
 
-`RowSampling` is a mixin of `radixrt.engine.runner.ModelRunner` (it uses the runner's
-`device`, `slots`, `features` and `_generator`).
+`RowSampler` is the `radixrt.engine.runner.ModelRunner`'s sampling component: the runner
+builds it with the device, its slot state, its features (in hook order), the EOS ids and the
+sampling generator, and calls `sample` once per step after the forward.
 """
 
 from __future__ import annotations
@@ -17,19 +18,35 @@ import torch
 from radixrt.engine.inputs import StepLayout
 from radixrt.engine.result import StepOutputs
 from radixrt.engine.runner_features import RunnerFeature, StepContext
-from radixrt.engine.sampler import apply_logit_bias, apply_min_tokens, sample
+from radixrt.engine.sampler import apply_logit_bias, apply_min_tokens
+from radixrt.engine.sampler import sample as sample_logits
 from radixrt.engine.slots import SlotState
 from radixrt.plan import StepPlan
 
 
-class RowSampling:
-    device: torch.device
-    slots: SlotState  # per-slot state: last samples on the device
-    features: list[RunnerFeature]
-    eos_token_ids: Sequence[int]  # masked before a request's min_tokens
-    _generator: torch.Generator | None
+class RowSampler:
+    """Samples a step's rows on `device`. Of the slot state it writes only
+    `slots.last_tokens` (each row's last accepted sample); the step's logits are modified in
+    place (hooks, bias, masks)."""
 
-    def _sample(self, ctx: StepContext, logits: torch.Tensor | None) -> StepOutputs:
+    def __init__(
+        self,
+        device: torch.device,
+        slots: SlotState,
+        features: Sequence[RunnerFeature],
+        eos_token_ids: Sequence[int],
+        generator: torch.Generator | None,
+    ) -> None:
+        """`slots`: the runner's slot state (last samples on the device); `features`: the
+        runner's features in hook order; `eos_token_ids`: masked before a request's
+        min_tokens; `generator`: the sampling noise (None: torch's default generator)."""
+        self.device = device
+        self.slots = slots
+        self.features = features
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.generator = generator
+
+    def sample(self, ctx: StepContext, logits: torch.Tensor | None) -> StepOutputs:
         """Sample every listed position, verify drafts, keep each row's last accepted sample
         in its slot on the device; the features' `on_logits` / `after_sample` hooks run
         around it (see radixrt.engine.runner_features)."""
@@ -54,14 +71,14 @@ class RowSampling:
             apply_min_tokens(logits, params, layout.seed_offsets, self.eos_token_ids)
         if plan.bitmasks is not None:  # structured output: before temperature / top-k / top-p
             self._apply_grammar_masks(plan, layout, logits)
-        sampled = sample(
-            logits, params, layout.seed_offsets, want_logprobs, top_k, generator=self._generator
+        sampled = sample_logits(
+            logits, params, layout.seed_offsets, want_logprobs, top_k, generator=self.generator
         )
         tokens = sampled.token_ids
         out.tokens, out.logprobs = tokens, sampled.logprobs
         out.top_ids, out.top_logprobs = sampled.top_ids, sampled.top_logprobs
         if ctx.drafting:
-            out.num_accepted = self._verify(ctx, tokens)
+            out.num_accepted = self.verify(ctx, tokens)
         for f in self.features:
             f.after_sample(ctx, logits, out)
         self._keep_last_samples(layout, out.tokens, ctx.drafting)
@@ -109,7 +126,7 @@ class RowSampling:
             logits, [data[j * width : (j + 1) * width] for j in range(len(index))], index
         )
 
-    def _verify(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
+    def verify(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
         """Accepted drafts per drafting row [len(ctx.drafting)] int64 (device): the longest
         prefix of its drafts equal to the samples at the positions before them (host drafts
         from the plan, the draft model's from `ctx.drafted`). A sample made with the row's own

@@ -1,8 +1,9 @@
 """ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend, the
 per-slot row state (`radixrt.engine.slots`: block tables, sampling parameters, last sampled
-tokens on the device) and the runner halves of features (`radixrt.engine.runner_features`):
+tokens on the device), the runner halves of features (`radixrt.engine.runner_features`):
 per-slot penalty counts (`radixrt.engine.penalties`) and, with speculative_method 'draft', the
-draft model and its KV pool (`radixrt.engine.draft`).
+draft model and its KV pool (`radixrt.engine.draft`), and the row sampler that samples the
+step's rows and verifies drafts (`radixrt.engine.row_sampling`).
 
 `execute(plan)` applies the plan's slot entries, block-table changes and block ops, runs one
 forward over all rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`),
@@ -30,7 +31,7 @@ from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.engine.inputs import StepLayout, layout_plan
 from radixrt.engine.penalties import SlotPenalties
 from radixrt.engine.result import PendingResult
-from radixrt.engine.row_sampling import RowSampling
+from radixrt.engine.row_sampling import RowSampler
 from radixrt.engine.runner_features import RunnerFeature, StepContext
 from radixrt.engine.slots import SlotState
 from radixrt.kernels.native import CPU_LIBRARIES, prebuild
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(RowSampling):
+class ModelRunner:
     """See the module docstring. On CUDA with a backend that supports it (flashinfer) and
     `enable_cuda_graph`, decode-only steps replay CUDA graphs; the pool's last block is then
     the graphs' scratch block, so the allocator must manage only `num_usable_blocks`.
@@ -68,7 +69,6 @@ class ModelRunner(RowSampling):
     ) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
-        self.eos_token_ids = tuple(model_cfg.eos_token_ids)  # masked before min_tokens
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size
@@ -125,9 +125,9 @@ class ModelRunner(RowSampling):
         self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
         # Tensor parallelism: the sampling noise of every rank from one seed (tp=1 keeps
         # torch's default generator).
-        self._generator: torch.Generator | None = None
+        generator: torch.Generator | None = None
         if tp is not None:
-            self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # The runner halves of features, in hook order (the rules between them: see
         # radixrt.engine.runner_features). Their device memory is allocated here, before the
         # KV pool is sized from what is left (the penalty counts: slots x vocab).
@@ -137,7 +137,7 @@ class ModelRunner(RowSampling):
         if cfg.speculative.speculative_method == "draft":
             from radixrt.engine.draft import DraftRunner
 
-            self.draft = DraftRunner(cfg, model_cfg, max_model_len, self.slots, self._generator)
+            self.draft = DraftRunner(cfg, model_cfg, max_model_len, self.slots, generator)
             self.features.append(self.draft)
         self.features.append(self.penalties)
         logger.info(
@@ -145,6 +145,11 @@ class ModelRunner(RowSampling):
             SlotPenalties.bytes_needed(num_slots, model_cfg.vocab_size) / 2**20,
             num_slots,
             model_cfg.vocab_size,
+        )
+        # Sampling of the step's rows (`radixrt.engine.row_sampling`): logits hooks, masks,
+        # sampling, draft verification, last samples into the slots.
+        self.sampler = RowSampler(
+            self.device, self.slots, self.features, model_cfg.eos_token_ids, generator
         )
         num_blocks = self._num_kv_blocks()
         if tp is not None:
@@ -251,7 +256,7 @@ class ModelRunner(RowSampling):
         for f in self.features:
             f.before_forward(ctx)
         logits, scores = self._forward(ctx)
-        outputs = self._sample(ctx, logits)
+        outputs = self.sampler.sample(ctx, logits)
         outputs.prompt_logprobs = scores
         return PendingResult(plan, ctx.layout, outputs, copy_to_host=self._copy_to_host)
 
