@@ -122,3 +122,20 @@ def assert_idle(engine) -> None:
     assert alloc.num_free + engine.cache.cached_blocks == alloc.num_blocks, (
         f"{alloc.num_blocks - alloc.num_free - engine.cache.cached_blocks} blocks leaked"
     )
+
+
+@pytest.fixture
+def batch_admissions(monkeypatch) -> list:
+    """The `BatchAdmission`s that `run_batch` makes during the test, in order."""
+    import radixrt.frontend.program as program
+    from radixrt.frontend.admission import BatchAdmission
+
+    made = []
+
+    class Recorded(BatchAdmission):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(program, "BatchAdmission", Recorded)
+    return made

@@ -138,19 +138,10 @@ def chain(s, i: int):
         s += f" Turn {turn}." + CHAT_TURN + gen(f"a{turn}", max_tokens=6, temperature=0)
 
 
-def test_run_batch_admission_keeps_outputs_and_releases_every_hold(make_engine, monkeypatch):
+def test_run_batch_admission_keeps_outputs_and_releases_every_hold(make_engine, batch_admissions):
     """8 chains whose contexts need twice the held share: with admission some wait for the
     held ones to end; greedy outputs equal runs one at a time and no hold is left."""
-    import radixrt.frontend.program as program
-
-    gates = []
-
-    class Recorded(BatchAdmission):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            gates.append(self)
-
-    monkeypatch.setattr(program, "BatchAdmission", Recorded)
+    gates = batch_admissions
     engine = make_engine(num_kv_blocks=96, block_size=16, retention_max_share=0.5)
     backend = EngineBackend(engine)
     try:

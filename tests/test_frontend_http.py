@@ -31,7 +31,6 @@ from radixrt.frontend import (
     tools,
     user,
 )
-from radixrt.frontend.admission import BatchAdmission
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 90
@@ -221,20 +220,11 @@ def test_a_program_over_http_holds_its_context_and_releases_it(endpoint):
     assert after.held == frozenset() and after.held_blocks == 0
 
 
-def test_run_batch_admission_over_http(tiny_model_dir, monkeypatch):
+def test_run_batch_admission_over_http(tiny_model_dir, batch_admissions):
     """8 chains whose contexts need twice the held share (as the in-process admission test):
     over HTTP some wait for the held ones to end, outputs equal a run without admission, no
     hold is left and the pool's integrity holds."""
-    import radixrt.frontend.program as program
-
-    gates = []
-
-    class Recorded(BatchAdmission):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            gates.append(self)
-
-    monkeypatch.setattr(program, "BatchAdmission", Recorded)
+    gates = batch_admissions
     args = ("--num-kv-blocks", "96", "--block-size", "16", "--retention-max-share", "0.5")
     with serving(tiny_model_dir, *args) as srv:
         endpoint = RuntimeEndpoint(srv.url, model_path=tiny_model_dir)

@@ -484,27 +484,12 @@ def unique_tokens(rid: str, position: int) -> int:
 
 
 def decode_steps(overlap: bool, token_fn, num_rows: int, steps: int):
-    """`steps` loop steps after the prompts: (what they generated, drafted and accepted,
-    whether every result of the run was taken only after the next plan was made)."""
-    core, runner = make_core(overlap=overlap, num_kv_blocks=256, num_speculative_tokens=4)
-    core.scheduler.use_proposer(NgramProposer(2, 4))
-    runner.token_fn = token_fn
-    params = SamplingParams(max_tokens=180, ignore_eos=True)
-    for i in range(num_rows):
-        core.add_request([token_fn(f"r{i}", p) for p in range(48)], params, rid=f"r{i}")
-    while any(r.num_output < 2 for r in core.scheduler.requests.values()):
-        core.step()
-    before = core.stats()
-    for _ in range(steps):
-        core.step()
-    after, overlapped = core.stats(), runner.overlapped()
-    for rid in list(core.scheduler.requests):
-        core.abort(rid)
-    while core.has_work:
-        core.step()
-    core.check_integrity()
+    """`steps` loop steps after the prompts (ngram drafts): (what they generated, drafted
+    and accepted, whether every result of those steps was taken only after the next plan was
+    made)."""
+    out, _, waits = spec_run(NgramProposer(2, 4), token_fn, num_rows, steps, overlap=overlap)
     keys = ("generated_tokens", "spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
-    return {k: after[k] - before[k] for k in keys}, overlapped
+    return {k: out[k] for k in keys}, waits == 0
 
 
 @pytest.mark.parametrize("num_rows", [1, 3])
@@ -536,11 +521,11 @@ class WrongDrafts:
         return [1] * max_drafts
 
 
-def spec_run(proposer, token_fn, num_rows: int, steps: int, graph_tokens: int = 0, **sched):
+def spec_run(proposer, token_fn, num_rows: int, steps: int, graph_tokens=0, overlap=True, **sched):
     """`decode_steps` with any proposer, scheduler settings and decode graph size (the
     runner's `max_graph_tokens`); also the plans' draft tokens and the steps whose result
     the loop waited for."""
-    core, runner = make_core(overlap=True, num_kv_blocks=512, num_speculative_tokens=4, **sched)
+    core, runner = make_core(overlap=overlap, num_kv_blocks=512, num_speculative_tokens=4, **sched)
     core.scheduler.max_graph_tokens = graph_tokens
     core.scheduler.use_proposer(proposer)
     runner.token_fn = token_fn
@@ -569,7 +554,8 @@ def spec_run(proposer, token_fn, num_rows: int, steps: int, graph_tokens: int = 
     core.check_integrity()
     assert not core.scheduler.speculation._estimates  # they went with their requests
     keys = ("generated_tokens", "spec_verify_rows", "spec_proposals_with_drafts",
-            "spec_proposals_skipped", "spec_accepted_tokens", "steps")  # fmt: skip
+            "spec_proposals_skipped", "spec_draft_tokens", "spec_accepted_tokens",
+            "steps")  # fmt: skip
     return {k: after[k] - before[k] for k in keys}, drafted[first_plan:], waits
 
 
