@@ -138,6 +138,15 @@ def test_release_cache_holds_and_cache_pressure(server):
     after = ok(server, "/cache_pressure")
     assert after["held"] == [] and after["held_blocks"] == 0
     assert ok(server, release, {"rids": []}) == {"released": 0}
+    # the OpenAI routes' requests are known by their response's id
+    for path, body in (
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+    ):
+        rid = ok(server, path, {**body, "cache_ttl_s": 60, "max_tokens": 4})["id"]
+        assert ok(server, "/cache_pressure")["held"] == [rid]
+        assert ok(server, release, {"rids": [rid]}) == {"released": 1}
+    assert ok(server, "/cache_pressure")["held_blocks"] == 0
     for bad in ({}, {"rids": "agent-1"}, {"rids": [1]}, {"rids": ["x"] * 1025},
                 {"rids": ["x" * 257]}):  # fmt: skip
         status, out = server.post(release, bad)

@@ -152,7 +152,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
-    async with front.generate(spec, tenant=tenant) as gen:
+    # known by the response's id: POST /abort and /release_cache_holds take it
+    async with front.generate(spec, client_rid=head["id"], tenant=tenant) as gen:
         if spec.stream:
             offsets = [0] * len(gen.states)
 
@@ -214,7 +215,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
-    async with front.generate(spec, tenant=tenant) as gen:
+    # known by the response's id: POST /abort and /release_cache_holds take it
+    async with front.generate(spec, client_rid=head["id"], tenant=tenant) as gen:
         if spec.stream:
             chead = {**head, "object": "chat.completion.chunk"}
             deltas = ChatDeltas(spec.tools)
