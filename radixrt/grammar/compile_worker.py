@@ -184,15 +184,16 @@ class _Worker:
         c = self.compiler
         try:
             if spec.kind == "regex":
-                grammar = c.compile_regex(spec.text)
+                grammar = c.compile_grammar(no_surrogates(xgr.Grammar.from_regex(spec.text)))
             elif spec.kind == "json_schema":
                 # compact JSON (no free whitespace): bounded outputs, more forced tokens
-                grammar = c.compile_json_schema(spec.text, any_whitespace=False)
+                schema = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+                grammar = c.compile_grammar(no_surrogates(schema))
             elif spec.kind == "structural_tag":
                 grammar = c.compile_structural_tag(spec.text)
             else:
                 assert spec.kind == "ebnf", spec.kind
-                grammar = c.compile_grammar(spec.text)
+                grammar = c.compile_grammar(no_surrogates(xgr.Grammar.from_ebnf(spec.text)))
         except (RuntimeError, ValueError, TypeError, xgr.InvalidStructuralTagError) as e:
             message = _LOCATION.sub("", str(e).strip())
             raise CompileError(f"invalid {spec.field}: {message}") from None
@@ -205,6 +206,39 @@ class _Worker:
                 "token of the model's vocabulary starts a match)"
             )
         return grammar
+
+
+def no_surrogates(grammar):
+    """`grammar` (an xgrammar Grammar) with U+D800..U+DFFF left out of every negated character
+    class: xgrammar 0.2.9 decodes the bytes ED A0..BF xx as those code points and lets `[^"]`
+    take them, but no UTF-8 text holds them (the detokenizer makes each such byte a U+FFFD,
+    three characters where the grammar counted one: a maxLength string came out too long).
+    Only classes are rewritten; string literals of the grammar text are copied as they are."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    out = []
+    i, n, state = 0, len(text), "rule"  # rule | literal ("...") | class ([...])
+    while i < n:
+        ch = text[i]
+        out.append(ch)
+        if state != "rule" and ch == "\\" and i + 1 < n:
+            out.append(text[i + 1])
+            i += 2
+            continue
+        if state == "rule" and ch == '"':
+            state = "literal"
+        elif state == "literal" and ch == '"':
+            state = "rule"
+        elif state == "rule" and ch == "[":
+            state = "class"
+            if text.startswith("[^", i):
+                out.append("^\\uD800-\\uDFFF")
+                i += 1
+        elif state == "class" and ch == "]":
+            state = "rule"
+        i += 1
+    return xgr.Grammar.from_ebnf("".join(out))
 
 
 def no_control_mask(info, vocab_size: int, keep_ids):
