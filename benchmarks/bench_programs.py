@@ -9,6 +9,7 @@ on radixrt, its ablations, and the same programs written with the OpenAI client.
 | fcfs, random | radix tree, first-come-first-served / random admission order |
 | no-parallel | DSL without frontend parallelism: a program's forks run one after another |
 | no-hints | DSL without frontend hints: no prefix sent ahead (forks, select, batches) |
+| no-admission | DSL without run_batch's program admission under cache pressure |
 | dsl-http | DSL through `RuntimeEndpoint` on a `radixrt serve` (radix + lpm) |
 | openai-seq | OpenAI client, a program's calls in a plain sequential loop, same server |
 | openai-async | asyncio OpenAI client, a program's branches gathered, same server |
@@ -23,7 +24,8 @@ the KV pool to F x the largest working set (all configs share the pool).
     python -m benchmarks.bench_programs --model llama-3-8b --kv-fraction 0.4   # GPU, dummy
 
 `--runner scripted` simulates the in-process configs on a CPU: the real scheduler, caches and
-DSL, no model (a scripted runner emits the forced tokens, `--sim-step-s` per step; the json
+DSL, no model (a scripted runner emits the forced tokens, `--sim-step-s` per step plus
+`--sim-token-s` per token a step feeds; the json
 program, which needs a model's grammar, is left out): the GPU run's cache behaviour, hit
 rates and computed tokens, at full size in minutes.
 
@@ -90,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--sim-step-s", type=float, default=0.02, help="--runner scripted: seconds "
                    "per engine step (the stand-in for a forward)")  # fmt: skip
+    g.add_argument("--sim-token-s", type=float, default=0.0, help="--runner scripted: "
+                   "seconds per token a step feeds, on top (H200, 8B: ~2.3e-5)")  # fmt: skip
     g.add_argument("--config-timeout-s", type=float, default=None, help="stop a config's "
                    "remaining programs once it ran this long (rows finished are kept)")  # fmt: skip
     return p.parse_args(argv)
@@ -224,7 +228,9 @@ class _Target:
                 filler = Words(self.args.tokenizer).ids[0]  # what the dry run emits
                 opts = {k: v for k, v in self.opts.items() if k not in ("device", "load_format")}
                 opts["overlap_schedule"] = True  # as on CUDA
-                self.engine = scripted_engine(self.model, filler, self.args.sim_step_s, **opts)
+                self.engine = scripted_engine(
+                    self.model, filler, self.args.sim_step_s, self.args.sim_token_s, **opts
+                )
             else:
                 self.engine = Engine(self.model, **self.opts)
             self.engine.generate(

@@ -92,12 +92,14 @@ def test_scripted_runner_simulates_the_in_process_configs(tmp_path):
     on a chain program with an ample pool."""
     from benchmarks import bench_programs
 
+    configs = ("radix", "no-hints", "no-admission")
     bench_programs.main(["--size", "smoke", "--programs", "chat-short,json,react", "--configs",
-                         "radix,no-hints", "--latency-programs", "1", "--runner", "scripted",
-                         "--sim-step-s", "0", "--out", str(tmp_path), "--tag", "s"])  # fmt: skip
+                         ",".join(configs), "--latency-programs", "1", "--runner", "scripted",
+                         "--sim-step-s", "0", "--sim-token-s", "1e-6", "--out", str(tmp_path),
+                         "--tag", "s"])  # fmt: skip
     with open(tmp_path / "s.json") as f:
         rows = {(r["program"], r["config"]): r for r in json.load(f)["rows"]}
-    assert set(rows) == {(p, c) for p in ("chat-short", "react") for c in ("radix", "no-hints")}
+    assert set(rows) == {(p, c) for p in ("chat-short", "react") for c in configs}
     assert all(r["same_calls"] for r in rows.values())
     assert rows["chat-short", "radix"]["hit_over_optimal"] == 1.0
 

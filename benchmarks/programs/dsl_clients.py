@@ -124,14 +124,21 @@ def run_dsl(
     threads: int,
     hints: bool = True,
     parallel: bool = True,
+    admission: bool = True,
 ) -> None:
     """Run the program on every input, `threads` at a time: `run_batch` (with its shared
-    prefix hint when `hints`), or, without frontend parallelism, each program through its
-    own `Serial` backend after the same batch hint."""
+    prefix hint when `hints`, its program admission when `admission`), or, without frontend
+    parallelism, each program through its own `Serial` backend after the same batch hint."""
     if not hints:
         backend = NoHints(backend)
     if parallel:
-        spec.dsl.run_batch(list(inputs), backend=backend, num_threads=threads, prefix_hint=hints)
+        spec.dsl.run_batch(
+            list(inputs),
+            backend=backend,
+            num_threads=threads,
+            prefix_hint=hints,
+            admission=admission,
+        )
         return
     held = []  # the shared prefix, held while the programs run (as run_batch does)
     if hints and len(inputs) > 1:

@@ -21,6 +21,7 @@ class Config:
     policy: str = "lpm"
     hints: bool = True  # frontend hints: prefixes sent ahead
     parallel: bool = True  # frontend parallelism: forks run concurrently
+    admission: bool = True  # run_batch's program admission under cache pressure
 
     @property
     def on_server(self) -> bool:
@@ -37,6 +38,7 @@ CONFIGS = {
         Config("random", "dsl", "radix", "random"),
         Config("no-parallel", "dsl", parallel=False),
         Config("no-hints", "dsl", hints=False),
+        Config("no-admission", "dsl", admission=False),
         Config("dsl-http", "dsl-http"),
         Config("openai-seq", "openai-seq"),
         Config("openai-async", "openai-async"),
@@ -144,7 +146,8 @@ class Client:
             self.openai.run(spec, inputs, log, threads)
             return
         run_dsl(spec, inputs, Recording(self.backend, log), threads=threads,
-                hints=self.cfg.hints, parallel=self.cfg.parallel)  # fmt: skip
+                hints=self.cfg.hints, parallel=self.cfg.parallel,
+                admission=self.cfg.admission)  # fmt: skip
 
     def reset_cache(self) -> None:
         """Empty an in-process engine's prefix cache on the client's engine thread, after

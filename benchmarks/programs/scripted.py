@@ -16,10 +16,13 @@ from radixrt.testing import ScriptedRunner
 NEEDS_MODEL = ("json",)
 
 
-def scripted_engine(model_dir: str, filler_token: int, step_s: float, **options) -> Engine:
+def scripted_engine(
+    model_dir: str, filler_token: int, step_s: float, token_s: float = 0.0, **options
+) -> Engine:
     """An Engine on `model_dir`'s config and tokenizer whose runner emits, for every request,
     the token its logit bias forces (`filler_token` without a bias) after sleeping `step_s`
-    per step. `options` as for Engine (`num_kv_blocks` None: the engine's CPU pool size)."""
+    per step plus `token_s` per token the step feeds (prefill costs time too). `options` as
+    for Engine (`num_kv_blocks` None: the engine's CPU pool size)."""
     engine: Engine | None = None
 
     def token(rid: str, position: int) -> int:
@@ -31,8 +34,13 @@ def scripted_engine(model_dir: str, filler_token: int, step_s: float, **options)
     if options.get("num_kv_blocks") is None:
         options["num_kv_blocks"] = CacheConfig().cpu_kv_blocks
     runner = ScriptedRunner(options.get("max_running_requests", 256), options["block_size"], token)
-    if step_s > 0:
+    if step_s > 0 or token_s > 0:
         execute = runner.execute
-        runner.execute = lambda plan: (time.sleep(step_s), execute(plan))[1]
+
+        def timed(plan):
+            time.sleep(step_s + token_s * sum(row.num_tokens for row in plan.rows))
+            return execute(plan)
+
+        runner.execute = timed
     engine = Engine(model_dir, runner=runner, **options)
     return engine
