@@ -40,6 +40,7 @@ from radixrt.engine.core import EngineCore
 from radixrt.engine.runner import ModelRunner
 from radixrt.plan import PlanRow, SlotEntry, StepPlan
 from radixrt.sampling import SamplingParams
+from radixrt.speculative.base import Proposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
 BLOCK_SIZE = 16
@@ -179,11 +180,9 @@ def bench_steps(s: Setup, rng, draft_dir: str | None) -> list[dict]:
     return rows
 
 
-class PlaceholderProposer:
+class PlaceholderProposer(Proposer):
     """Drafts k placeholder tokens for every row (what they are does not matter: the oracle
     decides acceptance, see `ForcedAcceptance`)."""
-
-    drafts_on_device = False
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab

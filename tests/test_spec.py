@@ -19,6 +19,7 @@ from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.speculative import create_proposer
+from radixrt.speculative.base import Proposer
 from radixrt.speculative.ngram import NgramProposer, ngram_lookup
 from radixrt.speculative.radix import RadixProposer
 
@@ -291,7 +292,7 @@ def test_scripted_ngram_equals_plain_decoding(config):
         outs[k] = run(core, reqs, params)
         stats[k] = core.stats()
     assert core.scheduler.speculation is not None
-    assert not core.scheduler.speculation._views  # the n-gram indexes went with their requests
+    assert not core.scheduler.speculation._indexes  # the n-gram indexes went with their requests
     assert outs[4] == outs[0] == expected_cyclic(reqs, max_tokens)
     s = stats[4]
     assert s["spec_proposals"] > s["spec_proposals_with_drafts"] > 0
@@ -326,9 +327,7 @@ def test_scripted_radix_drafts_a_rerun_program():
 def test_scripted_always_wrong_drafts_roll_back():
     """Drafts that are always rejected: outputs unchanged, every row rolls back its blocks."""
 
-    class Wrong:
-        drafts_on_device = False
-
+    class Wrong(Proposer):
         def propose(self, tokens, max_drafts, salt=None):
             return [1] * max_drafts
 
@@ -391,11 +390,9 @@ def test_spec_stats_count_what_they_say():
     assert s.mean_acceptance_length == 1 + 7 / 4  # accepted + the bonus token, per row
 
 
-class HalfRight:
+class HalfRight(Proposer):
     """The true next two tokens (cyclic_token), then garbage: every row rolls back. The
     prompts are [9, 8, 7, 6, 5, 4, 3 + i] for rid f"r{i}"."""
-
-    drafts_on_device = False
 
     def propose(self, tokens, max_drafts, salt=None):
         n = len(tokens)
@@ -511,11 +508,9 @@ def test_rows_that_cannot_draft_overlap():
     assert overlapped
 
 
-class WrongDrafts:
-    """Proposes k drafts for every row, never right (no `may_propose_next`: the loop takes
-    every row as one that may draft)."""
-
-    drafts_on_device = False
+class WrongDrafts(Proposer):
+    """Proposes k drafts for every row, never right (`Proposer.may_propose_next` by default:
+    the loop takes every row as one that may draft)."""
 
     def propose(self, tokens, max_drafts, salt=None):
         return [1] * max_drafts

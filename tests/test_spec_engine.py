@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from radixrt import SamplingParams
+from radixrt.speculative.base import Proposer
 
 TEXTS = [
     "the cat sat on the mat. the cat sat on the mat. the cat sat on",
@@ -123,9 +124,7 @@ def test_always_wrong_drafts_change_nothing(make_engine, reference):
     """A proposer whose drafts are always rejected: same outputs, nothing accepted, blocks
     rolled back (integrity checked after each run and at teardown)."""
 
-    class Wrong:
-        drafts_on_device = False
-
+    class Wrong(Proposer):
         def propose(self, tokens, max_drafts, salt=None):
             last = tokens[-1]
             return [(last + 1 + i) % 50 + 100 for i in range(max_drafts)]

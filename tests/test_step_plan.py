@@ -17,6 +17,7 @@ from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason
+from radixrt.speculative.base import Proposer
 from radixrt.testing import ScriptedRunner, default_token
 
 MODEL = ModelConfig(
@@ -189,11 +190,9 @@ def test_penalised_rows_overlap():
     assert plain.prompt_ids == [] and plain.output_ids == []
 
 
-class PrefixProposer:
+class PrefixProposer(Proposer):
     """Drafts the true continuation for even positions' rows and garbage after it, so some
     drafts are accepted and some rejected."""
-
-    drafts_on_device = False
 
     def __init__(self, good: int) -> None:
         self.good = good

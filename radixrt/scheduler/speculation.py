@@ -37,10 +37,10 @@ than draft: on random text, most of the batch). An estimate not updated within t
 STALE_TOKENS tokens counts as its prior again, so a row whose drafts failed is tried again
 once its text may have changed (a few waits per STALE_TOKENS steps on text that never repeats).
 
-The proposer reads a request's tokens through the view its `track` makes (the ngram proposer's
-index: a lookup then costs O(max_n), not O(context)), one per request, kept here until the
-request finishes (`on_finish`; the view indexes each prefill chunk as its row is planned); a
-proposer without `track` reads `seq_token_ids` itself.
+A proposer that `indexes` reads a request's tokens through the index its `track` makes (the
+ngram proposer's: a lookup then costs O(max_n), not O(context)), one per request, kept here
+until the request finishes (`on_finish`; each prefill chunk is indexed as its row is planned);
+other proposers read `seq_token_ids` itself.
 
 Verify rows' results are counted here (`on_row_result`): the engine's `SpecStats` and, per
 request, the drafts verified and accepted (`verified`, which the engine's deltas report; kept
@@ -58,7 +58,7 @@ from radixrt.plan import PlanRow, StepResult
 from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature
 from radixrt.scheduler.request import Request
-from radixrt.speculative.base import Proposer, SpecStats
+from radixrt.speculative.base import Proposer, SpecStats, TokenIndex
 
 # A row's estimates (see the module docstring): exponential averages with this weight on the
 # newest observation (three verifies that accept nothing take the prior to an eighth), priors
@@ -108,8 +108,7 @@ class SpeculationFeature(SchedulerFeature):
         # per request: [drafts verified, of those accepted] (entries go with the request)
         self._verified: WeakKeyDictionary[Request, list[int]] = WeakKeyDictionary()
         # per running request: the proposer's view of its tokens (dropped when it finishes)
-        self._track = getattr(proposer, "track", None)
-        self._views: dict[Request, Sequence[int]] = {}
+        self._indexes: dict[Request, TokenIndex] = {}  # proposers that index: per request
 
     def verified(self, req: Request) -> tuple[int, int]:
         """Speculative drafts verified for `req` so far, and how many of them were accepted."""
@@ -150,19 +149,15 @@ class SpeculationFeature(SchedulerFeature):
     def would_draft(self, req: Request) -> bool:
         """Whether running `req`, whose last sample is in flight, could draft once that
         sample is on the host: it has room for a draft after it and some value of that sample
-        makes the proposer draft (`may_propose_next`; a draft model always drafts, a proposer
-        without the method is taken to). Unconstrained rows only (constrained rows never have
-        a sample in flight)."""
+        makes the proposer draft (`may_propose_next`; a draft model's always does).
+        Unconstrained rows only (constrained rows never have a sample in flight)."""
         assert req.num_inflight_samples
         if not req.reports or self._constrained(req):
             return False
         room = min(req.max_tokens - req.num_output, self.max_model_len - req.seq_len) - 2
         if room < 1:
             return False
-        may_propose_next = getattr(self.proposer, "may_propose_next", None)
-        if self.proposer.drafts_on_device or may_propose_next is None:
-            return True
-        return may_propose_next(self._tokens(req), req.cache_salt)
+        return self.proposer.may_propose_next(self._tokens(req), req.cache_salt)
 
     def worth_waiting(self, running: Sequence[Request]) -> bool:
         """Whether the loop should wait for the in-flight samples of `running` rows before
@@ -234,11 +229,9 @@ class SpeculationFeature(SchedulerFeature):
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
     ) -> None:
         if not drafts:
-            if row.num_tokens > 1 and req.reports and self._track is not None:
+            if row.num_tokens > 1 and req.reports and self.proposer.indexes:
                 # a prefill chunk: index it now, not at the row's first draft
-                advance = getattr(self._tokens(req), "advance", None)
-                if advance is not None:
-                    advance(row.end)
+                self._index(req).advance(row.end)
             return
         row.needs_host_result = True  # the next row starts where acceptance ends
         if self.proposer.drafts_on_device:
@@ -261,28 +254,28 @@ class SpeculationFeature(SchedulerFeature):
         return False
 
     def on_finish(self, req: Request) -> None:
-        self._views.pop(req, None)
+        self._indexes.pop(req, None)
         self._estimates.pop(req, None)
         self._awaited.discard(req)
 
     def check_integrity(self) -> None:
         for req in [*self._estimates, *self._awaited]:
             assert req.finish_reason is None, req.rid  # (on_finish dropped it)
-        for req, view in self._views.items():
+        for req, index in self._indexes.items():
             assert req.finish_reason is None, req.rid  # (on_finish dropped it)
-            assert getattr(view, "tokens", req.seq_token_ids) is req.seq_token_ids, req.rid
-            check = getattr(view, "check", None)
-            if check is not None:
-                check()
+            assert index.tokens is req.seq_token_ids, req.rid
+            index.check()
 
     def _tokens(self, req: Request) -> Sequence[int]:
-        """The proposer's view of `req`'s tokens (made on first use), or the list itself."""
-        if self._track is None:
-            return req.seq_token_ids
-        view = self._views.get(req)
-        if view is None:
-            view = self._views[req] = self._track(req.seq_token_ids)
-        return view
+        """What the proposer reads for `req`: its index, or the token list itself."""
+        return self._index(req) if self.proposer.indexes else req.seq_token_ids
+
+    def _index(self, req: Request) -> TokenIndex:
+        """The proposer's index of `req`'s tokens (made on first use)."""
+        index = self._indexes.get(req)
+        if index is None:
+            index = self._indexes[req] = self.proposer.track(req.seq_token_ids)
+        return index
 
     def _constrained(self, req: Request) -> bool:
         return self.grammar is not None and self.grammar.constrained(req)

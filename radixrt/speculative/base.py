@@ -15,29 +15,51 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-class Proposer(Protocol):
-    # True: propose() returns placeholders and the runner's draft model writes the drafts
-    # on the device (StepPlan.device_drafts); False (also when absent): the drafts are
-    # the tokens returned
-    drafts_on_device: bool
+class TokenIndex(Protocol):
+    """A proposer's per-request view of a request's append-only token list (`tokens`), read
+    in its place (the ngram proposer's n-gram index)."""
+
+    tokens: list[int]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i): ...
+
+    def advance(self, upto: int) -> None:
+        """Index the list's first `upto` tokens now (prefill chunks as they are planned)."""
+        ...
+
+    def check(self) -> None:
+        """Assert the index is that of its list (O(context); integrity checks)."""
+        ...
+
+
+class Proposer:
+    """What the scheduler's speculation half asks of a proposer; proposers subclass it (the
+    defaults suit a host proposer that keeps no per-request state)."""
+
+    # True: propose() returns placeholders and the runner's draft model writes the drafts on
+    # the device (StepPlan.device_drafts); False: the drafts are the tokens returned
+    drafts_on_device: bool = False
+    # True: `track` makes a per-request TokenIndex, which the scheduler keeps and passes to
+    # `propose` and `may_propose_next` in place of the request's list
+    indexes: bool = False
 
     def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
         """Up to `max_drafts` (>= 1) draft tokens to follow `tokens` (a row's prompt and
         output so far; read only) under the row's cache salt `salt` (a proposer that reads
         the prefix cache reads only that salt's entries); [] when it has nothing to propose."""
-        ...
+        raise NotImplementedError
 
     def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
         """Whether `propose(tokens + [t], ...)` drafts for some token t: asked for a row whose
         next token t is still being sampled, so that the loop waits for it only when drafts
-        could follow (False only when none can; ngram's is exact). Optional: a host proposer
-        without it is taken to say True (the loop always waits for such rows' results)."""
-        ...
+        could follow (False only when none can; ngram's is exact). By default True."""
+        return True
 
-    # Optional, too: `track(tokens: list[int]) -> Sequence[int]`, a view of a request's
-    # append-only token list that the scheduler keeps per request and passes to `propose` and
-    # `may_propose_next` in place of the list (the ngram proposer's n-gram index), so that
-    # a proposer can keep per-request state without reading the whole context each step.
+    def track(self, tokens: list[int]) -> TokenIndex:
+        """A TokenIndex over the append-only list `tokens` (proposers with `indexes`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-request index")
 
 
 @dataclass

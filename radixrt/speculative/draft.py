@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from radixrt.speculative.base import Proposer
+
 PLACEHOLDER = 0  # the input id planned for a draft the runner writes
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    """Drafts on the device: a row may always draft (`may_propose_next`: True)."""
+
     drafts_on_device = True
 
     def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:

@@ -14,12 +14,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from radixrt.speculative.base import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Longest suffix match of length in [min_n, max_n]; among equally long matches the
     most recent earlier occurrence wins. Vectorised: one [max_n, L] comparison per call."""
 
-    drafts_on_device = False
+    indexes = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixrt.cache.radix import RadixCache
+from radixrt.speculative.base import Proposer
 
 
-class RadixProposer:
+class RadixProposer(Proposer):
     """Reads `RadixCache.peek_continuation` (no split, no LRU refresh, no hit counted)."""
-
-    drafts_on_device = False
 
     def __init__(self, cache: RadixCache) -> None:
         self.cache = cache
