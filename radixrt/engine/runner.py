@@ -115,7 +115,7 @@ class ModelRunner:
             cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype, self.kv_dtype
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
-        self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
+        self.kv_head_dim: int = self.backend.kv_head_dim
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot (block tables, sampling parameters, last samples on the device).
         self.slots = SlotState(num_slots, self.max_blocks_per_seq, self.block_size, self.device)
@@ -178,7 +178,7 @@ class ModelRunner:
         self._inputs_on_device: torch.cuda.Event | None = None
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if cfg.enable_cuda_graph and self._is_cuda:
-            if getattr(self.backend, "supports_cuda_graph", False):
+            if self.backend.supports_cuda_graph:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self._decode_logits,
                     self.backend,
