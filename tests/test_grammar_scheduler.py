@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, "tests")
 from test_step_plan import EOS, make_core  # noqa: E402
 
-from radixrt.grammar.base import CompileOutcome  # noqa: E402
+from radixrt.grammar.base import CompileOutcome, GrammarStats  # noqa: E402
 from radixrt.plan import PlanRow, StepPlan, TokenBitmasks  # noqa: E402
 from radixrt.sampling import SamplingParams  # noqa: E402
 from radixrt.scheduler.request import FinishReason, Status  # noqa: E402
@@ -88,6 +88,15 @@ class FakeBackend:
         pass
 
     def close(self):
+        pass
+
+    def start(self):
+        pass
+
+    def stats(self):
+        return GrammarStats()
+
+    def check_integrity(self):
         pass
 
 
