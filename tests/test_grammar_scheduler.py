@@ -107,6 +107,9 @@ class MaskingRunner:
         self.inner = inner
         self.plans: list[StepPlan] = []
 
+    def swap_stats(self):
+        return self.inner.swap_stats()
+
     def check_health(self) -> None:
         pass
 

@@ -39,7 +39,7 @@ from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model, weight_bytes
-from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut, SwapStats
 from radixrt.quantization import resolve_scheme
 
 if TYPE_CHECKING:
@@ -240,6 +240,10 @@ class ModelRunner:
                 f"loading the model; raise mem_fraction or set num_kv_blocks"
             )
         return num
+
+    def swap_stats(self) -> SwapStats:
+        """The host pool's transfer totals (all zero without a host tier)."""
+        return self.host_pool.stats() if self.host_pool is not None else SwapStats()
 
     def check_health(self) -> None:
         """A single-process runner stays usable (a CUDA error surfaces from `execute`)."""
