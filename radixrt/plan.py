@@ -63,6 +63,17 @@ class SwapIn:
 BlockOp = CopyBlock | SwapOut | SwapIn
 
 
+@dataclass
+class SwapStats:
+    """Host KV tier transfers a runner executed (`Runner.swap_stats`)."""
+
+    blocks_out: int = 0  # device -> host
+    blocks_in: int = 0  # host -> device
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds: float = 0.0  # copy-stream time (CUDA events) or wall time (CPU)
+
+
 @dataclass(slots=True)
 class PromptLogprobs:
     """Score prompt tokens: log p(targets[i] | ...) from the logits of new token
@@ -201,6 +212,11 @@ class Runner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepHandle:
         """Start the step (on a GPU: enqueue it and return at once)."""
+        ...
+
+    def swap_stats(self) -> SwapStats:
+        """Totals of the host-tier transfers (SwapOut / SwapIn) executed so far, a failed
+        step's too if it got that far (all zero without a host tier)."""
         ...
 
     def check_health(self) -> None:

@@ -28,7 +28,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from radixrt.plan import CopyBlock, SlotEntry, StepPlan, StepResult, SwapIn, SwapOut
+from radixrt.plan import (
+    CopyBlock,
+    SlotEntry,
+    StepPlan,
+    StepResult,
+    SwapIn,
+    SwapOut,
+    SwapStats,
+)
 from radixrt.sampling import SamplingParams
 
 
@@ -63,6 +71,10 @@ class ScriptedRunner:
     num_usable_blocks: int = 0
     num_host_blocks: int = 0
     max_graph_tokens: int = 0  # no CUDA graphs
+
+    def swap_stats(self) -> SwapStats:
+        """All zero: a scripted runner records its swaps (`swaps`) but copies nothing."""
+        return SwapStats()
 
     def check_health(self) -> None:
         pass

@@ -246,8 +246,8 @@ def test_fp8_on_a_backend_without_an_fp8_path_fails_at_construction(monkeypatch)
     from radixrt.attention.flashinfer_backend import check_fp8_kv_capability
     from radixrt.config import ModelConfig
 
-    class NoFp8:  # a backend that never declared supports_fp8_kv
-        pass
+    class NoFp8:  # a backend without an fp8 KV path
+        supports_fp8_kv = False
 
     monkeypatch.setattr(attention, "_create", lambda *a: NoFp8())
     cfg = ModelConfig("LlamaForCausalLM", 64, 64, 64, 1, 4, 2, 16)

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, "tests")
 from test_step_plan import EOS, make_core  # noqa: E402
 
-from radixrt.grammar.base import CompileOutcome  # noqa: E402
+from radixrt.grammar.base import CompileOutcome, GrammarStats  # noqa: E402
 from radixrt.plan import PlanRow, StepPlan, TokenBitmasks  # noqa: E402
 from radixrt.sampling import SamplingParams  # noqa: E402
 from radixrt.scheduler.request import FinishReason, Status  # noqa: E402
@@ -90,6 +90,15 @@ class FakeBackend:
     def close(self):
         pass
 
+    def start(self):
+        pass
+
+    def stats(self):
+        return GrammarStats()
+
+    def check_integrity(self):
+        pass
+
 
 class MaskingRunner:
     """The scripted runner, with each masked row's sample moved into its allowed set."""
@@ -97,6 +106,9 @@ class MaskingRunner:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.plans: list[StepPlan] = []
+
+    def swap_stats(self):
+        return self.inner.swap_stats()
 
     def check_health(self) -> None:
         pass

@@ -153,6 +153,7 @@ def test_host_tier_metrics(make_engine):
     text = m.render().decode()
     assert f"radixrt_host_hit_tokens {float(s['host_hit_tokens'])}" in text
     assert s["host_hit_tokens"] > 0 and "radixrt_swap_seconds" in text
+    assert s["swap_in_bytes"] > 0  # the runner's swap_stats(): the loads it copied
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -21,7 +21,7 @@ def create_attention_backend(
     is imported only when asked for. Raises ValueError at once (not at the first forward)
     when the backend cannot run that KV dtype on this device."""
     backend = _create(kind, cfg, device, dtype, kv_dtype)
-    if kv_dtype == torch.float8_e4m3fn and not getattr(backend, "supports_fp8_kv", False):
+    if kv_dtype == torch.float8_e4m3fn and not backend.supports_fp8_kv:
         raise ValueError(
             f"attention_backend {kind!r} has no fp8 KV path; use kv_cache_dtype='auto' or "
             "a backend that supports fp8 (torch, torch-reference, flashinfer)"

@@ -11,6 +11,12 @@ from radixrt.kv.pool import KVPool
 
 
 class AttentionBackend(Protocol):
+    supports_fp8_kv: bool  # attends over a float8_e4m3fn KV pool (checked at construction)
+    supports_cuda_graph: bool  # its decode steps can be captured in CUDA graphs
+    # head dim of the KV pool it attends over: the model's head_dim, or more where the
+    # backend pads small heads (FlashInfer); the pool is allocated with it
+    kv_head_dim: int
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan the step (once per forward, before any layer runs)."""
         ...

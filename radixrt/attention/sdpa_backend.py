@@ -65,6 +65,7 @@ class SdpaAttentionBackend:
     """AttentionBackend over torch SDPA; see the module docstring."""
 
     supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
+    supports_cuda_graph = False
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class SdpaAttentionBackend:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.kv_head_dim = head_dim  # the pool stores the model's heads as they are
         self.group_size = num_heads // num_kv_heads
         # decode queries per KV head as SDPA sees them: one zero query more when that makes a
         # multiple of 4 (CPU flash kernel, 32 rows x 160 keys, 2 KV heads: 0.28 ms at 3 queries,

@@ -38,11 +38,13 @@ def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 class TorchAttentionBackend:
     supports_fp8_kv = True  # dequantizes after the gather (KVPool.dequantize)
+    supports_cuda_graph = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.kv_head_dim = head_dim  # the pool stores the model's heads as they are
         self.scale = head_dim**-0.5
         self.batch: ForwardBatch | None = None
 

@@ -73,6 +73,7 @@ class PrefixCache(Protocol):
     block_size: int
     stats: CacheStats
     version: int  # bumped whenever an entry is removed (see the module docstring)
+    host: HostTier | None  # the host KV tier (radix only; None: no host tier)
 
     def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult: ...
 
@@ -111,6 +112,11 @@ class PrefixCache(Protocol):
         """Distinct blocks the cache holds a reference on."""
         ...
 
+    @property
+    def host_cached_blocks(self) -> int:
+        """Distinct host blocks the cache holds a reference on (0 without a host tier)."""
+        ...
+
     def held_refs(self) -> Counter[int]:
         """Block -> number of references the cache holds (for integrity checks)."""
         ...
@@ -128,8 +134,6 @@ class PrefixCache(Protocol):
 class HostTieredCache(PrefixCache, Protocol):
     """A prefix cache that can have a host KV tier (`host`; None: it has none). The scheduler's
     KV manager drives these only when `host` is set."""
-
-    host: HostTier | None
 
     def load(self, handle: Any) -> list[int] | None:
         """Bring the host-resident part of the locked path `handle` to the device (queues

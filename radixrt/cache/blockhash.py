@@ -24,11 +24,15 @@ import hashlib
 from array import array
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
 from radixrt.kv.allocator import BlockAllocator
+
+if TYPE_CHECKING:
+    from radixrt.cache.tiers import HostTier
 
 _SEED = b"radixrt-blockhash-v1"
 
@@ -48,6 +52,7 @@ class BlockHashCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction (match results go stale)
+        self.host: HostTier | None = None  # no host KV tier
         self._clock = 0
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}  # inverse of _hash_to_block
@@ -90,6 +95,10 @@ class BlockHashCache:
     @property
     def cached_blocks(self) -> int:
         return len(self._block_hash)
+
+    @property
+    def host_cached_blocks(self) -> int:
+        return 0  # no host KV tier
 
     def held_refs(self) -> Counter[int]:
         """Block -> references held by the cache (one per cached block)."""

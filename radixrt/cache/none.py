@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+
+if TYPE_CHECKING:
+    from radixrt.cache.tiers import HostTier
 
 
 class NoCache:
@@ -14,6 +17,7 @@ class NoCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # nothing is ever removed
+        self.host: HostTier | None = None  # no host KV tier
 
     def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
         return MatchResult([], 0, None)
@@ -48,6 +52,10 @@ class NoCache:
 
     @property
     def cached_blocks(self) -> int:
+        return 0
+
+    @property
+    def host_cached_blocks(self) -> int:
         return 0
 
     def held_refs(self) -> Counter[int]:

@@ -25,7 +25,7 @@ from radixrt.cache import create_prefix_cache
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.engine.tier_stats import host_tier_stats
 from radixrt.errors import RequestValueError
-from radixrt.grammar.base import GrammarStats
+from radixrt.grammar.base import GrammarBackend, GrammarStats
 from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_model_len, resolve_max_tokens
@@ -78,7 +78,7 @@ class EngineCore:
         eos_token_ids: Sequence[int],
         runner: Runner | None = None,
         num_kv_blocks: int | None = None,
-        grammar_backend: object | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ) -> None:
         """`runner` replaces the ModelRunner (scripted runners in tests and simulations,
         which then give `num_kv_blocks`). `grammar_backend` serves structured output
@@ -103,7 +103,7 @@ class EngineCore:
             num_kv_blocks = runner.num_usable_blocks
         if grammar_backend is None and own_runner:
             grammar_backend = _xgrammar_backend(cfg, model_config, eos_token_ids)
-        self.grammar_backend = grammar_backend
+        self.grammar_backend: GrammarBackend | None = grammar_backend
         assert num_kv_blocks is not None, "a custom runner needs num_kv_blocks"
         self.runner = runner
         self.allocator = BlockAllocator(num_kv_blocks)
@@ -436,9 +436,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        check_grammar_cache = getattr(self.grammar_backend, "check_integrity", None)
-        if check_grammar_cache is not None:
-            check_grammar_cache()
+        if self.grammar_backend is not None:
+            self.grammar_backend.check_integrity()
         reporting = {rid for rid, r in self.scheduler.requests.items() if r.reports}
         pending = {r.rid for r in self._aborted}
         assert set(self._sent) - pending == reporting, "delta bookkeeping leaked"
@@ -476,9 +475,9 @@ class EngineCore:
         )
 
     def _grammar_stats(self) -> dict[str, int]:
-        """GrammarStats fields (zero without a backend or one without stats)."""
-        stats = getattr(self.grammar_backend, "stats", None)
-        return asdict(stats() if stats is not None else GrammarStats())
+        """GrammarStats fields (zero without a backend)."""
+        backend = self.grammar_backend
+        return asdict(backend.stats() if backend is not None else GrammarStats())
 
 
 _BEAMS_DONE = (FinishReason.STOP, FinishReason.LENGTH)  # a beam search that has results
@@ -502,7 +501,9 @@ def _is_fatal(error: Exception) -> bool:
     return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
 
 
-def _xgrammar_backend(cfg: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]):
+def _xgrammar_backend(
+    cfg: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]
+) -> GrammarBackend | None:
     """xgrammar's GrammarBackend over the checkpoint's tokenizer, or None (with a log line)
     when xgrammar is not installed: constrained requests are then refused."""
     try:

@@ -102,7 +102,7 @@ class DraftRunner(RunnerFeature):
         self.backend = create_attention_backend(
             cfg.attention_backend, self.model_cfg, self.device, self.dtype
         )
-        self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", self.model_cfg.head_dim)
+        self.kv_head_dim: int = self.backend.kv_head_dim
         self.pool: KVPool | None = None
         self.cuda_graphs = None  # DecodeCudaGraphs of the draft (CUDA), see enable_cuda_graphs
         self.last_tokens: torch.Tensor | None = None  # [slots] int64: graph-step inputs

@@ -39,7 +39,7 @@ from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
 from radixrt.kv.scales import KVScales
 from radixrt.model import DTYPES, build_model, weight_bytes
-from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut
+from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, SwapOut, SwapStats
 from radixrt.quantization import resolve_scheme
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class ModelRunner:
             cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype, self.kv_dtype
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
-        self.kv_head_dim: int = getattr(self.backend, "kv_head_dim", model_cfg.head_dim)
+        self.kv_head_dim: int = self.backend.kv_head_dim
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot (block tables, sampling parameters, last samples on the device).
         self.slots = SlotState(num_slots, self.max_blocks_per_seq, self.block_size, self.device)
@@ -178,7 +178,7 @@ class ModelRunner:
         self._inputs_on_device: torch.cuda.Event | None = None
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if cfg.enable_cuda_graph and self._is_cuda:
-            if getattr(self.backend, "supports_cuda_graph", False):
+            if self.backend.supports_cuda_graph:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self._decode_logits,
                     self.backend,
@@ -240,6 +240,10 @@ class ModelRunner:
                 f"loading the model; raise mem_fraction or set num_kv_blocks"
             )
         return num
+
+    def swap_stats(self) -> SwapStats:
+        """The host pool's transfer totals (all zero without a host tier)."""
+        return self.host_pool.stats() if self.host_pool is not None else SwapStats()
 
     def check_health(self) -> None:
         """A single-process runner stays usable (a CUDA error surfaces from `execute`)."""

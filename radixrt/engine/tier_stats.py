@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from radixrt.cache.base import PrefixCache
+from radixrt.plan import Runner
 
 
-def host_tier_stats(cache: Any, runner: Any) -> dict[str, float]:
+def host_tier_stats(cache: PrefixCache, runner: Runner) -> dict[str, float]:
     """The cache's and the runner's host-tier fields of EngineStats (the scheduler counts
     `host_hit_tokens` and `host_deferred_loads` itself): blocks written back / loaded (swap ops of
     plans that did not fail) / evicted from the host / dropped without a host copy (the host was
     full); host pool usage; and, from a runner with a host pool, bytes and seconds of the transfers
-    it executed (a failed step's too, if it got that far; `swap_seconds`: copy-stream time on CUDA,
-    wall time on a CPU)."""
-    host = getattr(cache, "host", None)
+    it executed (`Runner.swap_stats`: a failed step's too, if it got that far; `swap_seconds`:
+    copy-stream time on CUDA, wall time on a CPU)."""
+    host = cache.host
     out: dict[str, float] = {
         "host_written_back_blocks": 0,
         "host_loaded_blocks": 0,
@@ -36,8 +37,6 @@ def host_tier_stats(cache: Any, runner: Any) -> dict[str, float]:
             host_kv_blocks_free=host.allocator.num_free,
             host_kv_blocks_cached=cache.host_cached_blocks,
         )
-    swap = getattr(runner, "host_pool", None)
-    if swap is not None:
-        s = swap.stats()
-        out.update(swap_out_bytes=s.bytes_out, swap_in_bytes=s.bytes_in, swap_seconds=s.seconds)
+    s = runner.swap_stats()
+    out.update(swap_out_bytes=s.bytes_out, swap_in_bytes=s.bytes_in, swap_seconds=s.seconds)
     return out

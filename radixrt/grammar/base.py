@@ -74,6 +74,11 @@ class GrammarMatcher(Protocol):
 
 
 class GrammarBackend(Protocol):
+    def start(self) -> None:
+        """Start the compile workers now (warm before the first constrained request);
+        idempotent. A backend without workers (or that starts them lazily) does nothing."""
+        ...
+
     def submit(self, spec: GrammarSpec) -> Any:
         """Start compiling `spec` (or reuse the cached compile of the same (kind, text));
         returns a ticket for `poll`. Never blocks on the compile."""
@@ -99,7 +104,12 @@ class GrammarBackend(Protocol):
         ...
 
     def stats(self) -> GrammarStats:
-        """Optional (looked up with getattr): counters for /metrics."""
+        """Counters for /metrics (all zero where the backend counts nothing)."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Assert the backend's internal invariants (its compile cache); a backend with
+        no state to check does nothing."""
         ...
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> None:

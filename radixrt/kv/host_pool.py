@@ -27,26 +27,16 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from radixrt.kv.pool import KVPool
-from radixrt.plan import SwapIn, SwapOut
+from radixrt.plan import SwapIn, SwapOut, SwapStats
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BLOCKS = 64  # blocks per device staging buffer (bounds its memory)
-
-
-@dataclass
-class SwapStats:
-    blocks_out: int = 0  # device -> host
-    blocks_in: int = 0  # host -> device
-    bytes_out: int = 0
-    bytes_in: int = 0
-    seconds: float = 0.0  # copy-stream time (CUDA events) or wall time (CPU)
 
 
 def mem_available_bytes() -> int | None:

@@ -144,9 +144,8 @@ def build_core(args: SchedulerProcessArgs):
     cfg = resolve_config(args.model_path, args.device, args.dtype, **options)
     model_config = ModelConfig.from_pretrained(args.model_path)
     core = EngineCore(cfg, model_config, args.eos_token_ids)
-    start_grammar_workers = getattr(core.grammar_backend, "start", None)
-    if start_grammar_workers is not None:  # warm before the first constrained request
-        start_grammar_workers()
+    if core.grammar_backend is not None:  # warm before the first constrained request
+        core.grammar_backend.start()
     return core
 
 

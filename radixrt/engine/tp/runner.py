@@ -25,7 +25,7 @@ from radixrt.engine.tp.plan_codec import ControlKind, PlanEncoder
 from radixrt.engine.tp.workers import TensorParallelError, WorkerArgs, WorkerSet
 from radixrt.model.tp.group import TPGroup, create_store, set_nccl_env
 from radixrt.model.tp.shard import check_devices, check_divisible
-from radixrt.plan import StepPlan, StepResult
+from radixrt.plan import StepPlan, StepResult, SwapStats
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ class TensorParallelRunner:
             self.last_send_s = time.perf_counter() - start
             handle = self.local.execute(plan)
         return _WatchedHandle(handle, self)
+
+    def swap_stats(self) -> SwapStats:
+        """All zero: no host tier under tensor parallelism."""
+        return SwapStats()
 
     def check_health(self) -> None:
         """Raise TensorParallelError if a rank failed (cheap: no collective)."""
