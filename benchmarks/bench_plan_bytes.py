@@ -15,23 +15,13 @@ import random
 import statistics
 from dataclasses import replace
 
-from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.config import EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.engine.tp.plan_codec import PlanEncoder
 from radixrt.sampling import SamplingParams
-from radixrt.testing import ScriptedRunner
+from radixrt.testing import ScriptedRunner, scripted_model_config
 
-MODEL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
+MODEL = scripted_model_config(128256)
 CASES = {
     "plain": dict(temperature=0),
     "presence_penalty": dict(temperature=0, presence_penalty=0.5),

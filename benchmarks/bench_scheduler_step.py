@@ -20,22 +20,12 @@ import statistics
 import time
 from dataclasses import replace
 
-from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.config import EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
-from radixrt.testing import ScriptedRunner
+from radixrt.testing import ScriptedRunner, scripted_model_config
 
-MODEL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=32000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=32,
-    max_position_embeddings=1 << 20,
-)
+MODEL = scripted_model_config(32000, 1 << 20)
 CASES = {
     "plain": ({}, "none"),
     "penalties": ({"presence_penalty": 0.5}, "none"),

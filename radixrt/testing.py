@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from radixrt.config import ModelConfig
 from radixrt.plan import (
     CopyBlock,
     SlotEntry,
@@ -43,6 +44,22 @@ from radixrt.sampling import SamplingParams
 def default_token(rid: str, position: int) -> int:
     """A deterministic token for the sample after `position` sequence tokens."""
     return 7 + (hash((rid, position)) & 0xFFFF) % 1000
+
+
+def scripted_model_config(vocab_size: int, max_position_embeddings: int = 4096) -> ModelConfig:
+    """A small Llama-shaped ModelConfig for an engine that a ScriptedRunner drives (the
+    scheduler reads the vocabulary and the context length; no layer is built)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+    )
 
 
 @dataclass

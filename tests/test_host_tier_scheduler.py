@@ -12,24 +12,14 @@ import pytest
 
 from radixrt.cache.radix import RadixCache
 from radixrt.cache.tiers import HostTier
-from radixrt.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import SwapIn, SwapOut
 from radixrt.sampling import SamplingParams
-from radixrt.testing import ScriptedRunner
+from radixrt.testing import ScriptedRunner, scripted_model_config
 
-MODEL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
+MODEL = scripted_model_config(4096)
 EOS = 3
 
 

@@ -52,13 +52,26 @@ def _random_case(seed: int, kinds: list[dict] = KINDS):
     return params, prompt, output, plan
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("kinds", ["mixed", *range(4)])
-def test_penalties_from_slot_counts_equal_the_host_reference(seed, kinds):
+def test_penalties_from_slot_counts_equal_the_host_reference(device, seed, kinds):
     """Every kind of penalty, mixed with rows without any; and batches whose every row has
-    the same kind (the penalties then run on the logits in place, terms left out where 0)."""
+    the same kind (the penalties then run on the logits in place, terms left out where 0).
+    On CUDA too, float for float (the reference divides by a Python scalar, which CUDA
+    computes as a product with the float32 reciprocal)."""
     params, prompt, output, plan = _random_case(seed, KINDS if kinds == "mixed" else [KINDS[kinds]])
-    pen = SlotPenalties(len(params), VOCAB, torch.device("cpu"))
+    dev = torch.device(device)
+    pen = SlotPenalties(len(params), VOCAB, dev)
     pen.enter(
         [
             SlotEntry(s, 1, p, prompt_ids=prompt[s], output_ids=output[s])
@@ -66,9 +79,8 @@ def test_penalties_from_slot_counts_equal_the_host_reference(seed, kinds):
         ]
     )
     layout = general_layout(plan, params)
-    logits = torch.randn(
-        len(layout.sample_tokens), VOCAB, generator=torch.Generator().manual_seed(seed)
-    )
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(layout.sample_tokens), VOCAB, generator=gen).to(dev)
     ref = logits.clone()
     # the reference: each sample counts its row's output plus the drafts before it
     outs = []
@@ -228,35 +240,6 @@ def test_model_runner_slot_counts_and_preemption_in_flight(make_engine):
     assert done
     got = [out[rids[0]], out[f"{rids[1]}#0"], out[f"{rids[1]}#1"], out[rids[2]]]
     assert got == want
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("seed", range(4))
-def test_gpu_penalties_from_slot_counts_equal_the_host_reference(seed):
-    """On CUDA too, float for float (the reference divides by a Python scalar, which CUDA
-    computes as a product with the float32 reciprocal)."""
-    params, prompt, output, plan = _random_case(seed)
-    dev = torch.device("cuda")
-    pen = SlotPenalties(len(params), VOCAB, dev)
-    pen.enter(
-        [
-            SlotEntry(s, 1, p, prompt_ids=prompt[s], output_ids=output[s])
-            for s, p in enumerate(params)
-        ]
-    )
-    layout = general_layout(plan, params)
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(layout.sample_tokens), VOCAB, generator=gen).to(dev)
-    ref = logits.clone()
-    outs = []
-    for s_idx, i in enumerate(layout.sample_rows.tolist()):
-        j = s_idx - int(layout.row_first_sample[i])
-        outs.append(output[plan.rows[i].slot] + plan.row_drafts(i)[:j])
-    prompts_ = [prompt[plan.rows[i].slot] for i in layout.sample_rows.tolist()]
-    apply_penalties(ref, layout.sample_params, prompts_, outs)
-    pen.apply(logits, plan, layout, pen.penalised(layout))
-    assert torch.equal(logits, ref)
 
 
 @pytest.mark.gpu

@@ -13,24 +13,14 @@ from dataclasses import replace
 
 import pytest
 
-from radixrt.config import EngineConfig, ModelConfig, SchedulerConfig
+from radixrt.config import EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.request import FinishReason
 from radixrt.speculative.base import Proposer
-from radixrt.testing import ScriptedRunner, default_token
+from radixrt.testing import ScriptedRunner, default_token, scripted_model_config
 
-MODEL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=2048,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
+MODEL = scripted_model_config(2048, 256)
 EOS = 3
 
 
