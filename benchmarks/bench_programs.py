@@ -36,7 +36,6 @@ rates and computed tokens, at full size in minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -45,6 +44,7 @@ import tempfile
 import time
 
 from benchmarks.backends import engine_options
+from benchmarks.metrics import save_results, targets_markdown
 from benchmarks.programs import PROGRAMS, Words
 from benchmarks.programs.accounting import Call, CallLog, replay
 from benchmarks.programs.dsl_clients import Dry, Recording, run_dsl
@@ -271,13 +271,9 @@ def _write(results: dict, args: argparse.Namespace, plans: list[Plan]) -> None:
     if args.size == "full":
         fork_heavy = {p.spec.name for p in plans if p.spec.fork_heavy}
         results["targets"] = check_targets(results["rows"], fork_heavy)
-    base = os.path.join(args.out, args.tag)
-    with open(base + ".json.tmp", "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    os.replace(base + ".json.tmp", base + ".json")
-    with open(base + ".md", "w") as f:
-        f.write(f"`{results['command']}`\n\n" + format_table(results["rows"]) + "\n")
-        f.write("".join(f"\n- {t['status']}: {t['text']}" for t in results["targets"]))
+    targets = targets_markdown(results["targets"])
+    markdown = f"`{results['command']}`\n\n" + format_table(results["rows"]) + "\n"
+    base = save_results(args.out, args.tag, results, markdown + ("\n" + targets if targets else ""))
     plot_rows(results["rows"], base + ".png", f"{args.tag}: {args.size}")
 
 

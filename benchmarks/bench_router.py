@@ -29,7 +29,6 @@ Writes <out>/<tag>.json and <tag>.md after every run; prints the table and the t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -44,7 +43,7 @@ import numpy as np
 
 from benchmarks.backends import warmup_workload
 from benchmarks.http_driver import ServerProcess, parse_prometheus, run_server
-from benchmarks.metrics import summarize
+from benchmarks.metrics import save_results, summarize, targets_markdown
 from benchmarks.workloads import Workload, make_workload
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")  # sglang-router's --policy
@@ -325,13 +324,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _write(results: dict, args: argparse.Namespace) -> None:
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
-        f.write(format_table(results["runs"]) + "\n\n")
-        f.write("\n".join(f"- {t['status']}: {t['text']}" for t in results["targets"]) + "\n")
+    markdown = format_table(results["runs"]) + "\n\n" + targets_markdown(results["targets"]) + "\n"
+    save_results(args.out, args.tag, results, markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

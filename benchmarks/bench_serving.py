@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.backends import EngineBackend, ServerBackend, engine_options
 from benchmarks.host_tier import format_host_table
-from benchmarks.metrics import DriverResult, format_table, summarize
+from benchmarks.metrics import DriverResult, format_table, save_results, summarize, targets_markdown
 from benchmarks.plot import plot_runs
 from benchmarks.targets import check_targets
 from benchmarks.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, make_workload
@@ -296,16 +296,9 @@ def _write(results: dict, args: argparse.Namespace) -> None:
     # anything (a few requests, timings of milliseconds), so none are checked there
     full = args.size == "full"
     results["targets"] = check_targets(results["runs"], results["hf_baseline"]) if full else []
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
-        f.write(format_table(results["runs"]) + "\n\n")
-        f.write("\n".join(f"- {t['status']}: {t['text']}" for t in results["targets"]) + "\n")
-        host = format_host_table(results["runs"])
-        if host:
-            f.write("\n" + host + "\n")
+    markdown = format_table(results["runs"]) + "\n\n" + targets_markdown(results["targets"]) + "\n"
+    host = format_host_table(results["runs"])
+    save_results(args.out, args.tag, results, markdown + ("\n" + host + "\n" if host else ""))
 
 
 def _meta(args: argparse.Namespace, model: str, command: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -145,3 +147,20 @@ def _pair(p: dict[str, float]) -> str:
 
 def _opt(x: object) -> str:
     return "n/a" if x is None else str(x)
+
+
+def save_results(out_dir: str, tag: str, results: dict, markdown: str) -> str:
+    """Write `<tag>.json` (atomically: a run killed midway keeps the last complete file) and
+    `<tag>.md` under `out_dir`; returns the path without its extension."""
+    base = os.path.join(out_dir, tag)
+    with open(base + ".json.tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(base + ".json.tmp", base + ".json")
+    with open(base + ".md", "w") as f:
+        f.write(markdown)
+    return base
+
+
+def targets_markdown(targets: Sequence[dict], sep: str = "\n") -> str:
+    """The targets' lines of a results file: `- STATUS: text`."""
+    return sep.join(f"- {t['status']}: {t['text']}" for t in targets)
