@@ -107,8 +107,8 @@ class SpeculationFeature(SchedulerFeature):
         self.grammar = grammar
         # per request: [drafts verified, of those accepted] (entries go with the request)
         self._verified: WeakKeyDictionary[Request, list[int]] = WeakKeyDictionary()
-        # per running request: the proposer's view of its tokens (dropped when it finishes)
-        self._indexes: dict[Request, TokenIndex] = {}  # proposers that index: per request
+        # per running request, for a proposer that indexes: its index of the request's tokens
+        self._indexes: dict[Request, TokenIndex] = {}
 
     def verified(self, req: Request) -> tuple[int, int]:
         """Speculative drafts verified for `req` so far, and how many of them were accepted."""
