@@ -62,10 +62,14 @@ class EngineBackend:
         self.run(warmup_workload(self.engine.model_config.vocab_size), lambda: None)
         return self
 
-    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
+    def run(
+        self, workload: Workload, on_done: Callable[[], None], cache_ttl_s: float = 0.0
+    ) -> DriverResult:
         from benchmarks.engine_driver import run_engine
 
-        result = run_engine(self.engine, workload, on_call_done=on_done, **self.kw)
+        result = run_engine(
+            self.engine, workload, on_call_done=on_done, cache_ttl_s=cache_ttl_s, **self.kw
+        )
         self.engine.cache.reset()
         assert self.engine.allocator.num_used == 0, "blocks in use after resetting the cache"
         return result
@@ -98,8 +102,12 @@ class ServerBackend:
     def __enter__(self) -> ServerBackend:
         return self
 
-    def run(self, workload: Workload, on_done: Callable[[], None]) -> DriverResult:
+    def run(
+        self, workload: Workload, on_done: Callable[[], None], cache_ttl_s: float = 0.0
+    ) -> DriverResult:
         from benchmarks.http_driver import ServerProcess, run_server
+
+        assert cache_ttl_s == 0, "retention hints run on the in-process engine only"
 
         with ServerProcess(self.model, self.serve_args, self.log, self.startup_timeout_s) as srv:
             run_server(srv.url, warmup_workload(workload.params["vocab_size"]))

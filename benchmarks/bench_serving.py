@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--agent-tool-calls", action="store_true", help="the agent workload's "
                    "steps as tool calls and tool messages (workloads.agent)")  # fmt: skip
+    p.add_argument("--tool-pause-s", type=float, default=0.0, help="agent: seconds between a "
+                   "step's answer and the next step (a tool runs meanwhile)")  # fmt: skip
+    p.add_argument("--cache-ttl-s", default="0", help="retention hints to run (engine backend), "
+                   "comma list: every call a later call extends asks `cache_ttl_s` X; a "
+                   "program's holds end with it; 0: no hints")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None, help="programs in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
     p.add_argument("--run-timeout-s", type=float, default=None, help="abort a run after this")
@@ -128,7 +133,12 @@ def plan_runs(args: argparse.Namespace, vocab_size: int, max_len: int) -> list[R
     names = [n for n in args.workloads.split(",") if n]
     pressure = [n for n in args.pressure.split(",") if n]
     scales = _scales(args.scale, sorted(set(names) | set(pressure)))
-    extra = {"agent": {"tool_calls": True}} if getattr(args, "agent_tool_calls", False) else {}
+    agent: dict = {}
+    if getattr(args, "agent_tool_calls", False):
+        agent["tool_calls"] = True
+    if getattr(args, "tool_pause_s", 0.0) > 0:
+        agent["tool_pause_s"] = args.tool_pause_s
+    extra = {"agent": agent}
     workloads = {
         n: make_workload(n, args.size, scales[n], args.seed, vocab_size, **extra.get(n, {}))
         for n in dict.fromkeys(names + pressure)
@@ -173,6 +183,7 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
     mc = ModelConfig.from_pretrained(model)
     runs = plan_runs(args, mc.vocab_size, mc.max_position_embeddings)
     configs = [parse_config(c) for c in args.configs.split(",") if c]
+    ttls = parse_ttls(args.cache_ttl_s, args.backend)
     os.makedirs(args.out, exist_ok=True)
     hf = None
     if args.hf_baseline:
@@ -182,16 +193,16 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
                "targets": [], "all_runs": []}  # fmt: skip
     backend = EngineBackend if args.backend == "engine" else ServerBackend
     title = f"{args.tag}: {os.path.basename(model.rstrip('/'))}, {args.backend} backend"
-    total = args.repeat * len(configs) * sum(r.workload.num_calls for r in runs)
+    total = args.repeat * len(configs) * len(ttls) * sum(r.workload.num_calls for r in runs)
     bar = tqdm(total=total, unit="call", dynamic_ncols=True, mininterval=0.5 if
                sys.stderr.isatty() else 10)  # fmt: skip
     for config, kv, specs in _blocks(runs, configs, args.order, args.repeat):
         cache, policy = config
         with backend(args, model, engine_options(args, cache, policy, kv)) as b:
-            for spec in specs:
+            for spec, ttl in ((s, t) for s in specs for t in ttls):
                 bar.set_description(f"{spec.label} {cache}+{policy}")
-                result = b.run(spec.workload, lambda: bar.update(1))
-                row = _row(spec, config, args.backend, result)
+                result = b.run(spec.workload, lambda: bar.update(1), cache_ttl_s=ttl)
+                row = _row(spec, config, args.backend, result, ttl)
                 results["all_runs"].append(row)
                 results["runs"] = best_runs(results["all_runs"])
                 bar.write(_one_line(row))
@@ -254,14 +265,30 @@ def parse_config(name: str) -> tuple[str, str]:
     return cache, policy
 
 
-def _row(spec: RunSpec, config: tuple[str, str], backend: str, result: DriverResult) -> dict:
+def parse_ttls(value: str, backend: str) -> list[float]:
+    """--cache-ttl-s: the retention hints to run, each >= 0 (the in-process engine only)."""
+    try:
+        ttls = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--cache-ttl-s: a comma list of seconds, got {value!r}") from None
+    if not ttls or any(not (t >= 0 and math.isfinite(t)) for t in ttls):
+        raise ValueError(f"--cache-ttl-s: seconds >= 0, got {value!r}")
+    if backend != "engine" and any(ttls):
+        raise ValueError("--cache-ttl-s needs --backend engine")
+    return ttls
+
+
+def _row(
+    spec: RunSpec, config: tuple[str, str], backend: str, result: DriverResult, ttl: float = 0.0
+) -> dict:
     cache, policy = config
     return {
         "workload": spec.label,
         "workload_name": spec.workload.name,
-        "config": f"{cache}+{policy}",
+        "config": f"{cache}+{policy}" + (f"+ttl{ttl:g}" if ttl else ""),
         "cache": cache,
         "policy": policy,
+        "cache_ttl_s": ttl,
         "backend": backend,
         "num_kv_blocks": spec.num_kv_blocks,
         "num_programs": len(spec.workload.programs),

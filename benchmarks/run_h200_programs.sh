@@ -4,7 +4,7 @@
 # its own JSON / table / plot in $OUT (programs-<part>.*) and each within PART_TIMEOUT_S (a
 # config stops starting programs after CONFIG_TIMEOUT_S, keeping the rows it finished):
 #   radix      radix (+lpm) and blockhash: hit rate / optimal, radix vs block-hash
-#   frontend   no-parallel, no-hints (DSL ablations on radix+lpm)
+#   frontend   no-parallel, no-hints, no-admission (DSL ablations on radix+lpm)
 #   order      fcfs, random (admission-order ablations)
 #   no-cache   no prefix cache
 #   server     DSL over HTTP vs the sequential and asyncio OpenAI clients (latency)
@@ -34,7 +34,7 @@ ARGS=(--model llama-3-8b --device cuda --dtype bfloat16 --size full --scale "${S
 ARGS+=(${EXTRA:-})
 declare -A CONFIGS=(
   [radix]=radix,blockhash
-  [frontend]=no-parallel,no-hints
+  [frontend]=no-parallel,no-hints,no-admission
   [order]=fcfs,random
   [no-cache]=no-cache
   [server]=dsl-http,openai-seq,openai-async

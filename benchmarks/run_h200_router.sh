@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench_router on one GPU: N replicas of a dummy Llama-3.2-1B (bf16) behind sglang-router, each
+# bench_router on one GPU: N replicas of a dummy model (bf16; PRESET, default Llama-3.2-1B)
+# behind sglang-router, each
 # with a fixed KV pool (`--num-kv-blocks`, so they share the GPU), per policy (cache_aware,
 # round_robin, power_of_two), against one server with their total KV; full shapes. Every
 # server is started here (fresh per workload and config); results go to $OUT/$TAG.{json,md}
@@ -11,6 +12,7 @@
 #   PYTHON         the interpreter that has radixrt installed (default python3)
 #   OUT            output directory (default benchmarks/out/h200)
 #   TAG            output name (default router-h200)
+#   PRESET         model shape, a radixrt.model.presets name (default llama-3.2-1b)
 #   REPLICAS       N (default 2)
 #   WORKLOADS      comma list (default shared-prefix,multi-turn)
 #   CONFIGS        comma list (default single,cache_aware,round_robin,power_of_two)
@@ -23,9 +25,10 @@ OUT=${OUT:-benchmarks/out/h200}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-MODEL=$OUT/llama-3.2-1b-dummy
+PRESET=${PRESET:-llama-3.2-1b}
+MODEL=$OUT/$PRESET-dummy
 "$PYTHON" -c "import sys; from radixrt.model.presets import write_dummy_model_dir as w; \
-w(sys.argv[1], 'llama-3.2-1b')" "$MODEL" || exit 1
+w(sys.argv[1], sys.argv[2])" "$MODEL" "$PRESET" || exit 1
 TAG=${TAG:-router-h200}
 eval "extra=(${EXTRA:-})"
 timeout -k 15 "${BUDGET_S:-560}" "$PYTHON" -m benchmarks.bench_router --size full \

@@ -175,6 +175,28 @@ def test_agent_steps_as_tool_calls(make_engine, one_thread):
     assert plan_runs(args, vocab_size=2000, max_len=2048)[0].workload.params["tool_calls"]
 
 
+def test_bench_serving_retention_hints_per_run(tmp_path, tiny_model_dir, one_thread):
+    """--tool-pause-s reaches the agent workload; --cache-ttl-s runs each value on the same
+    engine (a row per hint, named by it); hints on the server backend are refused."""
+    from benchmarks import bench_serving
+
+    argv = ["--model", tiny_model_dir, "--device", "cpu", "--size", "smoke", "--workloads", "",
+            "--pressure", "agent", "--scale", "agent=0.5", "--tool-pause-s", "0.01",
+            "--cache-ttl-s", "0,5", "--configs", "radix", "--out", str(tmp_path),
+            "--tag", "t"]  # fmt: skip
+    bench_serving.main(argv)
+    runs = json.loads((tmp_path / "t.json").read_text())["runs"]
+    assert [(r["config"], r["cache_ttl_s"]) for r in runs] == [
+        ("radix+lpm", 0.0), ("radix+lpm+ttl5", 5.0)
+    ]
+    assert all(r["complete"] and r["workload_params"]["tool_pause_s"] == 0.01 for r in runs)
+    assert runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"]  # the same calls
+    with pytest.raises(ValueError, match="--backend engine"):
+        bench_serving.parse_ttls("0,5", "server")
+    with pytest.raises(ValueError, match="cache-ttl-s"):
+        bench_serving.parse_ttls("-1", "engine")
+
+
 def test_plan_runs_pressure_pool():
     from benchmarks.bench_serving import parse_args, plan_runs
 
