@@ -6,6 +6,7 @@ Tokens come from the ScriptedRunner's deterministic token function, so every con
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
@@ -402,6 +403,21 @@ def test_freeze_gc_freezes_startup_objects_until_shutdown():
     finally:
         core.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_share_prefix_is_the_common_prefix_bound():
+    """share_prefix(a, b, n) is common prefix length >= n, on every cut of random pairs
+    that agree up to a random point (the first-probe shortcut changes no answer)."""
+    from radixrt.scheduler.policy import share_prefix
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(4) for _ in range(rng.randrange(0, 80))]
+        keep = rng.randrange(0, len(a) + 1)
+        b = a[:keep] + [rng.randrange(4) for _ in range(rng.randrange(0, 80))]
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for n in range(-1, 90):
+            assert share_prefix(a, b, n) == (common >= n), (a, b, n)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -16,7 +16,7 @@ from radixrt.config import SchedulerConfig
 from radixrt.plan import BlockOp
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
-from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, common_prefix_len, order_waiting
+from radixrt.scheduler.policy import IN_BATCH_PREFIX_THRESHOLD, order_waiting, share_prefix
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import Request
 from radixrt.scheduler.rows import chunk_len
@@ -160,11 +160,10 @@ class Admission:
         """Whether a request of the same cache salt computes at least
         IN_BATCH_PREFIX_THRESHOLD tokens of `req`'s uncached prefix (another salt's never
         lands in `req`'s part of the cache)."""
-        cached = self.match(req).num_cached_tokens
+        end = self.match(req).num_cached_tokens + IN_BATCH_PREFIX_THRESHOLD
+        seq, salt = req.seq_token_ids, req.cache_salt
         return any(
-            other.cache_salt == req.cache_salt
-            and common_prefix_len(req.seq_token_ids, other.seq_token_ids) - cached
-            >= IN_BATCH_PREFIX_THRESHOLD
+            share_prefix(seq, other.seq_token_ids, end) and other.cache_salt == salt
             for other in computing
         )
 

@@ -41,17 +41,15 @@ MAX_QUEUE_FOR_MATCHING = 256
 IN_BATCH_PREFIX_THRESHOLD = 32
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists (compares 64-token slices at C speed)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + 64] == b[i : i + 64]:
-        i += 64
-    i = min(i, n)
-    end = min(i + 64, n)
-    while i < end and a[i] == b[i]:
-        i += 1
-    return i
+def share_prefix(a: Sequence[int], b: Sequence[int], n: int) -> bool:
+    """Whether `a` and `b` both have at least `n` tokens and agree on the first `n`. Token
+    n - 1 is compared first: requests behind one cached prefix mostly differ right after
+    it, so the full comparison (at C speed) runs only for the likely matches."""
+    if n <= 0:
+        return True
+    if len(a) < n or len(b) < n or a[n - 1] != b[n - 1]:
+        return False
+    return a[:n] == b[:n]
 
 
 def effective_priority(req: Request, priority_aging_steps: int) -> int:
