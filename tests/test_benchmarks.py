@@ -187,7 +187,8 @@ def test_bench_serving_retention_hints_per_run(tmp_path, tiny_model_dir, one_thr
     bench_serving.main(argv)
     runs = json.loads((tmp_path / "t.json").read_text())["runs"]
     assert [(r["config"], r["cache_ttl_s"]) for r in runs] == [
-        ("radix+lpm", 0.0), ("radix+lpm+ttl5", 5.0)
+        ("radix+lpm", 0.0),
+        ("radix+lpm+ttl5", 5.0),
     ]
     assert all(r["complete"] and r["workload_params"]["tool_pause_s"] == 0.01 for r in runs)
     assert runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"]  # the same calls
