@@ -108,7 +108,6 @@ class ServerBackend:
         from benchmarks.http_driver import ServerProcess, run_server
 
         assert cache_ttl_s == 0, "retention hints run on the in-process engine only"
-
         with ServerProcess(self.model, self.serve_args, self.log, self.startup_timeout_s) as srv:
             run_server(srv.url, warmup_workload(workload.params["vocab_size"]))
             return run_server(srv.url, workload, on_call_done=on_done, **self.kw)

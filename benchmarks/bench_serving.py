@@ -134,9 +134,9 @@ def plan_runs(args: argparse.Namespace, vocab_size: int, max_len: int) -> list[R
     pressure = [n for n in args.pressure.split(",") if n]
     scales = _scales(args.scale, sorted(set(names) | set(pressure)))
     agent: dict = {}
-    if getattr(args, "agent_tool_calls", False):
+    if args.agent_tool_calls:
         agent["tool_calls"] = True
-    if getattr(args, "tool_pause_s", 0.0) > 0:
+    if args.tool_pause_s > 0:
         agent["tool_pause_s"] = args.tool_pause_s
     extra = {"agent": agent}
     workloads = {
@@ -200,7 +200,9 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
         cache, policy = config
         with backend(args, model, engine_options(args, cache, policy, kv)) as b:
             for spec, ttl in ((s, t) for s in specs for t in ttls):
-                bar.set_description(f"{spec.label} {cache}+{policy}")
+                bar.set_description(
+                    f"{spec.label} {cache}+{policy}" + (f" ttl {ttl:g}" if ttl else "")
+                )
                 result = b.run(spec.workload, lambda: bar.update(1), cache_ttl_s=ttl)
                 row = _row(spec, config, args.backend, result, ttl)
                 results["all_runs"].append(row)

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # bench_router on one GPU: N replicas of a dummy model (bf16; PRESET, default Llama-3.2-1B)
-# behind sglang-router, each
-# with a fixed KV pool (`--num-kv-blocks`, so they share the GPU), per policy (cache_aware,
-# round_robin, power_of_two), against one server with their total KV; full shapes. Every
-# server is started here (fresh per workload and config); results go to $OUT/$TAG.{json,md}
-# after every run, so a run stopped by BUDGET_S keeps what it finished.
+# behind sglang-router, each with a fixed KV pool (`--num-kv-blocks`, so they share the GPU),
+# per policy (cache_aware, round_robin, power_of_two), against one server with their total
+# KV; full shapes. Every server is started here (fresh per workload and config); results go
+# to $OUT/$TAG.{json,md} after every run, so a run stopped by BUDGET_S keeps what it finished.
 #
 # Needs radixrt's `gpu` extra and sglang-router (`router` extra, or its wheels on PYTHONPATH):
 #   bash benchmarks/run_h200_router.sh
