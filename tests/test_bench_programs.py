@@ -142,3 +142,16 @@ def test_run_resets_the_cache_after_the_warmup_releases_its_holds(tiny_model_dir
     assert row["cached_tokens"] <= optimal, row
     assert engine.allocator.num_used == 0
     engine.shutdown()
+
+
+def test_engine_warmup_covers_batch_shapes_within_the_context():
+    from benchmarks.bench_programs import warmup_prompts
+
+    for max_len in (64, 2048, 8192):
+        prompts = warmup_prompts(max_len)
+        lengths = [len(p) for p in prompts]
+        assert max(lengths) <= max_len // 2 and min(lengths) >= 1
+        if max_len >= 2048:
+            assert len(set(lengths)) > len(prompts) // 2  # spread, not one shape
+        shared = [p for p in prompts[1::2] if len(p) > len(prompts[1]) // 2]
+        assert len({tuple(p[:8]) for p in shared}) == 1  # one prefix behind half of them
