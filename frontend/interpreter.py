@@ -179,7 +179,8 @@ class Executor:
         """n concurrent copies of this state. The shared prefix is sent first (max_tokens=0)
         so that it is computed once: the branches start when it is cached, or at once where
         the backend holds back requests whose uncached prefix another one computes (their
-        first requests wait there for the hint's)."""
+        first requests wait there for the hint's; an uncached part shorter than the server's
+        in-batch threshold is not held back and each branch computes it)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
         if self.tracing:
@@ -321,11 +322,11 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
-        # where the backend holds back requests sharing an uncached prefix, the scoring goes
-        # out with the prefix hint, not after it
-        self._send_prefix(prefix_ids, wait=not self.backend.holds_back_shared_prefixes)
+        # always after the hint: the server does not hold back requests whose shared uncached
+        # part is short (radixrt.scheduler.policy.IN_BATCH_PREFIX_THRESHOLD), as a select's
+        # tail after a cached context often is, and each scoring would compute it
+        self._send_prefix(prefix_ids)
         token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
-        self._await_hint()
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
         best = max(range(len(scores)), key=scores.__getitem__)  # first of equal maxima
