@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,9 @@ class Executor:
         # go through the gate, which reads whether the latest of `held_calls` is held
         self.gate = gate
         self.held_calls: list[tuple[str, int]] = []  # (request id, context tokens), in order
+        # a prefix hint sent without waiting (`_send_prefix(wait=False)`): its hold joins the
+        # state's, and its error is raised, at the state's next call or sync point
+        self._hint: Future | None = None
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
@@ -134,9 +138,11 @@ class Executor:
             self._queue.put(ops)
 
     def sync(self) -> None:
-        """Wait until every submitted operation ran; raise the first error."""
+        """Wait until every submitted operation ran and the prefix hint in flight is back;
+        raise the first error (the hint's first)."""
         if self._queue is not None and not self._finished:
             self._queue.join()
+        self._await_hint()
         self._raise_error()
 
     def finish(self) -> BaseException | None:
@@ -151,6 +157,10 @@ class Executor:
             self._thread.join()  # type: ignore[union-attr]
         self._finished = True
         own = None if self._error_raised else self._error
+        try:
+            self._await_hint()
+        except BaseException as e:  # the program has not seen it
+            own = e if own is None else own
         errors = [own] + [child.finish() for child in self.children]
         if self.held_rids:
             self.backend.release_cache_holds(self.held_rids)
@@ -166,8 +176,11 @@ class Executor:
             )
 
     def fork(self, n: int) -> list[Executor]:
-        """n concurrent copies of this state. The shared prefix is prefilled once first
-        (max_tokens=0) so every branch's first request hits the prefix cache."""
+        """n concurrent copies of this state. The shared prefix is sent first (max_tokens=0)
+        so that it is computed once: the branches start when it is cached, or at once where
+        the backend holds back requests whose uncached prefix another one computes (their
+        first requests wait there for the hint's; an uncached part shorter than the server's
+        in-batch threshold is not held back and each branch computes it)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
         if self.tracing:
@@ -176,11 +189,14 @@ class Executor:
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids:
-            self._send_prefix(prefix_ids)
+            self._send_prefix(prefix_ids, wait=not self.backend.holds_back_shared_prefixes)
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True, gate=self.gate)
             child.hold_s = self.hold_s
+            # without the hint in flight: the gate counts what the hint holds as added by a
+            # branch's first call (a larger reservation), or lets that call go as the
+            # program's first held call (the program started through the gate)
             child.held_calls = list(self.held_calls)
             child.text = self.text
             child.variables = dict(self.variables)
@@ -306,6 +322,9 @@ class Executor:
             raise ValueError(f"select({op.name!r}) needs text before it (nothing to score on)")
         prefix_ids = self.backend.encode(self.text)
         choice_ids = [self.backend.encode_continuation(c) for c in op.choices]
+        # always after the hint: the server does not hold back requests whose shared uncached
+        # part is short (radixrt.scheduler.policy.IN_BATCH_PREFIX_THRESHOLD), as a select's
+        # tail after a cached context often is, and each scoring would compute it
         self._send_prefix(prefix_ids)
         token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
         sums = [sum(lps) for lps in token_logprobs]
@@ -324,34 +343,63 @@ class Executor:
                 "normalize": op.normalize,
             }
 
-    def _send_prefix(self, prefix_ids: list[int]) -> None:
-        """Prefill the state's prefix (held for the program, as its gens' contexts)."""
-        self._call(
-            self.hold_s,
-            len(prefix_ids),
-            lambda: self.backend.cache_prefix(prefix_ids, self.cache_salt, self.hold_s),
-        )
+    def _send_prefix(self, prefix_ids: list[int], wait: bool = True) -> None:
+        """Prefill the state's prefix (held for the program, as its gens' contexts).
+        `wait=False`: sent from a thread of its own while the state goes on; its hold joins
+        the state's at the state's next call or sync point (`_await_hint`)."""
+        hold_s, tokens = self.hold_s, len(prefix_ids)
+        send = lambda: self.backend.cache_prefix(prefix_ids, self.cache_salt, hold_s)  # noqa: E731
+        if wait:
+            self._call(hold_s, tokens, send)
+            return
+        self._await_hint()  # one hint in flight at most
+        hint: Future = Future()
+
+        def run() -> None:
+            try:
+                hint.set_result(self._send(hold_s, tokens, send))
+            except BaseException as e:  # raised at the state's next call or sync point
+                hint.set_exception(e)
+
+        self._hint = hint
+        threading.Thread(target=run, name="radixrt-prefix-hint", daemon=True).start()
+
+    def _await_hint(self) -> None:
+        """Wait for the prefix hint in flight, if any, and add its hold to the state's;
+        raises the hint's error."""
+        hint, self._hint = self._hint, None
+        if hint is not None:
+            self._hold(self.hold_s, hint.result())
 
     def _call(self, cache_ttl_s: float, tokens: int, send) -> GenResult:
-        """Send a request (`send()`) whose context is `tokens` long; with a retention hint,
-        through the admission gate (when run_batch has one) and remembered for release at
-        the program's end."""
-        if cache_ttl_s <= 0:
+        """Send a request (`send()`) whose context is `tokens` long after the prefix hint in
+        flight (`_await_hint`); with a retention hint, through the admission gate (when
+        run_batch has one) and remembered for release at the program's end."""
+        self._await_hint()
+        result = self._send(cache_ttl_s, tokens, send)
+        self._hold(cache_ttl_s, result)
+        return result
+
+    def _send(self, cache_ttl_s: float, tokens: int, send) -> GenResult:
+        """`send()`; with a retention hint, through the admission gate (when run_batch has
+        one). Reads `held_calls`, changes nothing of the state (the prefix hint's thread
+        runs it)."""
+        if cache_ttl_s <= 0 or self.gate is None:
             return send()
-        reservation = None
-        if self.gate is not None:
-            reservation = self.gate.before_call(self.held_calls, tokens)
+        reservation = self.gate.before_call(self.held_calls, tokens)
         result = None
         try:
             result = send()
         finally:
-            if self.gate is not None:
-                n = tokens if result is None else result.prompt_tokens + result.completion_tokens
-                self.gate.after_call(reservation, result, n)
-        if result.rid is not None:
+            n = tokens if result is None else result.prompt_tokens + result.completion_tokens
+            self.gate.after_call(reservation, result, n)
+        return result
+
+    def _hold(self, cache_ttl_s: float, result: GenResult) -> None:
+        """Remember a call sent with a retention hint for release at the program's end."""
+        if cache_ttl_s > 0 and result.rid is not None:
             self.held_rids.append(result.rid)
             self.held_calls.append((result.rid, result.prompt_tokens + result.completion_tokens))
-        return result
 
     def _role_begin(self, role: str) -> None:
         if self.open_role is not None:

@@ -35,6 +35,13 @@ HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's quantization config (legacy)
 
 
+def holds_back_shared_prefixes(policy: str, prefix_cache: str) -> bool:
+    """Whether a request whose uncached prefix a running request computes waits until that
+    prefix is cached, so it is computed once: the cache-aware policies (all but "fcfs") hold
+    such a request back (radixrt.scheduler.admission), and only a prefix cache keeps it."""
+    return policy != "fcfs" and prefix_cache != "none"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape, read from an HF `config.json`."""

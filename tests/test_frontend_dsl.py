@@ -45,6 +45,7 @@ class Spy:
     """Wraps a backend, recording calls (and optionally delaying generate at a barrier)."""
 
     releases_holds = False  # programs through it hold nothing
+    holds_back_shared_prefixes = False  # a fork waits for its prefix hint
 
     def __init__(self, inner, barrier: threading.Barrier | None = None) -> None:
         self.inner = inner

@@ -45,6 +45,9 @@ def test_metadata_routes(server, tiny_model_dir):
         assert info["dp_size"] == 1 and info["kv_block_size"] == 16
         assert info["max_total_tokens"] == 16 * 4096 and info["max_running_requests"] > 0
         assert len(info["instance_id"]) == 32 and info["version"]
+        # the scheduler's own config (policy "auto" resolved): lpm over the radix cache
+        assert info["schedule_policy"] == "lpm" and info["prefix_cache"] == "radix"
+        assert info["disable_radix_cache"] is False
     for path in ("/model_info", "/get_model_info"):
         info = ok(server, path)
         assert info["model_path"] == tiny_model_dir and info["is_generation"] is True

@@ -24,6 +24,7 @@ class Wrapper(Backend):
         self.inner = inner
         self.tokenizer = inner.tokenizer
         self.releases_holds = inner.releases_holds
+        self.holds_back_shared_prefixes = inner.holds_back_shared_prefixes
 
     @property
     def chat_template(self) -> ChatTemplate:  # type: ignore[override]

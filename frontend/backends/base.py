@@ -42,6 +42,10 @@ class Backend(ABC):
     # its calls by default (radixrt.frontend.program.PROGRAM_CACHE_TTL_S) and releases it at
     # its end; without it only an explicit `cache_ttl_s` holds (the holds expire on time)
     releases_holds: bool = False
+    # whether the runtime holds back a request whose uncached prefix another in-flight request
+    # computes until that prefix is cached (radixrt.config.holds_back_shared_prefixes): then a
+    # fork's branches go out with its prefix hint, not after it, and still compute it once
+    holds_back_shared_prefixes: bool = False
 
     @abstractmethod
     def generate(

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrt.config import holds_back_shared_prefixes
 from radixrt.sampling import SamplingParams
 from radixrt.stats import CachePressure
 
@@ -74,6 +75,10 @@ class EngineBackend(Backend):
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        cfg = engine.config
+        self.holds_back_shared_prefixes = holds_back_shared_prefixes(
+            cfg.scheduler.policy, cfg.cache.prefix_cache
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._close_lock = threading.Lock()

@@ -11,6 +11,10 @@ POST /release_cache_holds takes, and `cache_pressure()` reads the engine's holds
 run_batch's admission. Another server (an older radixrt, SGLang) answers 404 there: then only
 explicit `cache_ttl_s` hints hold, they expire on time, and run_batch starts every program
 at once.
+
+GET /get_server_info (read once) tells whether the server holds back a request whose
+uncached prefix another request computes (`holds_back_shared_prefixes`): a radixrt server
+reports its `schedule_policy` and `prefix_cache`; any other server counts as one that does not.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from radixrt.config import holds_back_shared_prefixes
 from radixrt.sampling import SamplingParams
 from radixrt.stats import CachePressure
 
@@ -59,6 +64,8 @@ class RuntimeEndpoint(Backend):
         self.tokenizer = load_tokenizer(model_path)
         probe = self._read_pressure(missing_ok=True, timeout=HEALTH_TIMEOUT_S)
         self.releases_holds = probe is not None
+        info = self._request("GET", "/get_server_info", None, HEALTH_TIMEOUT_S, missing_ok=True)
+        self.holds_back_shared_prefixes = _holds_back_shared_prefixes(info)
 
     def _read_pressure(
         self, missing_ok: bool = False, timeout: float | None = None
@@ -276,6 +283,18 @@ def _result(out: dict[str, Any]) -> GenResult:
         cached_tokens=meta.get("cached_tokens", 0),
         prompt_logprobs=[_logprob(x) for x in meta.get("input_token_logprobs") or []],
     )
+
+
+def _holds_back_shared_prefixes(info: Any) -> bool:
+    """From GET /get_server_info: a radixrt server reports `schedule_policy` and
+    `prefix_cache`; a server without them (an older radixrt, SGLang, no such route) is
+    taken to hold nothing back."""
+    if not isinstance(info, dict):
+        return False
+    policy, prefix_cache = info.get("schedule_policy"), info.get("prefix_cache")
+    if not isinstance(policy, str) or not isinstance(prefix_cache, str):
+        return False
+    return holds_back_shared_prefixes(policy, prefix_cache)
 
 
 def _reported_model_path(info: Any) -> str | None:

@@ -88,6 +88,8 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     block_size: int
     max_running_requests: int = 256  # sequences that run at once (n, beam_width at most)
     num_eos_ids: int = 1  # the EOS ids beam search ranks candidates for
+    policy: str = "fcfs"  # the waiting-queue policy (SchedulerConfig.policy, resolved)
+    prefix_cache: str = "radix"  # radix | blockhash | none (CacheConfig.prefix_cache)
 
 
 class BeamOut(msgspec.Struct, frozen=True):

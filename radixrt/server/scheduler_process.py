@@ -177,6 +177,8 @@ class SchedulerLoop:
                 block_size=core.config.cache.block_size,
                 max_running_requests=core.config.scheduler.max_running_requests,
                 num_eos_ids=len(core.scheduler.eos_token_ids),
+                policy=core.config.scheduler.policy,
+                prefix_cache=core.config.cache.prefix_cache,
             )
         )
         logger.info("ready: max_model_len=%d", core.max_model_len)

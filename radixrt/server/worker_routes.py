@@ -116,6 +116,21 @@ def _limits(request: web.Request) -> dict[str, Any]:
     }
 
 
+def _scheduling(request: web.Request) -> dict[str, Any]:
+    """The scheduler's waiting-queue policy (SGLang's `schedule_policy`) and prefix cache
+    mode (`prefix_cache`; SGLang's `disable_radix_cache`: none), None before it is ready.
+    With both, a client tells whether the server holds back a request whose uncached prefix
+    another request computes (radixrt.config.holds_back_shared_prefixes)."""
+    ready = request.app[FRONT].ready
+    if ready is None:
+        return {"schedule_policy": None, "prefix_cache": None, "disable_radix_cache": None}
+    return {
+        "schedule_policy": ready.policy,
+        "prefix_cache": ready.prefix_cache,
+        "disable_radix_cache": ready.prefix_cache == "none",
+    }
+
+
 async def model_info(request: web.Request) -> web.Response:
     info = request.app[WORKER_INFO]
     return json_response(
@@ -141,6 +156,7 @@ async def server_info(request: web.Request) -> web.Response:
         {
             **asdict(info),
             **limits,
+            **_scheduling(request),
             "is_generation": True,
             "max_num_reqs": limits["max_running_requests"],
             "max_batch_size": limits["max_running_requests"],
