@@ -279,7 +279,7 @@ def _one_line(r: dict) -> str:
         f"{r['program']:>20} {r['config']:>12}: {r['programs_per_s']:7.2f} programs/s, "
         f"latency {lat}, hit {100 * r['hit_rate']:5.1f}% (optimal "
         f"{100 * r['optimal_hit_rate']:5.1f}%), computed {r['prompt_tokens_computed']}, "
-        f"same calls {r['same_calls']}"
+        f"same calls {r['same_calls']}" + (f", {r['steps']} steps" if r.get("steps") else "")
     )
 
 

@@ -116,6 +116,10 @@ class Executor:
         # a prefix hint sent without waiting (`_send_prefix(wait=False)`): its hold joins the
         # state's, and its error is raised, at the state's next call or sync point
         self._hint: Future | None = None
+        # len(text) right after the latest gen appended its output (-1: none yet): while the
+        # text has not grown since, the backend has computed all of it but the output's last
+        # token (the gen's context, held with it), and a fork sends no prefix hint
+        self._generated_to = -1
         self._error: BaseException | None = None  # first error of the worker
         self._error_raised = False  # raised to the program at a sync point already
         self._finished = False
@@ -180,7 +184,8 @@ class Executor:
         so that it is computed once: the branches start when it is cached, or at once where
         the backend holds back requests whose uncached prefix another one computes (their
         first requests wait there for the hint's; an uncached part shorter than the server's
-        in-batch threshold is not held back and each branch computes it)."""
+        in-batch threshold is not held back and each branch computes it). Right after a gen
+        nothing is sent: that gen computed the prefix."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork needs a number of branches >= 1, got {n!r}")
         if self.tracing:
@@ -188,7 +193,7 @@ class Executor:
         self._check_open()
         self.sync()
         prefix_ids = self.backend.encode(self.text) if self.text else []
-        if n > 1 and prefix_ids:
+        if n > 1 and prefix_ids and len(self.text) != self._generated_to:
             self._send_prefix(prefix_ids, wait=not self.backend.holds_back_shared_prefixes)
         children = []
         for _ in range(n):
@@ -199,6 +204,7 @@ class Executor:
             # program's first held call (the program started through the gate)
             child.held_calls = list(self.held_calls)
             child.text = self.text
+            child._generated_to = self._generated_to
             child.variables = dict(self.variables)
             child.meta = copy.deepcopy(self.meta)
             child.messages = copy.deepcopy(self.messages)
@@ -301,6 +307,7 @@ class Executor:
             params.cache_ttl_s, tokens, lambda: self.backend.generate(prompt_ids, params, on_delta)
         )
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
+        self._generated_to = len(self.text)
         if op.name is not None:
             self.variables[op.name] = result.text
             calls: list[dict[str, Any]] = []

@@ -164,3 +164,24 @@ def test_which_runtimes_hold_back_shared_prefixes(make_engine):
             assert backend.holds_back_shared_prefixes is expected
         finally:
             backend.close()
+
+
+@function
+def fork_after_gen(s, more: str = ""):
+    s += "A shared prefix." + gen("g", max_tokens=1) + more
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f" Branch {i}:" + gen("b", max_tokens=1)
+    forks.join()
+
+
+@pytest.mark.parametrize("holds_back", [True, False])
+def test_a_fork_right_after_a_gen_sends_no_hint(holds_back):
+    backend = BlockingHint(holds_back)
+    backend.release.set()  # a hint, if sent, returns at once
+    fork_after_gen.run(backend=backend)
+    assert [e for e, _ in backend.events] == ["gen", "gen", "gen"]
+    backend = BlockingHint(holds_back)
+    backend.release.set()
+    fork_after_gen.run(backend=backend, more=" and more text")
+    assert sorted(e for e, _ in backend.events) == ["gen", "gen", "gen", "hint"]

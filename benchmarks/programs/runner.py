@@ -118,6 +118,7 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
         "same_calls": same_calls(calls, plan.reference),
         "working_set_tokens": plan.working_set_tokens,
         "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
+        "steps": after.get("steps", 0) - before.get("steps", 0),  # in-process engine only
     }
 
 
@@ -171,7 +172,7 @@ def _counters(target) -> dict:
     """Prompt, cached and computed prompt tokens (and preemptions) so far."""
     if not isinstance(target, str):
         s = target.stats()
-        keys = ("prompt_tokens", "cached_tokens", "prompt_tokens_computed", "preemptions")
+        keys = ("prompt_tokens", "cached_tokens", "prompt_tokens_computed", "preemptions", "steps")
         return {k: int(s[k]) for k in keys}
     with urllib.request.urlopen(target + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
