@@ -168,10 +168,10 @@ class ProgramGate:
         result: it failed)."""
         adm = self.admission
         if result is not None and result.rid is not None:
+            pressure = adm.backend.cache_pressure()  # outside the lock: it may be a GET
             with adm._cond:
                 state = self.state
                 state.rids.add(result.rid)
-                pressure = adm.backend.cache_pressure()
                 own = max(1, tokens - adm.shared_tokens)  # what the batch does not share
                 own = 0 if pressure is None else math.ceil(own / pressure.block_size)
                 if not state.first_blocks and own:

@@ -285,3 +285,77 @@ def test_a_server_without_hold_routes_keeps_holds_off(tiny_model_dir):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class _PressureServer(http.server.BaseHTTPRequestHandler):
+    """/health, a slow GET /cache_pressure that counts its calls, /generate (one token) and
+    /release_cache_holds; 404 elsewhere."""
+
+    reads = 0
+    lock = threading.Lock()
+
+    def _json(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/health":
+            self._json(b'{"status": "ok"}')
+        elif self.path == "/cache_pressure":
+            with _PressureServer.lock:
+                _PressureServer.reads += 1
+            time.sleep(0.05)  # every caller that comes meanwhile shares this reading
+            self._json(
+                b'{"num_blocks": 64, "block_size": 16, "free_blocks": 64, "evictable_blocks": 0,'
+                b' "held_blocks": 0, "max_held_blocks": 32, "holds_refused": 0, "held": []}'
+            )
+        else:
+            self._json(b'{"error": "not found"}', 404)
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path == "/generate":
+            self._json(
+                b'{"text": "x", "output_ids": [5], "meta_info": {"id": "r1", '
+                b'"finish_reason": {"type": "length"}, "prompt_tokens": 3, '
+                b'"completion_tokens": 1, "cached_tokens": 0}}'
+            )
+        elif self.path == "/release_cache_holds":
+            self._json(b'{"released": 1}')
+        else:
+            self._json(b'{"error": "not found"}', 404)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_cache_pressure_reads_are_shared_but_never_older_than_a_result(tiny_model_dir):
+    """Threads that ask together share one GET /cache_pressure; a result that came back (or
+    a release) after a reading was asked for makes the next caller read again, so a caller
+    sees its own request's hold."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PressureServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = RuntimeEndpoint(f"http://127.0.0.1:{httpd.server_address[1]}", tiny_model_dir)
+        assert endpoint.releases_holds
+        _PressureServer.reads = 0
+        readers = [threading.Thread(target=endpoint.cache_pressure) for _ in range(8)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        assert _PressureServer.reads < 8  # shared while one GET was in flight
+        shared = _PressureServer.reads
+        endpoint.generate([1, 2, 3], SamplingParams(max_tokens=1))
+        endpoint.cache_pressure()
+        assert _PressureServer.reads == shared + 1  # asked for before the result: read again
+        endpoint.release_cache_holds(["r1"])
+        endpoint.cache_pressure()
+        assert _PressureServer.reads == shared + 2
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

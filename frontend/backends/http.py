@@ -8,9 +8,11 @@ GET /get_model_info (which works when client and server share a filesystem).
 A radixrt server that has GET /cache_pressure (probed once) also gives programs their
 retention holds as the in-process backend does: results carry the request's id, which
 POST /release_cache_holds takes, and `cache_pressure()` reads the engine's holds for
-run_batch's admission. Another server (an older radixrt, SGLang) answers 404 there: then only
-explicit `cache_ttl_s` hints hold, they expire on time, and run_batch starts every program
-at once.
+run_batch's admission (one GET at a time; a reading is shared by the threads that ask
+within PRESSURE_MAX_AGE_S of it unless a result came back or holds were released after it
+was asked for, so a caller always sees its own request's hold). Another server (an older
+radixrt, SGLang) answers 404 there: then only explicit `cache_ttl_s` hints hold, they
+expire on time, and run_batch starts every program at once.
 
 GET /get_server_info (read once) tells whether the server holds back a request whose
 uncached prefix another request computes (`holds_back_shared_prefixes`): a radixrt server
@@ -22,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -34,6 +38,9 @@ from ..errors import BackendError
 from .base import Backend, DeltaCallback, GenResult
 
 HEALTH_TIMEOUT_S = 10.0
+# a GET /cache_pressure answer serves the threads that ask this soon after it arrived (the
+# engine's pressure changes once a step, a GPU step takes longer)
+PRESSURE_MAX_AGE_S = 0.005
 RELEASE_BATCH = 1024  # ids per POST /release_cache_holds (the server's bound)
 
 logger = logging.getLogger(__name__)
@@ -55,6 +62,12 @@ class RuntimeEndpoint(Backend):
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout  # seconds per HTTP request
+        self._pressure_lock = threading.Lock()
+        # (asked for at, answered at, reading): a reading serves the callers within
+        # PRESSURE_MAX_AGE_S of its answer, unless it was asked for before `_changed_at`
+        self._pressure: tuple[float, float, CachePressure | None] = (0.0, 0.0, None)
+        # when the latest result came back or holds were released (time.monotonic)
+        self._changed_at = 0.0
         self._request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
         if model_path is None:
             model_path = self._model_path_from_server()
@@ -169,11 +182,28 @@ class RuntimeEndpoint(Backend):
             except BackendError as e:
                 logger.warning("holds not released (they expire on time): %s", e)
                 return
+            finally:
+                self._changed_at = time.monotonic()
 
     def cache_pressure(self) -> CachePressure | None:
-        return self._read_pressure() if self.releases_holds else None
+        """The server's pressure, asked for after the latest result came back (and the
+        latest release), answered at most PRESSURE_MAX_AGE_S ago: a thread that asks while
+        another one reads waits for that reading rather than sending its own GET."""
+        if not self.releases_holds:
+            return None
+        with self._pressure_lock:
+            asked_at, answered_at, pressure = self._pressure
+            stale = (
+                asked_at < self._changed_at or time.monotonic() - answered_at > PRESSURE_MAX_AGE_S
+            )
+            if pressure is None or stale:
+                asked_at = time.monotonic()
+                pressure = self._read_pressure()
+                self._pressure = (asked_at, time.monotonic(), pressure)
+            return pressure
 
     def _result(self, out: dict[str, Any]) -> GenResult:
+        self._changed_at = time.monotonic()
         result = _result(out)
         if self.releases_holds:
             result.rid = out["meta_info"].get("id")
