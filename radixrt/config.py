@@ -36,9 +36,10 @@ MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's quantization config 
 
 
 def holds_back_shared_prefixes(policy: str, prefix_cache: str) -> bool:
-    """Whether a request whose uncached prefix a running request computes waits until that
-    prefix is cached, so it is computed once: the cache-aware policies (all but "fcfs") hold
-    such a request back (radixrt.scheduler.admission), and only a prefix cache keeps it."""
+    """Whether the scheduler (radixrt.scheduler.admission) holds back a request whose uncached
+    prefix a running request computes until that prefix is cached, so it is computed once:
+    under the cache-aware policies (all but "fcfs"), with a prefix cache to keep it (without
+    one, waiting would gain nothing). Clients read it to send a fork's branches at once."""
     return policy != "fcfs" and prefix_cache != "none"
 
 

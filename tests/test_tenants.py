@@ -168,6 +168,27 @@ def test_in_batch_dedup_holds_back_only_the_same_salt():
     assert cached["a1"] >= 32 and cached["b0"] == 0
 
 
+def test_without_a_prefix_cache_nothing_is_held_back():
+    """lpm with no prefix cache: waiting for another request's prefix would gain nothing (it
+    is never cached), so a request sharing it is admitted at once."""
+    sched = SchedulerConfig(
+        policy="lpm", max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    cache = CacheConfig(block_size=4, prefix_cache="none")
+    cfg = EngineConfig(model_path="-", overlap_schedule=False, scheduler=sched, cache=cache)
+    runner = ScriptedRunner(sched.max_running_requests, 4, context_fn=ctx_token)
+    core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=256)
+    long = list(range(200, 264))
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    core.add_request(long, params, rid="a0")
+    core.step()
+    core.add_request(long + [2], params, rid="a1")
+    core.step()
+    assert "a1" in {r.rid for r in core.scheduler.queues.running}
+    run(core)
+    core.check_integrity()
+
+
 def test_radix_drafts_read_only_their_salt():
     from radixrt.speculative.radix import RadixProposer
 

@@ -70,6 +70,7 @@ class CacheStats:
 
 
 class PrefixCache(Protocol):
+    mode: str  # CacheConfig.prefix_cache: "radix" | "blockhash" | "none"
     block_size: int
     stats: CacheStats
     version: int  # bumped whenever an entry is removed (see the module docstring)

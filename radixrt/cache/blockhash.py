@@ -45,6 +45,8 @@ class BlockHashCache:
     protocol); a block held but not locked is counted yet skipped by `evict`.
     """
 
+    mode = "blockhash"
+
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")

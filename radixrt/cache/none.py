@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 
 class NoCache:
+    mode = "none"
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.stats = CacheStats()

@@ -71,6 +71,8 @@ class RadixCache:
     (the scheduler protocol: lock the match handle, lock each insert's handle at once).
     """
 
+    mode = "radix"
+
     def __init__(
         self,
         allocator: BlockAllocator,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixrt.cache.base import MatchResult
-from radixrt.config import SchedulerConfig
+from radixrt.config import SchedulerConfig, holds_back_shared_prefixes
 from radixrt.plan import BlockOp
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
@@ -73,13 +73,14 @@ class Admission:
         order = order_waiting(
             q.waiting, cfg.policy, self.match, cfg.aging_tokens_per_step, cfg.priority_aging_steps
         )
-        # Cache-aware policies hold back a request whose uncached prefix another request is
-        # computing right now: once that result is in, it finds the prefix in the cache. A
-        # prompt computes until its last chunk's result is applied (that inserts it in the
-        # tree), not until that chunk is planned: with overlap the next step is planned
-        # while the chunk runs, and a request let in then would compute the prefix again.
+        # Cache-aware policies with a prefix cache hold back a request whose uncached prefix
+        # another request is computing right now: once that result is in, it finds the
+        # prefix in the cache. A prompt computes until its last chunk's result is applied
+        # (that inserts it in the tree), not until that chunk is planned: with overlap the
+        # next step is planned while the chunk runs, and a request let in then would compute
+        # the prefix again.
         computing = [r for r in q.running if r.num_kv_done < r.prompt_len]
-        dedup = cfg.policy != "fcfs"
+        dedup = holds_back_shared_prefixes(cfg.policy, kv.cache.mode)
         skipped = 0
         for req in order:
             if budget <= 0 or len(q.running) >= cfg.max_running_requests:
