@@ -117,8 +117,8 @@ def everything(s, question, forks_out=None):
 
 
 def test_same_program_same_results_on_both_backends(endpoint, local):
-    # both hold back requests sharing an uncached prefix: forks and selects send their
-    # prefix hint without waiting for it
+    # both hold back requests sharing an uncached prefix: a fork sends its prefix hint
+    # without waiting for it
     assert endpoint.holds_back_shared_prefixes and local.holds_back_shared_prefixes
     forks = []
     remote = everything.run("What is 2+2?", forks, backend=endpoint, gen_defaults=GREEDY)
