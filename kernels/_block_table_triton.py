@@ -3,8 +3,14 @@
 import triton
 import triton.language as tl
 
+# Host ints that change from step to step (the padded table's width, the batch's token and
+# index counts) are not specialised on: Triton would otherwise compile a variant for each
+# value that is 1 or a multiple of 16, in the middle of serving (a radix cache's prefixes
+# end anywhere, so its batches reach variants a block-aligned warm-up never does).
+_PER_STEP = ["stride_bt_row", "max_blocks"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_PER_STEP + ["num_kv_indices"])
 def kv_indices_kernel(
     block_tables_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,  # [R] int32
@@ -31,7 +37,7 @@ def kv_indices_kernel(
         tl.store(kv_indices_ptr + start + idx, block_ids, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP + ["num_tokens"])
 def token_metadata_kernel(
     block_tables_ptr,  # [R, max_blocks] int32
     start_pos_ptr,  # [R] int32

@@ -54,6 +54,26 @@ def test_cuda_masks_equal_cpu(vocab):
     assert torch.equal(full_gpu.cpu(), full_cpu)
 
 
+def test_cuda_masks_compile_before_the_first_batch_needs_them():
+    """After the first masked step, no batch size compiles another variant of xgrammar's
+    kernel (a variant compiled mid-serving stalls the step that meets it)."""
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+        apply_token_bitmask_inplace_kernel as kernel,
+    )
+
+    from radixrt.engine.grammar_masks import apply_token_bitmasks
+
+    vocab = 4099  # not a multiple of 16, unlike the sizes above: no variant of it compiled yet
+    mask = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32).numpy().tobytes()
+    logits = torch.zeros(40, vocab, device="cuda")
+    apply_token_bitmasks(logits, [mask] * 3, [0, 1, 2])
+    cache = kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    for n in (1, 16, 17, 32, 40):
+        apply_token_bitmasks(logits, [mask] * n, list(range(n)))
+    assert len(cache) == compiled
+
+
 def test_gpu_engine_constrained_sampling(make_engine):
     prompts = [f"Request {i}: " for i in range(64)]
     engines = [

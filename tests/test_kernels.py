@@ -269,6 +269,34 @@ def test_build_token_metadata_long_rows_and_empty_batch(device):
     assert empty.positions.shape == (0,) and empty.slot_mapping.shape == (0,)
 
 
+@pytest.mark.gpu
+def test_block_table_kernels_compile_once_for_every_batch_shape():
+    """The table width, index count and token count change every step; a step whose counts
+    are 1, a multiple of 16 or neither must not compile another variant mid-serving."""
+    mod = importlib.import_module("radixrt.kernels._block_table_triton")
+    kernels = (mod.kv_indices_kernel, mod.token_metadata_kernel)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(5)
+
+    def step(num_rows: int, width: int) -> None:
+        table = _random_table(gen, num_rows, width, pool_blocks=4096).to(dev)
+        seq_lens = torch.randint(1, width * 16 + 1, (num_rows,), generator=gen)
+        build_kv_metadata(table, _int32(seq_lens.tolist(), dev), 16, None)
+        start = [int(torch.randint(0, n, (1,), generator=gen)) for n in seq_lens.tolist()]
+        new = [n - s for n, s in zip(seq_lens.tolist(), start)]
+        qo = [0]
+        for n in new:
+            qo.append(qo[-1] + n)
+        args = (_int32(a, dev) for a in (start, new, qo))
+        build_token_metadata(table, *args, qo[-1], 16)
+
+    step(3, 5)
+    compiled = [len(k.device_caches[dev.index][0]) for k in kernels]
+    for num_rows, width in [(1, 1), (1, 16), (16, 32), (5, 17), (2, 1), (33, 48)]:
+        step(num_rows, width)
+    assert [len(k.device_caches[dev.index][0]) for k in kernels] == compiled
+
+
 def test_build_token_metadata_reference_rejects_inconsistent_rows():
     table = torch.zeros(2, 2, dtype=torch.int32)
     ok = dict(block_tables=table, num_tokens=3, block_size=4)

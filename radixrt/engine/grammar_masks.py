@@ -52,6 +52,8 @@ def apply_token_bitmasks(
         import xgrammar as xgr
 
         try:
+            if logits.is_cuda and (vocab, logits.dtype, logits.device) not in _warm:
+                _warm_up(logits, bitmask.shape[1])
             xgr.apply_token_bitmask_inplace(target, bitmask, vocab_size=vocab)
         except Exception:
             if not logits.is_cuda:
@@ -64,6 +66,21 @@ def apply_token_bitmasks(
 
 
 _xgrammar_cuda_failed = False
+_warm: set[tuple] = set()  # (vocab, dtype, device) of logits whose variants are compiled
+
+
+def _warm_up(logits: torch.Tensor, width: int) -> None:
+    """Compile xgrammar's Triton mask kernel for every batch size at once, on scratch rows
+    like `logits`'s: Triton compiles a variant for a row count of 1, one for multiples of 16
+    and one for the rest, and a variant first met mid-serving stalls that step (~1 s)."""
+    vocab = logits.shape[1]
+    import xgrammar as xgr
+
+    scratch = torch.zeros((16, vocab), dtype=logits.dtype, device=logits.device)
+    ones = torch.full((16, width), -1, dtype=torch.int32, device=logits.device)
+    for n in (1, 2, 16):
+        xgr.apply_token_bitmask_inplace(scratch[:n], ones[:n], vocab_size=vocab)
+    _warm.add((vocab, logits.dtype, logits.device))
 
 
 def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
