@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .backends.base import Backend, GenResult
@@ -147,7 +148,7 @@ class ProgramGate:
             adm._programs[self.state.index] = self.state
         self._started = adm._enter(self.state, adm._first_blocks, start=True)
 
-    def before_call(self, held_calls: list[tuple[str, int]], tokens: int) -> int | None:
+    def before_call(self, held_calls: list[tuple[str | Future, int]], tokens: int) -> int | None:
         """Before a call with a retention hint whose context is `tokens` long (prompt and
         output), from an executor whose earlier held calls are `held_calls` ((request id,
         context tokens), oldest first): block while the call should wait (module
@@ -157,10 +158,20 @@ class ProgramGate:
         pressure = self.admission.backend.cache_pressure()
         if pressure is None:
             return None
-        base = next((n for rid, n in reversed(held_calls) if rid in pressure.held), 0)
+
+        def in_place(rid: str | Future) -> bool:
+            if isinstance(rid, Future):  # a fork's prefix hint: held once it is back
+                if not rid.done():
+                    return True  # the branches extend the hold it is taking
+                if rid.exception() is not None:
+                    return False
+                rid = rid.result().rid
+            return rid in pressure.held
+
+        base = next((n for rid, n in reversed(held_calls) if in_place(rid)), 0)
         bs = pressure.block_size
         need = math.ceil(tokens / bs) - base // bs  # blocks its hold would add
-        held = held_calls[-1][0] in pressure.held
+        held = in_place(held_calls[-1][0])
         return self.admission._enter(self.state, need, start=False, held=held)
 
     def after_call(self, reservation: int | None, result: GenResult | None, tokens: int) -> None:

@@ -112,7 +112,9 @@ class Executor:
         # run_batch's admission (None: a program run alone): its calls with a retention hint
         # go through the gate, which reads whether the latest of `held_calls` is held
         self.gate = gate
-        self.held_calls: list[tuple[str, int]] = []  # (request id, context tokens), in order
+        # (request id, context tokens), in order; a fork's branches start with a prefix hint
+        # still in flight as its Future (the gate counts its hold as in place)
+        self.held_calls: list[tuple[str | Future, int]] = []
         # a prefix hint sent without waiting (`_send_prefix(wait=False)`): its hold joins the
         # state's, and its error is raised, at the state's next call or sync point
         self._hint: Future | None = None
@@ -199,10 +201,9 @@ class Executor:
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True, gate=self.gate)
             child.hold_s = self.hold_s
-            # without the hint in flight: the gate counts what the hint holds as added by a
-            # branch's first call (a larger reservation), or lets that call go as the
-            # program's first held call (the program started through the gate)
             child.held_calls = list(self.held_calls)
+            if self._hint is not None:  # the branches' context: the hint's, held soon
+                child.held_calls.append((self._hint, len(prefix_ids)))
             child.text = self.text
             child._generated_to = self._generated_to
             child.variables = dict(self.variables)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 from radixrt.frontend import EngineBackend, function, gen
 from radixrt.frontend.admission import BatchAdmission
@@ -126,6 +127,37 @@ def test_new_programs_start_after_the_waiting_ones_go_on():
     while len(order) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert order == ["b", "c"]
+
+
+def test_a_branch_counts_its_forks_prefix_hint_as_its_held_context():
+    """A fork's prefix hint goes out alongside the branches; its hold, once taken, replaces
+    the parent's (the engine's lineages). A branch's call counts the hint's hold as its
+    context, in flight or back: it adds only its own blocks and goes on as held, rather than
+    waiting as a program whose hold was lost while another program holds a context."""
+    backend = Pressure()
+    adm = BatchAdmission(backend)
+    a, b = adm.program(0), adm.program(1)
+    a.start(), b.start()
+    backend.set(held_blocks=4, held={"a0"})
+    a.after_call(None, result("a0", 64), 64)  # a's context: 4 blocks, the older lineage
+    backend.set(held_blocks=7, held={"a0", "b0"})
+    b.after_call(None, result("b0", 48), 48)
+    hint: Future = Future()  # a's fork hint: the 96-token prefix, in flight
+    branch = [("a0", 64), (hint, 96)]
+
+    def goes(calls) -> bool:
+        went = threading.Event()
+        in_thread(lambda: (a.before_call(calls, 112), went.set()))
+        return went.wait(0.3)
+
+    assert goes(branch)  # in flight: the branch adds 1 block to a hold that fits
+    hint.set_result(result("h", 96))
+    backend.set(held_blocks=9, held={"h", "b0"})  # the hint's hold replaced a0's
+    assert goes(branch)
+    assert adm.waits == 0
+    assert not goes([("a0", 64)])  # as a0's alone: lost, 7 blocks to add, 1 block of room
+    backend.set(held_blocks=0, held=())
+    b.end()
 
 
 CHAT_TURN = " The user asks about the weather and the assistant answers it." * 2
