@@ -151,8 +151,9 @@ class ProgramGate:
     def before_call(self, held_calls: list[tuple[str | Future, int]], tokens: int) -> int | None:
         """Before a call with a retention hint whose context is `tokens` long (prompt and
         output), from an executor whose earlier held calls are `held_calls` ((request id,
-        context tokens), oldest first): block while the call should wait (module
-        docstring); returns the reservation for `after_call`."""
+        context tokens), oldest first; a fork's prefix hint is its Future, held while in
+        flight): block while the call should wait (module docstring); returns the
+        reservation for `after_call`."""
         if not held_calls:
             return None  # the program's first call: it started through the gate
         pressure = self.admission.backend.cache_pressure()
