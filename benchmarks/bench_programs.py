@@ -50,6 +50,7 @@ from benchmarks.programs.accounting import Call, CallLog, replay
 from benchmarks.programs.dsl_clients import Dry, Recording, run_dsl
 from benchmarks.programs.report import check_targets, format_table, plot_rows
 from benchmarks.programs.runner import CONFIGS, Config, Plan, run_config
+from benchmarks.stack_sampler import StackSampler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "per engine step (the stand-in for a forward)")  # fmt: skip
     g.add_argument("--sim-token-s", type=float, default=0.0, help="--runner scripted: "
                    "seconds per token a step feeds, on top (H200, 8B: ~2.3e-5)")  # fmt: skip
+    p.add_argument("--sample-stacks", default=None, metavar="PATH", help="sample every "
+                   "thread's stack during the concurrent runs into PATH (JSON; read it with "
+                   "python -m benchmarks.stack_sampler PATH --phase CONFIG/PROGRAM)")  # fmt: skip
     g.add_argument("--config-timeout-s", type=float, default=None, help="stop a config's "
                    "remaining programs once it ran this long (rows finished are kept)")  # fmt: skip
     return p.parse_args(argv)
@@ -178,7 +182,7 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
 
         plans = [p for p in plans if p.spec.name not in NEEDS_MODEL]
     os.makedirs(args.out, exist_ok=True)
-    meta = {k: v for k, v in vars(args).items() if k != "tokenizer"}
+    meta = {k: v for k, v in vars(args).items() if k not in ("tokenizer", "stack_sampler")}
     results = {"command": command, "args": meta, "kv_blocks": kv, "rows": [], "targets": [],
                "programs": {p.spec.name: {"shape": p.spec.shape, "num_programs": len(p.inputs),
                                           "working_set_tokens": p.working_set_tokens,
@@ -302,7 +306,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # servers started from here
     command = shlex.join(["python", "-m", "benchmarks.bench_programs", *argv])
-    results = run_suite(args, command)
+    args.stack_sampler = StackSampler() if args.sample_stacks else None
+    try:
+        results = run_suite(args, command)
+    finally:
+        if args.stack_sampler is not None:
+            args.stack_sampler.close()
+            args.stack_sampler.save(args.sample_stacks)
     print("\n" + format_table(results["rows"]) + "\n")
     for t in results["targets"]:
         print(f"{t['status']:>4}  {t['text']}")

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks.programs.accounting import Call, replay, same_calls
+from benchmarks.stack_sampler import summary as stack_summary
 from radixrt.sampling import SamplingParams
 
 
@@ -37,10 +38,18 @@ def test_suite_smoke_two_configs(tmp_path):
     programs = "chat-short,skeleton-of-thought,hellaswag"
     bench_programs.main(["--size", "smoke", "--programs", programs, "--configs",
                          "radix,blockhash", "--latency-programs", "1", "--device", "cpu",
-                         "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+                         "--out", str(tmp_path), "--tag", "t",
+                         "--sample-stacks", str(tmp_path / "stacks.json")])  # fmt: skip
     with open(tmp_path / "t.json") as f:
         rows = {(r["program"], r["config"]): r for r in json.load(f)["rows"]}
     assert len(rows) == 6
+    with open(tmp_path / "stacks.json") as f:  # every concurrent run was sampled
+        stacks = json.load(f)
+    assert set(stacks["ticks"]) == {f"{c}/{p}" for p, c in rows}
+    main_thread = [s for p, t, s, n in stacks["samples"] if t == "MainThread"]
+    assert main_thread and all("run_config@runner.py" in s for s in main_thread)
+    text = stack_summary(str(tmp_path / "stacks.json"), "radix/hellaswag", "MainThread")
+    assert text.startswith("radix/hellaswag, MainThread: ") and "run_config" in text
     assert (tmp_path / "t.md").exists() and (tmp_path / "t.png").exists()
     for r in rows.values():
         assert r["same_calls"], r

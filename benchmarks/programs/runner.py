@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import time
 import urllib.request
@@ -74,8 +75,11 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
         history += warm.calls
     log = CallLog()
     before = _counters(target)
+    sampler = getattr(args, "stack_sampler", None)  # --sample-stacks
+    phase = sampler.phase(f"{cfg.name}/{spec.name}") if sampler else contextlib.nullcontext()
     start = time.perf_counter()
-    client.run(spec, plan.inputs, log, threads)
+    with phase:
+        client.run(spec, plan.inputs, log, threads)
     duration = time.perf_counter() - start
     after = _counters(target)
     rp = replay(log.calls, history)
