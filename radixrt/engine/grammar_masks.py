@@ -72,7 +72,8 @@ _warm: set[tuple] = set()  # (vocab, dtype, device) of logits whose variants are
 def _warm_up(logits: torch.Tensor, width: int) -> None:
     """Compile xgrammar's Triton mask kernel for every batch size at once, on scratch rows
     like `logits`'s: Triton compiles a variant for a row count of 1, one for multiples of 16
-    and one for the rest, and a variant first met mid-serving stalls that step (~1 s)."""
+    and one for the rest, and a variant first met mid-serving stalls its step while it
+    compiles."""
     vocab = logits.shape[1]
     import xgrammar as xgr
 
