@@ -48,7 +48,7 @@ def test_suite_smoke_two_configs(tmp_path):
     assert set(stacks["ticks"]) == {f"{c}/{p}" for p, c in rows}
     main_thread = [s for p, t, s, n in stacks["samples"] if t == "MainThread"]
     assert main_thread and all("run_config@runner.py" in s for s in main_thread)
-    text = stack_summary(str(tmp_path / "stacks.json"), "radix/hellaswag", "MainThread")
+    text = stack_summary(str(tmp_path / "stacks.json"), "radix/hellaswag", "MainThread", top=500)
     assert text.startswith("radix/hellaswag, MainThread: ") and "run_config" in text
     assert (tmp_path / "t.md").exists() and (tmp_path / "t.png").exists()
     for r in rows.values():
