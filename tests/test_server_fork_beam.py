@@ -220,10 +220,11 @@ def test_abort_mid_beam_by_rid(server):
         result.append(server.post("/generate", {"text": PROMPT, "sampling_params": sp,
                                                 "rid": "beam-job"}))  # fmt: skip
 
+    before = server.state()["scheduler"]["beam_steps"]  # the module's server ran beams before
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and server.state()["scheduler"]["beam_steps"] < 1:
+    while time.monotonic() < deadline and server.state()["scheduler"]["beam_steps"] <= before:
         time.sleep(0.02)
     status, out = server.post("/abort", {"rid": "beam-job"})
     assert status == 200 and out["aborted"] == 1
