@@ -11,6 +11,8 @@ from ._triton import HAS_TRITON
 from .block_table import (
     KVMetadata,
     TokenMetadata,
+    build_block_table,
+    build_block_table_reference,
     build_kv_metadata,
     build_kv_metadata_reference,
     build_token_metadata,
@@ -39,6 +41,8 @@ __all__ = [
     "KVMetadata",
     "RMSNormResult",
     "TokenMetadata",
+    "build_block_table",
+    "build_block_table_reference",
     "build_kv_metadata",
     "build_kv_metadata_reference",
     "build_token_metadata",

@@ -66,3 +66,24 @@ def token_metadata_kernel(
         slot = block.to(tl.int64) * block_size + pos % block_size
         tl.store(positions_ptr + out + j, pos, mask)
         tl.store(slot_mapping_ptr + out + j, slot, mask)
+
+
+@triton.jit(do_not_specialize=["stride_table_row", "max_blocks"])
+def block_table_kernel(
+    kv_indptr_ptr,  # [R + 1] int32 or int64
+    kv_indices_ptr,  # [nnz] int32
+    table_ptr,  # [>= R, >= max_blocks] int32, written (unit column stride)
+    stride_table_row,
+    max_blocks,
+    BLOCK: tl.constexpr,
+):
+    # One program per row: the inverse of kv_indices_kernel (concatenated ids -> table rows),
+    # at most max_blocks entries per row.
+    row = tl.program_id(0)
+    start = tl.load(kv_indptr_ptr + row)
+    num_blocks = tl.minimum(tl.load(kv_indptr_ptr + row + 1) - start, max_blocks)
+    dst = table_ptr + row.to(tl.int64) * stride_table_row
+    for i in range(0, num_blocks, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        mask = idx < num_blocks
+        tl.store(dst + idx, tl.load(kv_indices_ptr + start + idx, mask), mask)

@@ -143,6 +143,52 @@ def build_token_metadata(
     return TokenMetadata(positions, slot_mapping)
 
 
+def build_block_table(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, out: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    """Rows [0, num_rows) of `out` from concatenated block ids (the inverse of
+    `build_kv_metadata`): out[r, j] = kv_indices[kv_indptr[r] + j] for
+    j < min(kv_indptr[r + 1] - kv_indptr[r], out.shape[1]); the other entries are left as
+    they are. Decode kernels that take a padded block table read it (FlashInfer's XQA).
+
+    kv_indptr: [>= num_rows + 1] int32 or int64; kv_indices: int32; out: [>= num_rows, W]
+    int32 with unit column stride; all on one device. No host sync. Returns out[:num_rows].
+    """
+    if out.dim() != 2 or out.dtype != torch.int32 or (out.shape[1] > 1 and out.stride(1) != 1):
+        raise ValueError(
+            f"out must be [rows, W] int32 with unit column stride, got {tuple(out.shape)} "
+            f"{out.dtype} strides {out.stride()}"
+        )
+    if kv_indptr.dtype not in (torch.int32, torch.int64) or kv_indices.dtype != torch.int32:
+        raise ValueError(
+            f"kv_indptr must be int32/int64 and kv_indices int32, got {kv_indptr.dtype} and "
+            f"{kv_indices.dtype}"
+        )
+    if not 0 <= num_rows <= out.shape[0] or kv_indptr.numel() < num_rows + 1:
+        raise ValueError(
+            f"num_rows = {num_rows} needs out of >= {num_rows} rows (has {out.shape[0]}) and "
+            f"kv_indptr of >= {num_rows + 1} entries (has {kv_indptr.numel()})"
+        )
+    if len({t.device for t in (kv_indptr, kv_indices, out)}) != 1:
+        raise ValueError("kv_indptr, kv_indices and out must share one device")
+    if num_rows > 0 and out.shape[1] > 0 and kv_indices.numel() > 0:
+        kernel = load_triton_module("_block_table_triton").block_table_kernel
+        kernel[(num_rows,)](kv_indptr, kv_indices, out, out.stride(0), out.shape[1], BLOCK=_BLOCK)
+    return out[:num_rows]
+
+
+def build_block_table_reference(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, out: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    """Torch version of `build_block_table` (writes `out` the same way)."""
+    indptr = kv_indptr.tolist()
+    width = out.shape[1]
+    for row in range(num_rows):
+        n = min(indptr[row + 1] - indptr[row], width)
+        out[row, :n] = kv_indices[indptr[row] : indptr[row] + n]
+    return out[:num_rows]
+
+
 def build_kv_metadata_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,

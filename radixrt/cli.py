@@ -51,6 +51,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend", default="auto", help="torch | torch-reference | flashinfer | auto"
     )
+    g.add_argument(
+        "--decode-attention-kernel",
+        default="auto",
+        choices=["auto", "fa2", "xqa"],
+        help="flashinfer decode kernel: auto = xqa (fp8 q) for an fp8 KV cache on Hopper, else fa2",
+    )
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
         "--kv-events-hash-seed",
@@ -158,6 +164,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "load_format": args.load_format,
         "attention_backend": args.attention_backend,
+        "decode_attention_kernel": args.decode_attention_kernel,
         "tensor_parallel_size": args.tensor_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,

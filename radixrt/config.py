@@ -398,6 +398,9 @@ class GrammarConfig:
             raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")
 
 
+DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine needs, resolved (no "auto" left)."""
@@ -407,6 +410,9 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights)
     attention_backend: str = "torch"  # torch | flashinfer
+    # Decode rows' kernel on the flashinfer backend: "auto" (XQA, fp8 q, for an fp8 KV cache
+    # on Hopper; fa2 otherwise), "fa2" or "xqa" (radixrt.attention.flashinfer_backend)
+    decode_attention_kernel: str = "auto"
     enable_cuda_graph: bool = False
     overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
     # torch threads on a CPU device (set by the runner; None: leave torch's setting). Resolved
@@ -444,6 +450,21 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend must be 'torch', 'torch-reference' or 'flashinfer', "
                 f"got {self.attention_backend!r}"
+            )
+        if self.decode_attention_kernel not in DECODE_ATTENTION_KERNELS:
+            raise ValueError(
+                f"decode_attention_kernel must be one of {DECODE_ATTENTION_KERNELS}, got "
+                f"{self.decode_attention_kernel!r}"
+            )
+        if self.decode_attention_kernel == "xqa" and self.cache.block_size not in (16, 32, 64, 128):
+            raise ValueError(
+                f"decode_attention_kernel='xqa' takes block sizes 16, 32, 64 or 128, got "
+                f"block_size={self.cache.block_size}"
+            )
+        if self.decode_attention_kernel != "auto" and self.attention_backend != "flashinfer":
+            raise ValueError(
+                f"decode_attention_kernel={self.decode_attention_kernel!r} picks a flashinfer "
+                f"kernel; attention_backend is {self.attention_backend!r}"
             )
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(

@@ -261,6 +261,42 @@ def test_fp8_on_a_backend_without_an_fp8_path_fails_at_construction(monkeypatch)
     check_fp8_kv_capability((9, 0), "H200")
 
 
+def test_decode_attention_kernel_choice():
+    """ "auto" picks XQA for an fp8 cache on Hopper only; explicit choices are checked where
+    they cannot be honoured (another backend, XQA's block sizes, pre-Hopper GPUs)."""
+    import radixrt.attention as attention
+    from radixrt.attention.flashinfer_backend import pick_decode_kernel
+    from radixrt.config import ModelConfig
+
+    bf16 = torch.bfloat16
+    assert pick_decode_kernel("auto", FP8_DTYPE, (9, 0)) == "xqa"
+    assert pick_decode_kernel("auto", bf16, (9, 0)) == "fa2"
+    assert pick_decode_kernel("auto", FP8_DTYPE, (8, 9)) == "fa2"
+    assert pick_decode_kernel("auto", FP8_DTYPE, (10, 0)) == "fa2"  # not measured there
+    assert pick_decode_kernel("fa2", FP8_DTYPE, (9, 0)) == "fa2"
+    assert pick_decode_kernel("xqa", bf16, (9, 0)) == "xqa"
+    with pytest.raises(ValueError, match="compute capability >= 9.0"):
+        pick_decode_kernel("xqa", FP8_DTYPE, (8, 9))
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        pick_decode_kernel("fa3", FP8_DTYPE, (9, 0))
+    base = dict(detect_devices=False, kv_cache_dtype="fp8_e4m3")
+    assert resolve_config("m", "cpu", "float32", **base).decode_attention_kernel == "auto"
+    with pytest.raises(ValueError, match="decode_attention_kernel must be one of"):
+        resolve_config("m", "cpu", "float32", decode_attention_kernel="fa3", **base)
+    with pytest.raises(ValueError, match="picks a flashinfer kernel; attention_backend is 'torch'"):
+        resolve_config("m", "cpu", "float32", decode_attention_kernel="fa2", **base)
+    with pytest.raises(ValueError, match="block sizes 16, 32, 64 or 128, got block_size=8"):
+        resolve_config(
+            "m", "cuda", "bfloat16", attention_backend="flashinfer",
+            decode_attention_kernel="xqa", block_size=8, **base,
+        )  # fmt: skip
+    cfg = ModelConfig("LlamaForCausalLM", 64, 64, 64, 1, 4, 2, 16)
+    with pytest.raises(ValueError, match="'xqa' is a flashinfer kernel; backend 'torch'"):
+        attention.create_attention_backend(
+            "torch", cfg, torch.device("cpu"), torch.float32, decode_kernel="xqa"
+        )
+
+
 def test_flashinfer_on_cpu_with_fp8_is_a_clear_error(tiny_model_dir):
     from radixrt import Engine
 

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ import pytest
 
 from radixrt.kernels import (
     HAS_TRITON,
+    build_block_table,
+    build_block_table_reference,
     build_kv_metadata,
     build_kv_metadata_reference,
     build_token_metadata,
@@ -192,6 +195,37 @@ def test_build_kv_metadata_long_rows_and_strided_table(device):
         expected = build_kv_metadata_reference(t, _int32(lens, "cpu"), 1)
         got = build_kv_metadata(t.to(device), _int32(lens, device), 1)
         _assert_kv_metadata_equal(got, expected)
+
+
+@pytest.mark.parametrize("indptr_dtype", [torch.int32, torch.int64])
+def test_build_block_table_inverts_kv_metadata(device, indptr_dtype):
+    """Rows of 0..600 blocks (past one loop chunk) into a wider, pre-filled table: each row's
+    used entries come back in order, the rest of the table is untouched, and a width below a
+    row's length cuts the row there."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [600, 1, 257, 16, 0, 33]
+    table = _random_table(gen, len(lens), 600, pool_blocks=6 * 600)
+    indptr = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=indptr_dtype)
+    indices = torch.cat([table[r, :n] for r, n in enumerate(lens)])
+    for width in (640, 300):
+        out = torch.full((8, width), -1, dtype=torch.int32)
+        expected = build_block_table_reference(indptr, indices, out.clone(), len(lens))
+        got = build_block_table(indptr.to(device), indices.to(device), out.to(device), len(lens))
+        assert got.shape == (len(lens), width)
+        assert torch.equal(got.cpu(), expected)
+        for r, n in enumerate(lens):
+            assert torch.equal(got[r, : min(n, width)].cpu(), table[r, : min(n, width)])
+            assert (got[r, min(n, width) :] == -1).all()
+
+
+def test_build_block_table_rejects_bad_shapes():
+    indptr, indices = torch.tensor([0, 2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="unit column stride"):
+        build_block_table(indptr, indices, torch.zeros(4, 3, dtype=torch.int32).t(), 1)
+    with pytest.raises(ValueError, match="num_rows = 3"):
+        build_block_table(indptr, indices, torch.zeros(4, 3, dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="kv_indices int32"):
+        build_block_table(indptr, indices.long(), torch.zeros(4, 3, dtype=torch.int32), 1)
 
 
 def test_build_kv_metadata_reference_rejects_bad_lengths():

@@ -16,11 +16,18 @@ def create_attention_backend(
     device: torch.device,
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
+    decode_kernel: str = "auto",
 ) -> AttentionBackend:
     """Build the backend named `kind` for a KV pool of `kv_dtype` (None: `dtype`); flashinfer
-    is imported only when asked for. Raises ValueError at once (not at the first forward)
-    when the backend cannot run that KV dtype on this device."""
-    backend = _create(kind, cfg, device, dtype, kv_dtype)
+    is imported only when asked for. `decode_kernel` picks flashinfer's decode kernel
+    (`radixrt.attention.flashinfer_backend.pick_decode_kernel`); other backends take "auto".
+    Raises ValueError at once (not at the first forward) when the backend cannot run that KV
+    dtype on this device."""
+    if decode_kernel != "auto" and kind != "flashinfer":
+        raise ValueError(
+            f"decode_kernel={decode_kernel!r} is a flashinfer kernel; backend {kind!r}"
+        )
+    backend = _create(kind, cfg, device, dtype, kv_dtype, decode_kernel)
     if kv_dtype == torch.float8_e4m3fn and not backend.supports_fp8_kv:
         raise ValueError(
             f"attention_backend {kind!r} has no fp8 KV path; use kv_cache_dtype='auto' or "
@@ -35,6 +42,7 @@ def _create(
     device: torch.device,
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None,
+    decode_kernel: str,
 ) -> AttentionBackend:
     if kind == "torch":
         from radixrt.attention.sdpa_backend import SdpaAttentionBackend
@@ -53,7 +61,7 @@ def _create(
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         from radixrt.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(cfg, device, dtype, kv_dtype)
+        return FlashInferBackend(cfg, device, dtype, kv_dtype, decode_kernel)
     raise ValueError(
         f"attention_backend must be 'torch', 'torch-reference' or 'flashinfer', got {kind!r}"
     )

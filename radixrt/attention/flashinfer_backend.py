@@ -15,13 +15,23 @@ zero-padded to `kv_head_dim`: the KV pool must then be allocated with `kv_head_d
 runner does), q/k/v are padded before the kernels and the output is cut back. Zero columns
 change neither q.k nor the first `head_dim` output columns.
 
-fp8 KV (`kv_dtype=torch.float8_e4m3fn`, q stays bf16/fp16): both wrappers are planned with
-`kv_data_type=fp8` on the fa2 backend (FlashInfer's fa3 refuses fp8 KV with a non-fp8 q:
+fp8 KV (`kv_dtype=torch.float8_e4m3fn`, q stays bf16/fp16): the prefill wrapper is planned
+with `kv_data_type=fp8` on the fa2 backend (FlashInfer's fa3 refuses fp8 KV with a non-fp8 q:
 `is_fa3_backend_supported` in 0.6.13, so "auto" would pick fa2 as well; pinning it keeps one
-JIT module per head dim). `store_kv` quantizes with the pool's per-layer scales; `run` gets
-K's as `k_scale` (FlashInfer folds it into sm_scale, no extra work) while V's multiplies the
-output here (attention is linear in V); scales of 1.0 cost nothing. Needs compute
-capability >= 8.9 (Triton's fp8 cast), checked at construction.
+JIT module per head dim). `store_kv` quantizes with the pool's per-layer scales; K's scale
+goes into the kernels' softmax scale, V's multiplies the output here (attention is linear in
+V); scales of 1.0 cost nothing. Needs compute capability >= 8.9 (Triton's fp8 cast), checked
+at construction.
+
+Decode rows over an fp8 cache on Hopper (`decode_kernel="auto"`, compute capability 9.x, block
+size 16/32/64/128) run FlashInfer's XQA kernel (TensorRT-LLM's decode attention), which reads
+the cache through a padded block table (`radixrt.kernels.build_block_table`, one small kernel
+per step) and needs no plan. Its Hopper fp8 kernel computes Q.K and P.V on fp8 tensor cores
+(q and the softmax weights rounded to e4m3): on the Llama-3-8B shape it reads the cache at
+~3.7 TB/s where fa2 reads fp8 at ~1.9 (no faster than bf16), at ~3.6% relative error of the
+attention output against float32 over the same cache, where fa2's is ~0.2%
+(`benchmarks/bench_decode_attention.py`). `decode_kernel="fa2"` keeps fa2 (bf16 q) for fp8
+decode rows too; bf16 caches always use fa2 (XQA is no faster there past ~32 rows).
 
 This module imports flashinfer at construction; CPU-only code never imports it.
 """
@@ -35,13 +45,31 @@ import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import ModelConfig
-from radixrt.kernels import store_kv
+from radixrt.kernels import build_block_table, store_kv
 from radixrt.kv.pool import KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # float workspace shared by every wrapper (split-KV partials)
 ATTENTION_BACKEND = "fa2"  # the tensor-core decode uses fa2 too: one JIT module per head dim
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: hardware fp8 conversions (Triton's float8e4nv)
+DECODE_KERNELS = ("auto", "fa2", "xqa")
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA is built for
+# XQA's workspace: 8 MB of semaphores (zeroed once; the kernel leaves them zero) and scratch
+# for the partial results of sequences split across CTAs. Its own buffer: fa2's partials
+# would overwrite the semaphores.
+XQA_WORKSPACE_BYTES = 256 << 20
+
+
+def pick_decode_kernel(choice: str, kv_dtype: torch.dtype, capability: tuple[int, int]) -> str:
+    """The decode kernel for `choice` ("auto", "fa2", "xqa"): "auto" is XQA for an fp8 cache
+    on Hopper (measured there; see the module docstring), fa2 otherwise."""
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {choice!r}")
+    if choice == "auto":
+        return "xqa" if kv_dtype == torch.float8_e4m3fn and capability[0] == 9 else "fa2"
+    if choice == "xqa" and capability[0] < 9:
+        raise ValueError(f"decode_kernel='xqa' needs compute capability >= 9.0, got {capability}")
+    return choice
 
 
 def kv_head_dim(head_dim: int) -> int:
@@ -115,8 +143,10 @@ class FlashInferBackend:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
+        decode_kernel: str = "auto",
     ) -> None:
-        """`kv_dtype`: the KV pool's dtype (None: `dtype`; or torch.float8_e4m3fn)."""
+        """`kv_dtype`: the KV pool's dtype (None: `dtype`; or torch.float8_e4m3fn);
+        `decode_kernel`: see `pick_decode_kernel`."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -139,7 +169,17 @@ class FlashInferBackend:
             )
         elif self.kv_dtype != dtype:
             raise ValueError(f"kv_dtype must be {dtype} or torch.float8_e4m3fn, got {kv_dtype}")
+        self._decode_kernel_choice = decode_kernel
+        self.decode_kernel = pick_decode_kernel(
+            decode_kernel, self.kv_dtype, torch.cuda.get_device_capability(device)
+        )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._xqa_workspace: torch.Tensor | None = None
+        if self.decode_kernel == "xqa":
+            from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+            self._xqa_run = xqa_batch_decode_with_kv_cache
+            self._xqa_workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=ATTENTION_BACKEND
         )
@@ -151,13 +191,30 @@ class FlashInferBackend:
         self._graph_indptr: torch.Tensor | None = None
         self._graph_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
+        self._graph_table: torch.Tensor | None = None  # XQA: [max batch, max blocks] int32
+        self._graph_seq_lens: torch.Tensor | None = None  # XQA: [max batch] int32
         # Per-step state, set by prepare / prepare_cuda_graph
         self._slots: torch.Tensor | None = None  # [T] int64: KV slot of each new token
         self._num_decode = 0
         self._decode = None  # wrapper planned for rows [0, num_decode), or None
         self._prefill = None  # wrapper planned for the extend rows, or None
+        self._xqa: tuple[torch.Tensor, torch.Tensor] | None = None  # decode rows' (table, lens)
 
     # ---- planning ----
+    def _uses_xqa(self, page_size: int) -> bool:
+        """Whether decode rows of this block size run XQA ("auto" falls back to fa2 for a
+        block size XQA is not built for; an explicit "xqa" refuses it)."""
+        if self.decode_kernel != "xqa":
+            return False
+        if page_size not in XQA_PAGE_SIZES:
+            if self._decode_kernel_choice == "auto":
+                return False
+            raise ValueError(
+                f"the XQA decode kernel takes block sizes {XQA_PAGE_SIZES}, got {page_size}; "
+                "use one of them or decode_kernel='fa2'"
+            )
+        return True
+
     def _plan_args(self, page_size: int) -> dict[str, object]:
         return dict(
             num_qo_heads=self.num_heads,
@@ -176,9 +233,14 @@ class FlashInferBackend:
         split = int(kvp[nd])
         self._slots = batch.slot_mapping
         self._num_decode = nd
-        self._decode = self._prefill = None
+        self._decode = self._prefill = self._xqa = None
         args = self._plan_args(bs)
-        if nd:
+        if nd and self._uses_xqa(bs):
+            width = int((kvp[1 : nd + 1] - kvp[:nd]).max())
+            table = torch.empty((nd, width), dtype=torch.int32, device=self.device)
+            build_block_table(batch.kv_indptr, batch.kv_indices, table, nd)
+            self._xqa = (table, batch.seq_lens[:nd])
+        elif nd:
             self.decode_wrapper.plan(
                 kvp[: nd + 1],
                 batch.kv_indices[:split],
@@ -201,12 +263,20 @@ class FlashInferBackend:
             )
             self._prefill = self.prefill_wrapper
 
-    def init_cuda_graph(self, max_batch_size: int, max_num_pages: int) -> None:
-        """Allocate the index buffers shared by every bucket's graph decode wrapper."""
-        dev = self.device
-        self._graph_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)
-        self._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)
-        self._graph_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+    def init_cuda_graph(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        """Allocate the index buffers shared by every bucket's graph decode wrapper (and
+        XQA's block table)."""
+        dev, i32 = self.device, torch.int32
+        self._graph_indptr = torch.zeros(max_batch_size + 1, dtype=i32, device=dev)
+        self._graph_indices = torch.zeros(
+            max_batch_size * max_blocks_per_seq, dtype=i32, device=dev
+        )
+        self._graph_last_page_len = torch.ones(max_batch_size, dtype=i32, device=dev)
+        if self.decode_kernel == "xqa":
+            self._graph_table = torch.zeros(
+                (max_batch_size, max_blocks_per_seq), dtype=i32, device=dev
+            )
+            self._graph_seq_lens = torch.ones(max_batch_size, dtype=i32, device=dev)
 
     def prepare_cuda_graph(
         self,
@@ -217,10 +287,24 @@ class FlashInferBackend:
         seq_lens: torch.Tensor,  # [bs] int32 cpu
         slot_mapping: torch.Tensor,  # [bs] int64 cuda: the graph's static slot buffer
         page_size: int,
+        device_kv_indptr: torch.Tensor,  # [bs + 1] int32/int64 cuda: kv_indptr, staged
+        device_seq_lens: torch.Tensor,  # [bs] cuda: seq_lens, staged
     ) -> None:
-        """Plan the decode wrapper of bucket `batch_size` (all rows decode rows). Call it
-        before capturing that bucket's graph and before each replay."""
+        """Plan bucket `batch_size`'s decode (all rows decode rows): the fa2 wrapper's plan,
+        or for XQA its block table and lengths, built on the device from the staged indices
+        (kv_indices on the device then). Call it before capturing that bucket's graph and
+        before each replay."""
         assert self._graph_indptr is not None, "init_cuda_graph() must run first"
+        self._slots = slot_mapping
+        self._num_decode = batch_size
+        self._prefill = None
+        if self._uses_xqa(page_size):
+            assert self._graph_table is not None and kv_indices.is_cuda
+            table = build_block_table(device_kv_indptr, kv_indices, self._graph_table, batch_size)
+            lens = self._graph_seq_lens[:batch_size]
+            lens.copy_(device_seq_lens[:batch_size])
+            self._xqa, self._decode = (table, lens), None
+            return
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -242,10 +326,7 @@ class FlashInferBackend:
             seq_lens=_decode_seq_lens(seq_lens),
             **self._plan_args(page_size),
         )
-        self._slots = slot_mapping
-        self._num_decode = batch_size
-        self._decode = wrapper
-        self._prefill = None
+        self._decode, self._xqa = wrapper, None
 
     # ---- per layer ----
     def forward(
@@ -267,10 +348,31 @@ class FlashInferBackend:
             (q.shape[0], self.num_heads, self.kv_head_dim), dtype=q.dtype, device=q.device
         )
         nd = self._num_decode
-        if self._decode is not None:
+        if self._xqa is not None:
+            table, lens = self._xqa
+            self._xqa_decode(
+                q[:nd].contiguous(), kv_cache, table, lens, out[:nd], self.sm_scale * k_scale
+            )
+        elif self._decode is not None:
             self._decode.run(q[:nd], kv_cache, out=out[:nd], **scales)
         if self._prefill is not None:
             self._prefill.run(q[nd:], kv_cache, out=out[nd:], **scales)
         if v_scale != 1.0:
             out.mul_(v_scale)
         return out[..., : self.head_dim] if pad else out
+
+    def _xqa_decode(self, q, kv_cache, table, lens, out, bmm1_scale: float) -> None:
+        """XQA over the decode rows: q [nd, hq, d] contiguous, out [nd, hq, d]; V's scale is
+        applied by the caller with the other rows'."""
+        self._xqa_run(
+            q,
+            kv_cache,
+            self._xqa_workspace,
+            table,
+            lens,
+            table.shape[1] * kv_cache[0].shape[1],
+            bmm1_scale=bmm1_scale,
+            bmm2_scale=1.0,
+            out=out,
+            kv_layout="NHD",
+        )

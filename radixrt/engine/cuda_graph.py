@@ -43,6 +43,11 @@ DECODE_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
 GRAPH_MAX_ROW_TOKENS = 16
 
 
+def _static_len(n: int) -> int:
+    """Length of the staged static inputs of graphs of up to n rows (see DecodeCudaGraphs)."""
+    return 5 * n + 2
+
+
 def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
     """Buckets covering 1..max_batch_size (the largest may exceed it)."""
     if not 1 <= max_batch_size <= DECODE_BUCKETS[-1]:
@@ -79,15 +84,16 @@ class DecodeCudaGraphs:
         self.backend = backend
         self._forward_logits = forward_logits
         n = self.max_batch_size
-        # Static inputs: rows [0, n) of ids | positions | slots, then the number of real
-        # (unpadded) tokens, filled by one copy per step.
-        self._host = torch.zeros(3 * n + 1, dtype=torch.int64, pin_memory=True)
-        self._static = torch.zeros(3 * n + 1, dtype=torch.int64, device=device)
+        # Static inputs: rows [0, n) of ids | positions | slots, the number of real (unpadded)
+        # tokens, then the attention backend's kv_indptr [n + 1] and seq_lens [n] (staged for
+        # kernels that build their metadata on the device), filled by one copy per step.
+        self._host = torch.zeros(_static_len(n), dtype=torch.int64, pin_memory=True)
+        self._static = torch.zeros(_static_len(n), dtype=torch.int64, device=device)
         self._host_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32).pin_memory()
         # FlashInfer's graph-mode plan copies host kv_indices with a blocking copy (a host
         # sync that stalls overlap); staged on the device first, its copy is device-to-device.
         self._device_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=device)
-        backend.init_cuda_graph(n, n * max_blocks_per_seq)
+        backend.init_cuda_graph(n, max_blocks_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
         start = time.perf_counter()
@@ -136,8 +142,14 @@ class DecodeCudaGraphs:
             seq_lens_cpu=one,
             kv_indptr_cpu=indptr,
             block_size=self.block_size,
-            num_real_tokens=self._static[3 * n :],
+            num_real_tokens=self._static[3 * n : 3 * n + 1],
         )
+
+    def _stage_kv(self, host: np.ndarray, indptr: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Write a step's kv_indptr and seq_lens into the host staging buffer."""
+        n = self.max_batch_size
+        host[3 * n + 1 : 3 * n + 1 + len(indptr)] = indptr
+        host[4 * n + 2 : 4 * n + 2 + len(seq_lens)] = seq_lens
 
     def _plan(self, bs: int, indptr, indices, last_page_len, seq_lens) -> None:
         n = self.max_batch_size
@@ -149,6 +161,8 @@ class DecodeCudaGraphs:
             seq_lens,
             self._static[2 * n : 2 * n + bs],
             self.block_size,
+            device_kv_indptr=self._static[3 * n + 1 : 3 * n + 2 + bs],
+            device_seq_lens=self._static[4 * n + 2 : 4 * n + 2 + bs],
         )
 
     def _capture(self, bs: int, pool) -> None:
@@ -157,10 +171,12 @@ class DecodeCudaGraphs:
         host[:] = 0
         host[2 * n : 3 * n] = scratch_block_slots(self.scratch_block, self.block_size, n)
         host[3 * n] = bs
-        self._static.copy_(self._host)
         one = torch.ones(bs, dtype=torch.int32)
         indptr = torch.arange(bs + 1, dtype=torch.int32)
-        indices = torch.full((bs,), self.scratch_block, dtype=torch.int32)
+        self._stage_kv(host, indptr.numpy(), one.numpy())
+        self._static.copy_(self._host)
+        indices = self._device_indices[:bs]
+        indices.fill_(self.scratch_block)
         fb = self._static_batch(bs)
         self._plan(bs, indptr, indices, one, one)
         self._forward_logits(fb)  # warm-up: kernel selection, lazy allocations, Triton JIT
@@ -195,6 +211,7 @@ class DecodeCudaGraphs:
         host[n : n + bs] = meta.positions
         host[2 * n : 2 * n + bs] = meta.slot_mapping
         host[3 * n] = num_tokens
+        self._stage_kv(host, meta.kv_indptr, meta.seq_lens)
         self._static.copy_(self._host, non_blocking=True)
         if len(layout.last_read_tokens):
             dev = self._static.device

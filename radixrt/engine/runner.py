@@ -112,7 +112,12 @@ class ModelRunner:
         self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         self.backend = create_attention_backend(
-            cfg.attention_backend, attn_cfg or model_cfg, self.device, self.dtype, self.kv_dtype
+            cfg.attention_backend,
+            attn_cfg or model_cfg,
+            self.device,
+            self.dtype,
+            self.kv_dtype,
+            decode_kernel=cfg.decode_attention_kernel,
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = self.backend.kv_head_dim
