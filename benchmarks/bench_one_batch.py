@@ -19,6 +19,7 @@ Timing: CUDA events around each step after warm-up; medians. Prints a table last
 
     PYTHONPATH=. python benchmarks/bench_one_batch.py [--engine-core] [--json out.json]
         [--profile kernels.txt] [--quantization fp8 [--fp8-activation-scale token|tensor]]
+        [--kv-cache-dtype fp8_e4m3]
         [--cases plain,presence_penalty,ngram,ngram_repeat] [--batches 1,32]
 
 `--quantization fp8`: the dummy weights are quantized at load (W8A8 fp8 linears; lm_head and
@@ -285,6 +286,12 @@ def main() -> None:
     )
     ap.add_argument("--fp8-activation-scale", default="auto", choices=["auto", "token", "tensor"])
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="fp8_e4m3: an fp8 KV pool (its decode rows on XQA on Hopper)",
+    )
+    ap.add_argument(
         "--cases",
         default="plain",
         help=f"--engine-core workloads, comma-separated from {','.join(CASES)}",
@@ -325,6 +332,7 @@ def main() -> None:
             if args.quantization
             else {}
         ),
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
     )
     results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
     results["quantization"] = [{"quantization": args.quantization,
@@ -373,7 +381,8 @@ def main() -> None:
         if name.endswith("proj.weight")
     )
     m = model_cfg
-    kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+    kv_element = 1 if args.kv_cache_dtype == "fp8_e4m3" else 2
+    kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_element
     print(
         f"{PRESET} ({args.quantization or 'bf16'} linears): weights read per step "
         f"{weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "

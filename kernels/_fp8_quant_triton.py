@@ -229,3 +229,74 @@ def silu_mul_quant_kernel(
         scale = tl.load(scale_ptr)
     q = _to_e4m3(y, scale, out_ptr.dtype.element_ty, SOFTWARE_ROUND)
     tl.store(out_ptr + row * stride_out + cols, q, mask)
+
+
+@triton.jit
+def silu_mul_chunk_kernel(
+    x_ptr,  # [T, 2I]: gate | up
+    y_ptr,  # [T, I] x's dtype, written: silu(gate) * up, rounded (PER_TOKEN)
+    out_ptr,  # [T, I] fp8, written (not PER_TOKEN)
+    partial_ptr,  # [T, S] float32, written: each chunk's max |y| (PER_TOKEN)
+    scale_ptr,  # [1] float32, read (not PER_TOKEN)
+    x_row_scale_ptr,  # [T] float32 (X_ROW_SCALE)
+    x_col_scale_ptr,  # [2I] float32 (X_COL_SCALE)
+    stride_x,
+    stride_y,
+    stride_out,
+    inter,
+    num_chunks,
+    PER_TOKEN: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
+    X_COL_SCALE: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (T, S): chunk c of row r of silu_mul_quant_kernel's y (same roundings). Per token,
+    y and the chunk's max |y| are stored for quant_chunk_kernel (the row's scale needs every
+    chunk); with a given scale the chunk is quantized here."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0)
+    row_scale = x_row_scale_ptr + row
+    gate = _scaled(gate, row_scale, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    up = _scaled(up, row_scale, x_col_scale_ptr + inter + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    if PER_TOKEN:
+        tl.store(y_ptr + row * stride_y + cols, y, mask)
+        tl.store(partial_ptr + row * num_chunks + chunk, tl.max(tl.abs(y.to(tl.float32)), axis=0))
+    else:
+        q = _to_e4m3(y.to(tl.float32), tl.load(scale_ptr), out_ptr.dtype.element_ty, SOFTWARE_ROUND)
+        tl.store(out_ptr + row * stride_out + cols, q, mask)
+
+
+@triton.jit
+def quant_chunk_kernel(
+    y_ptr,  # [T, I] float
+    out_ptr,  # [T, I] fp8, written
+    partial_ptr,  # [T, S] float32: each chunk's max |y|
+    scale_ptr,  # [T] float32, written (by chunk 0)
+    stride_y,
+    stride_out,
+    inter,
+    num_chunks,
+    SOFTWARE_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+):
+    """Grid (T, S): the row's per-token scale from its chunks' maxima, then chunk c cast."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    c = tl.arange(0, CHUNKS_BLOCK)
+    amax = tl.max(tl.load(partial_ptr + row * num_chunks + c, c < num_chunks, other=0.0), axis=0)
+    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    y = tl.load(y_ptr + row * stride_y + cols, mask, other=0.0).to(tl.float32)
+    q = _to_e4m3(y, scale, out_ptr.dtype.element_ty, SOFTWARE_ROUND)
+    tl.store(out_ptr + row * stride_out + cols, q, mask)

@@ -29,6 +29,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # a dynamic scale is at least this (all-zero rows)
 MAX_ROW_BLOCK = 4096  # quantize-only kernels read longer rows in blocks of this many
+# SiLU-and-mul + quantization of at most this many rows splits each row into chunks of
+# SILU_CHUNK columns, one program each (per token: two kernels, the second casting once the
+# row's maximum is known); one program per long row (Llama-3-8B: 14,336 columns) leaves all
+# but a few SMs idle at decode batch sizes.
+SILU_SPLIT_MAX_ROWS = 256
+SILU_CHUNK = 2048
 
 
 class Fp8Activation(NamedTuple):
@@ -177,10 +183,16 @@ def rmsnorm_quantize_fp8(
 
 
 def silu_mul_quantize_fp8(
-    x: torch.Tensor | Fp8Product, *, per_token: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor | Fp8Product,
+    *,
+    per_token: bool,
+    scale: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> Fp8Activation:
     """x [T, 2I] (gate | up) -> quantize(silu(gate) * up) [T, I] (per token, or the given
-    per-tensor `scale`); x may be an `Fp8Product`, scaled as it is read."""
+    per-tensor `scale`); x may be an `Fp8Product`, scaled as it is read. Up to
+    SILU_SPLIT_MAX_ROWS rows are split into chunks of `chunk` columns (a power of two;
+    None: SILU_CHUNK), with the same result."""
     x, row_scale, col_scale = _product(x)
     t, two_i = x.shape
     if two_i % 2:
@@ -188,7 +200,10 @@ def silu_mul_quantize_fp8(
     inter = two_i // 2
     scales = _scales(x, t, per_token, scale)
     out = torch.empty((t, inter), dtype=FP8_DTYPE, device=x.device)
-    if t:
+    chunk = chunk or SILU_CHUNK
+    if t and t <= SILU_SPLIT_MAX_ROWS and inter > chunk:
+        _silu_mul_quantize_chunks(x, row_scale, col_scale, out, scales, per_token, chunk)
+    elif t:
         block = next_power_of_2(inter)
         load_triton_module("_fp8_quant_triton").silu_mul_quant_kernel[(t,)](
             x,
@@ -207,6 +222,61 @@ def silu_mul_quantize_fp8(
             num_warps=min(max(block // 256, 1), 16),
         )
     return Fp8Activation(out, scales)
+
+
+def _silu_mul_quantize_chunks(
+    x: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    scales: torch.Tensor,
+    per_token: bool,
+    chunk: int,
+) -> None:
+    """`silu_mul_quantize_fp8`'s split path: grid (T, chunks)."""
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    t, inter = out.shape
+    num_chunks = cdiv(inter, chunk)
+    mod = load_triton_module("_fp8_quant_triton")
+    y = torch.empty((t, inter), dtype=x.dtype, device=x.device) if per_token else out
+    partial = torch.empty((t, num_chunks), dtype=torch.float32, device=x.device)
+    warps = min(max(chunk // 256, 1), 8)
+    mod.silu_mul_chunk_kernel[(t, num_chunks)](
+        x,
+        y,
+        out,
+        partial,
+        scales,
+        scales if row_scale is None else row_scale,
+        scales if col_scale is None else col_scale,
+        x.stride(0),
+        y.stride(0),
+        out.stride(0),
+        inter,
+        num_chunks,
+        PER_TOKEN=per_token,
+        X_ROW_SCALE=row_scale is not None,
+        X_COL_SCALE=col_scale is not None,
+        SOFTWARE_ROUND=_software_round(x),
+        BLOCK=chunk,
+        num_warps=warps,
+    )
+    if per_token:
+        mod.quant_chunk_kernel[(t, num_chunks)](
+            y,
+            out,
+            partial,
+            scales,
+            y.stride(0),
+            out.stride(0),
+            inter,
+            num_chunks,
+            SOFTWARE_ROUND=_software_round(x),
+            BLOCK=chunk,
+            CHUNKS_BLOCK=next_power_of_2(num_chunks),
+            num_warps=warps,
+        )
 
 
 def scale_product(p: Fp8Product, bias: torch.Tensor | None = None) -> torch.Tensor:

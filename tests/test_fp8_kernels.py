@@ -132,6 +132,30 @@ def test_silu_mul_quantize_matches_reference(device, dtype, static):
     _assert_quantized_close(got, want, exact=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("scales", [None, "both"])
+def test_silu_mul_quantize_split_rows_equal_whole_rows(device, dtype, static, scales):
+    """Rows split into chunks (the decode-batch path; 600 columns: a partial last chunk) give
+    the bytes and scales of one program per row."""
+    x = (
+        _product(5, 2 * 600, dtype, True, True, seed=8)
+        if scales
+        else (2 * torch.randn(5, 2 * 600, generator=torch.Generator().manual_seed(8))).to(dtype)
+    )
+    scale = None if not static else STATIC.to(device)
+    copy = (lambda: _to(x, device)) if scales else (lambda: x.to(device))  # noqa: E731
+    whole = silu_mul_quantize_fp8(copy(), per_token=not static, scale=scale)  # 600 < SILU_CHUNK
+    for chunk in (128, 512):
+        split = silu_mul_quantize_fp8(copy(), per_token=not static, scale=scale, chunk=chunk)
+        assert torch.equal(split.data.view(torch.uint8), whole.data.view(torch.uint8)), chunk
+        assert torch.equal(split.scale, whole.scale), chunk
+    want = silu_mul_quantize_fp8_reference(
+        x, per_token=not static, scale=STATIC if static else None
+    )
+    _assert_quantized_close(whole, want, exact=False)
+
+
 def _product(t: int, n: int, dtype, row: bool, col: bool, seed: int) -> Fp8Product:
     """An unscaled GEMM output of large values (sums of e4m3 products) and its scales."""
     gen = torch.Generator().manual_seed(seed)
