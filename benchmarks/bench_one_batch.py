@@ -369,7 +369,8 @@ def main() -> None:
     runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN, cfg.scheduler.max_running_requests)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
-    runner.pool.kv.uniform_(-1.0, 1.0)  # random KV: never time on zeros
+    for layer_kv in runner.pool.kv:  # random KV: never time on zeros (fp8: drawn in bf16)
+        layer_kv.copy_(torch.empty_like(layer_kv, dtype=torch.bfloat16).uniform_(-1.0, 1.0))
     weight_bytes = sum(
         p.numel() * p.element_size()
         for name, p in runner.model.named_parameters()
