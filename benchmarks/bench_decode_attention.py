@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
+
+from benchmarks.bench_fp8_gemm import graph_ms
 
 LAYERS, HQ, HKV, D, PAGE = 32, 32, 8, 128, 16
 VARIANTS = ("fa2-tc", "cuda-core", "xqa")
@@ -102,29 +103,14 @@ def reference(q: torch.Tensor, caches, table: torch.Tensor, context: int) -> tor
     return out.reshape(q.shape)
 
 
-def time_graph(run, q, out, reps: int) -> float:
-    """Median ms of one replay of a graph of LAYERS calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+def all_layers(run, q: torch.Tensor, out: torch.Tensor):
+    """One decode step's attention: `run` over every layer's cache."""
+
+    def step() -> None:
         for layer in range(LAYERS):
             run(layer, q, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            run(layer, q, out)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+
+    return step
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -157,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     run = build(variant, batch, args.context, table, kv_dtype, caches)
                     run(0, q, out)
                     torch.cuda.synchronize()
-                    ms = time_graph(run, q, out, args.reps)
+                    ms = graph_ms(all_layers(run, q, out), 1, args.reps)
                 except Exception as e:  # a variant this build cannot run: say so, go on
                     print(f"{kv_name} B={batch} {variant}: {type(e).__name__}: {e}", flush=True)
                     continue

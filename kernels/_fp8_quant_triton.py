@@ -50,6 +50,31 @@ def _scaled(x, row_scale_ptr, col_scale_ptrs, mask, ROW: tl.constexpr, COL: tl.c
 
 
 @triton.jit
+def _silu_mul(
+    x_ptr,
+    x_row_scale_ptr,
+    x_col_scale_ptr,
+    row,
+    cols,
+    mask,
+    stride_x,
+    inter,
+    X_ROW_SCALE: tl.constexpr,
+    X_COL_SCALE: tl.constexpr,
+):
+    """silu(gate) * up at columns `cols` of row `row` of x = [gate | up] (each scaled by x's
+    row / column scales when given, `_scaled`), in float32, rounded to x's dtype (as
+    FlashInfer's silu_and_mul writes it)."""
+    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0)
+    row_scale = x_row_scale_ptr + row
+    gate = _scaled(gate, row_scale, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    up = _scaled(up, row_scale, x_col_scale_ptr + inter + cols, mask, X_ROW_SCALE, X_COL_SCALE)
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def scale_product_kernel(
     x_ptr,  # [T, N] unscaled GEMM output; scaled in place
     row_scale_ptr,  # [T] float32 (ROW)
@@ -215,13 +240,18 @@ def silu_mul_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0)
-    row_scale = x_row_scale_ptr + row
-    gate = _scaled(gate, row_scale, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
-    up = _scaled(up, row_scale, x_col_scale_ptr + inter + cols, mask, X_ROW_SCALE, X_COL_SCALE)
-    gate, up = gate.to(tl.float32), up.to(tl.float32)
-    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _silu_mul(
+        x_ptr,
+        x_row_scale_ptr,
+        x_col_scale_ptr,
+        row,
+        cols,
+        mask,
+        stride_x,
+        inter,
+        X_ROW_SCALE,
+        X_COL_SCALE,
+    ).to(tl.float32)
     if PER_TOKEN:
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
@@ -258,13 +288,18 @@ def silu_mul_chunk_kernel(
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask, other=0.0)
-    row_scale = x_row_scale_ptr + row
-    gate = _scaled(gate, row_scale, x_col_scale_ptr + cols, mask, X_ROW_SCALE, X_COL_SCALE)
-    up = _scaled(up, row_scale, x_col_scale_ptr + inter + cols, mask, X_ROW_SCALE, X_COL_SCALE)
-    gate, up = gate.to(tl.float32), up.to(tl.float32)
-    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    y = _silu_mul(
+        x_ptr,
+        x_row_scale_ptr,
+        x_col_scale_ptr,
+        row,
+        cols,
+        mask,
+        stride_x,
+        inter,
+        X_ROW_SCALE,
+        X_COL_SCALE,
+    )
     if PER_TOKEN:
         tl.store(y_ptr + row * stride_y + cols, y, mask)
         tl.store(partial_ptr + row * num_chunks + chunk, tl.max(tl.abs(y.to(tl.float32)), axis=0))
