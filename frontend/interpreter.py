@@ -118,6 +118,12 @@ class Executor:
         # a prefix hint sent without waiting (`_send_prefix(wait=False)`): its hold joins the
         # state's, and its error is raised, at the state's next call or sync point
         self._hint: Future | None = None
+        # joined branches' latest held calls (request id, context tokens, branch text), kept
+        # until this state's next call: the one whose text that call's context extends
+        # becomes this state's held context, the others are released (`_take_joined`); a
+        # fork or the state's end releases them all
+        self._joined: list[tuple[str, int, str]] = []
+        self._joined_lock = threading.Lock()
         # len(text) right after the latest gen appended its output (-1: none yet): while the
         # text has not grown since, the backend has computed all of it but the output's last
         # token (the gen's context, held with it), and a fork sends no prefix hint
@@ -151,11 +157,13 @@ class Executor:
         self._await_hint()
         self._raise_error()
 
-    def finish(self) -> BaseException | None:
+    def finish(self, parent: Executor | None = None) -> BaseException | None:
         """Wait for the queued operations and for every fork, stop the worker, release the
         state's retention holds; returns the first error of this state or its forks that the
         program has not seen yet (None if there is none). So every error is raised once at
-        least: a program that catches a fork's error (from join or a read) can go on."""
+        least: a program that catches a fork's error (from join or a read) can go on.
+        `parent`: the state this branch joins into, which keeps the branch's latest held
+        context until its own next call (`_take_joined`)."""
         if self._finished:
             return None
         if self._queue is not None:
@@ -168,10 +176,48 @@ class Executor:
         except BaseException as e:  # the program has not seen it
             own = e if own is None else own
         errors = [own] + [child.finish() for child in self.children]
+        self._release_joined()
+        if parent is not None and self.held_calls and own is None:
+            rid, tokens = self.held_calls[-1]
+            if isinstance(rid, str) and rid in self.held_rids and parent._adopt(rid, tokens, self):
+                self.held_rids.remove(rid)
         if self.held_rids:
             self.backend.release_cache_holds(self.held_rids)
             self.held_rids = []
         return next((e for e in errors if e is not None), None)
+
+    # ---- joined branches' holds ----
+    def _adopt(self, rid: str, tokens: int, branch: Executor) -> bool:
+        """Keep a joined branch's latest held context until this state's next call; False
+        when this state has ended (the branch releases it)."""
+        with self._joined_lock:
+            if self._finished:
+                return False
+            self._joined.append((rid, tokens, branch.text))
+            return True
+
+    def _take_joined(self) -> None:
+        """Before a call from this state: the joined branch context that its text extends
+        (the longest) becomes a held call of this state; the other joined ones are
+        released."""
+        with self._joined_lock:
+            joined, self._joined = self._joined, []
+        if not joined:
+            return
+        fits = [j for j in joined if self.text.startswith(j[2])]
+        best = max(fits, key=lambda j: len(j[2]), default=None)
+        if best is not None:
+            self.held_rids.append(best[0])
+            self.held_calls.append((best[0], best[1]))
+        rest = [rid for rid, _, _ in joined if best is None or rid != best[0]]
+        if rest:
+            self.backend.release_cache_holds(rest)
+
+    def _release_joined(self) -> None:
+        with self._joined_lock:
+            joined, self._joined = self._joined, []
+        if joined:
+            self.backend.release_cache_holds([rid for rid, _, _ in joined])
 
     def _check_open(self) -> None:
         if self._finished:
@@ -194,6 +240,7 @@ class Executor:
             raise TraceStop
         self._check_open()
         self.sync()
+        self._take_joined()  # the fork's prefix (or the branches' calls) extends it, if any
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids and len(self.text) != self._generated_to:
             self._send_prefix(prefix_ids, wait=not self.backend.holds_back_shared_prefixes)
@@ -384,6 +431,7 @@ class Executor:
         flight (`_await_hint`); with a retention hint, through the admission gate (when
         run_batch has one) and remembered for release at the program's end."""
         self._await_hint()
+        self._take_joined()
         result = self._send(cache_ttl_s, tokens, send)
         self._hold(cache_ttl_s, result)
         return result

@@ -60,7 +60,7 @@ class ProgramState:
     def fork(self, n: int) -> ForkGroup:
         """n branches that continue from this state; their operations run concurrently
         with each other. Join them with `.join()` (or at program end)."""
-        return ForkGroup([ProgramState(e) for e in self._executor.fork(n)])
+        return ForkGroup([ProgramState(e) for e in self._executor.fork(n)], self._executor)
 
     @contextlib.contextmanager
     def role(self, name: str) -> Iterator[ProgramState]:
@@ -89,8 +89,9 @@ class ForkGroup:
     """The branches of `s.fork(n)`: indexable, iterable; `group["x"]` is every branch's
     variable x; `join()` waits for all branches and raises the first branch error."""
 
-    def __init__(self, states: list[ProgramState]) -> None:
+    def __init__(self, states: list[ProgramState], parent: Executor | None = None) -> None:
         self.states = states
+        self._parent = parent  # the forked state's executor
 
     def __len__(self) -> int:
         return len(self.states)
@@ -113,8 +114,10 @@ class ForkGroup:
             raise ValueError("the branches of a fork cannot be replaced")
 
     def join(self) -> None:
-        """Wait for every branch; raise the first error not raised to the program yet."""
-        errors = [s._executor.finish() for s in self.states]
+        """Wait for every branch; raise the first error not raised to the program yet. The
+        branches' contexts stay held until the parent state's next call, which keeps the
+        one it extends (a verdict over the first branch's judgement, say)."""
+        errors = [s._executor.finish(self._parent) for s in self.states]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
