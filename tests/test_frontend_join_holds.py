@@ -115,3 +115,39 @@ def test_joined_holds_do_not_pile_up_when_the_parent_only_forks_again():
 def _prompt(backend: Recorder, end: str) -> str:
     (prompt,) = [e[2] for e in backend.events if e[0] == "gen" and e[2].endswith(end)]
     return prompt
+
+
+@function
+def judged(s, i: int):
+    s += f"Answer {i} is to be judged." + " The criteria follow." * 4
+    forks = s.fork(3)
+    for c, f in enumerate(forks):
+        f += f" Criterion {c}:" + gen("j", max_tokens=4, temperature=0)
+    forks.join()
+    for c, text in enumerate(forks["j"]):
+        s += f" Criterion {c}:" + text
+    s += " Verdict:" + gen("v", max_tokens=4, temperature=0)
+
+
+def test_judged_batches_on_an_engine_release_every_hold(make_engine):
+    """On an engine (holds, lineages, admission): the joined contexts handed to the verdict are
+    released with the program; outputs equal runs one at a time."""
+    import time
+
+    from radixrt.frontend import EngineBackend
+
+    engine = make_engine(num_kv_blocks=128, block_size=16, retention_max_share=0.5)
+    backend = EngineBackend(engine)
+    try:
+        batch = [{"i": i} for i in range(6)]
+        states = judged.run_batch(batch, backend=backend)
+        retention = engine.core.scheduler.retention
+        deadline = time.monotonic() + 10
+        while retention.holds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not retention.holds
+        for kw, state in zip(batch, states):
+            assert state.text() == judged.run(backend=backend, **kw).text()
+    finally:
+        backend.close()
+    engine.check_integrity()
