@@ -8,6 +8,8 @@ import sys
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that builds an engine."""
+    from radixrt.config import DECODE_ATTENTION_KERNELS  # torch-free
+
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
@@ -54,7 +56,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-attention-kernel",
         default="auto",
-        choices=["auto", "fa2", "xqa"],
+        choices=DECODE_ATTENTION_KERNELS,
         help="flashinfer decode kernel: auto = xqa (fp8 q) for an fp8 KV cache on Hopper, else fa2",
     )
     g.add_argument("--disable-cuda-graph", action="store_true")

@@ -398,7 +398,8 @@ class GrammarConfig:
             raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")
 
 
-DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")
+DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")  # radixrt.attention.flashinfer_backend
+XQA_BLOCK_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA decode kernel is built for
 
 
 @dataclass(frozen=True)
@@ -456,9 +457,10 @@ class EngineConfig:
                 f"decode_attention_kernel must be one of {DECODE_ATTENTION_KERNELS}, got "
                 f"{self.decode_attention_kernel!r}"
             )
-        if self.decode_attention_kernel == "xqa" and self.cache.block_size not in (16, 32, 64, 128):
+        if self.decode_attention_kernel == "xqa" and self.cache.block_size not in XQA_BLOCK_SIZES:
             raise ValueError(
-                f"decode_attention_kernel='xqa' takes block sizes 16, 32, 64 or 128, got "
+                "decode_attention_kernel='xqa' takes block sizes "
+                f"{', '.join(map(str, XQA_BLOCK_SIZES[:-1]))} or {XQA_BLOCK_SIZES[-1]}, got "
                 f"block_size={self.cache.block_size}"
             )
         if self.decode_attention_kernel != "auto" and self.attention_backend != "flashinfer":

@@ -8,6 +8,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+from engine_utils import wait_no_holds
+
 from radixrt.frontend import EngineBackend, function, gen
 from radixrt.frontend.admission import BatchAdmission
 from radixrt.frontend.backends.base import GenResult
@@ -179,11 +181,7 @@ def test_run_batch_admission_keeps_outputs_and_releases_every_hold(make_engine, 
     try:
         batch = [{"i": i} for i in range(8)]
         states = chain.run_batch(batch, backend=backend)
-        retention = engine.core.scheduler.retention
-        deadline = time.monotonic() + 10
-        while retention.holds and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not retention.holds
+        wait_no_holds(engine.core.scheduler.retention)
         assert gates and gates[0].waits > 0
         assert not gates[0]._reserved and not gates[0]._waiters
         off = chain.run_batch(batch, backend=backend, admission=False)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from engine_utils import wait_no_holds
 
 from radixrt import SamplingParams
 from radixrt.frontend import (
@@ -514,8 +515,6 @@ def test_closed_backend_raises(backend):
 
 
 def test_a_programs_retention_holds_end_with_it(backend):
-    import time
-
     from radixrt.frontend import function
 
     retention = backend.engine.core.scheduler.retention
@@ -529,10 +528,7 @@ def test_a_programs_retention_holds_end_with_it(backend):
 
     prog.run(backend=backend, gen_defaults={"cache_ttl_s": 60})
     assert seen[0] > 0
-    deadline = time.monotonic() + 10
-    while retention.holds and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not retention.holds
+    wait_no_holds(retention)
 
 
 def test_tools_render_like_apply_chat_template_and_calls_are_read_back(backend):
@@ -583,15 +579,6 @@ def test_tool_errors(backend):
 
     with pytest.raises(ValueError, match="tool_choice 'g'"):
         unknown.run(backend=backend)
-
-
-def _wait_no_holds(retention) -> None:
-    import time
-
-    deadline = time.monotonic() + 10
-    while retention.holds and time.monotonic() < deadline:  # the release goes through the
-        time.sleep(0.01)  # engine thread's inbox
-    assert not retention.holds
 
 
 def test_run_on_engine_comes_after_the_releases_queued_before_it(backend):
@@ -653,7 +640,7 @@ def test_a_program_holds_its_context_by_default_and_never_leaks_it(make_engine, 
                 prog.run(backend=backend, fail=how)
         assert seen and seen[0] > 0  # held while it ran
         if how != "closed":
-            _wait_no_holds(retention)
+            wait_no_holds(retention)
     finally:
         backend.close()
     if how == "closed":  # the engine thread is gone: nothing released the holds, they expire

@@ -132,7 +132,7 @@ def judged(s, i: int):
 def test_judged_batches_on_an_engine_release_every_hold(make_engine):
     """On an engine (holds, lineages, admission): the joined contexts handed to the verdict are
     released with the program; outputs equal runs one at a time."""
-    import time
+    from engine_utils import wait_no_holds
 
     from radixrt.frontend import EngineBackend
 
@@ -141,11 +141,7 @@ def test_judged_batches_on_an_engine_release_every_hold(make_engine):
     try:
         batch = [{"i": i} for i in range(6)]
         states = judged.run_batch(batch, backend=backend)
-        retention = engine.core.scheduler.retention
-        deadline = time.monotonic() + 10
-        while retention.holds and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not retention.holds
+        wait_no_holds(engine.core.scheduler.retention)
         for kw, state in zip(batch, states):
             assert state.text() == judged.run(backend=backend, **kw).text()
     finally:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.config import ModelConfig
+from radixrt.config import DECODE_ATTENTION_KERNELS, XQA_BLOCK_SIZES, ModelConfig
 from radixrt.kernels import build_block_table, store_kv
 from radixrt.kv.pool import KVPool
 
@@ -52,8 +52,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # float workspace shared by every wrapper (split-KV partials)
 ATTENTION_BACKEND = "fa2"  # the tensor-core decode uses fa2 too: one JIT module per head dim
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: hardware fp8 conversions (Triton's float8e4nv)
-DECODE_KERNELS = ("auto", "fa2", "xqa")
-XQA_PAGE_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA is built for
 # XQA's workspace: 8 MB of semaphores (zeroed once; the kernel leaves them zero) and scratch
 # for the partial results of sequences split across CTAs. Its own buffer: fa2's partials
 # would overwrite the semaphores.
@@ -63,8 +61,8 @@ XQA_WORKSPACE_BYTES = 256 << 20
 def pick_decode_kernel(choice: str, kv_dtype: torch.dtype, capability: tuple[int, int]) -> str:
     """The decode kernel for `choice` ("auto", "fa2", "xqa"): "auto" is XQA for an fp8 cache
     on Hopper (measured there; see the module docstring), fa2 otherwise."""
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {choice!r}")
+    if choice not in DECODE_ATTENTION_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_ATTENTION_KERNELS}, got {choice!r}")
     if choice == "auto":
         return "xqa" if kv_dtype == torch.float8_e4m3fn and capability[0] == 9 else "fa2"
     if choice == "xqa" and capability[0] < 9:
@@ -206,11 +204,11 @@ class FlashInferBackend:
         block size XQA is not built for; an explicit "xqa" refuses it)."""
         if self.decode_kernel != "xqa":
             return False
-        if page_size not in XQA_PAGE_SIZES:
+        if page_size not in XQA_BLOCK_SIZES:
             if self._decode_kernel_choice == "auto":
                 return False
             raise ValueError(
-                f"the XQA decode kernel takes block sizes {XQA_PAGE_SIZES}, got {page_size}; "
+                f"the XQA decode kernel takes block sizes {XQA_BLOCK_SIZES}, got {page_size}; "
                 "use one of them or decode_kernel='fa2'"
             )
         return True
