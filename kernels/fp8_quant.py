@@ -239,8 +239,11 @@ def _silu_mul_quantize_chunks(
     t, inter = out.shape
     num_chunks = cdiv(inter, chunk)
     mod = load_triton_module("_fp8_quant_triton")
-    y = torch.empty((t, inter), dtype=x.dtype, device=x.device) if per_token else out
-    partial = torch.empty((t, num_chunks), dtype=torch.float32, device=x.device)
+    # per token: y and each chunk's max |y| for the second kernel; else neither is written
+    y, partial = out, scales
+    if per_token:
+        y = torch.empty((t, inter), dtype=x.dtype, device=x.device)
+        partial = torch.empty((t, num_chunks), dtype=torch.float32, device=x.device)
     warps = min(max(chunk // 256, 1), 8)
     mod.silu_mul_chunk_kernel[(t, num_chunks)](
         x,
