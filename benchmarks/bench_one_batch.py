@@ -334,6 +334,10 @@ def main() -> None:
         ),
         **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
     )
+    label = "bf16 weights"  # for the tables' titles
+    if args.quantization:
+        label = f"{args.quantization} weights, activation scale {args.fp8_activation_scale}"
+    label += f", {'bf16' if args.kv_cache_dtype == 'auto' else args.kv_cache_dtype} KV"
     results: dict[str, list[dict]] = {"decode": [], "prefill": [], "profile": [], "engine_core": []}
     results["quantization"] = [{"quantization": args.quantization,
                                 "fp8_activation_scale": args.fp8_activation_scale}]  # fmt: skip
@@ -347,7 +351,7 @@ def main() -> None:
             cache=dataclasses.replace(cfg.cache, num_kv_blocks=max(batches) * per_row + 1),
         )
         results["engine_core"] = engine_core_cases(cfg, model_cfg, cases, batches, steps, rng)
-        print(f"\n## EngineCore decode (H200, dummy {PRESET}, bf16, block size {BLOCK_SIZE})")
+        print(f"\n## EngineCore decode (H200, dummy {PRESET}, {label}, block size {BLOCK_SIZE})")
         print(
             "| case | B | ctx | overlap | ms/step | ms/token/row | tokens/step | tok/s "
             "| acceptance | graph GPU ms | over replay |"
@@ -454,10 +458,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(build_s=build_s, weight_bytes=weight_bytes, **results), f, indent=2)
-    weights = "bf16"
-    if args.quantization:
-        weights = f"{args.quantization} activation scale {args.fp8_activation_scale}"
-    print(f"\n## One batch (H200, dummy {PRESET}, {weights}, block size {BLOCK_SIZE})")
+    print(f"\n## One batch (H200, dummy {PRESET}, {label}, block size {BLOCK_SIZE})")
     print("| decode | B | ctx | graph | ms/step | tok/s | graph GPU ms | floor ms | of floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results["decode"]:
