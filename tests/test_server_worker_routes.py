@@ -132,7 +132,7 @@ def test_release_cache_holds_and_cache_pressure(server):
     ok(server, "/generate", {"text": "No hint " + prompt, "sampling_params": sampling})
     held = ok(server, "/cache_pressure")
     assert held["held"] == sorted(["agent-1", both]) and held["held_blocks"] > 0
-    assert held["max_held_blocks"] == held["num_blocks"] // 2 and held["block_size"] == 16
+    assert held["max_held_blocks"] == int(0.8 * held["num_blocks"]) and held["block_size"] == 16
     release = "/release_cache_holds"
     assert ok(server, release, {"rids": ["agent-1", "never-sent"]}) == {"released": 1}
     assert ok(server, "/cache_pressure")["held"] == [both]
