@@ -123,6 +123,7 @@ def run_config(cfg: Config, plan: Plan, target, args: argparse.Namespace, histor
         "working_set_tokens": plan.working_set_tokens,
         "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
         "steps": after.get("steps", 0) - before.get("steps", 0),  # in-process engine only
+        **{k: after[k] - before[k] for k in RETENTION_COUNTERS if k in after},
     }
 
 
@@ -172,12 +173,18 @@ def _reset_cache(engine) -> None:
     assert engine.allocator.num_used == 0, "blocks in use after resetting the cache"
 
 
+# the engine's holds: taken, refused (no room under the share), given up for room, expired
+RETENTION_COUNTERS = ("retention_holds", "retention_refused", "retention_released",
+                      "retention_expired")  # fmt: skip
+
+
 def _counters(target) -> dict:
-    """Prompt, cached and computed prompt tokens (and preemptions) so far."""
+    """Prompt, cached and computed prompt tokens (preemptions, steps and the holds' counters
+    in-process) so far."""
     if not isinstance(target, str):
         s = target.stats()
-        keys = ("prompt_tokens", "cached_tokens", "prompt_tokens_computed", "preemptions", "steps")
-        return {k: int(s[k]) for k in keys}
+        return {k: int(s[k]) for k in ("prompt_tokens", "cached_tokens", "prompt_tokens_computed",
+                                        "preemptions", "steps", *RETENTION_COUNTERS)}  # fmt: skip
     with urllib.request.urlopen(target + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out = {}
