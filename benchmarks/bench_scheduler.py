@@ -27,7 +27,7 @@ import math
 import time
 
 from benchmarks.engine_driver import run_engine
-from benchmarks.workloads import WORKLOADS, make_workload
+from benchmarks.workloads import WORKLOADS, interleave, make_workload
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
 from radixrt.model.tiny import ensure_tiny_model
@@ -61,12 +61,14 @@ def simulate(
     request_rate: float = math.inf,
     step_s: float = 0.0,
     token_s: float = 0.0,
+    holds: list[bool] | None = None,
     **options,
 ) -> dict:
     """`cache` radix-host: radix with a host KV tier of `host_blocks` blocks; `cache_ttl_s`:
     every call's retention hint; `request_rate`: programs per second (inf: all at once);
     `step_s` > 0: virtual time, each step taking that long plus `token_s` per token it
-    computes (`StepClock`); 0: wall time;
+    computes (`StepClock`); 0: wall time; `holds`: per program, whether it asks for holds
+    (run_engine); the calls of the others are timed apart (`other_*`);
     `options`: more engine options (resolve_config)."""
     model_dir = ensure_tiny_model(random=True)  # only its shape is used: it never runs
     host = {"num_host_kv_blocks": host_blocks} if cache == "radix-host" else {}
@@ -99,10 +101,16 @@ def simulate(
         timing = {"clock": clock, "sleep": clock.sleep}
     start = time.perf_counter()
     result = run_engine(
-        core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, **timing
+        core, workload, cache_ttl_s=cache_ttl_s, request_rate=request_rate, holds=holds, **timing
     )
     core.check_integrity()
-    e2e = sorted(r.end - r.submit for r in result.records)
+
+    def held(r) -> bool:
+        return holds is None or holds[r.program]
+
+    other = [r for r in result.records if not held(r)]
+    e2e = sorted(r.end - r.submit for r in result.records if held(r))
+    other_e2e = sorted(r.end - r.submit for r in other)
     stats = core.stats()
     minimum = math.ceil(workload.prompt_tokens * (1 - workload.best_hit_rate()))
     return {
@@ -111,6 +119,7 @@ def simulate(
         "steps": stats["steps"],
         "computed_tokens": runner.num_computed_tokens,
         "preemptions": stats["preemptions"],
+        "retention_holds": stats["retention_holds"],
         "evicted_blocks": stats["evicted_blocks"],
         "hit_rate": stats["cache_hit_rate"],
         "host_hit_tokens": stats["host_hit_tokens"],
@@ -119,6 +128,9 @@ def simulate(
         "duration_s": result.duration_s,  # virtual with step_s > 0
         "e2e_mean_s": sum(e2e) / len(e2e) if e2e else 0.0,
         "e2e_p50_s": e2e[len(e2e) // 2] if e2e else 0.0,
+        "other_e2e_mean_s": sum(other_e2e) / len(other_e2e) if other_e2e else 0.0,
+        "other_e2e_p90_s": other_e2e[len(other_e2e) * 9 // 10] if other_e2e else 0.0,
+        "other_computed": sum(r.prompt_tokens - r.cached_tokens for r in other),
         "wall_s": time.perf_counter() - start,
     }
 
@@ -142,6 +154,14 @@ def main() -> None:
     p.add_argument("--cache-ttl-s", default="0", help="retention hints to run, comma-separated")
     p.add_argument("--retention-max-share", type=float, default=None, help="default: the "
                    "engine's")  # fmt: skip
+    p.add_argument(
+        "--mix",
+        choices=WORKLOADS,
+        help="other traffic: this workload's programs, "
+        "spread among the first's, ask for no holds (timed apart: other e2e)",
+    )
+    p.add_argument("--mix-size", default="smoke", choices=["full", "smoke"])
+    p.add_argument("--mix-scale", type=float, default=1.0)  # fmt: skip
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
     p.add_argument(
         "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
@@ -152,7 +172,14 @@ def main() -> None:
     extra = {"tool_pause_s": args.tool_pause_s} if args.tool_pause_s else {}
     # vocab of the tiny tokenizer: the ids only have to be valid, their values do not matter
     wl = make_workload(args.workload, size=args.size, scale=args.scale, vocab_size=2048, **extra)
-    working_set = math.ceil(wl.working_set_tokens() / args.block_size)
+    working_set = math.ceil(wl.working_set_tokens() / args.block_size)  # the first's alone
+    holds = None
+    if args.mix:
+        other = make_workload(args.mix, size=args.mix_size, scale=args.mix_scale, vocab_size=2048,
+                              seed=1)  # fmt: skip
+        first = len(wl.programs)
+        wl, holds = interleave(wl, other)
+        args.request_rate *= len(wl.programs) / first  # the first's programs keep their rate
     if args.kv_ratio is not None:
         args.num_kv_blocks = math.ceil(working_set / args.kv_ratio)
     ratio = working_set / args.num_kv_blocks
@@ -176,6 +203,7 @@ def main() -> None:
                 args.request_rate,
                 args.step_s,
                 args.token_s,
+                holds,
                 **share,
             )
             print(
@@ -185,6 +213,12 @@ def main() -> None:
                 f"loaded {r['loaded_blocks']:>7} written back {r['written_back_blocks']:>7} "
                 f"duration {r['duration_s']:7.2f} s e2e mean {r['e2e_mean_s']:6.3f} s "
                 f"p50 {r['e2e_p50_s']:6.3f} s ({r['wall_s']:.1f} s wall)"
+                + (
+                    f" other: e2e mean {r['other_e2e_mean_s']:6.3f} s p90 "
+                    f"{r['other_e2e_p90_s']:6.3f} s computed {r['other_computed']}"
+                    if holds
+                    else ""
+                )  # fmt: skip
             )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from benchmarks.dispatch import Dispatcher, ReadyCall
 from benchmarks.metrics import CallRecord, DriverResult, KVStats
@@ -35,6 +35,7 @@ def run_engine(
     timeout_s: float | None = None,
     on_call_done: Callable[[], None] | None = None,
     cache_ttl_s: float = 0.0,
+    holds: Sequence[bool] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
 ) -> DriverResult:
@@ -46,7 +47,9 @@ def run_engine(
     call that a later call of its program extends asks that its context stay cached this
     long (a retention hint; a program's last calls ask nothing); a program's holds are
     released when its last call finishes (as the DSL does at a program's end), any left at
-    the end of the run. `clock` / `sleep`: the time source (a simulation passes a virtual one)."""
+    the end of the run; `holds`: per program, whether it asks for them (None: every program;
+    the others stand for traffic that holds nothing). `clock` / `sleep`: the time source (a
+    simulation passes a virtual one)."""
     core = getattr(engine, "core", engine)  # an Engine, or an EngineCore (simulations)
     alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
@@ -55,7 +58,10 @@ def run_engine(
         for n in {c.max_tokens for p in workload.programs for c in p.calls}
         for ttl in {0.0, cache_ttl_s}
     }
-    has_children = [[bool(k) for k in p.children()] for p in workload.programs]
+    has_children = [
+        [bool(k) and (holds is None or holds[i]) for k in p.children()]
+        for i, p in enumerate(workload.programs)
+    ]
     disp = Dispatcher(workload, max_concurrency, request_rate, seed)
     before = engine.stats()
     inflight: dict[str, tuple[ReadyCall, CallRecord]] = {}
@@ -76,7 +82,8 @@ def run_engine(
             rid = core.add_request(call.prompt, params[call.max_tokens, ttl])
             if ttl > 0:
                 held.setdefault(call.program, []).append(rid)
-            inflight[rid] = (call, CallRecord(len(call.prompt), 0, 0, now, now, now))
+            record = CallRecord(len(call.prompt), 0, 0, now, now, now, program=call.program)
+            inflight[rid] = (call, record)
         if not core.has_work:  # every program left waits for its arrival time
             nxt = disp.next_arrival()
             assert nxt is not None, "nothing running, nothing ready, programs left"

@@ -430,3 +430,15 @@ def make_workload(
     params[count_key] = max(1, round(params[count_key] * scale))
     programs = generate(_Tokens(name, seed, vocab_size), **params)
     return Workload(name, tuple(programs), {**params, "seed": seed, "vocab_size": vocab_size})
+
+
+def interleave(first: Workload, second: Workload) -> tuple[Workload, list[bool]]:
+    """One workload of both's programs, `second`'s spread evenly among `first`'s (programs
+    arrive in index order), and per program whether it came from `first`."""
+    n, m = len(first.programs), len(second.programs)
+    order = sorted([(i / n, 0, i) for i in range(n)] + [((j + 0.5) / m, 1, j) for j in range(m)])
+    sources = (first.programs, second.programs)
+    programs = tuple(sources[src][i] for _, src, i in order)
+    params = {first.name: first.params, second.name: second.params}
+    mixed = Workload(f"{first.name}+{second.name}", programs, params)
+    return mixed, [src == 0 for _, src, _ in order]

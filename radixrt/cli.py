@@ -113,13 +113,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="retention hints: held blocks stay within this share of the KV pool",
     )
     g.add_argument(
-        "--retention-protected-share",
-        type=float,
-        default=0.5,
-        help="retention hints: held blocks above this share of the KV pool give way to new "
-        "requests that neither continue nor ask for a hold",
-    )
-    g.add_argument(
         "--retention-max-tenant-share",
         type=float,
         default=1.0,
@@ -188,7 +181,6 @@ def engine_options(args: argparse.Namespace) -> dict:
         "jump_forward_retokenize": args.jump_forward_retokenize,
         "retention_max_ttl_s": args.retention_max_ttl_s,
         "retention_max_share": args.retention_max_share,
-        "retention_protected_share": args.retention_protected_share,
         "retention_max_tenant_share": args.retention_max_tenant_share,
     }
     if args.disable_cuda_graph:

@@ -277,14 +277,12 @@ class SchedulerConfig:
     # 0: priorities never age
     priority_aging_steps: int = 256
     # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held contexts
-    # take at most retention_max_share of the KV pool, for at most retention_max_ttl_s seconds;
-    # what they keep above retention_protected_share (at most the first) is lent: a waiting
-    # request that neither continues nor asks for a hold takes it back (youngest lineage
-    # first) when it needs the blocks. Programs alone use the larger share (the H200 program
-    # suite's chains ran 1.3-1.6x faster at 0.8 than at 0.5, benchmarks/RESULTS.md); other
-    # traffic keeps at least half of the pool.
+    # take at most this share of the KV pool, for at most retention_max_ttl_s seconds. 0.8:
+    # the H200 program suite's chains ran 1.3-1.6x faster than at 0.5, bench_scheduler's
+    # agents with tool pauses at kv/3 recompute 0.45x the prompt tokens of plain LRU (0.69x
+    # at 0.5), and other traffic mixed in kept the same latency (a running request takes
+    # holds when it needs their blocks; benchmarks/RESULTS.md)
     retention_max_share: float = 0.8
-    retention_protected_share: float = 0.5
     retention_max_tenant_share: float = 1.0  # of the pool, for the holds of one cache salt
     retention_max_ttl_s: float = 600.0
     num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
@@ -310,10 +308,6 @@ class SchedulerConfig:
         if not 0 <= self.retention_max_share <= 1:
             raise ValueError(
                 f"retention_max_share must be in [0, 1], got {self.retention_max_share}"
-            )
-        if not 0 <= self.retention_protected_share <= 1:
-            raise ValueError(
-                f"retention_protected_share must be in [0, 1], got {self.retention_protected_share}"
             )
         if not 0 <= self.retention_max_tenant_share <= 1:
             raise ValueError(

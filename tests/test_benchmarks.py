@@ -349,3 +349,28 @@ def test_retention_hints_target_agents_with_tool_pauses_at_a_third_of_the_workin
     runs = {ttl: simulate(w, "radix", "lpm", pool, 16, 0, ttl, 5.0, 0.001) for ttl in (0.0, 5.0)}
     assert runs[0.0]["recomputed"] > 0
     assert runs[5.0]["recomputed"] <= 0.75 * runs[0.0]["recomputed"]
+
+
+def test_mixed_traffic_holds_only_for_the_first_workload():
+    """`interleave` spreads the second workload's programs evenly among the first's; with
+    `holds` only the first's calls ask for retention holds (the engine's hold counter), and
+    the simulation times the other programs' calls apart."""
+    from benchmarks.bench_scheduler import simulate
+    from benchmarks.workloads import interleave
+
+    agents = make_workload("agent", size="smoke", scale=0.5, vocab_size=2048)
+    other = make_workload("multi-turn", size="smoke", scale=0.25, vocab_size=2048, seed=1)
+    mixed, holds = interleave(agents, other)
+    assert len(mixed.programs) == len(agents.programs) + len(other.programs) == len(holds)
+    assert [p for p, h in zip(mixed.programs, holds) if h] == list(agents.programs)
+    assert [p for p, h in zip(mixed.programs, holds) if not h] == list(other.programs)
+    assert holds[0] and not all(holds[: len(holds) // 2])  # spread, not appended
+    asks = sum(len(p.calls) - sum(not k for k in p.children()) for p in agents.programs)
+    counts = {}
+    for mask in (holds, None):
+        r = simulate(mixed, "radix", "lpm", 4096, 16, 0, 5.0, math.inf, 0.001, holds=mask,
+                     retention_max_share=1.0)  # fmt: skip
+        counts[mask is None] = r["retention_holds"]
+        assert (r["other_e2e_mean_s"] > 0) == (mask is not None)
+    assert counts[False] == asks  # the agents' calls that a later call extends
+    assert counts[True] > asks  # the chats' turns too

@@ -536,9 +536,8 @@ def test_retention_lineages_keep_the_oldest_and_give_way_youngest_first():
 def test_a_waiting_request_does_not_take_an_older_hold_while_others_run():
     """A new request that needs an agent's held blocks waits while other work runs (it may
     not end an older lineage's hold for its own start), and gets them once nothing runs (so
-    nothing deadlocks); a running request may take them. Every held block is protected here
-    (the next test: the lent share above the protected one)."""
-    core, _ = retention_core(retention_max_share=1.0, retention_protected_share=1.0)
+    nothing deadlocks); a running request may take them."""
+    core, _ = retention_core(retention_max_share=1.0)
     retention = core.scheduler.retention
     core.add_request([400 + j for j in range(95)], SamplingParams(max_tokens=1, cache_ttl_s=30),
                      rid="agent")  # fmt: skip
@@ -556,37 +555,6 @@ def test_a_waiting_request_does_not_take_an_older_hold_while_others_run():
     assert waited > 0
     run(core)
     assert "agent" not in retention.holds  # given up once nothing else ran
-    core.check_integrity()
-
-
-@pytest.mark.parametrize("new_holds", [False, True])
-def test_holds_above_the_protected_share_give_way_to_requests_that_hold_nothing(new_holds):
-    """Two agents hold 10 blocks each, twice the protected share (10 of 40): a new request
-    that holds nothing and needs more than the unheld blocks takes the younger agent's hold
-    while another request runs, and only that one (down to the protected share); a new request
-    that asks for a hold itself waits instead, as for protected holds."""
-    core, _ = retention_core(retention_max_share=1.0, retention_protected_share=0.25)
-    retention = core.scheduler.retention
-    hold = SamplingParams(max_tokens=1, cache_ttl_s=30, ignore_eos=True)
-    for i in range(2):
-        core.add_request([400 + 50 * i + j for j in range(39)], hold, rid=f"agent{i}")
-        run(core)  # 10 blocks each
-    assert retention.num_held_blocks == 20 and retention.protected_blocks == 10
-    long = SamplingParams(max_tokens=24, ignore_eos=True)
-    core.add_request([600 + j for j in range(8)], long, rid="running")  # up to 8 blocks
-    core.step()
-    params = hold if new_holds else SamplingParams(max_tokens=1)
-    core.add_request([1000 + j for j in range(70)], params, rid="new")  # 18 blocks
-    core.step()
-    new = core.scheduler.requests.get("new")
-    admitted = new is None or new not in core.scheduler.waiting  # None: already finished
-    assert "running" in core.scheduler.requests
-    if new_holds:
-        assert not admitted and set(retention.holds) == {"agent0", "agent1"}
-    else:
-        assert admitted and set(retention.holds) == {"agent0"}  # the younger one gave way
-        assert core.scheduler.stats.retention_released == 1
-    run(core)
     core.check_integrity()
 
 

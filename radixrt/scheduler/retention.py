@@ -21,11 +21,6 @@ back just after its context was evicted) into hits for the programs that fit. So
   hold; for a waiting request being admitted while others run, only holds of lineages younger
   than the request's own (a request that continues no hold is the youngest), so new work
   waits for unheld blocks instead of evicting the programs already under way;
-- what the holds keep above `retention_protected_share` of the pool is lent: a waiting request
-  that neither continues a hold nor asks for one (traffic other than the agents and programs
-  that hold) takes it back, youngest lineage first, down to that share. Programs alone hold up
-  to the larger share (the more of them run at once, their contexts kept), and other traffic
-  keeps the rest;
 - a hold ends on time (checked each step), at `retention_max_ttl_s` at most, or early
   (`release`: a program ended). A released hold is an ordinary LRU entry again, which a host
   tier writes back rather than drops. A request finished by abort or error holds nothing.
@@ -76,9 +71,6 @@ class RetentionFeature(SchedulerFeature):
         self.max_ttl_s = cfg.retention_max_ttl_s
         num_blocks = kv.allocator.num_blocks
         self.max_blocks = int(cfg.retention_max_share * num_blocks)
-        self.protected_blocks = int(
-            min(cfg.retention_protected_share, cfg.retention_max_share) * num_blocks
-        )
         self.max_tenant_blocks = int(cfg.retention_max_tenant_share * num_blocks)
         self.holds: dict[str, Hold] = {}  # by request id
         self._held: Counter[int] = Counter()  # device block -> holds keeping it
@@ -183,19 +175,13 @@ class RetentionFeature(SchedulerFeature):
         """The pool is short of `num_blocks` with nothing else evictable: give up holds, the
         youngest lineage first, until that many blocks could be evicted (or none may go).
         `req`: the request the blocks are for; a waiting one, while others run, takes only
-        holds of lineages younger than its own, or any while the holds keep more than the
-        protected share if it neither continues nor asks for a hold (module docstring)."""
-        limit, lent = -1, False
+        holds of lineages younger than its own (see the module docstring)."""
+        limit = -1
         if req is not None and req.status is Status.WAITING and self.queues.running:
             limit = self.lineage(req)
-            lent = limit == math.inf and req.params.cache_ttl_s <= 0  # other traffic
         cache = self.kv.cache
         for rid in sorted(self.holds, key=lambda r: -self.holds[r].born):
-            if cache.evictable_blocks >= num_blocks:
-                break
-            if self.holds[rid].born <= limit and not (
-                lent and self.num_held_blocks > self.protected_blocks
-            ):
+            if cache.evictable_blocks >= num_blocks or self.holds[rid].born <= limit:
                 break
             self._drop(rid)
             self.stats.retention_released += 1
