@@ -38,8 +38,6 @@ This module imports flashinfer at construction; CPU-only code never imports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -99,34 +97,6 @@ def check_fp8_kv_capability(capability: tuple[int, int], device_name: str) -> No
             f"capability >= {need} (Ada, Hopper or newer); {device_name} is "
             f"{capability[0]}.{capability[1]}. Use kv_cache_dtype='auto'"
         )
-
-
-def prebuild_kernels(
-    head_dims: Sequence[int],
-    dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: torch.dtype | None = None,
-) -> None:
-    """Compile (in one parallel ninja run) every FlashInfer JIT module radixrt uses for
-    models with these head dims: attention per padded head dim (KV of `kv_dtype`, None:
-    `dtype`; fp8 for kv_cache_dtype="fp8_e4m3"), RMSNorm, RoPE, SiLU-and-mul.
-    Modules already built or restored are skipped. Optional: each is built on first use."""
-    from flashinfer.jit import (
-        build_jit_specs,
-        gen_act_and_mul_module,
-        gen_batch_prefill_module,
-    )
-    from flashinfer.jit.norm import gen_norm_module
-    from flashinfer.jit.rope import gen_rope_module
-
-    kv = kv_dtype or dtype
-    specs = [
-        gen_batch_prefill_module(
-            ATTENTION_BACKEND, dtype, kv, dtype, torch.int32, d, d, 0, False, False, False
-        )
-        for d in sorted({kv_head_dim(h) for h in head_dims})
-    ]
-    specs += [gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu")]
-    build_jit_specs(specs, verbose=False)
 
 
 class FlashInferBackend:
