@@ -21,7 +21,7 @@ class CallRecord:
     first_token: float  # first output token arrived (prefill-only call: it finished)
     end: float  # last token arrived
     token_times: list[float] = field(default_factory=list)  # arrival of each output token
-    program: int = -1  # its program's index in the workload (-1: not recorded)
+    program: int | None = None  # its program's index in the workload (None: not recorded)
 
 
 @dataclass
