@@ -157,11 +157,11 @@ def main() -> None:
     p.add_argument(
         "--mix",
         choices=WORKLOADS,
-        help="other traffic: this workload's programs, "
-        "spread among the first's, ask for no holds (timed apart: other e2e)",
+        help="other traffic: this workload's programs, spread among the first's (which keep "
+        "their arrival rate), ask for no holds (timed apart: other e2e)",
     )
     p.add_argument("--mix-size", default="smoke", choices=["full", "smoke"])
-    p.add_argument("--mix-scale", type=float, default=1.0)  # fmt: skip
+    p.add_argument("--mix-scale", type=float, default=1.0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="programs per second")
     p.add_argument(
         "--step-s", type=float, default=0.0, help="virtual seconds per step (0: wall time)"
