@@ -98,8 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-stacks", default=None, metavar="PATH", help="sample every "
                    "thread's stack during the concurrent runs into PATH (JSON; read it with "
                    "python -m benchmarks.stack_sampler PATH --phase CONFIG/PROGRAM)")  # fmt: skip
-    g.add_argument("--config-timeout-s", type=float, default=None, help="stop a config's "
-                   "remaining programs once it ran this long (rows finished are kept)")  # fmt: skip
+    g.add_argument("--config-timeout-s", type=float, default=None, help="start no program on "
+                   "an engine (or server) once it ran this long; in-process configs of the same "
+                   "cache and order share one engine and this time (rows finished are "
+                   "kept)")  # fmt: skip
     return p.parse_args(argv)
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The program suite (bench_programs) on one GPU: dummy Llama-3-8B in bf16, full shapes, the
 # KV pool at KV_FRACTION of the largest program working set. One PART per invocation, each
-# its own JSON / table / plot in $OUT (programs-<part>.*) and each within PART_TIMEOUT_S (a
-# config stops starting programs after CONFIG_TIMEOUT_S, keeping the rows it finished):
+# its own JSON / table / plot in $OUT (programs-<part>.*) and each within PART_TIMEOUT_S (an
+# engine or server starts no program after CONFIG_TIMEOUT_S, keeping the rows it finished;
+# the frontend part's three configs share one engine, so they share that time):
 #   radix      radix (+lpm) and blockhash: hit rate / optimal, radix vs block-hash
 #   frontend   no-parallel, no-hints, no-admission (DSL ablations on radix+lpm)
 #   order      fcfs, random (admission-order ablations)
@@ -19,7 +20,7 @@
 #   SCALE             x num_programs of every program (default 0.5)
 #   KV_FRACTION       KV pool / largest program working set (default 0.4)
 #   PART_TIMEOUT_S    wall limit of one part (default 570)
-#   CONFIG_TIMEOUT_S  a config starts no program after this (default 420)
+#   CONFIG_TIMEOUT_S  an engine or server starts no program after this (default 420)
 #   EXTRA             more bench_programs arguments (e.g. "--retention-max-share 0.8")
 set -uo pipefail
 cd "$(dirname "$0")/.."
