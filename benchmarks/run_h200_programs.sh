@@ -21,7 +21,7 @@
 #   KV_FRACTION       KV pool / largest program working set (default 0.4)
 #   PART_TIMEOUT_S    wall limit of one part (default 570)
 #   CONFIG_TIMEOUT_S  an engine or server starts no program after this (default 420)
-#   EXTRA             more bench_programs arguments (e.g. "--retention-max-share 0.8")
+#   EXTRA             more bench_programs arguments (e.g. "--programs mmlu,json --num-kv-blocks 981")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/h200}
