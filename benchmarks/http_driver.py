@@ -56,9 +56,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "radixrt.cli", "serve", "--model", self.model]
         cmd += ["--port", str(self.port), "--enable-debug-endpoints", *self.serve_args]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         with open(self.log_path, "ab") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

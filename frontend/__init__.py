@@ -16,33 +16,38 @@ Primitives: `s += "text"`, `gen(name, ...)`, `select(name, choices)`, roles
 `program.run(...)`, `program.run_batch([...])`, `run(..., stream=True).text_iter()`.
 """
 
-from .backends import Backend, EngineBackend, GenResult, Runtime, RuntimeEndpoint
-from .errors import BackendError, UnknownVariableError
-from .ir import assistant, gen, role, select, system, tool_result, tools, user
-from .program import Program, function, get_default_backend, set_default_backend
-from .state import ForkGroup, ProgramState, StreamingState
+if __name__ != "radixrt.frontend":  # found by its bare name: radixrt/_top_level.py
+    from radixrt._top_level import defer_to_installed
 
-__all__ = [
-    "Backend",
-    "BackendError",
-    "EngineBackend",
-    "ForkGroup",
-    "GenResult",
-    "Program",
-    "ProgramState",
-    "Runtime",
-    "RuntimeEndpoint",
-    "StreamingState",
-    "UnknownVariableError",
-    "assistant",
-    "function",
-    "gen",
-    "get_default_backend",
-    "role",
-    "select",
-    "set_default_backend",
-    "system",
-    "tool_result",
-    "tools",
-    "user",
-]
+    defer_to_installed(__name__, __file__)
+else:
+    from .backends import Backend, EngineBackend, GenResult, Runtime, RuntimeEndpoint
+    from .errors import BackendError, UnknownVariableError
+    from .ir import assistant, gen, role, select, system, tool_result, tools, user
+    from .program import Program, function, get_default_backend, set_default_backend
+    from .state import ForkGroup, ProgramState, StreamingState
+
+    __all__ = [
+        "Backend",
+        "BackendError",
+        "EngineBackend",
+        "ForkGroup",
+        "GenResult",
+        "Program",
+        "ProgramState",
+        "Runtime",
+        "RuntimeEndpoint",
+        "StreamingState",
+        "UnknownVariableError",
+        "assistant",
+        "function",
+        "gen",
+        "get_default_backend",
+        "role",
+        "select",
+        "set_default_backend",
+        "system",
+        "tool_result",
+        "tools",
+        "user",
+    ]

@@ -7,57 +7,62 @@ TRITON_INTERPRET=1 before the first launch and before anything imports triton.la
 Triton reads it when `@triton.jit` runs (tl.sum and friends are jit functions too).
 """
 
-from ._triton import HAS_TRITON
-from .block_table import (
-    KVMetadata,
-    TokenMetadata,
-    build_block_table,
-    build_block_table_reference,
-    build_kv_metadata,
-    build_kv_metadata_reference,
-    build_token_metadata,
-    build_token_metadata_reference,
-)
-from .fp8_quant import (
-    Fp8Activation,
-    Fp8Product,
-    dequantize_fp8,
-    quantize_fp8,
-    quantize_fp8_reference,
-    rmsnorm_quantize_fp8,
-    rmsnorm_quantize_fp8_reference,
-    scale_product,
-    scale_product_reference,
-    silu_mul_quantize_fp8,
-    silu_mul_quantize_fp8_reference,
-)
-from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
-from .store_kv import store_kv, store_kv_reference
+if __name__ != "radixrt.kernels":  # found by its bare name: radixrt/_top_level.py
+    from radixrt._top_level import defer_to_installed
 
-__all__ = [
-    "HAS_TRITON",
-    "Fp8Activation",
-    "Fp8Product",
-    "KVMetadata",
-    "RMSNormResult",
-    "TokenMetadata",
-    "build_block_table",
-    "build_block_table_reference",
-    "build_kv_metadata",
-    "build_kv_metadata_reference",
-    "build_token_metadata",
-    "build_token_metadata_reference",
-    "dequantize_fp8",
-    "quantize_fp8",
-    "quantize_fp8_reference",
-    "rmsnorm",
-    "rmsnorm_quantize_fp8",
-    "rmsnorm_quantize_fp8_reference",
-    "rmsnorm_reference",
-    "scale_product",
-    "scale_product_reference",
-    "silu_mul_quantize_fp8",
-    "silu_mul_quantize_fp8_reference",
-    "store_kv",
-    "store_kv_reference",
-]
+    defer_to_installed(__name__, __file__)
+else:
+    from ._triton import HAS_TRITON
+    from .block_table import (
+        KVMetadata,
+        TokenMetadata,
+        build_block_table,
+        build_block_table_reference,
+        build_kv_metadata,
+        build_kv_metadata_reference,
+        build_token_metadata,
+        build_token_metadata_reference,
+    )
+    from .fp8_quant import (
+        Fp8Activation,
+        Fp8Product,
+        dequantize_fp8,
+        quantize_fp8,
+        quantize_fp8_reference,
+        rmsnorm_quantize_fp8,
+        rmsnorm_quantize_fp8_reference,
+        scale_product,
+        scale_product_reference,
+        silu_mul_quantize_fp8,
+        silu_mul_quantize_fp8_reference,
+    )
+    from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
+    from .store_kv import store_kv, store_kv_reference
+
+    __all__ = [
+        "HAS_TRITON",
+        "Fp8Activation",
+        "Fp8Product",
+        "KVMetadata",
+        "RMSNormResult",
+        "TokenMetadata",
+        "build_block_table",
+        "build_block_table_reference",
+        "build_kv_metadata",
+        "build_kv_metadata_reference",
+        "build_token_metadata",
+        "build_token_metadata_reference",
+        "dequantize_fp8",
+        "quantize_fp8",
+        "quantize_fp8_reference",
+        "rmsnorm",
+        "rmsnorm_quantize_fp8",
+        "rmsnorm_quantize_fp8_reference",
+        "rmsnorm_reference",
+        "scale_product",
+        "scale_product_reference",
+        "silu_mul_quantize_fp8",
+        "silu_mul_quantize_fp8_reference",
+        "store_kv",
+        "store_kv_reference",
+    ]

@@ -43,7 +43,7 @@ class ServerProcess:
     ) -> None:
         """`model_dir` None: no --model (the server's default, the tiny model); `nofile`: the
         (soft, hard) open-file limit the server starts with; `env`: extra environment
-        variables (a PYTHONPATH given is searched after the repository's)."""
+        variables."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -57,7 +57,6 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, **(env or {})}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         # a private TMPDIR: the test can see what the server leaves in it (ipc dirs)
         self.tmpdir = tempfile.mkdtemp(prefix="radixrt-test-tmp-")
         env["TMPDIR"] = self.tmpdir

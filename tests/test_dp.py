@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_utils import REPO, free_port, http_call
+from server_utils import free_port, http_call
 
 from radixrt.server import dp
 from radixrt.server.dp import offset_endpoint
@@ -137,10 +137,7 @@ def test_serve_dp_two_replicas(tiny_model_dir):
     url = f"http://127.0.0.1:{port}"
     log_file = tempfile.NamedTemporaryFile(prefix="radixrt-dp-", suffix=".log")  # noqa: SIM115
     log = Path(log_file.name)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    env = dict(os.environ)
     cmd = [
         sys.executable, "-m", "radixrt.cli", "serve", "--model", tiny_model_dir, "--dp", "2",
         "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "info",

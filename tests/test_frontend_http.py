@@ -48,10 +48,7 @@ def free_port() -> int:
 def server_url(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-    }
+    env = dict(os.environ)
     cmd = [sys.executable, "-m", "radixrt.cli", "serve", "--model", tiny_model_dir]
     cmd += ["--device", "cpu", "--dtype", "float32", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"

@@ -10,7 +10,6 @@ scheduler configuration run as EngineCores over the same TensorParallelRunner.""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import time
@@ -258,7 +257,6 @@ def test_workers_exit_when_rank0_dies(tiny_model_dir):
         [sys.executable, "-c", RANK0_SCRIPT, tiny_model_dir],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
         worker_pid = int(proc.stdout.readline())

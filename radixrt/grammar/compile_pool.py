@@ -307,9 +307,6 @@ class CompilePool:
 
     def _start_template(self) -> None:
         env = dict(os.environ)
-        # this file is <root>/radixrt/grammar/compile_pool.py
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
         self._template = subprocess.Popen(

@@ -50,15 +50,6 @@ class WorkerArgs:
     log_level: int
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a worker: ours, with this radixrt first on the path."""
-    env = dict(os.environ)
-    # this file is <root>/radixrt/engine/tp/workers.py
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 class WorkerSet:
     def __init__(self, args: list[WorkerArgs]) -> None:
         """Start one process per entry of `args` (ranks 1..size-1) and the watchdog."""
@@ -73,7 +64,7 @@ class WorkerSet:
         self._closing = False  # close() asked the workers to exit
         self._closed = False
         self._stop_r, self._stop_w = os.pipe()
-        env = worker_env()
+        env = dict(os.environ)
         try:
             for a in args:
                 ours, theirs = socket.socketpair()
