@@ -123,8 +123,8 @@ def _synthetic_backend(vocab_size: int, eos: list[int], mask_threads: int, spec)
 
 
 def bench_masks(args, model_dir: str, vocab_size: int, eos: list[int]) -> list[dict]:
-    from radixrt.engine.grammar_masks import apply_token_bitmasks
-    from radixrt.engine.sampler import sample
+    from radixrt.executor.grammar_masks import apply_token_bitmasks
+    from radixrt.executor.sampler import sample
     from radixrt.grammar.spec import GrammarSpec
     from radixrt.grammar.xgrammar_backend import XGrammarBackend
     from radixrt.sampling import SamplingParams

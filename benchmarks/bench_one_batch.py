@@ -43,7 +43,7 @@ import torch
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
-from radixrt.engine.runner import ModelRunner
+from radixrt.executor.runner import ModelRunner
 from radixrt.model.presets import write_dummy_model_dir
 from radixrt.plan import PlanRow, StepPlan
 from radixrt.sampling import SamplingParams

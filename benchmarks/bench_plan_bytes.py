@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from radixrt.config import EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
-from radixrt.engine.tp.plan_codec import PlanEncoder
+from radixrt.executor.tp.plan_codec import PlanEncoder
 from radixrt.sampling import SamplingParams
 from radixrt.testing import ScriptedRunner, scripted_model_config
 

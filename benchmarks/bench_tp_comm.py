@@ -72,8 +72,8 @@ def median_us(samples: list[float]) -> float:
 def run_rank(rank: int, port: int, device: str, iters: int) -> None:
     import torch
 
-    from radixrt.engine.tp.plan_codec import PlanDecoder, PlanEncoder
-    from radixrt.engine.tp.runner import PLAN_CAPACITY
+    from radixrt.executor.tp.plan_codec import PlanDecoder, PlanEncoder
+    from radixrt.executor.tp.runner import PLAN_CAPACITY
     from radixrt.model.tp.group import TPGroup, connect_store, create_store
 
     torch.set_num_threads(1)

@@ -37,7 +37,7 @@ import torch
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
-from radixrt.engine.runner import ModelRunner
+from radixrt.executor.runner import ModelRunner
 from radixrt.plan import PlanRow, SlotEntry, StepPlan
 from radixrt.sampling import SamplingParams
 from radixrt.speculative.base import Proposer

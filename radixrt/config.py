@@ -338,7 +338,7 @@ class SpeculativeConfig:
     """Speculative decoding: who drafts (the scheduler's `num_speculative_tokens` caps how
     many tokens per decode row). `ngram`: prompt lookup over the row's own tokens; `radix`:
     the continuation the radix prefix cache holds after the row's context; `draft`: a smaller
-    checkpoint with the target's tokenizer, run by the runner (see `radixrt.engine.draft`)."""
+    checkpoint with the target's tokenizer, run by the runner (see `radixrt.executor.draft`)."""
 
     speculative_method: str = "none"  # none | ngram | radix | draft
     ngram_min_n: int = 2  # ngram: shortest suffix that may match

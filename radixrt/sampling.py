@@ -19,7 +19,7 @@ and the range); the bounds are the constants below, for the HTTP schema and the 
 Integers fit the int64 of the msgpack messages between the server's processes and of the
 sampler's tensors; vocabulary-dependent bounds (token ids, top_k <= vocab) are checked by
 whoever knows the vocabulary (the server's request validation, `EngineCore.add_request`).
-Within these ranges the sampler (radixrt/engine/sampler.py, float32) and the beam scorer
+Within these ranges the sampler (radixrt/executor/sampler.py, float32) and the beam scorer
 (radixrt/scheduler/beam.py, float64) compute every value: a temperature above float32's
 largest number samples as that largest one (the uniform limit, ranked by the logits).
 """

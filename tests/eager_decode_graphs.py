@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.engine.cuda_graph import (
+from radixrt.executor.cuda_graph import (
     DecodeCudaGraphs,
     decode_metadata,
     decode_rows,

@@ -90,7 +90,9 @@ def test_text_and_gen_match_engine_generate(backend):
     engine = backend.engine
     backend.close()  # the test drives the engine directly below
     ids = engine.tokenizer.encode("Write about rivers:")
-    ref = engine.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(10, 0.0, ignore_eos=True))[0]
+    ref = engine.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(10, 0.0, ignore_eos=True)
+    )[0]
     assert state["a"] == ref.text and state.meta("a")["output_ids"] == ref.token_ids
     meta = state.meta("a")
     assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 10

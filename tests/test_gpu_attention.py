@@ -14,7 +14,7 @@ import torch
 from radixrt.attention.flashinfer_backend import kv_head_dim
 from radixrt.attention.forward_batch import ForwardBatch, reference_batch
 from radixrt.config import ModelConfig
-from radixrt.engine.cuda_graph import DECODE_BUCKETS, decode_buckets, decode_metadata
+from radixrt.executor.cuda_graph import DECODE_BUCKETS, decode_buckets, decode_metadata
 from radixrt.kernels import build_kv_metadata_reference, build_token_metadata_reference
 from radixrt.kv.pool import KVPool
 
@@ -43,7 +43,7 @@ def test_decode_buckets():
 
 def test_graph_tokens_per_row_covers_verify_rows():
     from radixrt.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-    from radixrt.engine.runner import graph_tokens_per_row
+    from radixrt.executor.runner import graph_tokens_per_row
 
     assert graph_tokens_per_row(EngineConfig(model_path="m")) == 1
     spec = EngineConfig(

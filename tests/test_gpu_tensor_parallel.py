@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
-from radixrt.engine.tp.workers import TensorParallelError
+from radixrt.executor.tp.workers import TensorParallelError
 
 pytestmark = [
     pytest.mark.gpu,

@@ -91,7 +91,7 @@ def test_greedy_is_argmax_over_allowed_tokens(make_engine, tiny_model_dir):
     sequence and an independent matcher's mask."""
     from transformers import AutoModelForCausalLM
 
-    from radixrt.engine.grammar_masks import allowed_tokens
+    from radixrt.executor.grammar_masks import allowed_tokens
     from radixrt.grammar.spec import GrammarSpec
 
     engine = make_engine()
@@ -214,7 +214,7 @@ def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method)
 def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     """allowed_drafts keeps the longest allowed prefix and leaves the matcher unchanged; the
     row's masks are one per sample (current state, then after each draft)."""
-    from radixrt.engine.grammar_masks import allowed_tokens
+    from radixrt.executor.grammar_masks import allowed_tokens
 
     engine = make_engine()
     tok = engine.tokenizer
@@ -331,7 +331,7 @@ def test_string_level_jump_forward_follows_the_grammar_in_fewer_steps(make_engin
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]])
 def test_apply_token_bitmasks_matches_reference(rows):
-    from radixrt.engine.grammar_masks import allowed_tokens, apply_token_bitmasks
+    from radixrt.executor.grammar_masks import allowed_tokens, apply_token_bitmasks
 
     g = torch.Generator().manual_seed(1)
     vocab = 100  # not a multiple of 32: the last word is partly padding
@@ -348,7 +348,7 @@ def test_apply_token_bitmasks_matches_reference(rows):
 
 
 def test_torch_mask_fallback_matches():
-    from radixrt.engine.grammar_masks import _apply_torch, apply_token_bitmasks, stack_masks
+    from radixrt.executor.grammar_masks import _apply_torch, apply_token_bitmasks, stack_masks
 
     g = torch.Generator().manual_seed(2)
     masks = [

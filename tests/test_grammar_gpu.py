@@ -31,7 +31,7 @@ SCHEMA = {
 
 @pytest.mark.parametrize("vocab", [2048, 128256])
 def test_cuda_masks_equal_cpu(vocab):
-    from radixrt.engine.grammar_masks import apply_token_bitmasks
+    from radixrt.executor.grammar_masks import apply_token_bitmasks
 
     g = torch.Generator().manual_seed(0)
     rows = 40
@@ -61,7 +61,7 @@ def test_cuda_masks_compile_before_the_first_batch_needs_them():
         apply_token_bitmask_inplace_kernel as kernel,
     )
 
-    from radixrt.engine.grammar_masks import apply_token_bitmasks
+    from radixrt.executor.grammar_masks import apply_token_bitmasks
 
     vocab = 4099  # not a multiple of 16, unlike the sizes above: no variant of it compiled yet
     mask = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32).numpy().tobytes()

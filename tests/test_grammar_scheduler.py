@@ -294,7 +294,7 @@ def test_preemption_keeps_matcher_and_tokens_in_step():
 
 
 def test_plan_codec_carries_the_bitmask():
-    from radixrt.engine.tp.plan_codec import PlanDecoder, PlanEncoder
+    from radixrt.executor.tp.plan_codec import PlanDecoder, PlanEncoder
 
     mask = pack([5, 77, 2047])
     rows = [

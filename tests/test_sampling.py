@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.engine.sampler import _argmax, apply_penalties, sample
 from radixrt.errors import RequestValueError
+from radixrt.executor.sampler import _argmax, apply_penalties, sample
 
 VOCAB = 50
 
@@ -153,7 +153,7 @@ def test_sampled_frequencies_follow_the_distribution(seeded):
     """Many draws per row: each token's frequency is its probability under `sampling_probs`
     (temperature, top-k, top-p, min-p), within 4.5 standard errors; filtered-out tokens never
     appear (seeded rows: a new seed offset every draw)."""
-    from radixrt.engine.sampler import sampling_probs
+    from radixrt.executor.sampler import sampling_probs
 
     torch.manual_seed(1)
     logits = torch.randn(5, 12) * 1.5

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from radixrt.engine.sampler import apply_logit_bias, apply_penalties, sample, sampling_probs
 from radixrt.errors import RequestValueError
+from radixrt.executor.sampler import apply_logit_bias, apply_penalties, sample, sampling_probs
 from radixrt.sampling import (
     GREEDY_TEMPERATURE,
     LENGTH_PENALTY_RANGE,

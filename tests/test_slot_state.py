@@ -14,12 +14,12 @@ import torch
 from test_step_plan import expected, make_core, prompts
 
 from radixrt import SamplingParams
-from radixrt.engine.inputs import general_layout, layout_plan
-from radixrt.engine.penalties import SlotPenalties
-from radixrt.engine.row_sampling import RowSampler
-from radixrt.engine.runner_features import RunnerFeature, StepContext
-from radixrt.engine.sampler import apply_penalties
-from radixrt.engine.slots import SlotState
+from radixrt.executor.inputs import general_layout, layout_plan
+from radixrt.executor.penalties import SlotPenalties
+from radixrt.executor.row_sampling import RowSampler
+from radixrt.executor.runner_features import RunnerFeature, StepContext
+from radixrt.executor.sampler import apply_penalties
+from radixrt.executor.slots import SlotState
 from radixrt.plan import PlanRow, SlotEntry, StepPlan
 from radixrt.scheduler.request import Status
 

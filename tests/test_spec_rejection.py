@@ -1,4 +1,4 @@
-"""Rejection sampling (radixrt.engine.rejection): the verifier's output has the target's
+"""Rejection sampling (radixrt.executor.rejection): the verifier's output has the target's
 joint distribution at two consecutive positions, and the chi-square test used for that has
 the power to reject broken verifiers (accept-always; a rejected position sampled from p instead of
 max(0, p - q)).
@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from radixrt.engine.rejection import RejectionResult, rejection_sample, row_noise
+from radixrt.executor.rejection import RejectionResult, rejection_sample, row_noise
 from radixrt.sampling import SamplingParams
 
 V = 16

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from radixrt.engine.inputs import _decode_layout, general_layout, layout_plan
+from radixrt.executor.inputs import _decode_layout, general_layout, layout_plan
 from radixrt.plan import PlanRow, PromptLogprobs, StepPlan
 from radixrt.sampling import SamplingParams
 

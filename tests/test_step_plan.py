@@ -327,7 +327,7 @@ def test_runner_and_backends_import_no_scheduler():
     run_blocked(
         ["radixrt.scheduler"],
         """
-        import radixrt.engine.runner, radixrt.engine.cuda_graph, radixrt.engine.result
+        import radixrt.executor.runner, radixrt.executor.cuda_graph, radixrt.executor.result
         import radixrt.attention.torch_backend, radixrt.attention.flashinfer_backend
         import radixrt.attention.sdpa_backend, radixrt.attention.sdpa_plan
         """,

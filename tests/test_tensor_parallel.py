@@ -281,7 +281,7 @@ def _alive(pid: int) -> bool:
 def test_plan_codec_round_trip():
     """Every PlanRow field the ranks read, slot entries, block ops and side tables survive;
     the request id and needs_host_result (scheduler bookkeeping) are not sent."""
-    from radixrt.engine.tp.plan_codec import ControlKind, PlanDecoder, PlanEncoder
+    from radixrt.executor.tp.plan_codec import ControlKind, PlanDecoder, PlanEncoder
     from radixrt.plan import (
         CopyBlock,
         PlanRow,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
-from radixrt.engine.tp.workers import TensorParallelError
+from radixrt.executor.tp.workers import TensorParallelError
 from radixrt.model.tiny import make_hf_checkpoint
 
 B = 4

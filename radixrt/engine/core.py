@@ -92,12 +92,12 @@ class EngineCore:
         num_slots = cfg.scheduler.max_running_requests
         own_runner = runner is None
         if runner is None and cfg.tensor_parallel_size > 1:
-            from radixrt.engine.tp.runner import TensorParallelRunner
+            from radixrt.executor.tp.runner import TensorParallelRunner
 
             runner = TensorParallelRunner(cfg, model_config, self.max_model_len, num_slots)
             num_kv_blocks = runner.num_usable_blocks
         elif runner is None:
-            from radixrt.engine.runner import ModelRunner
+            from radixrt.executor.runner import ModelRunner
 
             runner = ModelRunner(cfg, model_config, self.max_model_len, num_slots)
             num_kv_blocks = runner.num_usable_blocks

@@ -6,7 +6,7 @@ front and the scheduler import these. The xgrammar-backed matchers and compile c
 (`xgrammar_backend`) import xgrammar and are created by EngineCore only; compiles run in
 killable worker processes (`compile_pool`, `compile_worker`). The scheduler's half is
 `radixrt.scheduler.grammar`; applying bitmasks to logits is the runner's
-(`radixrt.engine.grammar_masks`).
+(`radixrt.executor.grammar_masks`).
 """
 
 from radixrt.grammar.spec import GRAMMAR_KINDS, JSON_OBJECT_EBNF, GrammarSpec, grammar_spec

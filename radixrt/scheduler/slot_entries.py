@@ -6,7 +6,7 @@ reserved slot) an entry with its sampling parameters is queued; with penalties i
 tokens the runner counts (the prompt when repetition_penalty needs it, any earlier output of a
 re-admitted request), or names the slot it copies (a fork: the parent's) and the tokens on top.
 Each entry gets a new incarnation number. The runner then counts the row's own samples on the
-device (`radixrt.engine.penalties`); `Request.num_output_counted` mirrors how many output tokens
+device (`radixrt.executor.penalties`); `Request.num_output_counted` mirrors how many output tokens
 its slot counts, so tokens appended on the host without a sample (jump-forward, a beam's pick)
 are noticed at the next row and the slot is entered again with the whole output
 (`recount_due`). A slot freed before its entry went out drops the entry (`drop`).

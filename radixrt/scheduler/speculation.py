@@ -119,7 +119,7 @@ class SpeculationFeature(SchedulerFeature):
         """Draft tokens for a decode row: only with its last token on the host, and room for
         them (max_tokens, the context and `spare` tokens of the step's budget); see the
         module docstring for the rules. Rows with penalties draft: the runner penalises each
-        position with the drafts before it counted (`radixrt.engine.penalties`)."""
+        position with the drafts before it counted (`radixrt.executor.penalties`)."""
         if req.num_inflight_samples or not req.reports:
             return []
         constrained = self._constrained(req)

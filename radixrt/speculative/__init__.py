@@ -1,5 +1,5 @@
 """Speculative decoding proposers: ngram (prompt lookup), radix (the prefix cache's own
-continuation), draft (a draft model that the runner runs, `radixrt.engine.draft`).
+continuation), draft (a draft model that the runner runs, `radixrt.executor.draft`).
 `create_proposer` imports lazily (the ngram proposer needs numpy)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A host proposer (ngram, radix) drafts tokens for a decode row on the host; the scheduler feeds
 the row's last token plus the drafts, the runner samples at every position and accepts the
-longest prefix of drafts equal to its samples (see `radixrt.engine.runner`). Drafts are
+longest prefix of drafts equal to its samples (see `radixrt.executor.runner`). Drafts are
 deterministic given the row's tokens, so the output distribution is exactly that of plain
 decoding. The draft-model proposer (`radixrt.speculative.draft`) only says how many drafts a row
 gets; the runner makes them on the device and verifies them by rejection sampling.

@@ -1,6 +1,6 @@
 """The scheduler's side of draft-model speculation: how many drafts a decode row gets.
 
-The draft model itself runs in the runner (`radixrt.engine.draft`): the scheduler stays
+The draft model itself runs in the runner (`radixrt.executor.draft`): the scheduler stays
 torch-free, reserves KV for k + 1 tokens as for any proposer and lists the row of k drafts in
 `StepPlan.device_drafts` (the placeholders are not sent); the runner runs the draft model k steps
 over the row on the device, writes the drafts into the verify row's inputs and verifies them

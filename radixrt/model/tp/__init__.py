@@ -1,4 +1,4 @@
 """Tensor parallelism, the model's side: which part of each weight a rank holds (`shard`, no
 torch), the process groups and collectives (`group`), and the row-parallel linear and
 vocabulary-parallel embedding / lm_head layers (`layers`). The executor that drives the ranks
-is `radixrt.engine.tp`."""
+is `radixrt.executor.tp`."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.engine.inputs import StepLayout
+from radixrt.executor.inputs import StepLayout
 from radixrt.plan import StepPlan
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The draft model of `speculative_method = draft`, run by the ModelRunner (runner side).
 
-A runner feature (`radixrt.engine.runner_features`): the scheduler plans a verify row as for
+A runner feature (`radixrt.executor.runner_features`): the scheduler plans a verify row as for
 any proposer (KV reserved for k + 1 tokens, the row listed in `StepPlan.device_drafts`); in the
 same step the runner calls
   1. `before_forward` (`propose`): the draft model runs k one-token steps over those rows
@@ -14,10 +14,10 @@ same step the runner calls
      verify rows' draft KV (one more one-token step feeds the last draft), so the draft KV is
      filled wherever the target's is;
   3. `after_sample`: verification (greedy: exact match in the sampler; sampling: rejection,
-     `radixrt.engine.draft_verify`).
+     `radixrt.executor.draft_verify`).
 Drafts never travel to the host before verification. Verify rows still wait for their
 result on the host before the next plan (their length depends on acceptance). The draft model
-shares the runner's slot state (`radixrt.engine.slots`: block tables, last samples, sampling
+shares the runner's slot state (`radixrt.executor.slots`: block tables, last samples, sampling
 parameters) as data; it is handed nothing else of the runner.
 
 Draft KV lives in a second KVPool indexed by the SAME block ids as the target's pool (one block
@@ -36,18 +36,18 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.engine.draft_check import check_draft_compatible
-from radixrt.engine.inputs import StepLayout, layout_plan
-from radixrt.engine.rejection import row_noise
-from radixrt.engine.runner_features import RunnerFeature, StepContext
-from radixrt.engine.sampler import sampling_probs
-from radixrt.engine.slots import SlotState
+from radixrt.executor.draft_check import check_draft_compatible
+from radixrt.executor.inputs import StepLayout, layout_plan
+from radixrt.executor.rejection import row_noise
+from radixrt.executor.runner_features import RunnerFeature, StepContext
+from radixrt.executor.sampler import sampling_probs
+from radixrt.executor.slots import SlotState
 from radixrt.kv.pool import KVPool
 from radixrt.model import DTYPES, build_model
 from radixrt.plan import CopyBlock, PlanRow, StepPlan
 
 if TYPE_CHECKING:
-    from radixrt.engine.result import StepOutputs
+    from radixrt.executor.result import StepOutputs
 
 DRAFT_SALT = 1_000  # + step j: noise of draft j (distinct from the target's acceptance noise)
 
@@ -123,7 +123,7 @@ class DraftRunner(RunnerFeature):
         (`scratch_block`: theirs)."""
         self.allocate(num_blocks, block_size)
         if scratch_block is not None and self.use_cuda_graphs:
-            from radixrt.engine.cuda_graph import DECODE_BUCKETS
+            from radixrt.executor.cuda_graph import DECODE_BUCKETS
 
             num_slots, max_blocks = self.slots.block_tables.shape
             self.enable_cuda_graphs(
@@ -149,7 +149,7 @@ class DraftRunner(RunnerFeature):
     def after_sample(self, ctx: StepContext, logits: torch.Tensor, out: StepOutputs) -> None:
         if ctx.drafted is None:
             return
-        from radixrt.engine.draft_verify import verify_stochastic
+        from radixrt.executor.draft_verify import verify_stochastic
 
         plan, layout, tokens = ctx.plan, ctx.layout, out.tokens
         drafting = ctx.drafting or []
@@ -209,7 +209,7 @@ class DraftRunner(RunnerFeature):
     ) -> None:
         """Capture decode CUDA graphs of the draft model for `propose`'s one-token steps
         (the target's scratch block is the draft pool's scratch block too)."""
-        from radixrt.engine.cuda_graph import DecodeCudaGraphs
+        from radixrt.executor.cuda_graph import DecodeCudaGraphs
 
         assert self.pool is not None
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)

@@ -3,7 +3,7 @@
 A slot is the runner-side home of one running sequence. Its state has a lifecycle:
 - set by the `SlotEntry` of the plan in which the sequence takes the slot (sampling
   parameters, the incarnation; runner features set theirs from the same entry, e.g. penalty
-  counts in `radixrt.engine.penalties`), a fork's entry copying its parent's slot;
+  counts in `radixrt.executor.penalties`), a fork's entry copying its parent's slot;
 - changed by each step: block-table deltas from the plan rows (before the forward) and the
   last sample (on the device, after sampling; `last_tokens`);
 - never cleared: the next entry for the slot overwrites it. A slot freed and granted again
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.engine.inputs import StepLayout, host_forward_batch
+from radixrt.executor.inputs import StepLayout, host_forward_batch
 from radixrt.plan import SlotEntry, StepPlan
 from radixrt.sampling import SamplingParams
 

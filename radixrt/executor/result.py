@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixrt.engine.inputs import StepLayout
+from radixrt.executor.inputs import StepLayout
 from radixrt.plan import StepPlan, StepResult
 
 

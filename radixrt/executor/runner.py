@@ -1,12 +1,12 @@
 """ModelRunner: executes step plans. Owns the model, the KV pool, the attention backend, the
-per-slot row state (`radixrt.engine.slots`: block tables, sampling parameters, last sampled
-tokens on the device), the runner halves of features (`radixrt.engine.runner_features`):
-per-slot penalty counts (`radixrt.engine.penalties`) and, with speculative_method 'draft', the
-draft model and its KV pool (`radixrt.engine.draft`), and the row sampler that samples the
-step's rows and verifies drafts (`radixrt.engine.row_sampling`).
+per-slot row state (`radixrt.executor.slots`: block tables, sampling parameters, last sampled
+tokens on the device), the runner halves of features (`radixrt.executor.runner_features`):
+per-slot penalty counts (`radixrt.executor.penalties`) and, with speculative_method 'draft', the
+draft model and its KV pool (`radixrt.executor.draft`), and the row sampler that samples the
+step's rows and verifies drafts (`radixrt.executor.row_sampling`).
 
 `execute(plan)` applies the plan's slot entries, block-table changes and block ops, runs one
-forward over all rows (or replays a decode CUDA graph, see `radixrt.engine.cuda_graph`),
+forward over all rows (or replays a decode CUDA graph, see `radixrt.executor.cuda_graph`),
 samples, keeps each row's sample on the device for the next step and starts one non-blocking
 copy of the results to the host; it returns at once with a handle (on a CPU the work is
 already done). It never imports the scheduler: a plan is plain data.
@@ -26,14 +26,14 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.engine.cpu_malloc import keep_freed_memory
-from radixrt.engine.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
-from radixrt.engine.inputs import StepLayout, layout_plan
-from radixrt.engine.penalties import SlotPenalties
-from radixrt.engine.result import PendingResult
-from radixrt.engine.row_sampling import RowSampler
-from radixrt.engine.runner_features import RunnerFeature, StepContext
-from radixrt.engine.slots import SlotState
+from radixrt.executor.cpu_malloc import keep_freed_memory
+from radixrt.executor.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
+from radixrt.executor.inputs import StepLayout, layout_plan
+from radixrt.executor.penalties import SlotPenalties
+from radixrt.executor.result import PendingResult
+from radixrt.executor.row_sampling import RowSampler
+from radixrt.executor.runner_features import RunnerFeature, StepContext
+from radixrt.executor.slots import SlotState
 from radixrt.kernels.native import CPU_LIBRARIES, prebuild
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
@@ -134,13 +134,13 @@ class ModelRunner:
         if tp is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # The runner halves of features, in hook order (the rules between them: see
-        # radixrt.engine.runner_features). Their device memory is allocated here, before the
+        # radixrt.executor.runner_features). Their device memory is allocated here, before the
         # KV pool is sized from what is left (the penalty counts: slots x vocab).
         self.penalties = SlotPenalties(num_slots, model_cfg.vocab_size, self.device)
         self.features: list[RunnerFeature] = []
         self.draft = None  # the draft model (speculative_method 'draft'), for inspection
         if cfg.speculative.speculative_method == "draft":
-            from radixrt.engine.draft import DraftRunner
+            from radixrt.executor.draft import DraftRunner
 
             self.draft = DraftRunner(cfg, model_cfg, max_model_len, self.slots, generator)
             self.features.append(self.draft)
@@ -151,7 +151,7 @@ class ModelRunner:
             num_slots,
             model_cfg.vocab_size,
         )
-        # Sampling of the step's rows (`radixrt.engine.row_sampling`): logits hooks, masks,
+        # Sampling of the step's rows (`radixrt.executor.row_sampling`): logits hooks, masks,
         # sampling, draft verification, last samples into the slots.
         self.sampler = RowSampler(
             self.device, self.slots, self.features, model_cfg.eos_token_ids, generator

@@ -1,5 +1,5 @@
 """Verification of the draft model's drafts for non-greedy rows: rejection sampling over the
-target's distribution at each of the row's k + 1 positions (`radixrt.engine.rejection`).
+target's distribution at each of the row's k + 1 positions (`radixrt.executor.rejection`).
 Greedy rows need none of this: their drafts are verified by exact match (`RowSampler.verify`),
 which is what rejection sampling reduces to for one-hot p and q."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixrt.engine.draft import DraftOutput
-from radixrt.engine.inputs import StepLayout
-from radixrt.engine.rejection import rejection_sample, row_noise
-from radixrt.engine.result import StepOutputs
-from radixrt.engine.sampler import sampling_probs
+from radixrt.executor.draft import DraftOutput
+from radixrt.executor.inputs import StepLayout
+from radixrt.executor.rejection import rejection_sample, row_noise
+from radixrt.executor.result import StepOutputs
+from radixrt.executor.sampler import sampling_probs
 from radixrt.plan import StepPlan
 
 ACCEPT_SALT = 2_000  # noise salts of a seeded row (the draft's are DRAFT_SALT + j)

@@ -6,7 +6,7 @@ the sequence's output) and `prompt_seen` ([slots, vocab] bool: which tokens its 
 A `SlotEntry` sets them once when a sequence takes the slot (its prompt and any earlier output,
 or a copy of its fork parent's slot); each step then adds the row's accepted samples inside the
 step, on the device (`count`), so a penalised row never waits for its result on the host and
-overlaps like any other. The logits transform is `radixrt.engine.sampler.apply_penalties`'s,
+overlaps like any other. The logits transform is `radixrt.executor.sampler.apply_penalties`'s,
 operation for operation (equal floats): OpenAI presence / frequency penalties on output
 tokens, HF's repetition penalty on prompt + output tokens.
 
@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from radixrt.engine.inputs import StepLayout
-from radixrt.engine.runner_features import RunnerFeature, StepContext
+from radixrt.executor.inputs import StepLayout
+from radixrt.executor.runner_features import RunnerFeature, StepContext
 from radixrt.plan import SlotEntry, StepPlan
 
 if TYPE_CHECKING:
-    from radixrt.engine.draft import DraftOutput
-    from radixrt.engine.result import StepOutputs
+    from radixrt.executor.draft import DraftOutput
+    from radixrt.executor.result import StepOutputs
 
 
 class SlotPenalties(RunnerFeature):
     """The per-slot counts (device) and which slots penalise (host); a runner feature
-    (`radixrt.engine.runner_features`)."""
+    (`radixrt.executor.runner_features`)."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.device = device

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import torch
 
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.engine.result import PendingResult
-from radixrt.engine.runner import ModelRunner
-from radixrt.engine.tp.plan_codec import ControlKind, PlanEncoder
-from radixrt.engine.tp.workers import TensorParallelError, WorkerArgs, WorkerSet
+from radixrt.executor.result import PendingResult
+from radixrt.executor.runner import ModelRunner
+from radixrt.executor.tp.plan_codec import ControlKind, PlanEncoder
+from radixrt.executor.tp.workers import TensorParallelError, WorkerArgs, WorkerSet
 from radixrt.model.tp.group import TPGroup, create_store, set_nccl_env
 from radixrt.model.tp.shard import check_devices, check_divisible
 from radixrt.plan import StepPlan, StepResult, SwapStats

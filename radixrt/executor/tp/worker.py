@@ -17,7 +17,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
-from radixrt.engine.tp.workers import WorkerArgs
+from radixrt.executor.tp.workers import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ def run(args: WorkerArgs, conn: Connection) -> None:
     set_nccl_env()
     import torch
 
-    from radixrt.engine.runner import ModelRunner
-    from radixrt.engine.tp.plan_codec import ControlKind, PlanDecoder
-    from radixrt.engine.tp.runner import PLAN_CAPACITY
+    from radixrt.executor.runner import ModelRunner
+    from radixrt.executor.tp.plan_codec import ControlKind, PlanDecoder
+    from radixrt.executor.tp.runner import PLAN_CAPACITY
 
     device = torch.device(args.cfg.device)
     if device.type == "cuda":

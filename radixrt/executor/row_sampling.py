@@ -3,7 +3,7 @@ bias, min-tokens masks, grammar masks, sampling, verification of drafts (exact m
 model's after-sample hook verifies its drafts on non-greedy rows by rejection sampling), and
 each row's last accepted sample kept in its slot for the next step.
 
-`RowSampler` is the `radixrt.engine.runner.ModelRunner`'s sampling component: the runner
+`RowSampler` is the `radixrt.executor.runner.ModelRunner`'s sampling component: the runner
 builds it with the device, its slot state, its features (in hook order), the EOS ids and the
 sampling generator, and calls `sample` once per step after the forward.
 """
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from radixrt.engine.inputs import StepLayout
-from radixrt.engine.result import StepOutputs
-from radixrt.engine.runner_features import RunnerFeature, StepContext
-from radixrt.engine.sampler import apply_logit_bias, apply_min_tokens
-from radixrt.engine.sampler import sample as sample_logits
-from radixrt.engine.slots import SlotState
+from radixrt.executor.inputs import StepLayout
+from radixrt.executor.result import StepOutputs
+from radixrt.executor.runner_features import RunnerFeature, StepContext
+from radixrt.executor.sampler import apply_logit_bias, apply_min_tokens
+from radixrt.executor.sampler import sample as sample_logits
+from radixrt.executor.slots import SlotState
 from radixrt.plan import StepPlan
 
 
@@ -49,7 +49,7 @@ class RowSampler:
     def sample(self, ctx: StepContext, logits: torch.Tensor | None) -> StepOutputs:
         """Sample every listed position, verify drafts, keep each row's last accepted sample
         in its slot on the device; the features' `on_logits` / `after_sample` hooks run
-        around it (see radixrt.engine.runner_features)."""
+        around it (see radixrt.executor.runner_features)."""
         out = StepOutputs()
         if logits is None:
             return out
@@ -111,7 +111,7 @@ class RowSampler:
     def _apply_grammar_masks(plan: StepPlan, layout: StepLayout, logits: torch.Tensor) -> None:
         """Mask every sample of each constrained row (the plan's one bitmask array: a verify
         row has one mask per sample)."""
-        from radixrt.engine.grammar_masks import apply_token_bitmasks
+        from radixrt.executor.grammar_masks import apply_token_bitmasks
 
         masks = plan.bitmasks
         assert masks is not None

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixrt.engine.inputs import StepLayout
+from radixrt.executor.inputs import StepLayout
 from radixrt.plan import CopyBlock, SlotEntry, StepPlan
 
 if TYPE_CHECKING:
     from radixrt.attention.forward_batch import ForwardBatch
-    from radixrt.engine.draft import DraftOutput
-    from radixrt.engine.result import StepOutputs
+    from radixrt.executor.draft import DraftOutput
+    from radixrt.executor.result import StepOutputs
 
 
 @dataclass

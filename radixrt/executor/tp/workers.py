@@ -30,7 +30,7 @@ from radixrt.config import EngineConfig, ModelConfig
 logger = logging.getLogger(__name__)
 
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this
-BOOT = "import sys; from radixrt.engine.tp.worker import main; main(int(sys.argv[1]))"
+BOOT = "import sys; from radixrt.executor.tp.worker import main; main(int(sys.argv[1]))"
 
 
 class TensorParallelError(RuntimeError):
