@@ -40,10 +40,11 @@ class ServerProcess:
         api_key: str | None = None,
         nofile: tuple[int, int] | None = None,
         env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
         """`model_dir` None: no --model (the server's default, the tiny model); `nofile`: the
         (soft, hard) open-file limit the server starts with; `env`: extra environment
-        variables."""
+        variables; `cwd`: the working directory it starts in (default: this process's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -67,6 +68,7 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
             start_new_session=True,
             preexec_fn=None if nofile is None else lambda: _set_nofile(nofile),
         )
@@ -156,10 +158,11 @@ def serving(
     api_key: str | None = None,
     nofile: tuple[int, int] | None = None,
     env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
 ):
     """A ready `ServerProcess` (the usual module fixture's body): on leaving, it must go
     idle (nothing in flight, integrity holds) and is stopped."""
-    srv = ServerProcess(model_dir, *args, api_key=api_key, nofile=nofile, env=env)
+    srv = ServerProcess(model_dir, *args, api_key=api_key, nofile=nofile, env=env, cwd=cwd)
     try:
         srv.wait_ready()
         yield srv
