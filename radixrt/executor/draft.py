@@ -28,7 +28,6 @@ positions are fed again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +36,7 @@ from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.executor.draft_check import check_draft_compatible
+from radixrt.executor.draft_verify import DraftOutput, verify_stochastic
 from radixrt.executor.inputs import StepLayout, layout_plan
 from radixrt.executor.rejection import row_noise
 from radixrt.executor.runner_features import RunnerFeature, StepContext
@@ -50,18 +50,6 @@ if TYPE_CHECKING:
     from radixrt.executor.result import StepOutputs
 
 DRAFT_SALT = 1_000  # + step j: noise of draft j (distinct from the target's acceptance noise)
-
-
-@dataclass
-class DraftOutput:
-    """Drafts of one step's `device_drafts` rows (device tensors)."""
-
-    rows: list[int]  # plan row index of each drafting row
-    num_drafts: list[int]  # [R] drafts per row (1..k)
-    token_ids: torch.Tensor  # [R, k] int64: drafts (0 past num_drafts)
-    probs: torch.Tensor  # [R, k, V] float32: q each draft was sampled from (0 past num_drafts)
-    flat_index: torch.Tensor  # [sum num_drafts] int64: the drafts' token index in the target
-    # step's flat inputs, row-major
 
 
 class DraftRunner(RunnerFeature):
@@ -149,7 +137,6 @@ class DraftRunner(RunnerFeature):
     def after_sample(self, ctx: StepContext, logits: torch.Tensor, out: StepOutputs) -> None:
         if ctx.drafted is None:
             return
-        from radixrt.executor.draft_verify import verify_stochastic
 
         plan, layout, tokens = ctx.plan, ctx.layout, out.tokens
         drafting = ctx.drafting or []

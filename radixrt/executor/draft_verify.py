@@ -5,18 +5,28 @@ which is what rejection sampling reduces to for one-hot p and q."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from radixrt.executor.draft import DraftOutput
 from radixrt.executor.inputs import StepLayout
 from radixrt.executor.rejection import rejection_sample, row_noise
 from radixrt.executor.result import StepOutputs
+from radixrt.executor.runner_features import DeviceDrafts
 from radixrt.executor.sampler import sampling_probs
 from radixrt.plan import StepPlan
 
 ACCEPT_SALT = 2_000  # noise salts of a seeded row (the draft's are DRAFT_SALT + j)
 FINAL_SALT = 3_000
+
+
+@dataclass
+class DraftOutput(DeviceDrafts):
+    """The draft model's drafts of one step's `device_drafts` rows, with the distributions
+    they were sampled from (what rejection sampling needs)."""
+
+    probs: torch.Tensor  # [R, k, V] float32: q of each draft (0 past num_drafts)
 
 
 def verify_stochastic(

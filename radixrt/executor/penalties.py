@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from radixrt.executor.inputs import StepLayout
-from radixrt.executor.runner_features import RunnerFeature, StepContext
+from radixrt.executor.runner_features import DeviceDrafts, RunnerFeature, StepContext
 from radixrt.plan import SlotEntry, StepPlan
 
 if TYPE_CHECKING:
-    from radixrt.executor.draft import DraftOutput
     from radixrt.executor.result import StepOutputs
 
 
@@ -97,7 +96,7 @@ class SlotPenalties(RunnerFeature):
         plan: StepPlan,
         layout: StepLayout,
         samples: list[int],  # `penalised(layout)`, non-empty
-        drafted: DraftOutput | None = None,
+        drafted: DeviceDrafts | None = None,
     ) -> None:
         """Penalise the listed samples from their slots' counts (+ the drafts before each
         verify position; host drafts from the plan, the draft model's from `drafted`)."""
@@ -140,7 +139,7 @@ class SlotPenalties(RunnerFeature):
         plan: StepPlan,
         layout: StepLayout,
         samples: list[int],
-        drafted: DraftOutput | None,
+        drafted: DeviceDrafts | None,
     ) -> None:
         """Add to each verify position's counts the drafts before it (in place)."""
         device_row = {} if drafted is None else {i: a for a, i in enumerate(drafted.rows)}

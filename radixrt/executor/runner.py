@@ -73,15 +73,44 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.cache.block_size
         self.num_slots = num_slots
-        if self.device.type == "cpu" and cfg.cpu_threads is not None:
-            torch.set_num_threads(cfg.cpu_threads)
-            logger.info("CPU: %d torch threads", cfg.cpu_threads)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # no page faults on every step's activations (cpu_malloc)
-            prebuild(CPU_LIBRARIES)  # the native kernels, compiled at once on a first start
         self.tp = tp
+        self._is_cuda = self.device.type == "cuda"
+        self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
         start = time.perf_counter()
-        shard = attn_cfg = None
+        self._setup_cpu()
+        attn_cfg = self._load_model(max_model_len)
+        self._build_attention(attn_cfg)
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        # Row state per slot (block tables, sampling parameters, last samples on the device).
+        self.slots = SlotState(num_slots, self.max_blocks_per_seq, self.block_size, self.device)
+        self.block_tables = self.slots.block_tables  # (the same array, for tests)
+        self.last_tokens = self.slots.last_tokens
+        self._build_features(max_model_len)
+        self._allocate_kv_pool()
+        self._prepare_cuda_graphs()
+        scratch = None if self.cuda_graphs is None else self.pool.num_blocks - 1
+        for f in self.features:
+            f.on_pool(self.pool.num_blocks, self.block_size, scratch)
+        # Blocks the allocator may hand out: all but the graphs' scratch block.
+        self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
+        self._allocate_host_pool()
+        logger.info("model runner ready in %.1f s", time.perf_counter() - start)
+
+    # ---- build steps (in the order __init__ runs them) ----
+    def _setup_cpu(self) -> None:
+        if self.device.type != "cpu":
+            return
+        if self.cfg.cpu_threads is not None:
+            torch.set_num_threads(self.cfg.cpu_threads)
+            logger.info("CPU: %d torch threads", self.cfg.cpu_threads)
+        keep_freed_memory()  # no page faults on every step's activations (cpu_malloc)
+        prebuild(CPU_LIBRARIES)  # the native kernels, compiled at once on a first start
+
+    def _load_model(self, max_model_len: int) -> ModelConfig:
+        """Build the model (this rank's shard under TP); returns the config attention sees."""
+        cfg, model_cfg, tp = self.cfg, self.model_cfg, self.tp
+        shard = None
+        attn_cfg = model_cfg
         if tp is not None:
             from radixrt.model.tp.shard import TPShard
 
@@ -110,10 +139,14 @@ class ModelRunner:
             f" ({self.model.fp8.describe()})" if self.model.fp8 is not None else "",
         )
         self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
+        return attn_cfg
+
+    def _build_attention(self, attn_cfg: ModelConfig) -> None:
+        cfg = self.cfg
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         self.backend = create_attention_backend(
             cfg.attention_backend,
-            attn_cfg or model_cfg,
+            attn_cfg,
             self.device,
             self.dtype,
             self.kv_dtype,
@@ -121,21 +154,17 @@ class ModelRunner:
         )
         # FlashInfer pads small heads; the pool stores what the backend attends over.
         self.kv_head_dim: int = self.backend.kv_head_dim
-        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        # Row state per slot (block tables, sampling parameters, last samples on the device).
-        self.slots = SlotState(num_slots, self.max_blocks_per_seq, self.block_size, self.device)
-        self.block_tables = self.slots.block_tables  # (the same array, for tests)
-        self.last_tokens = self.slots.last_tokens
-        self._is_cuda = self.device.type == "cuda"
-        self._copy_to_host = self._is_cuda and (tp is None or tp.rank == 0)
+
+    def _build_features(self, max_model_len: int) -> None:
+        """The runner halves of features, in hook order (the rules between them: see
+        radixrt.executor.runner_features), and the row sampler over them. Their device memory
+        is allocated here, before the KV pool is sized from what is left."""
+        cfg, model_cfg, num_slots = self.cfg, self.model_cfg, self.num_slots
         # Tensor parallelism: the sampling noise of every rank from one seed (tp=1 keeps
         # torch's default generator).
         generator: torch.Generator | None = None
-        if tp is not None:
+        if self.tp is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        # The runner halves of features, in hook order (the rules between them: see
-        # radixrt.executor.runner_features). Their device memory is allocated here, before the
-        # KV pool is sized from what is left (the penalty counts: slots x vocab).
         self.penalties = SlotPenalties(num_slots, model_cfg.vocab_size, self.device)
         self.features: list[RunnerFeature] = []
         self.draft = None  # the draft model (speculative_method 'draft'), for inspection
@@ -156,18 +185,20 @@ class ModelRunner:
         self.sampler = RowSampler(
             self.device, self.slots, self.features, model_cfg.eos_token_ids, generator
         )
+
+    def _allocate_kv_pool(self) -> None:
         num_blocks = self._num_kv_blocks()
-        if tp is not None:
-            num_blocks = tp.min_int(num_blocks)
+        if self.tp is not None:
+            num_blocks = self.tp.min_int(num_blocks)
         self.pool = KVPool(
-            model_cfg.num_layers,
+            self.model_cfg.num_layers,
             num_blocks,
             self.block_size,
             self.num_kv_heads,
             self.kv_head_dim,
             self.kv_dtype,
             self.device,
-            scales=self._kv_scales() if cfg.cache.kv_fp8 else None,
+            scales=self._kv_scales() if self.cfg.cache.kv_fp8 else None,
         )
         logger.info(
             "KV pool: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
@@ -178,6 +209,11 @@ class ModelRunner:
             self.pool.kv.numel() * self.pool.kv.element_size() / 2**30,
             f", {self.pool.scales.describe()}" if self.pool.is_fp8 else "",
         )
+
+    def _prepare_cuda_graphs(self) -> None:
+        """Decode CUDA graphs (captured per bucket on first use); the pool's last block is
+        their scratch block."""
+        cfg = self.cfg
         # Recorded once a step's inputs are on the device: pinned staging buffers (ours and
         # FlashInfer's plan buffers) are rewritten only after it (overlap safety).
         self._inputs_on_device: torch.cuda.Event | None = None
@@ -187,7 +223,9 @@ class ModelRunner:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self._decode_logits,
                     self.backend,
-                    max_batch_size=min(num_slots * graph_tokens_per_row(cfg), DECODE_BUCKETS[-1]),
+                    max_batch_size=min(
+                        self.num_slots * graph_tokens_per_row(cfg), DECODE_BUCKETS[-1]
+                    ),
                     max_blocks_per_seq=self.max_blocks_per_seq,
                     block_size=self.block_size,
                     scratch_block=self.pool.num_blocks - 1,
@@ -198,21 +236,17 @@ class ModelRunner:
                     "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
                 )
         self.max_graph_tokens = 0 if self.cuda_graphs is None else self.cuda_graphs.max_batch_size
-        scratch = None if self.cuda_graphs is None else self.pool.num_blocks - 1
-        for f in self.features:
-            f.on_pool(num_blocks, self.block_size, scratch)
-        # Blocks the allocator may hand out: all but the graphs' scratch block.
-        self.num_usable_blocks = self.pool.num_blocks - (0 if self.cuda_graphs is None else 1)
-        # Host KV tier (see radixrt.kv.host_pool): sized here, the cache's allocator matches.
+
+    def _allocate_host_pool(self) -> None:
+        """The host KV tier (radixrt.kv.host_pool), sized here; the cache's allocator matches."""
         self.host_pool: HostKVPool | None = None
         self.num_host_blocks = 0
-        if cfg.cache.host_tier:
+        if self.cfg.cache.host_tier:
             per_block = self.pool.kv[:, :, 0].numel() * self.pool.kv.element_size()
             self.num_host_blocks = num_host_blocks(
-                cfg.cache.host_kv_gb, cfg.cache.num_host_kv_blocks, per_block
+                self.cfg.cache.host_kv_gb, self.cfg.cache.num_host_kv_blocks, per_block
             )
             self.host_pool = HostKVPool(self.num_host_blocks, self.pool)
-        logger.info("model runner ready in %.1f s", time.perf_counter() - start)
 
     def _kv_scales(self) -> KVScales:
         """An fp8 pool's scales: the checkpoint's kv scales, else 1.0 for every layer."""

@@ -9,7 +9,7 @@ counts) and overrides some hooks; the runner calls every feature at each hook in
   its own pool indexed by the same block ids copies too).
 - `before_forward(ctx)`: after block ops, before the target's forward; may set
   `ctx.input_writes` (token ids written into the step's inputs on the device) and
-  `ctx.drafted` (device drafts of `plan.device_drafts` rows).
+  `ctx.drafted` (`DeviceDrafts` of `plan.device_drafts` rows).
 - `after_forward(ctx, fb)`: after the target's forward (`fb`: its ForwardBatch; None when a
   CUDA graph ran).
 - `on_logits(ctx, logits)`: the sample logits [S, V] float32, before logit bias, min-tokens
@@ -38,8 +38,19 @@ from radixrt.plan import CopyBlock, SlotEntry, StepPlan
 
 if TYPE_CHECKING:
     from radixrt.attention.forward_batch import ForwardBatch
-    from radixrt.executor.draft import DraftOutput
     from radixrt.executor.result import StepOutputs
+
+
+@dataclass
+class DeviceDrafts:
+    """Draft tokens a feature made on the device for some of a step's rows: the verify rows'
+    inputs (written through `flat_index`) and what verification and penalties read."""
+
+    rows: list[int]  # plan row index of each drafting row
+    num_drafts: list[int]  # [R] drafts per row (1..k)
+    token_ids: torch.Tensor  # [R, k] int64: drafts (0 past num_drafts)
+    flat_index: torch.Tensor  # [sum num_drafts] int64: the drafts' token index in the target
+    # step's flat inputs, row-major
 
 
 @dataclass
@@ -51,7 +62,7 @@ class StepContext:
     use_cuda_graph: bool
     input_writes: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat token index [N]
     # int64, token ids [N] int64), device: written into the step's input ids
-    drafted: DraftOutput | None = None  # the draft model's drafts (device)
+    drafted: DeviceDrafts | None = None  # a feature's device drafts (the draft model's)
     drafting: list[int] | None = None  # plan rows with drafts (the order of num_accepted)
 
 
