@@ -7,187 +7,20 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
-    from radixrt.config import DECODE_ATTENTION_KERNELS  # torch-free
+    """Options shared by every command that builds an engine: one flag per option declared in
+    radixrt.config (radixrt.options)."""
+    from radixrt.config import EngineConfig  # torch-free
+    from radixrt.options import add_flags
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
-    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
-    g.add_argument("--prefix-cache", default="radix", choices=["radix", "blockhash", "none"])
-    g.add_argument("--policy", default="auto", help="fcfs | lpm | dfs-weight | random | auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--mem-fraction", type=float, default=0.85)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "fp8_e4m3"],
-        help="KV storage: the model dtype (auto) or fp8 e4m3 with per-tensor scales (2x tokens)",
-    )
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=["fp8"],
-        help="fp8: W8A8 fp8 linear layers, a 16/32-bit checkpoint quantized at load (fp8 "
-        "checkpoints run in fp8 without it); CUDA compute capability >= 8.9",
-    )
-    g.add_argument(
-        "--fp8-activation-scale",
-        default="auto",
-        choices=["auto", "token", "tensor"],
-        help="fp8 activation scaling when quantizing at load: token (dynamic per token, "
-        "per-channel weight scales; auto) or tensor (dynamic per tensor, per-tensor weight "
-        "scales)",
-    )
-    g.add_argument(
-        "--host-kv-gb",
-        type=float,
-        default=0.0,
-        help="host KV tier (radix cache): GiB of host memory for evicted KV blocks; 0: off",
-    )
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-running-requests", type=int, default=256)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument(
-        "--attention-backend", default="auto", help="torch | torch-reference | flashinfer | auto"
-    )
-    g.add_argument(
-        "--decode-attention-kernel",
-        default="auto",
-        choices=DECODE_ATTENTION_KERNELS,
-        help="flashinfer decode kernel: auto = xqa (fp8 q) for an fp8 KV cache on Hopper, else fa2",
-    )
-    g.add_argument("--disable-cuda-graph", action="store_true")
-    g.add_argument(
-        "--kv-events-hash-seed",
-        default=None,
-        help="KV events: the seed of vLLM's NONE_HASH (block 0's parent hash); default: "
-        "$PYTHONHASHSEED, else random (routers that hash tokens need the same seed)",
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        type=int,
-        default=1,
-        help="ranks (GPUs; rank r on cuda:r) that share each layer; 1: off",
-    )
-    g.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="plan each step only after the previous one finished (overlap is on for CUDA)",
-    )
-    g.add_argument(
-        "--speculative-method",
-        default="none",
-        choices=["none", "ngram", "radix", "draft"],
-        help="draft tokens by prompt lookup (ngram), from the radix cache (radix) or with a "
-        "draft model (draft: needs --speculative-draft-model)",
-    )
-    g.add_argument(
-        "--speculative-draft-model",
-        default=None,
-        help="draft: HF dir of a smaller checkpoint with the target's tokenizer",
-    )
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per decode row")
-    g.add_argument(
-        "--speculative-min-gain",
-        type=float,
-        default=0.3,
-        help="verify drafts in a step only when its expected accepted drafts reach this many "
-        "per decode row (0: always)",
-    )
-    g.add_argument("--ngram-min-n", type=int, default=2, help="ngram: shortest suffix matched")
-    g.add_argument("--ngram-max-n", type=int, default=4, help="ngram: longest suffix matched")
-    g.add_argument(
-        "--retention-max-ttl-s",
-        type=float,
-        default=600.0,
-        help="retention hints: a request's cache_ttl_s is capped at this many seconds",
-    )
-    g.add_argument(
-        "--retention-max-share",
-        type=float,
-        default=0.8,
-        help="retention hints: held blocks stay within this share of the KV pool",
-    )
-    g.add_argument(
-        "--retention-max-tenant-share",
-        type=float,
-        default=1.0,
-        help="retention hints: one cache salt's held blocks stay within this share of the pool",
-    )
-    g.add_argument(
-        "--disable-jump-forward",
-        action="store_true",
-        help="structured output: sample tokens the grammar forces instead of appending them",
-    )
-    g.add_argument(
-        "--jump-forward-retokenize",
-        action="store_true",
-        help="also append forced strings as xgrammar tokenizes them (not output-identical)",
-    )
-    g.add_argument(
-        "--grammar-compile-timeout-s",
-        type=float,
-        default=30.0,
-        help="a compile that runs longer fails (its worker process is killed)",
-    )
-    g.add_argument(
-        "--grammar-compile-workers", type=int, default=2, help="grammar compiles at once"
-    )
-    g.add_argument(
-        "--grammar-cache-mb",
-        type=float,
-        default=256.0,
-        help="compiled grammars kept (least recently used dropped first), MiB",
-    )
+    add_flags(p, EngineConfig)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """Engine keyword arguments from parsed `_engine_args` options."""
-    opts = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "prefix_cache": args.prefix_cache,
-        "policy": args.policy,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "mem_fraction": args.mem_fraction,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "quantization": args.quantization,
-        "fp8_activation_scale": args.fp8_activation_scale,
-        "host_kv_gb": args.host_kv_gb,
-        "kv_events_hash_seed": args.kv_events_hash_seed,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_running_requests": args.max_running_requests,
-        "long_prefill_token_threshold": args.long_prefill_token_threshold,
-        "max_model_len": args.max_model_len,
-        "load_format": args.load_format,
-        "attention_backend": args.attention_backend,
-        "decode_attention_kernel": args.decode_attention_kernel,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "speculative_method": args.speculative_method,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "speculative_min_gain": args.speculative_min_gain,
-        "ngram_min_n": args.ngram_min_n,
-        "ngram_max_n": args.ngram_max_n,
-        "speculative_draft_model": args.speculative_draft_model,
-        "grammar_compile_timeout_s": args.grammar_compile_timeout_s,
-        "grammar_compile_workers": args.grammar_compile_workers,
-        "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
-        "jump_forward": not args.disable_jump_forward,
-        "jump_forward_retokenize": args.jump_forward_retokenize,
-        "retention_max_ttl_s": args.retention_max_ttl_s,
-        "retention_max_share": args.retention_max_share,
-        "retention_max_tenant_share": args.retention_max_tenant_share,
-    }
-    if args.disable_cuda_graph:
-        opts["enable_cuda_graph"] = False
-    if args.disable_overlap_schedule:
-        opts["overlap_schedule"] = False
-    return opts
+    """Engine keyword arguments of the engine flags given (`_engine_args`)."""
+    from radixrt.config import EngineConfig
+    from radixrt.options import given_options
+
+    return given_options(args, EngineConfig)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:

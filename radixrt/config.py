@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixrt.options import option
 from radixrt.quantization import (
     FP8_ACTIVATION_SCALES,
     QUANTIZATIONS,
@@ -33,6 +34,8 @@ MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")  # what model.layers.rope_inv_freq computes
 HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names)
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's quantization config (legacy)
+DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")  # radixrt.attention.flashinfer_backend
+XQA_BLOCK_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA decode kernel is built for
 
 
 def holds_back_shared_prefixes(policy: str, prefix_cache: str) -> bool:
@@ -204,25 +207,48 @@ def window_in_force(cfg: dict[str, Any]) -> int | None:
 class CacheConfig:
     """Paged KV memory and the prefix cache over it."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit pool size; None: from mem_fraction
-    mem_fraction: float = 0.85  # of free device memory after weights (CUDA only)
-    cpu_kv_blocks: int = 4096  # pool size on CPU when num_kv_blocks is None
-    prefix_cache: str = "radix"  # radix | blockhash | none
-    # KV storage: "auto" stores the model's dtype; "fp8_e4m3" stores float8_e4m3fn with
-    # per-tensor scales per layer (the checkpoint's kv scales, else 1.0): twice the tokens
-    # per byte. A mode, not a value to resolve ("auto" never means fp8).
-    kv_cache_dtype: str = "auto"
-    # Host KV tier (radix only): evicted device blocks are written back to a host pool of
-    # this many GiB (pinned on CUDA) and loaded again on a match; 0: off.
-    host_kv_gb: float = 0.0
-    num_host_kv_blocks: int | None = None  # explicit host pool size (tests); overrides host_kv_gb
-    # KV events (radix only): record vLLM BlockStored / BlockRemoved events of the full blocks
-    # the cache holds per tier (EngineCore.take_kv_events; the server publishes them)
-    kv_events: bool = False
-    # seed of the first block's parent hash (vLLM's NONE_HASH = sha256_cbor(seed)); None:
-    # $PYTHONHASHSEED, else random, as vLLM does. Routers that hash tokens need the same seed.
-    kv_events_hash_seed: str | None = None
+    block_size: int = option(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = option(
+        None,
+        "KV pool size",
+        doc_default="from `mem_fraction` (CUDA) or `cpu_kv_blocks` (CPU)",
+    )
+    mem_fraction: float = option(
+        0.85, "of the free device memory after the weights, for the KV pool (CUDA)"
+    )
+    cpu_kv_blocks: int = option(4096, "KV pool size on a CPU without `num_kv_blocks`", cli=False)
+    prefix_cache: str = option(
+        "radix",
+        "`radix`, `blockhash` (vLLM automatic prefix caching semantics), `none`",
+        choices=PREFIX_CACHES,
+    )
+    # "auto" is a mode, not a value to resolve: it never means fp8
+    kv_cache_dtype: str = option(
+        "auto",
+        "`auto` (the model dtype) or `fp8_e4m3` (per-layer K/V scales from the checkpoint, "
+        "else 1.0; twice the tokens per byte; FlashInfer needs compute capability >= 8.9)",
+        choices=KV_CACHE_DTYPES,
+    )
+    host_kv_gb: float = option(
+        0.0,
+        "host KV tier (radix cache only): GiB of host memory (pinned on CUDA) for evicted "
+        "blocks; 0: off",
+    )
+    num_host_kv_blocks: int | None = option(
+        None, "host tier size in blocks (overrides `host_kv_gb`)", cli=False
+    )
+    kv_events: bool = option(
+        False,
+        "record KV cache events (radix cache only); the server publishes them in vLLM's format",
+        cli=False,
+        doc_flag="`--kv-events-endpoint` (serve)",
+    )
+    kv_events_hash_seed: str | None = option(
+        None,
+        "the seed of vLLM's `NONE_HASH`, block 0's parent hash (routers that hash tokens "
+        "need the same)",
+        doc_default="`$PYTHONHASHSEED`, else random",
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -265,32 +291,43 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits and the waiting-queue policy."""
 
-    max_num_batched_tokens: int = 8192  # tokens (prefill + decode) in one forward
-    max_running_requests: int = 256
-    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: no cap
-    policy: str = "fcfs"  # fcfs | lpm | dfs-weight | random (Engine resolves "auto")
-    # lpm / dfs-weight: each step a request waits counts as this many matched tokens, so a
-    # request with no cache hit overtakes every newer one after max_prompt_len / this steps.
-    aging_tokens_per_step: float = 4.0
-    # priority (SamplingParams.priority): each this many steps a request waits makes it one
-    # level more urgent, so a low priority waits a bounded time (radixrt.scheduler.policy);
-    # 0: priorities never age
-    priority_aging_steps: int = 256
-    # retention hints (SamplingParams.cache_ttl_s, radixrt.scheduler.retention): held contexts
-    # take at most this share of the KV pool, for at most retention_max_ttl_s seconds. 0.8:
-    # the H200 program suite's chains ran 1.3-1.6x faster than at 0.5, bench_scheduler's
-    # agents with tool pauses at kv/3 recompute 0.45x the prompt tokens of plain LRU (0.69x
-    # at 0.5), and other traffic mixed in kept the same latency (a running request takes
-    # holds when it needs their blocks; benchmarks/RESULTS.md)
-    retention_max_share: float = 0.8
-    retention_max_tenant_share: float = 1.0  # of the pool, for the holds of one cache salt
-    retention_max_ttl_s: float = 600.0
-    num_speculative_tokens: int = 4  # drafts per decode row, when a proposer is configured
-    # a step verifies drafts only when the accepted drafts it expects (per row: the row's
-    # recent accepted drafts per verify) reach this share of its decode rows: a step with
-    # verify rows waits for its result on the host, which costs +20-40% of a decode step on the
-    # H200 (B = 1..256, benchmarks/RESULTS.md); 0: every drafted row verifies
-    speculative_min_gain: float = 0.3
+    max_num_batched_tokens: int = option(8192, "tokens (prefill + decode) in one forward")
+    max_running_requests: int = option(256, "running requests (runner slots)")
+    long_prefill_token_threshold: int = option(0, "cap on one request's prefill chunk; 0: none")
+    # resolve_config picks "auto"; a config built directly gets fcfs
+    policy: str = option(
+        "fcfs",
+        "`lpm`, `dfs-weight`, `fcfs`, `random`; auto: lpm with the radix cache, else fcfs",
+        choices=POLICIES,
+        auto=True,
+    )
+    # a request with no cache hit overtakes every newer one after max_prompt_len / this steps
+    aging_tokens_per_step: float = option(
+        4.0, "lpm / dfs-weight: each waited step counts as this many matched tokens", cli=False
+    )
+    priority_aging_steps: int = option(
+        256,
+        "each this many waited steps make a request one priority level more urgent; 0: no aging",
+        cli=False,
+    )
+    # the held share's trade-off: RESULTS.md, "Program suite"
+    retention_max_share: float = option(
+        0.8,
+        "share of the KV pool retention hints (`cache_ttl_s`) may hold (a running request "
+        "that needs more blocks takes holds, youngest first)",
+    )
+    retention_max_tenant_share: float = option(
+        1.0, "share of the KV pool one cache salt's holds may keep"
+    )
+    retention_max_ttl_s: float = option(600.0, "a retention hint's time to live at most")
+    num_speculative_tokens: int = option(4, "drafts per decode row, 1..16")
+    # a step with verify rows waits for its result on the host (RESULTS.md, "Speculative")
+    speculative_min_gain: float = option(
+        0.3,
+        "a step verifies drafts only when the accepted drafts it expects (each row's recent "
+        "accepted drafts per verify) reach this many per decode row: a step with verify rows "
+        "cannot overlap with the next; 0: every drafted row verifies",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -340,10 +377,17 @@ class SpeculativeConfig:
     the continuation the radix prefix cache holds after the row's context; `draft`: a smaller
     checkpoint with the target's tokenizer, run by the runner (see `radixrt.executor.draft`)."""
 
-    speculative_method: str = "none"  # none | ngram | radix | draft
-    ngram_min_n: int = 2  # ngram: shortest suffix that may match
-    ngram_max_n: int = 4  # ngram: longest suffix tried (the longest match wins)
-    speculative_draft_model: str | None = None  # draft: the draft checkpoint's HF dir
+    speculative_method: str = option(
+        "none",
+        "`ngram` (prompt lookup), `radix` (the radix tree's continuation; needs "
+        '`prefix_cache="radix"`), `draft` (a draft model: needs `speculative_draft_model`)',
+        choices=SPECULATIVE_METHODS,
+    )
+    ngram_min_n: int = option(2, "ngram: shortest suffix matched")
+    ngram_max_n: int = option(4, "ngram: longest suffix matched (the longest match wins)")
+    speculative_draft_model: str | None = option(
+        None, "draft: HF dir of a smaller checkpoint with the target's tokenizer"
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:
@@ -373,17 +417,34 @@ class SpeculativeConfig:
 class GrammarConfig:
     """Structured output (radixrt.grammar): compiling constraints and jump-forward."""
 
-    jump_forward: bool = True  # append tokens the grammar forces without sampling them
-    # with jump_forward: also append the string the grammar forces, as xgrammar tokenizes it
-    # (fewer steps; NOT output-identical: the model might have picked other tokens for it)
-    jump_forward_retokenize: bool = False
-    # a compile that has run this long fails (its worker process is killed); waiting for a
-    # worker does not count
-    grammar_compile_timeout_s: float = 30.0
-    grammar_compile_workers: int = 2  # compiles at once, each in a worker process
-    grammar_mask_threads: int = 4  # threads filling a step's token bitmasks together
-    # compiled grammars kept (LRU, by xgrammar's memory_size_bytes): 256 MiB
-    grammar_cache_bytes: int = 256 * 2**20
+    jump_forward: bool = option(
+        True,
+        "structured output: append tokens the grammar forces without sampling them "
+        "(output-identical)",
+        flags=("--disable-jump-forward",),
+    )
+    # the model might have picked other tokens for a forced string
+    jump_forward_retokenize: bool = option(
+        False,
+        "also append forced strings as xgrammar tokenizes them (fewer steps, not output-identical)",
+    )
+    grammar_compile_timeout_s: float = option(
+        30.0,
+        "compile time a grammar may take in all (waiting for a worker does not count); the "
+        "compile is then killed and the request gets a 400",
+    )
+    grammar_compile_workers: int = option(
+        2,
+        "grammar compiles at once, each in a worker process (killed and replaced on timeout; "
+        "a waiting grammar preempts the longest-running compile after 1 s)",
+    )
+    grammar_mask_threads: int = option(4, "threads filling a step's token bitmasks", cli=False)
+    grammar_cache_bytes: int = option(
+        256 * 2**20,
+        "compiled grammars kept, least recently used dropped first (xgrammar's reported size)",
+        flags=("--grammar-cache-mb",),
+        unit=("MiB", 2**20),
+    )
 
     def __post_init__(self) -> None:
         t = self.grammar_compile_timeout_s
@@ -400,43 +461,101 @@ class GrammarConfig:
             raise ValueError(f"grammar_mask_threads must be an integer in 1..64, got {n!r}")
 
 
-DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")  # radixrt.attention.flashinfer_backend
-XQA_BLOCK_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA decode kernel is built for
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine needs, resolved (no "auto" left)."""
 
     model_path: str
-    device: str = "cpu"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights)
-    attention_backend: str = "torch"  # torch | flashinfer
-    # Decode rows' kernel on the flashinfer backend: "auto" (XQA, fp8 q, for an fp8 KV cache
-    # on Hopper; fa2 otherwise), "fa2" or "xqa" (radixrt.attention.flashinfer_backend)
-    decode_attention_kernel: str = "auto"
-    enable_cuda_graph: bool = False
-    overlap_schedule: bool = False  # plan step N+1 while step N runs (resolved: on for CUDA)
-    # torch threads on a CPU device (set by the runner; None: leave torch's setting). Resolved
-    # default: `default_cpu_threads()`, the cores not busy at start-up
-    cpu_threads: int | None = None
-    # gc.freeze() once the engine is built, gc.unfreeze() at shutdown: Python's full
-    # collections otherwise rescan the model, graphs and modules every ~80 busy steps, a
-    # 200-300 ms stall of the loop (benchmarks/bench_timeline.py). On in the server's scheduler
-    # process and the benchmarks; off by default in-process, where an engine dropped without
-    # shutdown() would then keep its (device) memory for good.
-    freeze_gc: bool = False
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    tensor_parallel_size: int = 1  # ranks sharing each layer (rank r on cuda:r); 1: off
-    # FP8 W8A8 linear layers (radixrt.quantization): "fp8" quantizes a 16/32-bit checkpoint
-    # (or dummy weights) at load; None: as the checkpoint is (an FP8 checkpoint runs in FP8
-    # either way). fp8_activation_scale: "token" (dynamic per token, channel weight scales)
-    # or "tensor" (per tensor, tensor weight scales) when quantizing at load; "auto": the
-    # checkpoint's, else token.
-    quantization: str | None = None
-    fp8_activation_scale: str = "auto"
+    # the device, dtype and attention defaults below are for configs built directly; a user's
+    # options go through resolve_config, which picks each `auto` option
+    device: str = option("cpu", "`cpu` or `cuda` (`cuda:N`); auto: CUDA when available", auto=True)
+    dtype: str = option(
+        "float32",
+        "`float32`, `bfloat16`, `float16`; auto: bfloat16 on CUDA, float32 on CPU",
+        choices=("float32", "bfloat16", "float16"),
+        auto=True,
+    )
+    load_format: str = option(
+        "auto",
+        "`auto` (the checkpoint's weights) or `dummy` (random weights of the config's shape)",
+        choices=("auto", "dummy"),
+    )
+    attention_backend: str = option(
+        "torch",
+        "`torch`, `torch-reference` (the exact oracle), `flashinfer`; auto: flashinfer on CUDA "
+        "when installed, else torch",
+        choices=("torch", "torch-reference", "flashinfer"),
+        auto=True,
+    )
+    decode_attention_kernel: str = option(
+        "auto",
+        "flashinfer's kernel for decode rows: `fa2` (bf16 q), `xqa` (FlashInfer's XQA; over an "
+        "fp8 cache its Hopper kernel rounds q and the softmax weights to fp8: about twice "
+        "fa2's speed, ~3.6% relative attention error; block sizes 16-128, compute capability "
+        '>= 9.0); auto: `xqa` for `kv_cache_dtype="fp8_e4m3"` on Hopper, else `fa2`. Other '
+        "backends take only auto",
+        choices=DECODE_ATTENTION_KERNELS,
+    )
+    enable_cuda_graph: bool = option(
+        False,
+        "decode steps replay CUDA graphs bucketed by batch size",
+        flags=("--disable-cuda-graph",),
+        auto=True,
+        doc_default="on for CUDA",
+    )
+    overlap_schedule: bool = option(
+        False,
+        "plan step N+1 while step N runs",
+        flags=("--disable-overlap-schedule",),
+        auto=True,
+        doc_default="on for CUDA",
+    )
+    cpu_threads: int | None = option(
+        None,
+        "torch threads on a CPU (set by the runner; none: leave torch's setting)",
+        cli=False,
+        auto=True,
+        doc_flag="`--cpu-threads` (serve)",
+        doc_default="in-process: the cores not busy at start-up (1-minute load average), at "
+        "least 1; server: all cores but one",
+    )
+    # Python's full collections otherwise rescan the model, graphs and modules every ~80 busy
+    # steps (benchmarks/bench_timeline.py); off in-process, where an engine dropped without
+    # shutdown() would keep its (device) memory for good
+    freeze_gc: bool = option(
+        False,
+        "`gc.freeze()` once the engine is built, undone by `shutdown()`",
+        cli=False,
+        doc_default="off in-process; on in the server's scheduler process",
+    )
+    seed: int = option(
+        0, "dummy weights and the sampler's generator for unseeded requests", cli=False
+    )
+    max_model_len: int | None = option(
+        None,
+        "context length: prompt + output tokens of one request",
+        doc_default="the model's `max_position_embeddings`",
+    )
+    tensor_parallel_size: int = option(
+        1, "ranks sharing each layer, rank r on cuda:r", flags=("--tensor-parallel-size", "--tp")
+    )
+    quantization: str | None = option(
+        None,
+        "`fp8`: W8A8 fp8 linear layers, a 16/32-bit checkpoint (or dummy weights) quantized at "
+        "load; none: as the checkpoint is (fp8 checkpoints in the compressed-tensors "
+        "`float-quantized` or ModelOpt FP8 layouts run in fp8 either way; other "
+        "`quantization_config`s are refused). CUDA needs compute capability >= 8.9; on a CPU "
+        "the weights are dequantized at load",
+        choices=QUANTIZATIONS,
+    )
+    fp8_activation_scale: str = option(
+        "auto",
+        "when quantizing at load: `token` (per-channel weight scales, dynamic per-token "
+        "activation scales; what auto means) or `tensor` (per-tensor weight scales, dynamic "
+        "per-tensor activation scales over a step's real tokens: a CUDA graph's padding rows "
+        "do not count); with an fp8 checkpoint only its own value (auto) is accepted",
+        choices=FP8_ACTIVATION_SCALES,
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

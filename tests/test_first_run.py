@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from server_utils import REPO, serving
 
 SCHEMA = {

@@ -310,8 +310,8 @@ def add_serve_command(
                     keep_alive_timeout_s=args.keep_alive_timeout,
                     max_connections=args.max_connections,
                 ),
-                device=options.pop("device"),
-                dtype=options.pop("dtype"),
+                device=options.pop("device", "auto"),
+                dtype=options.pop("dtype", "auto"),
                 options=options,
                 kv_events=kv_events,
             )
