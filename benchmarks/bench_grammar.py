@@ -13,8 +13,8 @@ outputs must be identical to off) and string-level (`jump_forward_retokenize`: f
 as xgrammar tokenizes them; valid but not identical): steps, generated and forced tokens,
 tokens/s.
 
-    PYTHONPATH=. python benchmarks/bench_grammar.py                       # tiny, CPU
-    PYTHONPATH=. python benchmarks/bench_grammar.py --preset llama-3-8b --device cuda \
+    python -m benchmarks.bench_grammar                       # tiny, CPU
+    python -m benchmarks.bench_grammar --preset llama-3-8b --device cuda \
         --vocab synthetic --batch-sizes 32,256 --num-requests 256 --json grammar.json
 """
 

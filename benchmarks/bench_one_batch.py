@@ -17,7 +17,7 @@ Decode floor = (weights read + KV read) / COPY_BW.
   FLOPs / BF16_FLOPS (linear layers + causal attention + lm_head on the sampled rows).
 Timing: CUDA events around each step after warm-up; medians. Prints a table last.
 
-    PYTHONPATH=. python benchmarks/bench_one_batch.py [--engine-core] [--json out.json]
+    python -m benchmarks.bench_one_batch [--engine-core] [--json out.json]
         [--profile kernels.txt] [--quantization fp8 [--fp8-activation-scale token|tensor]]
         [--kv-cache-dtype fp8_e4m3]
         [--cases plain,presence_penalty,ngram,ngram_repeat] [--batches 1,32]

@@ -5,7 +5,7 @@ model, overlap on); every plan is encoded by one `PlanEncoder` in order (so per-
 sent once is not counted again) and the median size of the pure-decode plans is reported, per
 case: plain greedy rows, presence_penalty on every row, seeded sampling.
 
-    PYTHONPATH=. python benchmarks/bench_plan_bytes.py [--batch 256] [--context 1024]
+    python -m benchmarks.bench_plan_bytes [--batch 256] [--context 1024]
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ and `agent` (ReAct: a tool prompt, a task, then thought/action outputs each foll
 observation sentence). `--draft-model DIR` adds the `draft` method (a trained smaller tiny
 model: `make_draft_model`).
 
-    PYTHONPATH=. python benchmarks/bench_spec.py --json spec.json
-    PYTHONPATH=. python benchmarks/bench_spec.py --text --draft-model auto --json text.json
+    python -m benchmarks.bench_spec --json spec.json
+    python -m benchmarks.bench_spec --text --draft-model auto --json text.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 Medians of `--iters` runs after warm-up. CPU numbers are gloo over loopback TCP: a bound
 on the CPU path, not a prediction for NVLink.
 
-    PYTHONPATH=. python benchmarks/bench_tp_comm.py [--device cpu|cuda] [--iters 200]
+    python -m benchmarks.bench_tp_comm [--device cpu|cuda] [--iters 200]
 """
 
 from __future__ import annotations

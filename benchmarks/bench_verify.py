@@ -18,8 +18,8 @@ GPU (default): dummy Llama-3-8B (bf16, random weights, flashinfer), one GPU.
    target's samples, not the drafts (timing only: do not read the outputs).
 CPU smoke (`--tiny`): the tiny model, fewer cases and steps.
 
-    PYTHONPATH=. python benchmarks/bench_verify.py --json verify.json [--draft-preset llama-1b]
-    PYTHONPATH=. python benchmarks/bench_verify.py --tiny      # CPU smoke
+    python -m benchmarks.bench_verify --json verify.json [--draft-preset llama-1b]
+    python -m benchmarks.bench_verify --tiny      # CPU smoke
 """
 
 from __future__ import annotations

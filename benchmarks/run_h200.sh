@@ -29,7 +29,7 @@ OUT=${OUT:-benchmarks/out/h200}
 PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-530}
 TINY=${RADIXRT_BENCH_TINY:-0}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's radixrt and benchmarks
+source benchmarks/checkout_env.sh  # this checkout's radixrt and benchmarks
 mkdir -p "$OUT"
 rm -f "$OUT"/hf.json "$OUT"/suite.json "$OUT"/suite.md "$OUT"/suite.png
 started=$SECONDS

@@ -22,14 +22,18 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the before-run works from another directory
 MODEL=${MODEL_DIR:-$OUT/llama-3-8b-dummy}
 if [[ -z ${MODEL_DIR:-} ]]; then
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -c "import sys; \
-from radixrt.model.presets import write_dummy_model_dir as w; w(sys.argv[1], 'llama-3-8b')" "$MODEL"
+  (source benchmarks/checkout_env.sh && "$PYTHON" -c "import sys; \
+from radixrt.model.presets import write_dummy_model_dir as w; w(sys.argv[1], 'llama-3-8b')" "$MODEL")
 fi
 ARGS=(--model "$MODEL" --load-format dummy --device cuda --dtype bfloat16 --size full
   --workloads random,shared-prefix --scale random=0.5,shared-prefix=0.125 --pressure ''
   --configs radix --run-timeout-s 120)
 run() { echo "+ $*"; "$@"; }
-here() { PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} run "$@"; }  # this checkout's radixrt
+# this checkout's radixrt (a tree without checkout_env.sh imports from PYTHONPATH alone)
+here() {
+  (if [[ -f benchmarks/checkout_env.sh ]]; then source benchmarks/checkout_env.sh
+   else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi; run "$@")
+}
 here "$PYTHON" -m benchmarks.bench_serving "${ARGS[@]}" --backend engine --out "$OUT" --tag front-engine
 if [[ -n ${BEFORE:-} ]]; then
   (cd "$BEFORE" && here "$PYTHON" -m benchmarks.bench_serving "${ARGS[@]}" --backend server \

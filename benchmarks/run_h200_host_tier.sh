@@ -23,7 +23,7 @@ PART=${PART:-all}
 HOST_GB=${HOST_GB:-16}
 LONG_HOST_GB=${LONG_HOST_GB:-64}
 LONG_SCALE=${LONG_SCALE:-1}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's radixrt and benchmarks
+source benchmarks/checkout_env.sh  # this checkout's radixrt and benchmarks
 mkdir -p "$OUT"
 if [[ ${RADIXRT_BENCH_TINY:-0} == 1 ]]; then
   ARGS=(--device cpu --threads 1 --size smoke)

@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/h200}
 PYTHON=${PYTHON:-python3}
 PART=${PART:-all}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/checkout_env.sh; export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 ARGS=(--model llama-3-8b --device cuda --dtype bfloat16 --size full --scale "${SCALE:-0.5}"
   --kv-fraction "${KV_FRACTION:-0.4}" --out "$OUT" --config-timeout-s "${CONFIG_TIMEOUT_S:-420}")

@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/h200}
 PYTHON=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/checkout_env.sh; export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 PRESET=${PRESET:-llama-3.2-1b}
 MODEL=$OUT/$PRESET-dummy
