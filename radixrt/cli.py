@@ -1,4 +1,4 @@
-"""`radixrt` command line: demo, make-tiny-model, generate, serve."""
+"""`radixrt` command line: demo, make-tiny-model, generate, serve, options-table."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def engine_options(args: argparse.Namespace) -> dict:
     from radixrt.options import given_options
 
     return given_options(args, EngineConfig)
+
+
+def cmd_options_table(args: argparse.Namespace) -> None:
+    from radixrt.config import EngineConfig
+    from radixrt.options import write_doc_table
+
+    changed = write_doc_table(args.path, EngineConfig)
+    print(f"{args.path}: {'updated' if changed else 'current'}")
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
@@ -89,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     from radixrt.server.launch import add_serve_command
 
     add_serve_command(sub, _engine_args, engine_options)
+
+    p = sub.add_parser("options-table", help="rewrite the engine option table of docs/api.md")
+    p.add_argument("path", nargs="?", default="docs/api.md")
+    p.set_defaults(func=cmd_options_table)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -1,6 +1,7 @@
 """Engine options, declared once: a config dataclass field made with `option(...)` carries its
 help, choices and flag, and the command line's flags (`add_flags`), the keyword arguments they
-give (`given_options`) and docs/api.md's option table (`markdown_table`) are generated from it.
+give (`given_options`) and docs/api.md's option table (`markdown_table`; `radixrt
+options-table` rewrites it) are generated from it.
 
 A flag that is not given passes nothing, so `radixrt serve` with no flags configures the same
 engine as `Engine(model)`: the field's default, or for an `auto` option what
@@ -123,28 +124,19 @@ def markdown_table(config_cls: type) -> str:
     return "\n".join(rows) + "\n"
 
 
-DOC_BEGIN = (
-    "<!-- options table: generated from radixrt/config.py by `python -m radixrt.options` -->\n"
-)
+DOC_BEGIN = "<!-- options table: generated from radixrt/config.py by `radixrt options-table` -->\n"
 DOC_END = "<!-- end of options table -->\n"
 
 
-def write_doc_table(path: str) -> bool:
-    """Rewrite the option table between the markers of docs/api.md; True if it changed."""
-    from radixrt.config import EngineConfig
-
+def write_doc_table(path: str, config_cls: type) -> bool:
+    """Rewrite the option table between the markers of `path` (docs/api.md); True if it
+    changed."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     head, _, rest = text.partition(DOC_BEGIN)
     _, _, tail = rest.partition(DOC_END)
-    new = head + DOC_BEGIN + markdown_table(EngineConfig) + DOC_END + tail
+    new = head + DOC_BEGIN + markdown_table(config_cls) + DOC_END + tail
     if new != text:
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)
     return new != text
-
-
-if __name__ == "__main__":
-    import sys
-
-    write_doc_table(sys.argv[1] if len(sys.argv) > 1 else "docs/api.md")

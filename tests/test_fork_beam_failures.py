@@ -23,7 +23,7 @@ PROMPT = list(range(100, 111))
 
 
 def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
-    """Make scheduler part `method` ("part.name", e.g. "planner.plan_row", or a longer path),
+    """Make scheduler part `method` ("part.name", e.g. "rows.plan_row", or a longer path),
     called as `method(req, ...)`, raise for `bad_rid` from its `after`-th call on."""
     *path, name = method.split(".")
     owner = core.scheduler
@@ -48,9 +48,9 @@ def _breaks(core, method: str, bad_rid: str, after: int = 0) -> list[int]:
     "method, bad, after",
     [
         ("lifecycle.stop_reason", fork_rid("p", 1), 2),  # applying a child's token
-        ("planner.plan_row", fork_rid("p", 2), 1),  # planning a child's decode row
+        ("rows.plan_row", fork_rid("p", 2), 1),  # planning a child's decode row
         ("results.apply_row", "p", 0),  # applying the parent's prefill
-        ("planner.plan_row", "p", 0),  # planning the parent's prefill
+        ("rows.plan_row", "p", 0),  # planning the parent's prefill
     ],
 )
 def test_a_failing_child_fails_its_group_only(overlap, method, bad, after):
@@ -71,7 +71,7 @@ def test_a_failing_child_fails_its_group_only(overlap, method, bad, after):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("method, after", [("results.apply_row", 3), ("planner.plan_row", 2)])
+@pytest.mark.parametrize("method, after", [("results.apply_row", 3), ("rows.plan_row", 2)])
 def test_a_failing_beam_fails_its_search_only(overlap, method, after):
     core, runner = content_core(overlap=overlap)
     runner.context_fn = lambda rid, ctx: beam_tops(ctx) if "#" in rid else ctx_token(rid, ctx)
@@ -196,7 +196,7 @@ class NoDrafts:
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize(
-    "method, after", [("admission._try_start", 0), ("planner.drafter.drafts", 2)]
+    "method, after", [("admission._try_start", 0), ("rows.drafter.drafts", 2)]
 )
 def test_a_failing_admission_or_draft_fails_that_request_only(overlap, method, after):
     """Starting a request (match, lock, blocks) or drafting for it raising fails it alone
@@ -205,8 +205,8 @@ def test_a_failing_admission_or_draft_fails_that_request_only(overlap, method, a
     core.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), rid="bad")
     core.add_request(PLAIN, SamplingParams(max_tokens=9, ignore_eos=True), rid="x")
     core.add_request(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True, n=2), rid="p")
-    if method.startswith("planner.drafter"):
-        core.scheduler.planner.drafter = NoDrafts()
+    if method.startswith("rows.drafter"):
+        core.scheduler.rows.drafter = NoDrafts()
     calls = _breaks(core, method, "bad", after)
     done = drive(core)
     assert calls[0] > after

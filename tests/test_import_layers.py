@@ -20,6 +20,7 @@ LAYERS = [
     {"radixrt.errors"},
     {"radixrt.limits", "radixrt.token_bytes", "radixrt.json_depth", "radixrt.stats"},
     {"radixrt.sampling", "radixrt.quantization"},
+    {"radixrt.options"},
     {"radixrt.config"},
     {"radixrt.hf_dir"},
     {"radixrt.plan", "radixrt.detokenizer"},

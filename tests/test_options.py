@@ -80,4 +80,4 @@ def test_choices_come_from_the_declaration():
 
 def test_the_docs_table_is_current():
     text = DOCS.read_text()
-    assert markdown_table(EngineConfig) in text, "run `python -m radixrt.options` to update"
+    assert markdown_table(EngineConfig) in text, "run `radixrt options-table` to update"

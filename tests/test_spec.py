@@ -17,6 +17,7 @@ from radixrt.cache.radix import RadixCache
 from radixrt.config import SpeculativeConfig, resolve_config
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import SamplingParams
+from radixrt.scheduler.features import Hooks
 from radixrt.scheduler.request import FinishReason, Request
 from radixrt.speculative import create_proposer
 from radixrt.speculative.base import Proposer
@@ -621,7 +622,7 @@ def test_choose_ranks_rows_by_expected_gain():
     from radixrt.speculative.base import SpecStats
 
     cfg = SchedulerConfig(num_speculative_tokens=4, speculative_min_gain=0.5)
-    spec = SpeculationFeature(NgramProposer(2, 4), cfg, SpecStats(), 1000, None, overlap=True)
+    spec = SpeculationFeature(NgramProposer(2, 4), cfg, SpecStats(), 1000, Hooks(), overlap=True)
     a, b, c = (request([1, 2, 3]) for _ in range(3))
     spec._estimates[a] = _Estimate(3.5, 0, 1.0, 0)
     spec._estimates[b] = _Estimate(0.25, 0, 1.0, 0)  # c: the prior, 2

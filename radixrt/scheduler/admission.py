@@ -100,7 +100,7 @@ class Admission:
                 n = self._try_start(req, ops, budget)
             except Exception as e:  # a bug starting one request fails that request only
                 del ops[num_ops:]
-                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                self.lifecycle.fail_outside_update(req, e)
                 continue
             if n is None:
                 break

@@ -19,18 +19,28 @@ Hooks, in the order of one step:
   the feature consumed it (the row's tokens are not appended as output).
 - `on_token(req, token) -> FinishReason | None`: an output token was appended.
 - `after_update(changed)`: a result was applied; `changed` collects requests with news.
+- `on_blocks_short(num_blocks, req) `: the pool lacks `num_blocks` with nothing else
+  evictable, for `req` (None: no request's); the feature may make blocks evictable.
+- `on_kv_lost(on_lost_path)`: a failed plan left some KV unknown; `on_lost_path(handle)`
+  tells whether a radix path holds such KV, and the feature drops what rests on one.
+- `restricts_drafts(req) -> bool` / `allowed_drafts(req, drafts) -> list[int]`: speculative
+  decoding asks whether a feature checks `req`'s drafts (device drafts are then not made) and
+  keeps only the longest prefix of `drafts` each such feature allows.
 - `on_preempt(req)`: a sequence lost its KV and waits again (results in flight are dropped).
 - `on_finish(req)`: a request (or a beam) finished, however (stop, abort, failure); it is in
   no queue anymore.
 - `check_integrity()`: assert the feature's own invariants.
 
 Speculative decoding is asked for drafts (`SpeculationFeature.drafts`), which is where the
-rules between it and the other features are written.
+rules between it and the other features are written; the other features' say in them comes
+through `restricts_drafts` / `allowed_drafts`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixrt.plan import BlockOp, PlanRow, StepPlan, StepResult, TokenBitmasks
 from radixrt.scheduler.request import FinishReason, Request
@@ -63,6 +73,10 @@ HOOKS = (
     "on_row_result",
     "on_token",
     "after_update",
+    "on_blocks_short",
+    "on_kv_lost",
+    "restricts_drafts",
+    "allowed_drafts",
     "on_preempt",
     "on_finish",
     "check_integrity",
@@ -98,6 +112,18 @@ class SchedulerFeature:
     def after_update(self, changed: list[Request]) -> None:
         pass
 
+    def on_blocks_short(self, num_blocks: int, req: Request | None) -> None:
+        pass
+
+    def on_kv_lost(self, on_lost_path: Callable[[Any], bool]) -> None:
+        pass
+
+    def restricts_drafts(self, req: Request) -> bool:
+        return False
+
+    def allowed_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        return drafts
+
     def on_preempt(self, req: Request) -> None:
         pass
 
@@ -109,14 +135,22 @@ class SchedulerFeature:
 
 
 class Hooks:
-    """Per hook, the bound methods of the features that override it (decided once)."""
+    """Per hook, the bound methods of the features that override it. The parts get this object
+    (or its lists) in their constructors; its owner (the Scheduler) `bind`s the features, which
+    refills the lists in place."""
 
-    def __init__(self, features: list[SchedulerFeature]) -> None:
+    def __init__(self, features: list[SchedulerFeature] = ()) -> None:
+        self.features: list[SchedulerFeature] = []
+        for name in HOOKS:
+            setattr(self, name, [])
+        self.bind(list(features))
+
+    def bind(self, features: list[SchedulerFeature]) -> None:
         self.features = features
         for name in HOOKS:
             base = getattr(SchedulerFeature, name)
             bound = [getattr(f, name) for f in features if getattr(type(f), name) is not base]
-            setattr(self, name, bound)
+            getattr(self, name)[:] = bound
 
     # (attributes set above: one list of bound methods per name in HOOKS)
     on_add: list
@@ -127,6 +161,10 @@ class Hooks:
     on_row_result: list
     on_token: list
     after_update: list
+    on_blocks_short: list
+    on_kv_lost: list
+    restricts_drafts: list
+    allowed_drafts: list
     on_preempt: list
     on_finish: list
     check_integrity: list

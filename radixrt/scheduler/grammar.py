@@ -155,7 +155,7 @@ class GrammarFeature(SchedulerFeature):
         was_waiting = req.status is Status.WAITING
         self.lifecycle.stop(req, FinishReason.ERROR)
         if was_waiting:
-            self.lifecycle.finished_outside_update.append(req)
+            self.lifecycle.report(req)
 
     def on_finish(self, req: Request) -> None:
         self._tickets.pop(req, None)
@@ -176,6 +176,9 @@ class GrammarFeature(SchedulerFeature):
         tickets = list(self._tickets.values())
         if tickets:
             self.backend.wait(tickets, timeout_s)
+
+    def restricts_drafts(self, req: Request) -> bool:
+        return self.constrained(req)
 
     def allowed_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the request's grammar allows (the matcher is left
@@ -205,7 +208,7 @@ class GrammarFeature(SchedulerFeature):
             try:
                 self._start_matchers(req, outcome.grammar)
             except Exception as e:  # a bug for one request fails that request (group) only
-                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                self.lifecycle.fail_outside_update(req, e)
 
     def _start_matchers(self, req: Request, grammar: Any) -> None:
         """Give each sequence of a waiting request its matcher; jump-forward a lone one."""
@@ -233,7 +236,7 @@ class GrammarFeature(SchedulerFeature):
             self.lifecycle.stop(req, FinishReason.ERROR)
         else:
             self.lifecycle.abort(req.rid, FinishReason.ERROR)
-        self.lifecycle.finished_outside_update += seqs
+        self.lifecycle.report(*seqs)
 
     # ---- masks and jump-forward ----
     def _fill_masks(self, reqs: list[Request]) -> None:
@@ -280,6 +283,6 @@ class GrammarFeature(SchedulerFeature):
                 was_waiting = req.status is Status.WAITING
                 self.lifecycle.stop(req, reason)
                 if was_waiting:
-                    self.lifecycle.finished_outside_update.append(req)
+                    self.lifecycle.report(req)
                 return True
         return False

@@ -34,7 +34,10 @@ class KVManager:
         cache: PrefixCache,
         num_slots: int,
         stats: SchedulerCounters,
+        on_blocks_short: list[Callable[[int, Request | None], None]] = (),
     ) -> None:
+        """`on_blocks_short`: the features' hooks for a pool short of blocks with nothing else
+        evictable (radixrt.scheduler.features)."""
         self.allocator = allocator
         self.cache = cache
         self.block_size = cache.block_size
@@ -46,10 +49,7 @@ class KVManager:
         self.pending_ops: list[BlockOp] = []
         # the cache with its host KV tier, None without one
         self.host_cache = host_tier_of(cache)
-        # gives up retention holds (locks on finished requests' contexts) for `n` blocks for
-        # a request (None: no request's) when nothing else is evictable
-        # (radixrt.scheduler.retention sets it)
-        self.reclaim: Callable[[int, Request | None], None] | None = None
+        self.on_blocks_short = on_blocks_short  # the features' (retention gives up holds)
 
     # ---- blocks ----
     def allocate(self, n: int, req: Request | None = None) -> list[int] | None:
@@ -59,8 +59,9 @@ class KVManager:
         if short > 0:
             self.cache.evict(short)
             short = n - self.allocator.num_free
-            if short > 0 and self.reclaim is not None:
-                self.reclaim(short, req)
+            if short > 0 and self.on_blocks_short:
+                for hook in self.on_blocks_short:
+                    hook(short, req)
                 self.cache.evict(short)
             if self.allocator.num_free < n:
                 return None

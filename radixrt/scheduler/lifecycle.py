@@ -3,17 +3,17 @@
 A request finishes by caching what executed steps computed and releasing its KV; a group (n > 1
 children, beam search) is preempted, aborted and failed as a whole: its children leave holding
 nothing and its parent is requeued (preemption) or finished with them. Requests finished
-outside `Scheduler.update` (a failed compile, a failure while planning) are collected in
-`finished_outside_update` until the engine drains them for their last delta. The features'
-`on_preempt` / `on_finish` hooks (set by `Scheduler._compose`) hear of each sequence preempted
-and each request finished.
+outside `Scheduler.update` (a failed compile, a failure while planning) are reported here
+(`report`, `fail_outside_update`) until the engine drains them for their last delta. The
+features' `on_preempt` / `on_finish` hooks hear of each sequence preempted and each request
+finished.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
+from radixrt.scheduler.features import Hooks
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues, is_queued
 from radixrt.scheduler.request import FinishReason, Request, Status
@@ -30,15 +30,17 @@ class Lifecycle:
         stats: SchedulerCounters,
         eos_token_ids: frozenset[int],
         max_model_len: int,
+        hooks: Hooks,
     ) -> None:
+        """`hooks`: the features' (their `on_preempt` / `on_finish` lists are read here)."""
         self.kv = kv
         self.queues = queues
         self.stats = stats
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.finished_outside_update: list[Request] = []
-        self.on_preempt: list[Callable[[Request], None]] = []  # the features' hooks
-        self.on_finish: list[Callable[[Request], None]] = []
+        self._finished_outside_update: list[Request] = []
+        self.on_preempt = hooks.on_preempt
+        self.on_finish = hooks.on_finish
 
     def stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """Why `req` stops after its newest output token `token` (already appended), if it
@@ -51,9 +53,17 @@ class Lifecycle:
             return FinishReason.LENGTH
         return None
 
+    def report(self, *reqs: Request) -> None:
+        """`reqs` finished outside `Scheduler.update`: the engine gives them a last delta."""
+        self._finished_outside_update.extend(reqs)
+
+    def fail_outside_update(self, req: Request, error: Exception | str) -> None:
+        """`fail` outside `Scheduler.update`, reporting the failed requests."""
+        self.report(*self.fail(req, error))
+
     def drain_finished(self) -> list[Request]:
         """Requests finished outside `update` since the last call (they need a last delta)."""
-        out, self.finished_outside_update = self.finished_outside_update, []
+        out, self._finished_outside_update = self._finished_outside_update, []
         return out
 
     # ---- finishing ----

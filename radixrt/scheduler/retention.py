@@ -16,7 +16,7 @@ back just after its context was evicted) into hits for the programs that fit. So
   `retention_max_tenant_share`; a new hold that would exceed either ends the holds of younger
   lineages, youngest first, and is not taken when that is not enough (the older lineages keep
   theirs, its own earlier holds too);
-- when the pool is short with nothing else evictable, the KV manager asks `reclaim` to give up
+- when the pool is short with nothing else evictable (`on_blocks_short`), it gives up
   holds, youngest lineage first: for a running request or when nothing runs (progress), any
   hold; for a waiting request being admitted while others run, only holds of lineages younger
   than the request's own (a request that continues no hold is the youngest), so new work
@@ -76,7 +76,6 @@ class RetentionFeature(SchedulerFeature):
         self._held: Counter[int] = Counter()  # device block -> holds keeping it
         self._held_by_salt: dict[str | None, Counter[int]] = {}
         self._births = itertools.count()
-        kv.reclaim = self.reclaim
 
     @property
     def num_held_blocks(self) -> int:
@@ -170,6 +169,15 @@ class RetentionFeature(SchedulerFeature):
             return False
         self._drop(rid)
         return True
+
+    def on_blocks_short(self, num_blocks: int, req: Request | None) -> None:
+        self.reclaim(num_blocks, req)
+
+    def on_kv_lost(self, on_lost_path: Callable[[Any], bool]) -> None:
+        """A hold whose path lost its KV goes (its context would be recomputed anyway)."""
+        for rid, hold in list(self.holds.items()):
+            if on_lost_path(hold.handle):
+                self.release(rid)
 
     def reclaim(self, num_blocks: int, req: Request | None = None) -> None:
         """The pool is short of `num_blocks` with nothing else evictable: give up holds, the

@@ -134,7 +134,7 @@ class RowPlanner:
             try:
                 drafts = self.drafter.drafts(req, spare)
             except Exception as e:  # a bug drafting for one request fails that request only
-                self.lifecycle.finished_outside_update += self.lifecycle.fail(req, e)
+                self.lifecycle.fail_outside_update(req, e)
                 continue
             if drafts:
                 proposals.append((req, drafts))

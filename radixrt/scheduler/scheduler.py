@@ -9,10 +9,11 @@ then waiting requests in policy order.
 The `Scheduler` holds the queues and composes objects that own their state and get their
 collaborators in the constructor: `KVManager` (blocks, slots, the prefix cache, block ops),
 `Lifecycle` (finish, stop, fail, preempt), `Admission` (policy order, prefix matches),
-`RowPlanner` (decode rows, chunks, plan rows) and `ResultApplier` (tokens, stops, rollback,
-cache inserts). Features are scheduler halves called at named hooks
-(`radixrt.scheduler.features`): n > 1 / beam-search groups (`groups`), structured output
-(`grammar`) and speculative decoding (`speculation`).
+`RowPlanner` (decode rows, chunks, plan rows), `ResultApplier` (tokens, stops, rollback,
+cache inserts) and `InFlight` (the plans not applied yet). Features are scheduler halves
+called at named hooks (`radixrt.scheduler.features`): n > 1 / beam-search groups (`groups`),
+structured output (`grammar`), retention hints (`retention`) and speculative decoding
+(`speculation`). `schedule()` and `update()` below are the whole step.
 
 Overlap and the plans in flight: see `radixrt.scheduler.steps`.
 """
@@ -31,18 +32,18 @@ from radixrt.limits import check_fits
 from radixrt.plan import StepPlan, StepResult
 from radixrt.sampling import BeamSearchParams
 from radixrt.scheduler.admission import Admission
-from radixrt.scheduler.features import Hooks, SchedulerFeature
+from radixrt.scheduler.features import Hooks, SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
 from radixrt.scheduler.groups import GroupsFeature
-from radixrt.scheduler.kv_manager import KVManager
+from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
-from radixrt.scheduler.rows import RowPlanner
+from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
 from radixrt.scheduler.speculation import SpeculationFeature
-from radixrt.scheduler.steps import StepPlanner
+from radixrt.scheduler.steps import InFlight, Launched, discard_unmade_copies
 from radixrt.speculative.base import Proposer, SpecStats
 from radixrt.stats import SchedulerCounters
 
@@ -77,10 +78,21 @@ class Scheduler:
         self.stats = SchedulerCounters()  # mutated in place by the parts and features
         self.spec_stats = SpecStats()  # speculative decoding's (zero without a proposer)
         self.queues = RequestQueues()
-        self.kv = KVManager(allocator, cache, cfg.max_running_requests, self.stats)
-        self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len)
+        self.hooks = Hooks()  # the features' hooks, bound by _compose
+        h = self.hooks
+        self.kv = KVManager(
+            allocator, cache, cfg.max_running_requests, self.stats, h.on_blocks_short
+        )
+        self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len, h)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
         self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats)
+        self.admission = Admission(
+            cfg, self.kv, self.queues, self.lifecycle, self.stats, h.admissible
+        )
+        self.results = ResultApplier(
+            self.kv, self.lifecycle, self.stats, h.on_row_result, h.on_token, h.after_update
+        )
+        self.inflight = InFlight()
         self._jump_forward = (jump_forward, jump_forward_retokenize)
         self._step_ids = itertools.count()  # of plans, over the scheduler's life
         self.grammar: GrammarFeature | None = None
@@ -122,7 +134,7 @@ class Scheduler:
                 self.cfg,
                 self.spec_stats,
                 self.max_model_len,
-                self.grammar,
+                self.hooks,
                 self.max_graph_tokens,
                 self._overlap,
             )
@@ -142,49 +154,22 @@ class Scheduler:
             self.speculation.overlap = on
 
     def _compose(self) -> None:
-        """Wire the features' hooks into the admission, planning and result halves."""
+        """Bind the features' hooks (the parts hold the hook lists) and make the row planner,
+        whose drafter is speculative decoding."""
         grammar = self.grammar if self.grammar is not None else NoGrammar()
-        if self.speculation is not None:
-            self.speculation.grammar = self.grammar
         features: list[SchedulerFeature] = [self.groups, grammar, self.retention]
         if self.speculation is not None:
             features.append(self.speculation)
-        self.hooks = hooks = Hooks(features)
-        self.lifecycle.on_preempt = hooks.on_preempt
-        self.lifecycle.on_finish = hooks.on_finish
-        self.admission = Admission(
-            self.cfg, self.kv, self.queues, self.lifecycle, self.stats, hooks.admissible
-        )
-        self.planner = RowPlanner(
+        self.hooks.bind(features)
+        self.rows = RowPlanner(
             self.cfg,
             self.kv,
             self.queues,
             self.lifecycle,
             self.stats,
             self.max_model_len,
-            hooks.on_row,
+            self.hooks.on_row,
             self.speculation,
-        )
-        self.results = ResultApplier(
-            self.kv,
-            self.lifecycle,
-            self.stats,
-            hooks.on_row_result,
-            hooks.on_token,
-            hooks.after_update,
-        )
-        self.steps = StepPlanner(
-            self.cfg,
-            self.kv,
-            self.queues,
-            self.lifecycle,
-            self.stats,
-            hooks,
-            self.admission,
-            self.planner,
-            self.results,
-            self.retention,
-            self._step_ids,
         )
 
     @property
@@ -216,7 +201,7 @@ class Scheduler:
 
     @property
     def num_inflight_steps(self) -> int:
-        return self.steps.num_inflight
+        return len(self.inflight)
 
     def wants_result_first(self) -> bool:
         """Whether the loop should apply the in-flight steps' results before planning the
@@ -225,7 +210,7 @@ class Scheduler:
         rows in flight could draft, once their samples are known, enough for a step to verify
         them. Other rows that wait for their host result (grammar masks, beams) are left out
         of the overlapped plan instead."""
-        if self.steps.has_verify_rows:
+        if self.inflight.has_verify_rows:
             return True
         spec = self.speculation
         return spec is not None and spec.worth_waiting(
@@ -305,21 +290,121 @@ class Scheduler:
         if self.grammar is not None:
             self.grammar.wait(timeout_s)
 
-    # ---- one step (radixrt.scheduler.steps) ----
+    # ---- one step ----
     def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when no row can run now. Mutates request and cache
-        state (blocks, locks, slots); the plan counts as in flight until `update`."""
-        return self.steps.schedule()
+        """Plan the next step, or None when no row can run now: decode rows first (one token
+        each, with drafts under speculative decoding), then continuing prefill chunks, then
+        waiting requests in policy order. Mutates request and cache state (blocks, locks,
+        slots); the plan counts as in flight until `update`."""
+        kv = self.kv
+        self.admission.new_step()
+        ops = kv.step_ops()
+        for hook in self.hooks.before_schedule:
+            hook(ops)
+        decode = self.rows.decode_rows()
+        budget = self.cfg.max_num_batched_tokens - sum(1 + len(d) for _, d in decode)
+        extend, budget = self._continue_prefills(budget, bool(decode))
+        if budget > 0 and self.queues.waiting:
+            budget = self.admission.admit(budget, extend, ops)
+        for req in self.queues.waiting:
+            req.waited_steps += 1
+        if not decode and not extend:
+            kv.keep_ops()  # no row: the ops wait (copies into blocks freed since went)
+            return None
+        for hook in self.hooks.before_rows:
+            hook([r for r, _ in decode] + [r for r, _ in extend])
+        tables = StepTables()
+        rows, reqs = self._plan_rows(decode, extend, tables)
+        if not rows:
+            kv.keep_ops()
+            return None
+        step_id = next(self._step_ids)
+        ops = kv.launch_ops()
+        verify = any(r.num_draft_tokens for r in rows)
+        self.inflight.launch(step_id, Launched(reqs, [r.epoch for r in reqs], ops, verify))
+        self.stats.steps += 1
+        plan = StepPlan(step_id, rows, ops, new_slots=kv.entries.launch())
+        tables.fill(plan)
+        return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply an executed plan's result (plans are applied in the order they were
         made). Returns the requests that got tokens or finished."""
-        return self.steps.update(plan, result)
+        launched = self.inflight.pop(plan.step_id)
+        return self.results.apply(plan, result, launched.requests, launched.epochs)
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:
-        """The plan's execution failed: finish every request still in it with
-        FinishReason.ERROR. Returns the failed requests."""
-        return self.steps.fail_step(plan, error)
+        """The plan's execution failed: finish every request still in it (same incarnation)
+        with FinishReason.ERROR. With host-tier swap ops in it, none of its block ops counts as
+        done (`discard_unmade_copies`). Returns the failed requests."""
+        launched = self.inflight.pop(plan.step_id)
+        self.stats.failed_steps += 1
+        failed = []
+        for req, epoch in zip(launched.requests, launched.epochs):
+            if req.epoch == epoch and req.status is Status.RUNNING:
+                failed += self.lifecycle.fail(req, error)
+        if any(is_swap(op) for op in plan.block_ops):
+            later = self.inflight.block_ops_after(plan.step_id)
+            discard_unmade_copies(
+                plan, later, self.kv, self.queues, self.lifecycle, self.hooks.on_kv_lost
+            )
+        return failed
+
+    def _continue_prefills(
+        self, budget: int, has_decode: bool
+    ) -> tuple[list[tuple[Request, int]], int]:
+        """Prefill chunks of running requests within `budget` tokens, in running order; the
+        chunks and the budget left."""
+        extend: list[tuple[Request, int]] = []
+        for req in [r for r in self.queues.running if schedulable(r) and extend_due(r)]:
+            n = chunk_len(req, budget, self.cfg)
+            if n == 0 or req.status is not Status.RUNNING:
+                break
+            if not self.kv.reserve(req, n) and not (
+                not has_decode and not extend and self._preempt_until_reserved(req, n)
+            ):
+                break
+            extend.append((req, n))
+            budget -= n
+        return extend, budget
+
+    def _preempt_until_reserved(self, req: Request, n: int) -> bool:
+        """Nothing else runs this step and `req` (a running request with a chunk to feed,
+        e.g. a jump-forward run) lacks blocks: preempt the newest other requests until it
+        has them, so that running chunks cannot all wait on each other's blocks. False when
+        `req` itself went (its group was the newest) or nothing else can go."""
+        while not self.kv.reserve(req, n):
+            if len(self.queues.running) < 2:
+                return False
+            self.lifecycle.preempt_newest(exclude=[req])
+            if req.status is not Status.RUNNING:
+                return False
+        return True
+
+    def _plan_rows(
+        self,
+        decode: list[tuple[Request, list[int]]],
+        extend: list[tuple[Request, int]],
+        tables: StepTables,
+    ) -> tuple[list, list[Request]]:
+        """The plan rows: one-token rows first (the decode kernel), then rows with drafts, then
+        prefill chunks. A request whose row fails to plan fails (with its group), alone."""
+        ordered = [(r, d) for r, d in decode if not d] + [(r, d) for r, d in decode if d]
+        rows, reqs, failed = [], [], False
+        for req, n, drafts in [(r, 1 + len(d), d) for r, d in ordered] + [
+            (r, n, []) for r, n in extend
+        ]:
+            try:
+                rows.append(self.rows.plan_row(req, n, drafts, tables))
+            except Exception as e:  # a bug planning one request fails that request only
+                self.lifecycle.fail_outside_update(req, e)
+                failed = True
+                continue
+            reqs.append(req)
+        if failed:  # rows of a failed group's other members go too
+            kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
+            rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
+        return rows, reqs
 
     # ---- integrity ----
     def check_integrity(self) -> None:

@@ -55,8 +55,7 @@ from weakref import WeakKeyDictionary
 
 from radixrt.config import SchedulerConfig
 from radixrt.plan import PlanRow, StepResult
-from radixrt.scheduler.features import SchedulerFeature, StepTables
-from radixrt.scheduler.grammar import GrammarFeature
+from radixrt.scheduler.features import Hooks, SchedulerFeature, StepTables
 from radixrt.scheduler.request import Request
 from radixrt.speculative.base import Proposer, SpecStats, TokenIndex
 
@@ -88,12 +87,14 @@ class SpeculationFeature(SchedulerFeature):
         cfg: SchedulerConfig,
         stats: SpecStats,
         max_model_len: int,
-        grammar: GrammarFeature | None,
+        hooks: Hooks,
         max_graph_tokens: int = 0,
         overlap: bool = False,
     ) -> None:
-        """`max_graph_tokens`: the runner's largest decode CUDA graph (0: none); `overlap`:
-        whether the engine loop overlaps steps (then steps verify only drafts worth a wait)."""
+        """`hooks`: the features' (their `restricts_drafts` / `allowed_drafts` have a say in the
+        drafts); `max_graph_tokens`: the runner's largest decode CUDA graph (0: none);
+        `overlap`: whether the engine loop overlaps steps (then steps verify only drafts worth a
+        wait)."""
         self.proposer = proposer
         self.num_speculative_tokens = cfg.num_speculative_tokens
         self.min_gain = cfg.speculative_min_gain
@@ -104,7 +105,8 @@ class SpeculationFeature(SchedulerFeature):
         self._awaited: set[Request] = set()  # rows whose samples the loop waits for to draft
         self.stats = stats
         self.max_model_len = max_model_len
-        self.grammar = grammar
+        self.restricts_drafts = hooks.restricts_drafts
+        self.allowed_drafts = hooks.allowed_drafts
         # per request: [drafts verified, of those accepted] (entries go with the request)
         self._verified: WeakKeyDictionary[Request, list[int]] = WeakKeyDictionary()
         # per running request, for a proposer that indexes: its index of the request's tokens
@@ -140,8 +142,8 @@ class SpeculationFeature(SchedulerFeature):
             old = self._fires(req)
             e.fires, e.fires_at = old + NEW_WEIGHT * (bool(drafts) - old), req.num_output
         if constrained and drafts:
-            assert self.grammar is not None
-            drafts = self.grammar.allowed_drafts(req, drafts)
+            for allowed in self.allowed_drafts:
+                drafts = allowed(req, drafts)
         self.stats.num_proposals += 1
         self.stats.num_proposals_with_drafts += bool(drafts)
         return drafts
@@ -278,4 +280,4 @@ class SpeculationFeature(SchedulerFeature):
         return index
 
     def _constrained(self, req: Request) -> bool:
-        return self.grammar is not None and self.grammar.constrained(req)
+        return any(restricts(req) for restricts in self.restricts_drafts)
