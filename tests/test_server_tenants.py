@@ -10,38 +10,83 @@ from server_utils import http_call, serving
 from test_server_fields import chat, comp, gen
 
 from radixrt.server.protocol import ApiError
-from radixrt.server.tenants import SHARED_TENANT, Tenants, apply_tenant, authenticate, tenant_salt
+from radixrt.server.tenants import (
+    SHARED_TENANT,
+    Caller,
+    Tenants,
+    apply_tenant,
+    authenticate,
+    tenant_salt,
+)
 
 
 def test_keys_parse_from_lines_or_commas():
     t = Tenants.parse("# keys\nk1 acme\nk2 acme  # same tenant\n\nk3 -\n", "file")
     assert t.by_key == {"k1": "acme", "k2": "acme", "k3": SHARED_TENANT}
-    assert Tenants.parse("k1 a, k2 b", "env").by_key == {"k1": "a", "k2": "b"}
-    for bad in ("k1", "k1 a b", "k1 a\nk1 b", "", "# nothing"):
+    assert Tenants.parse("k1 a, k2 b", "env", commas=True).by_key == {"k1": "a", "k2": "b"}
+    for bad in ("k1", "k1 a b", "k1 a\nk1 b", "", "# nothing", "k1 a, k2 b"):
         with pytest.raises(ValueError):
             Tenants.parse(bad, "file")
+
+
+def test_keys_file_comments_are_stripped_before_anything_else(caplog):
+    """A comment with a comma is a comment (it once yielded the key 'rotate' of the tenant
+    'monthly'); commas separate entries only in the environment variable."""
+    key = "0123456789abcdef0123"
+    text = f"# production keys, rotate monthly\n{key} acme  # owner: ops, team b\n"
+    for commas in (False, True):
+        t = Tenants.parse(text, "src", commas=commas)
+        assert t.by_key == {key: "acme"}
+        assert authenticate("Bearer rotate", None, t) is None
+    with pytest.raises(ValueError, match="line 1"):
+        Tenants.parse(f"{key} a, {key}x b", "file")  # a comma in a file is no separator
+
+
+def test_keys_file_roles_warnings_and_counts(caplog):
+    strong, admin = "k" * 20, "a" * 24
+    with caplog.at_level("INFO", logger="radixrt.server"):
+        t = Tenants.parse(f"{strong} acme\nshort beta\n{admin} ops admin\n", "keys")
+    assert t.admin_keys == {admin}
+    assert authenticate(f"Bearer {admin}", None, t) == Caller("ops", True)
+    assert authenticate(f"Bearer {strong}", None, t) == Caller("acme", False)
+    log = caplog.text
+    assert "3 API keys (1 admin) for 3 tenants" in log
+    assert "shorter than 16 characters" in log and "'beta'" in log
+    assert strong not in log and admin not in log and "short " not in log  # never a key
+    for bad, match in [
+        (f"{strong} acme root", "KEY TENANT admin"),  # only the admin role exists
+        (f"acme {strong}", "longer than its key"),  # columns swapped
+        (f"{strong} {admin}\n{admin} x", "named like one of the keys"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Tenants.parse(bad, "keys")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="radixrt.server"):
+        Tenants.parse(f"{strong} acme", "keys")
+    assert "no 'admin' key" in caplog.text
 
 
 def test_keys_load_from_file_or_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("RADIXRT_API_KEYS", raising=False)
     assert Tenants.load(None) is None
-    monkeypatch.setenv("RADIXRT_API_KEYS", "ke a")
-    assert Tenants.load(None).by_key == {"ke": "a"}
+    monkeypatch.setenv("RADIXRT_API_KEYS", "ke a, kf b")
+    assert Tenants.load(None).by_key == {"ke": "a", "kf": "b"}
     path = tmp_path / "keys"
     path.write_text("kf b\n")
     assert Tenants.load(str(path)).by_key == {"kf": "b"}  # the file wins
 
 
 def test_authenticate_maps_keys_to_tenants():
-    t = Tenants({"ka": "a", "kb": "b"})
-    assert authenticate("Bearer ka", None, t) == "a"
-    assert authenticate("Bearer kb", "shared", t) == "b"
-    assert authenticate("Bearer shared", "shared", t) == SHARED_TENANT
-    assert authenticate("Bearer nope", "shared", t) is False
-    assert authenticate("", None, t) is False
-    assert authenticate("Bearer x", "x", None) is None
-    assert authenticate("Bearer y", "x", None) is False
-    assert authenticate("", None, None) is None
+    t = Tenants({"ka": "a", "kb": "b", "kc": "c"}, frozenset({"kc"}))
+    assert authenticate("Bearer ka", None, t) == Caller("a", False)
+    assert authenticate("Bearer kb", "shared", t) == Caller("b", False)
+    assert authenticate("Bearer kc", "shared", t) == Caller("c", True)
+    assert authenticate("Bearer shared", "shared", t) == Caller(SHARED_TENANT, False)
+    assert authenticate("Bearer nope", "shared", t) is None
+    assert authenticate("", None, t) is None
+    assert authenticate("Bearer x", "x", None) == Caller(None, True)
+    assert authenticate("Bearer y", "x", None) is None
+    assert authenticate("", None, None) == Caller(None, True)
 
 
 def test_a_tenant_cannot_send_another_tenants_salt():
@@ -79,7 +124,8 @@ def test_cache_salt_and_priority_are_honoured_on_every_route():
 
 def test_tenants_share_no_cache_on_a_live_server(tiny_model_dir, tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\n")
+    # "admin": the shared namespace's key, with the admin role (the teardown reads /debug)
+    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\nadmin - admin\n")
     prompt = "A shared system prompt that is long enough to fill several blocks of KV: " * 3
 
     def cached(srv, key, **extra):
@@ -98,6 +144,14 @@ def test_tenants_share_no_cache_on_a_live_server(tiny_model_dir, tmp_path):
         assert cached(srv, "admin") > 0
         status, _ = http_call(srv.url + "/generate", {"text": "x"}, {"Authorization": "Bearer z"})
         assert status == 401
+        # what every tenant's traffic shows is the admin role's (a bearer token for Prometheus)
+        for path in ("/metrics", "/debug/state", "/kv_event_sources"):
+            for key, status in (("key-a", 403), ("key-b", 403), ("admin", 200)):
+                got, out = http_call(
+                    srv.url + path, None, {"Authorization": f"Bearer {key}"}, method="GET"
+                )
+                assert got == status, (path, key, out)
+            assert http_call(srv.url + path, None, method="GET")[0] == 401
 
 
 def test_cache_ttl_s_is_honoured_and_reported():
@@ -121,7 +175,7 @@ def test_a_tenant_sees_and_releases_only_its_own_holds(tiny_model_dir, tmp_path)
     """Another tenant's request ids behave as unknown ones on /cache_pressure and
     /release_cache_holds, even when it sent the same rid; keys of one tenant share them."""
     keys = tmp_path / "keys"
-    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\n")
+    keys.write_text("key-a acme\nkey-a2 acme\nkey-b beta\nadmin - admin\n")
     body = {"text": "An agent's context to hold. " * 4, "sampling_params": {"max_new_tokens": 2}}
 
     def call(srv, key, path, payload=None):
