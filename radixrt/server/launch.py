@@ -260,7 +260,8 @@ def add_serve_command(
         "--router-prometheus-port",
         type=int,
         default=None,
-        help="--dp > 1: the router's Prometheus port, bound on --host (default: a free one)",
+        help="--dp > 1: the router's Prometheus port, on 127.0.0.1 (clients read it as the "
+        "endpoint's /metrics; default: a free one)",
     )
     p.add_argument(
         "--router-args",
