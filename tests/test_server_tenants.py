@@ -5,8 +5,10 @@ sees nor releases another's retention holds."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from server_utils import http_call, serving
+from server_utils import http_call, serving, sse_events
 from test_server_fields import chat, comp, gen
 
 from radixrt.server.protocol import ApiError
@@ -203,3 +205,55 @@ def test_a_tenant_sees_and_releases_only_its_own_holds(tiny_model_dir, tmp_path)
         assert held(srv, "key-b") == [] and held(srv, "key-a") == ["job"]
         assert release(srv, "key-a2", "job") == 1
         assert call(srv, "key-a", "/cache_pressure")["held_blocks"] == 0
+
+
+def test_control_routes_act_only_on_the_callers_tenant(tiny_model_dir, tmp_path):
+    """/abort finds only the caller's requests and rids are per tenant (another tenant's rid
+    is neither an error nor visible); server ids are random; a tenant's /flush_cache empties
+    only its own cache and an admin's everything; /cache_pressure shows a tenant its own."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a acme\nkey-b beta\nadmin - admin\n")
+    long_body = {
+        "text": "A long job of tenant a",
+        "rid": "job",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True, "temperature": 0},
+    }
+    prompts = {k: f"The cached context of {k}, long enough to fill some blocks. " * 3 for k in "ab"}
+
+    def call(srv, key, path, payload=None):
+        headers = {"Authorization": f"Bearer {key}"}
+        method = "GET" if payload is None else "POST"
+        status, out = http_call(srv.url + path, payload, headers, method=method)
+        assert status == 200, (path, out)
+        return out
+
+    def cached(srv, key, text):
+        body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+        return call(srv, key, "/generate", body)["meta_info"]["cached_tokens"]
+
+    with serving(tiny_model_dir, "--api-keys-file", str(keys), api_key="admin") as srv:
+        events = sse_events(srv.url + "/generate", long_body, {"Authorization": "Bearer key-a"})
+        next(events)  # a's job is running
+        assert call(srv, "key-b", "/abort", {"rid": "job"})["aborted"] == 0
+        body = {"text": "b's own job", "rid": "job", "sampling_params": {"max_new_tokens": 2}}
+        assert call(srv, "key-b", "/generate", body)["meta_info"]["id"] == "job"
+        ids = [call(srv, "key-b", "/generate", {"text": "x"})["meta_info"]["id"] for _ in "12"]
+        assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1], ids
+        assert call(srv, "key-b", "/abort", {"rid": ids[0]})["aborted"] == 0
+        assert call(srv, "key-a", "/abort", {"rid": "job"})["aborted"] == 1
+        last = list(events)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert last["meta_info"]["completion_tokens"] < 1900
+
+        for k in "ab":
+            assert cached(srv, f"key-{k}", prompts[k]) == 0
+        out = call(srv, "key-b", "/flush_cache", {})
+        assert out["scope"] == "tenant" and out["freed_blocks"] > 0, out
+        assert cached(srv, "key-a", prompts["a"]) > 0  # a's cache survives b's flush
+        assert cached(srv, "key-b", prompts["b"]) == 0
+        mine = call(srv, "key-b", "/cache_pressure")
+        assert mine["free_blocks"] is None and mine["evictable_blocks"] is None, mine
+        assert isinstance(call(srv, "admin", "/cache_pressure")["free_blocks"], int)
+        assert call(srv, "admin", "/flush_cache", {})["scope"] == "all"
+        assert cached(srv, "key-a", prompts["a"]) == 0

@@ -39,6 +39,7 @@ from radixrt.server.messages import (
     ReadCachePressure,
     Ready,
     ReleaseCacheHolds,
+    SaltScope,
     SchedulerFailed,
     TokenBatchOut,
     TokenizedRequest,
@@ -83,9 +84,7 @@ class Front:
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
         self.ready_event = asyncio.Event()  # set when serving starts
-        # internal rids: a counter plus this process's random tag (never a client's id)
-        self._ids = itertools.count()
-        self._tag = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()  # ids of calls to the scheduler
         self._reader: asyncio.Task | None = None
         self.liveness = Liveness(stall_policy or StallPolicy())
         self._watchdog: asyncio.Task | None = None
@@ -264,7 +263,7 @@ class Front:
         already in flight."""
         if not self.serving:
             raise self.unavailable_error()
-        if client_rid is not None and client_rid in self.outputs.by_client_rid:
+        if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events = Outbox()
@@ -302,14 +301,15 @@ class Front:
             logger.exception("could not encode a validated request")
             raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
         self.liveness.on_work_sent(had_work=bool(self.outputs.states))
-        self.outputs.add(groups, client_rid)
+        self.outputs.add(groups, None if client_rid is None else (tenant, client_rid))
         for data in encoded:  # a failed send fails every registered request (503)
             if not self._send_encoded(data):
                 break
         return Generation(states, events, self.abort_states)
 
     def _new_rid(self) -> str:
-        return f"{next(self._ids)}-{self._tag}"
+        """Random: a client must not guess the ids of others' requests."""
+        return uuid.uuid4().hex
 
     def _state(
         self,
@@ -396,10 +396,10 @@ class Front:
             return False
         return True
 
-    async def flush_cache(self) -> CacheFlushed:
-        """Flush the scheduler's prefix cache (unlocked entries only) and wait for its
-        answer; ApiError 503 while not serving."""
-        return await self._ask(FlushCache)
+    async def flush_cache(self, scope: SaltScope | None = None) -> CacheFlushed:
+        """Flush the scheduler's prefix cache (unlocked entries only; `scope`: under one
+        tenant's salts only) and wait for its answer; ApiError 503 while not serving."""
+        return await self._ask(lambda i: FlushCache(i, scope))
 
     async def release_cache_holds(self, tenant: str | None, client_ids: list[str]) -> int:
         """End the retention holds of `tenant`'s finished requests known to their client as
@@ -415,11 +415,11 @@ class Front:
         out: CacheHoldsReleased = await self._ask(lambda i: ReleaseCacheHolds(i, rids))
         return out.released
 
-    async def cache_pressure(self) -> CachePressureRead:
+    async def cache_pressure(self, scope: SaltScope | None = None) -> CachePressureRead:
         """The engine's `CachePressure`, read by the scheduler between steps (its `held`: the
-        scheduler's ids; `held.client_ids` maps them for a tenant); ApiError 503 while not
-        serving."""
-        return await self._ask(ReadCachePressure)
+        scheduler's ids; `held.client_ids` maps them for a tenant; `scope`: the figures of one
+        tenant's salts only); ApiError 503 while not serving."""
+        return await self._ask(lambda i: ReadCachePressure(i, scope))
 
     async def _ask(self, message: Callable[[int], ToScheduler]) -> Any:
         """Send `message(call_id)` to the scheduler and wait for its answer with that id
@@ -451,11 +451,12 @@ class Front:
         for rid in dict.fromkeys(rids):
             self._send(AbortRequest(rid))
 
-    def abort_client_rid(self, rid: str) -> int:
-        """/abort: end the unfinished requests with this client rid, or the one request
-        without a client rid whose own id (the `id` /generate returned) this is; they
-        finish with "abort" when the scheduler confirms. Returns how many outputs."""
-        pending = self.outputs.unfinished(rid)
+    def abort_client_rid(self, rid: str, tenant: str | None = None) -> int:
+        """/abort: end `tenant`'s unfinished requests with this client rid, or its one
+        request without a client rid whose own id (the `id` /generate returned) this is; they
+        finish with "abort" when the scheduler confirms. Another tenant's requests are never
+        found. Returns how many outputs."""
+        pending = self.outputs.unfinished(rid, tenant)
         for r in dict.fromkeys(st.rid for st in pending):
             self._send(AbortRequest(r))
         return len(pending)

@@ -197,7 +197,7 @@ async def abort(request: web.Request) -> web.Response:
         await read_body(request), AbortBody, "/abort", request.app[UNKNOWN_FIELDS]
     )
     check_rid(body.rid)
-    n = request.app[FRONT].abort_client_rid(body.rid)
+    n = request.app[FRONT].abort_client_rid(body.rid, request_tenant(request))
     return json_response({"rid": body.rid, "aborted": n})
 
 

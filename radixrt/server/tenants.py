@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from radixrt.server.messages import SaltScope
+
 logger = logging.getLogger("radixrt.server")
 
 SHARED_TENANT = "-"  # keys of this tenant use the unsalted (shared) namespace
@@ -191,7 +193,14 @@ def tenant_salt(tenant: str | None, client_salt: str | None) -> str | None:
     if tenant == SHARED_TENANT and client_salt is None:
         return None
     name = f"{len(tenant)}:{tenant}:{'' if client_salt is None else '=' + client_salt}"
-    return "tenant:" + hashlib.sha256(name.encode()).hexdigest()
+    return tenant_scope(tenant).prefix + hashlib.sha256(name.encode()).hexdigest()
+
+
+def tenant_scope(tenant: str) -> SaltScope:
+    """Every cache salt `tenant_salt` gives `tenant`'s requests (they all start with the
+    tenant's own prefix); the shared tenant's include the unsalted namespace."""
+    digest = hashlib.sha256(f"{len(tenant)}:{tenant}".encode()).hexdigest()[:32]
+    return SaltScope(f"tenant:{digest}:", unsalted=tenant == SHARED_TENANT)
 
 
 def apply_tenant(sampling: dict, tenant: str | None) -> None:
