@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from radixrt.server.dp_front import FrontThread, Upstreams, create_front_app
-from radixrt.server.kv_publisher import KVEventsConfig
 
 if TYPE_CHECKING:
     from radixrt.server.launch import ServeConfig
@@ -156,9 +155,10 @@ def replica_configs(cfg: ServeConfig, replicas: int) -> list[ServeConfig]:
         kv = cfg.kv_events
         if kv is not None:
             replay = kv.replay_endpoint
-            kv = KVEventsConfig(
-                offset_endpoint(kv.endpoint, i),
-                None if replay is None else offset_endpoint(replay, i),
+            kv = replace(
+                kv,
+                endpoint=offset_endpoint(kv.endpoint, i),
+                replay_endpoint=None if replay is None else offset_endpoint(replay, i),
             )
         out.append(
             replace(cfg, host="127.0.0.1", port=_free_port(), kv_events=kv, cpu_threads=threads)
