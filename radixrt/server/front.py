@@ -91,6 +91,7 @@ class Front:
         # FlushCache, ReleaseCacheHolds, ReadCachePressure in flight, by their id
         self.calls: dict[int, asyncio.Future] = {}
         self.held = HeldRequests()  # finished requests that may hold their context
+        self._scoped_reads: set[int] = set()  # one tenant's pressure reads: not every hold
         self.outputs = FrontOutputs(
             metrics, self._send, self._decode, self.liveness.on_finished, self.held.add
         )
@@ -143,8 +144,10 @@ class Front:
             self._check_ready()
         elif isinstance(msg, (CacheFlushed, CacheHoldsReleased, CachePressureRead)):
             if isinstance(msg, CachePressureRead):
-                # read after every request recorded so far had finished (and held or not)
-                self.held.keep_only(msg.pressure.held)
+                if msg.call_id in self._scoped_reads:  # one tenant's holds: not every record's
+                    self._scoped_reads.discard(msg.call_id)
+                else:  # read after every request recorded so far had finished (held or not)
+                    self.held.keep_only(msg.pressure.held)
             future = self.calls.get(msg.flush_id if isinstance(msg, CacheFlushed) else msg.call_id)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -419,7 +422,13 @@ class Front:
         """The engine's `CachePressure`, read by the scheduler between steps (its `held`: the
         scheduler's ids; `held.client_ids` maps them for a tenant; `scope`: the figures of one
         tenant's salts only); ApiError 503 while not serving."""
-        return await self._ask(lambda i: ReadCachePressure(i, scope))
+
+        def read(call_id: int) -> ReadCachePressure:
+            if scope is not None:
+                self._scoped_reads.add(call_id)
+            return ReadCachePressure(call_id, scope)
+
+        return await self._ask(read)
 
     async def _ask(self, message: Callable[[int], ToScheduler]) -> Any:
         """Send `message(call_id)` to the scheduler and wait for its answer with that id
