@@ -15,6 +15,7 @@ from radixrt.server.protocol import ApiError
 from radixrt.server.tenants import (
     SHARED_TENANT,
     Caller,
+    TenantPolicy,
     Tenants,
     apply_tenant,
     authenticate,
@@ -66,6 +67,38 @@ def test_keys_file_roles_warnings_and_counts(caplog):
     with caplog.at_level("WARNING", logger="radixrt.server"):
         Tenants.parse(f"{strong} acme", "keys")
     assert "no 'admin' key" in caplog.text
+
+
+def test_tenant_policies_bound_what_requests_claim():
+    key = "k" * 20
+    t = Tenants.parse(
+        f"{key} acme\n{key}2 beta\n@beta priority=-5..5 default_priority=2 max_cache_ttl_s=60\n",
+        "keys",
+    )
+    assert t.policy("acme") == TenantPolicy(0, 0, 0, None)  # no claims without a policy
+    assert t.policy("beta") == TenantPolicy(-5, 5, 2, 60.0)
+    kw = {"priority": 0, "cache_ttl_s": 0.0}
+    t.policy("beta").apply(kw)
+    assert kw["priority"] == 2  # the schemas' default becomes the tenant's
+    for policy, kw, param in [
+        (t.policy("acme"), {"priority": -1}, "priority"),
+        (t.policy("beta"), {"priority": 6}, "priority"),
+        (t.policy("beta"), {"priority": -5, "cache_ttl_s": 61.0}, "cache_ttl_s"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            policy.apply(kw)
+        assert (e.value.status, e.value.param) == (400, param)
+    assert TenantPolicy.parse(["priority=3..9"]).default_priority == 3  # 0 is out of range
+    for bad in (
+        f"{key} a\n@a priority=5",
+        f"{key} a\n@a priority=1..0",
+        f"{key} a\n@a colour=red",
+        f"{key} a\n@a default_priority=1",
+        f"{key} a\n@b priority=0..1",
+        f"{key} a\n@a max_cache_ttl_s=-1",
+    ):
+        with pytest.raises(ValueError):
+            Tenants.parse(bad, "keys")
 
 
 def test_keys_load_from_file_or_environment(tmp_path, monkeypatch):
@@ -212,7 +245,10 @@ def test_control_routes_act_only_on_the_callers_tenant(tiny_model_dir, tmp_path)
     is neither an error nor visible); server ids are random; a tenant's /flush_cache empties
     only its own cache and an admin's everything; /cache_pressure shows a tenant its own."""
     keys = tmp_path / "keys"
-    keys.write_text("key-a acme\nkey-b beta\nadmin - admin\n")
+    keys.write_text(
+        "key-a acme\nkey-b beta\nadmin - admin\n"
+        "@beta priority=-10..10 default_priority=5 max_cache_ttl_s=30\n"
+    )
     long_body = {
         "text": "A long job of tenant a",
         "rid": "job",
@@ -257,3 +293,26 @@ def test_control_routes_act_only_on_the_callers_tenant(tiny_model_dir, tmp_path)
         assert isinstance(call(srv, "admin", "/cache_pressure")["free_blocks"], int)
         assert call(srv, "admin", "/flush_cache", {})["scope"] == "all"
         assert cached(srv, "key-a", prompts["a"]) == 0
+
+        # claims: a tenant without a policy may not claim a priority; beta within its range
+        def claim(key, **fields):
+            body = {"text": "claim", "sampling_params": {"max_new_tokens": 1}, **fields}
+            return http_call(srv.url + "/generate", body, {"Authorization": f"Bearer {key}"})
+
+        for key, fields, param, allowed in [
+            ("key-a", {"priority": -(2**31)}, "priority", "[0, 0]"),
+            ("key-a", {"priority": 1}, "priority", "[0, 0]"),
+            ("key-b", {"priority": -11}, "priority", "[-10, 10]"),
+            ("key-b", {"cache_ttl_s": 31}, "cache_ttl_s", "[0, 30]"),
+        ]:
+            status, out = claim(key, **fields)
+            assert (status, out["error"]["param"]) == (400, param), out
+            assert allowed in out["error"]["message"], out
+        assert claim("key-b", priority=-10, cache_ttl_s=30)[0] == 200
+        call(srv, "admin", "/flush_cache", {})  # ends the hold it took
+        status, out = http_call(
+            srv.url + "/v1/completions",
+            {"prompt": "claim", "max_tokens": 1, "priority": 3},
+            {"Authorization": "Bearer key-a"},
+        )
+        assert (status, out["error"]["param"]) == (400, "priority"), out

@@ -48,6 +48,7 @@ from radixrt.server.messages import (
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
 from radixrt.server.request_state import Generation, Outbox, RequestState
+from radixrt.server.tenants import Tenants
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Front:
         metrics: ServerMetrics,
         model_name: str = "default",
         stall_policy: StallPolicy | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
         self.token_bytes: TokenBytes | None = None  # the tokenizer's byte table, if any
@@ -80,6 +82,7 @@ class Front:
         self.from_scheduler = from_scheduler
         self.metrics = metrics
         self.model_name = model_name  # the id /v1/models lists
+        self.tenants = tenants  # what each tenant's requests may claim (None: no tenants)
         self.ready: Ready | None = None  # set when the scheduler's Ready arrives
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
@@ -266,6 +269,8 @@ class Front:
         already in flight."""
         if not self.serving:
             raise self.unavailable_error()
+        if tenant is not None and self.tenants is not None:
+            self.tenants.policy(tenant).apply(spec.sampling)
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]

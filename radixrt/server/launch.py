@@ -461,7 +461,9 @@ async def _serve_http(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     model_name = cfg.served_model_name or cfg.model
-    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
+    front = Front(
+        None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall, cfg.tenants
+    )
     front.start()
     limits = cfg.connections
     worker = WorkerInfo.of_model_dir(

@@ -18,6 +18,12 @@ tenant (a global cache flush, /metrics, /debug/*, the KV event sources, the rout
 management behind `--dp`); other keys never reach them. A key shorter than MIN_KEY_CHARS draws a
 warning; a tenant named like one of the keys is refused (its columns are swapped).
 
+What a tenant's requests may claim comes from `@TENANT NAME=VALUE ...` lines of the same file
+(`TenantPolicy`): `priority=LO..HI` (default 0..0: no tenant can put itself ahead of another),
+`default_priority=P` (what a request without a priority gets; default LO if 0 is outside the
+range, else 0) and `max_cache_ttl_s=S` (default: the engine's cap). A request outside them is a
+400 naming the field and the allowed range.
+
 Sharing across tenants (a common system prompt computed once) is the operator's choice and
 its trade-off: tenants that share a namespace (one tenant name, or `-`) can probe each other's
 prompts through timing and `cached_tokens`. Give them one tenant name only where that is
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from radixrt.server.messages import SaltScope
+from radixrt.server.protocol import ApiError
 
 logger = logging.getLogger("radixrt.server")
 
@@ -45,6 +52,76 @@ ADMIN_ROLE = "admin"
 ENV_VAR = "RADIXRT_API_KEYS"
 TENANT = "radixrt.tenant"  # key of the authenticated request's tenant in the aiohttp request
 ADMIN = "radixrt.admin"  # key of whether the authenticated request may use admin routes
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one tenant's requests may claim."""
+
+    min_priority: int = 0
+    max_priority: int = 0
+    default_priority: int = 0  # a request that sends none (or 0) gets this
+    max_cache_ttl_s: float | None = None  # None: the engine's cap only
+
+    def __post_init__(self) -> None:
+        if not self.min_priority <= self.default_priority <= self.max_priority:
+            raise ValueError(
+                f"default_priority {self.default_priority} is outside priority="
+                f"{self.min_priority}..{self.max_priority}"
+            )
+        if self.max_cache_ttl_s is not None and not self.max_cache_ttl_s >= 0:
+            raise ValueError(f"max_cache_ttl_s must be >= 0, got {self.max_cache_ttl_s}")
+
+    @classmethod
+    def parse(cls, options: list[str]) -> TenantPolicy:
+        """From `priority=LO..HI`, `default_priority=P`, `max_cache_ttl_s=S` (ValueError)."""
+        kw: dict[str, object] = {}
+        for opt in options:
+            name, sep, value = opt.partition("=")
+            try:
+                if name == "priority" and sep:
+                    lo, dots, hi = value.partition("..")
+                    if not dots:
+                        raise ValueError
+                    kw["min_priority"], kw["max_priority"] = int(lo), int(hi)
+                elif name == "default_priority" and sep:
+                    kw["default_priority"] = int(value)
+                elif name == "max_cache_ttl_s" and sep:
+                    kw["max_cache_ttl_s"] = float(value)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"{opt!r}: expected priority=LO..HI, default_priority=P or max_cache_ttl_s=S"
+                ) from None
+        if "default_priority" not in kw:
+            lo, hi = kw.get("min_priority", 0), kw.get("max_priority", 0)
+            kw["default_priority"] = 0 if lo <= 0 <= hi else lo
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def apply(self, sampling: dict) -> None:
+        """Check the SamplingParams keywords `sampling` against the policy (in place: a
+        priority of 0, the schemas' default, becomes `default_priority`); ApiError 400
+        naming the field and the allowed range."""
+        priority = sampling.get("priority", 0)
+        if priority == 0:
+            sampling["priority"] = priority = self.default_priority
+        if not self.min_priority <= priority <= self.max_priority:
+            raise ApiError(
+                f"priority {priority} is outside the range this key may claim: "
+                f"[{self.min_priority}, {self.max_priority}]",
+                param="priority",
+            )
+        ttl = sampling.get("cache_ttl_s", 0.0)
+        if self.max_cache_ttl_s is not None and ttl > self.max_cache_ttl_s:
+            raise ApiError(
+                f"cache_ttl_s {ttl:g} is over what this key may claim: "
+                f"[0, {self.max_cache_ttl_s:g}]",
+                param="cache_ttl_s",
+            )
+
+
+DEFAULT_POLICY = TenantPolicy()
 
 
 @dataclass(frozen=True)
@@ -61,6 +138,10 @@ class Tenants:
 
     by_key: dict[str, str] = field(repr=False)  # secrets: never in a log line
     admin_keys: frozenset[str] = field(default=frozenset(), repr=False)  # a subset of by_key
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)  # by tenant; else default
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.policies.get(tenant) or DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         for key, tenant in self.by_key.items():
@@ -78,6 +159,9 @@ class Tenants:
                 )
         if not self.admin_keys <= self.by_key.keys():
             raise ValueError("an admin key must be one of the keys")
+        unknown = sorted(self.policies.keys() - self.tenant_names)
+        if unknown:
+            raise ValueError(f"a policy for tenant {unknown[0][:40]!r}, which has no key")
 
     @property
     def tenant_names(self) -> set[str]:
@@ -90,6 +174,7 @@ class Tenants:
         `source` and the entry for anything else, or a key given twice."""
         by_key: dict[str, str] = {}
         admins: set[str] = set()
+        policies: dict[str, TenantPolicy] = {}
         lines = (line.split("#", 1)[0] for line in text.splitlines())
         entries = [e for line in lines for e in (line.split(",") if commas else [line])]
         for n, entry in enumerate(entries, 1):
@@ -97,6 +182,15 @@ class Tenants:
             if not parts:
                 continue
             where = f"{source}: entry {n}" if commas else f"{source}: line {n}"
+            if parts[0].startswith("@"):
+                tenant = parts[0][1:]
+                if tenant in policies:
+                    raise ValueError(f"{where}: a second policy for tenant {tenant[:40]!r}")
+                try:
+                    policies[tenant] = TenantPolicy.parse(parts[1:])
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                continue
             if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != ADMIN_ROLE):
                 raise ValueError(f"{where}: expected 'KEY TENANT' or 'KEY TENANT {ADMIN_ROLE}'")
             key, tenant = parts[:2]
@@ -113,7 +207,7 @@ class Tenants:
         if not by_key:
             raise ValueError(f"{source}: no 'KEY TENANT' entries")
         try:
-            tenants = cls(by_key, frozenset(admins))
+            tenants = cls(by_key, frozenset(admins), policies)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
         tenants._log(source)
