@@ -228,11 +228,12 @@ class CachePressure(msgspec.Struct, frozen=True, kw_only=True):
 
     num_blocks: int  # the device pool
     block_size: int  # tokens per block
-    free_blocks: int  # unallocated
-    evictable_blocks: int  # cached, unlocked: taken back on demand
+    # None in a tenant's view (`EngineCore.cache_pressure(salts)`): they show others' use
+    free_blocks: int | None  # unallocated
+    evictable_blocks: int | None  # cached, unlocked: taken back on demand
     held_blocks: int  # distinct blocks retention holds keep (`retention_held_blocks`)
     max_held_blocks: int  # the share bound on them (`retention_max_share` x the pool)
-    holds_refused: int  # holds not taken for want of room, since start
+    holds_refused: int | None  # holds not taken for want of room, since start
     held: frozenset[str] = frozenset()  # finished requests whose holds are in place
 
     @property

@@ -71,8 +71,10 @@ def test_router_command_defaults_then_user_args():
 
     cfg = ServeConfig(model="m", host="127.0.0.1", port=8000, api_key="k")
     opts = dp.DPOptions(2, router_args=["--cache-threshold", "0.3"])
-    cmd = dp.router_command(cfg, opts, ["http://a", "http://b"], 9000)
+    cmd = dp.router_command(cfg, opts, ["http://a", "http://b"], 9001, 9000)
     assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    # the router listens on loopback only: clients reach it through the front
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "9001"
     # sglang-router's argparse keeps an option's last value: --router-args override ours
     assert cmd.index("--balance-abs-threshold") < cmd.index("--worker-urls")
     thresholds = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cache-threshold"]
@@ -81,6 +83,14 @@ def test_router_command_defaults_then_user_args():
     # loads of busy replicas drift apart by chance: spill only below a quarter of the load
     assert cmd[cmd.index("--balance-rel-threshold") + 1] == "3"
     assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--api-key")] == ["http://a", "http://b"]
+
+
+TAKEOVER = [
+    ("POST", "/workers", {"url": "http://127.0.0.1:9"}),
+    ("DELETE", "/workers/0b7c9e54-5a43-4e2b-8f6c-1f9f3c1d2e3a", None),
+    ("GET", "/workers", None),
+    ("GET", "/get_loads", None),
+]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -159,6 +169,16 @@ def test_serve_dp_two_replicas(tiny_model_dir):
 
         _wait(models_listed, "model list from the router", log)
         model = http_call(url + "/v1/models", None, method="GET")[1]["data"][0]["id"]
+        # without keys no one manages the router's workers through the endpoint
+        for method, path, body in TAKEOVER:
+            status, out = http_call(url + path, body, method=method)
+            assert status == 403, (path, out)
+        # a request without `model` and a batched /generate behave as on one server
+        status, out = http_call(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 2, out
+        body = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 2}}
+        status, out = http_call(url + "/generate", body)
+        assert status == 200 and len(out) == 2, out
         for i, word in enumerate(PROMPT_WORDS):
             text = f"{word} {i * 7919} is a topic worth a long answer"
             status, out = http_call(
@@ -200,6 +220,63 @@ def test_serve_dp_two_replicas(tiny_model_dir):
         left = sorted(p for p in children if _running(p))
         assert not left, (left, log.read_text()[-4000:])
         assert not _healthy(url) and not _healthy(replica_url)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log_file.close()
+
+
+@needs_router
+def test_serve_dp_with_keys_resists_takeover(tiny_model_dir, tmp_path):
+    """The trial's takeover through `--dp 2` with a keys file: without a key or with a
+    tenant's, registering or deleting workers is refused; an admin who deletes both replicas
+    from the router sees them registered again, and tenants keep being served by them."""
+    admin, alice = "admin-0123456789abcdef", "alice-0123456789abcdef"
+    keys = tmp_path / "keys"
+    keys.write_text(f"# keys, rotated monthly\n{admin} ops admin\n{alice} alice\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_file = tempfile.NamedTemporaryFile(prefix="radixrt-dp-", suffix=".log")  # noqa: SIM115
+    log = Path(log_file.name)
+    cmd = [
+        sys.executable, "-m", "radixrt.cli", "serve", "--model", tiny_model_dir, "--dp", "2",
+        "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "info",
+        "--api-keys-file", str(keys),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def call(path, body=None, key=None, method=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        method = method or ("GET" if body is None else "POST")
+        return http_call(url + path, body, headers, method=method)
+
+    try:
+        _wait(lambda: "serving on" in log.read_text(), "'serving on' line", log)
+        replica_urls = sorted(u for _, u, _ in REPLICA_LINE.findall(log.read_text()))
+        for method, path, body in TAKEOVER:
+            assert call(path, body, None, method)[0] == 401, path
+            assert call(path, body, alice, method)[0] == 403, path
+        status, out = call("/workers", key=admin)
+        assert status == 200, out
+        assert sorted(w["url"] for w in out["workers"]) == replica_urls
+        for w in out["workers"]:
+            assert call(f"/workers/{w['id']}", key=admin, method="DELETE")[0] in (200, 202)
+
+        def listed() -> list[str]:
+            return sorted(w["url"] for w in call("/workers", key=admin)[1]["workers"])
+
+        _wait(lambda: listed() == replica_urls, "replicas registered again", log, 30)
+        assert "missing from the router's workers" in log.read_text()
+        for i in range(6):
+            body = {"prompt": f"tenant prompt {i}", "max_tokens": 2}  # no `model`
+            status, out = call("/v1/completions", body, alice)
+            assert status == 200 and out["usage"]["completion_tokens"] <= 2, out
+        assert call("/metrics", key=alice)[0] == 403
+        assert call("/metrics", key=admin)[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-4000:]
+        assert admin not in log.read_text() and alice not in log.read_text()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -79,7 +79,9 @@ def wait_subscribed(pub: ZmqEventPublisher, sub: zmq.Socket) -> int:
 def test_publisher_sequences_and_replays():
     ctx = zmq.Context()
     port, replay_port = free_port(), free_port()
-    cfg = KVEventsConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv")
+    cfg = KVEventsConfig(
+        f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv", token_ids=True
+    )
     pub = ZmqEventPublisher(cfg, ctx)
     sub = subscriber(ctx, cfg.endpoint)
     try:
@@ -160,6 +162,41 @@ def test_sources_and_config():
     assert src["block_size"] == 16
     with pytest.raises(ValueError, match="tcp://"):
         KVEventsConfig("127.0.0.1:5557")
+    # ZMQ has no authentication: loopback only, unless the operator allows others
+    for addr in ("tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.0.0.1:5557", "tcp://eth0:1"):
+        with pytest.raises(ValueError, match="not a loopback address"):
+            KVEventsConfig(addr)
+        with pytest.raises(ValueError, match="not a loopback address"):
+            KVEventsConfig("tcp://127.0.0.1:5557", addr)
+        assert KVEventsConfig(addr, allow_remote=True).endpoint == addr
+    for addr in ("tcp://[::1]:5557", "tcp://localhost:5557", "tcp://127.0.0.2:1", "ipc:///tmp/k"):
+        assert KVEventsConfig(addr).endpoint == addr
+
+
+def test_events_carry_hashes_unless_token_ids_are_asked_for():
+    """A tenant's prompt is in its blocks' token ids: the default publishes hashes only, and
+    a server with tenants refuses to publish token ids."""
+    from radixrt.server.launch import ServeConfig
+    from radixrt.server.tenants import Tenants
+
+    ctx = zmq.Context()
+    try:
+        for token_ids, expected in ((False, []), (True, [7] * 4)):
+            cfg = KVEventsConfig(f"inproc://kv-{token_ids}", token_ids=token_ids)
+            pub = ZmqEventPublisher(cfg, ctx)
+            sub = subscriber(ctx, cfg.endpoint)
+            wait_subscribed(pub, sub)
+            pub.publish([BlockStored([5], None, [7] * 4, 4, None, "GPU")])
+            [event] = DECODER.decode(sub.recv_multipart()[2]).events
+            assert (event.block_hashes, event.token_ids) == ([5], expected)
+            sub.close(linger=0)
+            pub.shutdown()
+    finally:
+        ctx.term()
+    tenants = Tenants({"k" * 16: "a"})
+    with pytest.raises(ValueError, match="every tenant's prompts"):
+        ServeConfig("m", tenants=tenants, kv_events=KVEventsConfig("ipc:///x", token_ids=True))
+    assert ServeConfig("m", tenants=tenants, kv_events=KVEventsConfig("ipc:///x")).tenants
 
 
 def test_serve_publishes_kv_events(tiny_model_dir):
@@ -168,6 +205,7 @@ def test_serve_publishes_kv_events(tiny_model_dir):
     srv = ServerProcess(
         tiny_model_dir,
         "--kv-events-endpoint", endpoint, "--kv-events-hash-seed", "0", "--block-size", "4",
+        "--kv-events-token-ids",
     )  # fmt: skip
     ctx = zmq.Context()
     sub = subscriber(ctx, endpoint)

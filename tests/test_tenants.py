@@ -75,6 +75,33 @@ def test_radix_salts_are_separate_trees():
     cache.check_integrity()
 
 
+def test_radix_flush_salts_drops_only_those_salts_unlocked_entries():
+    """A tenant's flush (`flush_salts`) frees its salts' unlocked entries, keeps a locked
+    path and every other salt's entries, and drops the salt roots it empties."""
+    cache = RadixCache(BlockAllocator(64), 4)
+    for salt in ("t:a:1", "t:a:2", "t:b:1", None):
+        blocks = cache.allocator.allocate(3)
+        cache.insert(PROMPT[:10], blocks, salt)
+        cache.allocator.decref(blocks)
+        blocks = cache.allocator.allocate(3)
+        cache.insert(PROMPT[:6] + [7, 7, 7, 7], blocks, salt)  # a branch: two leaves
+        cache.allocator.decref(blocks)
+    locked = cache.match(PROMPT[:10], "t:a:2")
+    cache.lock(locked.handle)
+    free = cache.allocator.num_free
+    freed = cache.flush_salts(lambda s: s is not None and s.startswith("t:a:"))
+    assert freed == cache.allocator.num_free - free > 0
+    assert cache.match(PROMPT[:10], "t:a:1").num_cached_tokens == 0
+    assert cache.match(PROMPT[:10], "t:a:2").num_cached_tokens == 10  # locked: kept
+    assert cache.match(PROMPT[:6] + [7, 7, 7, 7], "t:a:2").num_cached_tokens == 6
+    for salt in ("t:b:1", None):
+        assert cache.match(PROMPT[:10], salt).num_cached_tokens == 10
+    assert "t:a:1" not in cache._salt_roots
+    cache.check_integrity()
+    cache.unlock(locked.handle)
+    cache.check_integrity()
+
+
 def test_radix_salted_lock_and_evict():
     cache = RadixCache(BlockAllocator(8), 4)
     for salt, base in (("a", 0), ("b", 1)):

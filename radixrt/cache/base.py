@@ -33,7 +33,7 @@ Ownership rules (all implementations):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -128,6 +128,11 @@ class PrefixCache(Protocol):
 
     def reset(self) -> None:
         """Drop every unlocked entry (releasing its references)."""
+        ...
+
+    def flush_salts(self, salts: Callable[[str | None], bool]) -> int:
+        """Drop the unlocked device entries under the cache salts `salts` accepts (one
+        tenant's flush); returns the device blocks freed."""
         ...
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
@@ -68,3 +68,6 @@ class NoCache:
 
     def reset(self) -> None:
         pass
+
+    def flush_salts(self, salts: Callable[[str | None], bool]) -> int:
+        return 0

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sortedcontainers import SortedKeyList
 
@@ -732,6 +732,19 @@ class RadixCache:
 
     def pretty_print(self) -> None:
         print(self.format_tree())
+
+    def flush_salts(self, salts: Callable[[str | None], bool]) -> int:
+        """Remove the unlocked device leaves under the salts `salts` accepts, and what hangs
+        below them, until none is left (host-only entries of those salts age out); returns the
+        device blocks freed."""
+        freed = 0
+        while leaves := [leaf for leaf in self._evictable if salts(self.salt_of(leaf))]:
+            for leaf in leaves:
+                self.version += 1
+                self._unlist(leaf)
+                freed += self._remove_subtree(leaf)
+        self.stats.num_evicted_blocks += freed
+        return freed
 
 
 def _common_prefix_len(key: list[int], tokens: list[int], pos: int) -> int:

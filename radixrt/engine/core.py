@@ -16,7 +16,7 @@ import gc
 import itertools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -276,10 +276,24 @@ class EngineCore:
         when it holds nothing (never had a hint, expired, or released for room)."""
         return self.scheduler.retention.release(rid)
 
-    def cache_pressure(self) -> CachePressure:
+    def cache_pressure(self, salts: Callable[[str | None], bool] | None = None) -> CachePressure:
         """The pool's fill with retention holds now (between steps): plain data for clients
-        that decide how many held contexts to run at once (`CachePressure`)."""
+        that decide how many held contexts to run at once (`CachePressure`). `salts`: the
+        figures of the holds under the cache salts it accepts only (one tenant's): its held
+        blocks and holds against the per-salt bound; figures that show others' use are None."""
         retention = self.scheduler.retention
+        if salts is not None:
+            mine = {r: h for r, h in retention.holds.items() if salts(h.salt)}
+            return CachePressure(
+                num_blocks=self.allocator.num_blocks,
+                block_size=self.config.cache.block_size,
+                free_blocks=None,
+                evictable_blocks=None,
+                held_blocks=len({b for h in mine.values() for b in h.blocks}),
+                max_held_blocks=min(retention.max_blocks, retention.max_tenant_blocks),
+                holds_refused=None,
+                held=frozenset(mine),
+            )
         return CachePressure(
             num_blocks=self.allocator.num_blocks,
             block_size=self.config.cache.block_size,
@@ -422,15 +436,20 @@ class EngineCore:
             self._sent[req.rid] = req.num_output
         return delta
 
-    def flush_cache(self) -> int:
+    def flush_cache(self, salts: Callable[[str | None], bool] | None = None) -> int:
         """Drop every unlocked prefix-cache entry on every tier, between steps, retention
         holds ended first; running requests keep their locked paths, waiting ones match again
-        (the cache's version changes). Checks integrity after (AssertionError). Returns the
-        blocks freed."""
+        (the cache's version changes). `salts`: only entries (and holds) under the cache salts
+        it accepts (`PrefixCache.flush_salts`). Checks integrity after (AssertionError).
+        Returns the blocks freed."""
         free = self.allocator.num_free
-        for rid in list(self.scheduler.retention.holds):
-            self.scheduler.retention.release(rid)
-        self.cache.reset()
+        retention = self.scheduler.retention
+        for rid in [r for r, h in retention.holds.items() if salts is None or salts(h.salt)]:
+            retention.release(rid)
+        if salts is None:
+            self.cache.reset()
+        else:
+            self.cache.flush_salts(salts)
         self.check_integrity()
         return self.allocator.num_free - free
 

@@ -5,12 +5,16 @@ Process model: this process (torch-free) starts N replicas, each a `serve()` of 
 port, in a process group of its own (with its scheduler child), one
 per GPU set via CUDA_VISIBLE_DEVICES on CUDA (several per set when there are fewer sets than
 replicas and --num-kv-blocks fixes each one's KV pool); it waits until every replica's /health
-answers 200, then starts the router on --host:--port (its Prometheus port bound to --host
-too) in a process group of its own. Children get SIGTERM when this process dies
-(PR_SET_PDEATHSIG). SIGINT/SIGTERM: the router, then every replica, get SIGTERM; groups
-still alive after SHUTDOWN_TIMEOUT_S get SIGKILL. A replica that exits, or whose /health
-says its scheduler died, is restarted on its port, at most MAX_RESTARTS times, after a
-growing backoff; the router's health checks take it out and back in meanwhile.
+answers 200, then starts the router on a free 127.0.0.1 port (its Prometheus port on
+127.0.0.1 too) in a process group of its own, and serves the authenticating front
+(`radixrt.server.dp_front`, a thread here) on --host:--port: clients reach the router and
+the replicas only through it. Children get SIGTERM when this process dies
+(PR_SET_PDEATHSIG). SIGINT/SIGTERM: the front stops, then the router, then every replica get
+SIGTERM; groups still alive after SHUTDOWN_TIMEOUT_S get SIGKILL. A replica that exits, or
+whose /health says its scheduler died, is restarted on its port, at most MAX_RESTARTS times,
+after a growing backoff; the router's health checks take it out and back in meanwhile. Every
+WORKERS_POLL_S the router's worker list is read, and a replica missing from it (removed
+through the management API) is registered again.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from radixrt.server.kv_publisher import KVEventsConfig
+from radixrt.server.dp_front import FrontThread, Upstreams, create_front_app
 
 if TYPE_CHECKING:
     from radixrt.server.launch import ServeConfig
@@ -62,13 +66,19 @@ ROUTER_POLICY = "cache_aware"
 # 64 groups, 64 in flight, CPU: 50-139 spilled of 512, hit 0.84-0.95 x one engine's; H200,
 # 1024 requests: 0.82 x). At 3 a replica must hold under a quarter of the requests in flight
 # before new ones spill: 0-23 spilled, 0.98-1.00 x; one hot prefix still spreads (115 / 77).
+# No circuit breaker and no retries: a 5xx that one client's request provokes is that
+# request's, so it must not take a replica out for every client (with sglang-router's
+# defaults four 500s, retried on each replica, opened both breakers: 503 for all); a dead or
+# stalled replica still leaves through the router's health checks, and we restart it.
 ROUTER_DEFAULT_ARGS = (
     "--cache-threshold", "0.5", "--balance-abs-threshold", "8", "--balance-rel-threshold", "3",
+    "--disable-circuit-breaker", "--disable-retries",
 )  # fmt: skip
 MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
 HEALTH_POLL_S = 2.0  # how often a serving replica's /health is read
 SHUTDOWN_TIMEOUT_S = 15.0  # after SIGTERM, before SIGKILL of the process groups
+WORKERS_POLL_S = 2.0  # how often the router's worker list is checked for our replicas
 # the router's log level per ours (its info level logs every step of each worker's registration)
 ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
 
@@ -76,7 +86,7 @@ ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error
 @dataclass(frozen=True)
 class DPOptions:
     replicas: int  # N: replica processes behind the router
-    router_prometheus_port: int | None = None  # None: a free port on --host
+    router_prometheus_port: int | None = None  # on 127.0.0.1; None: a free one
     router_args: list[str] = field(default_factory=list)  # more launch_router options
     log_level: str = "info"
 
@@ -145,9 +155,10 @@ def replica_configs(cfg: ServeConfig, replicas: int) -> list[ServeConfig]:
         kv = cfg.kv_events
         if kv is not None:
             replay = kv.replay_endpoint
-            kv = KVEventsConfig(
-                offset_endpoint(kv.endpoint, i),
-                None if replay is None else offset_endpoint(replay, i),
+            kv = replace(
+                kv,
+                endpoint=offset_endpoint(kv.endpoint, i),
+                replay_endpoint=None if replay is None else offset_endpoint(replay, i),
             )
         out.append(
             replace(cfg, host="127.0.0.1", port=_free_port(), kv_events=kv, cpu_threads=threads)
@@ -158,13 +169,6 @@ def replica_configs(cfg: ServeConfig, replicas: int) -> list[ServeConfig]:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_on(host: str) -> int:
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family) as s:
-        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -284,26 +288,45 @@ def serve_dp(cfg: ServeConfig, opts: DPOptions) -> int:
         fixed_pool = cfg.options.get("num_kv_blocks") is not None
         gpus = gpu_sets(cfg.device, opts.replicas, _tp_size(cfg), share=fixed_pool)
         configs = replica_configs(cfg, opts.replicas)
-        prom_port = opts.router_prometheus_port or _free_port_on(cfg.host)
+        prom_port = opts.router_prometheus_port or _free_port()
+        router_port = _free_port()
     except (OSError, ValueError) as e:
         logger.error("cannot serve --dp %d on %s:%d: %s", opts.replicas, cfg.host, cfg.port, e)
         return 1
     replicas = [Replica(i, c, g, opts.log_level) for i, (c, g) in enumerate(zip(configs, gpus))]
     router: subprocess.Popen | None = None
+    front: FrontThread | None = None
+    router_url = f"http://127.0.0.1:{router_port}"
     try:
         for r in replicas:
             r.start()
         if not _wait_healthy(replicas, stop):
             return 0 if stop.is_set() else 1
-        router = _start_router(cfg, opts, [r.url for r in replicas], prom_port)
-        if not _wait_listening(cfg.host, cfg.port, router, stop):
+        router = _start_router(cfg, opts, [r.url for r in replicas], router_port, prom_port)
+        if not _wait_listening("127.0.0.1", router_port, router, stop):
             return 0 if stop.is_set() else 1
+        upstreams = Upstreams(
+            router_url,
+            tuple(r.url for r in replicas),
+            f"http://127.0.0.1:{prom_port}/metrics",
+            cfg.served_model_name or cfg.model,
+        )
+        front = FrontThread(
+            create_front_app(upstreams, cfg.api_key, cfg.tenants), cfg.host, cfg.port
+        )
+        try:
+            front.start()
+        except OSError as e:
+            logger.error("cannot serve on %s:%d: %s", cfg.host, cfg.port, e)
+            return 1
         logger.info(
-            "serving on http://%s:%d: %d replicas behind sglang-router (%s; metrics on port %d)",
-            cfg.host, cfg.port, len(replicas), ROUTER_POLICY, prom_port,
+            "serving on http://%s:%d: %d replicas behind sglang-router (%s) on %s",
+            cfg.host, cfg.port, len(replicas), ROUTER_POLICY, router_url,
         )  # fmt: skip
-        return _supervise(replicas, router, stop)
+        return _supervise(replicas, router, router_url, stop)
     finally:
+        if front is not None:
+            front.stop()
         _shutdown(replicas, router)
 
 
@@ -349,14 +372,16 @@ def _wait_listening(host: str, port: int, router: subprocess.Popen, stop: thread
             return False
 
 
-def router_command(cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int) -> list[str]:
-    """The router's command line: our policy and defaults, then --router-args (a repeated
-    option's last value wins), then the replicas."""
+def router_command(
+    cfg: ServeConfig, opts: DPOptions, urls: list[str], port: int, prom_port: int
+) -> list[str]:
+    """The router's command line (on 127.0.0.1:`port`): our policy and defaults, then
+    --router-args (a repeated option's last value wins), then the replicas."""
     cmd = [
         sys.executable, "-m", f"{ROUTER_MODULE}.launch_router",
-        "--host", cfg.host, "--port", str(cfg.port), "--policy", ROUTER_POLICY,
+        "--host", "127.0.0.1", "--port", str(port), "--policy", ROUTER_POLICY,
         *ROUTER_DEFAULT_ARGS,
-        "--prometheus-host", cfg.host, "--prometheus-port", str(prom_port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
         "--log-level", ROUTER_LOG_LEVELS[opts.log_level],
         "--shutdown-grace-period-secs", str(int(SHUTDOWN_TIMEOUT_S) // 2),
         *opts.router_args, "--worker-urls", *urls,
@@ -367,16 +392,20 @@ def router_command(cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port
 
 
 def _start_router(
-    cfg: ServeConfig, opts: DPOptions, urls: list[str], prom_port: int
+    cfg: ServeConfig, opts: DPOptions, urls: list[str], port: int, prom_port: int
 ) -> subprocess.Popen:
-    cmd = router_command(cfg, opts, urls, prom_port)
+    cmd = router_command(cfg, opts, urls, port, prom_port)
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(os.getpid()))
     logger.info("router started (pid %d)", proc.pid)
     return proc
 
 
-def _supervise(replicas: list[Replica], router: subprocess.Popen, stop: threading.Event) -> int:
-    """Watch the router and the replicas until stop; restart dead replicas (bounded)."""
+def _supervise(
+    replicas: list[Replica], router: subprocess.Popen, router_url: str, stop: threading.Event
+) -> int:
+    """Watch the router and the replicas until stop; restart dead replicas (bounded) and
+    register again those the router's worker list lost."""
+    next_workers_poll = time.monotonic() + WORKERS_POLL_S
     while not stop.wait(0.25):
         if router.poll() is not None:
             logger.error("the router exited with code %d", router.returncode)
@@ -384,11 +413,38 @@ def _supervise(replicas: list[Replica], router: subprocess.Popen, stop: threadin
         now = time.monotonic()
         for r in replicas:
             _check_replica(r, now)
+        if now >= next_workers_poll:
+            next_workers_poll = now + WORKERS_POLL_S
+            restore_workers(router_url, [r.url for r in replicas])
         if all(not r.alive and r.restart_at is None for r in replicas):
             logger.error("every replica is down")
             return 1
     logger.info("shutting down")
     return 0
+
+
+def restore_workers(router_url: str, urls: list[str]) -> list[str]:
+    """Register with the router each of `urls` its worker list lacks; returns those."""
+    try:
+        with urllib.request.urlopen(router_url + "/workers", timeout=5) as resp:
+            listed = {w.get("url") for w in json.loads(resp.read()).get("workers", [])}
+    except (OSError, ValueError, AttributeError) as e:
+        logger.warning("cannot read the router's worker list: %r", e)
+        return []
+    missing = [u for u in urls if u not in listed]
+    for url in missing:
+        logger.warning("replica %s is missing from the router's workers: registering it", url)
+        req = urllib.request.Request(
+            router_url + "/workers",
+            data=json.dumps({"url": url}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            urllib.request.urlopen(req, timeout=5).close()
+        except OSError as e:
+            logger.warning("cannot register replica %s with the router: %r", url, e)
+    return missing
 
 
 def _check_replica(r: Replica, now: float) -> None:

@@ -39,6 +39,7 @@ from radixrt.server.messages import (
     ReadCachePressure,
     Ready,
     ReleaseCacheHolds,
+    SaltScope,
     SchedulerFailed,
     TokenBatchOut,
     TokenizedRequest,
@@ -47,6 +48,7 @@ from radixrt.server.messages import (
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError, GenerationSpec, ModelInfo
 from radixrt.server.request_state import Generation, Outbox, RequestState
+from radixrt.server.tenants import Tenants
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Front:
         metrics: ServerMetrics,
         model_name: str = "default",
         stall_policy: StallPolicy | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
         self.token_bytes: TokenBytes | None = None  # the tokenizer's byte table, if any
@@ -79,19 +82,19 @@ class Front:
         self.from_scheduler = from_scheduler
         self.metrics = metrics
         self.model_name = model_name  # the id /v1/models lists
+        self.tenants = tenants  # what each tenant's requests may claim (None: no tenants)
         self.ready: Ready | None = None  # set when the scheduler's Ready arrives
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
         self.ready_event = asyncio.Event()  # set when serving starts
-        # internal rids: a counter plus this process's random tag (never a client's id)
-        self._ids = itertools.count()
-        self._tag = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()  # ids of calls to the scheduler
         self._reader: asyncio.Task | None = None
         self.liveness = Liveness(stall_policy or StallPolicy())
         self._watchdog: asyncio.Task | None = None
         # FlushCache, ReleaseCacheHolds, ReadCachePressure in flight, by their id
         self.calls: dict[int, asyncio.Future] = {}
         self.held = HeldRequests()  # finished requests that may hold their context
+        self._scoped_reads: set[int] = set()  # one tenant's pressure reads: not every hold
         self.outputs = FrontOutputs(
             metrics, self._send, self._decode, self.liveness.on_finished, self.held.add
         )
@@ -144,8 +147,10 @@ class Front:
             self._check_ready()
         elif isinstance(msg, (CacheFlushed, CacheHoldsReleased, CachePressureRead)):
             if isinstance(msg, CachePressureRead):
-                # read after every request recorded so far had finished (and held or not)
-                self.held.keep_only(msg.pressure.held)
+                if msg.call_id in self._scoped_reads:  # one tenant's holds: not every record's
+                    self._scoped_reads.discard(msg.call_id)
+                else:  # read after every request recorded so far had finished (held or not)
+                    self.held.keep_only(msg.pressure.held)
             future = self.calls.get(msg.flush_id if isinstance(msg, CacheFlushed) else msg.call_id)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -264,7 +269,9 @@ class Front:
         already in flight."""
         if not self.serving:
             raise self.unavailable_error()
-        if client_rid is not None and client_rid in self.outputs.by_client_rid:
+        if tenant is not None and self.tenants is not None:
+            self.tenants.policy(tenant).apply(spec.sampling)
+        if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events = Outbox()
@@ -302,14 +309,15 @@ class Front:
             logger.exception("could not encode a validated request")
             raise ApiError(f"internal error: {e}", status=500, type="server_error") from e
         self.liveness.on_work_sent(had_work=bool(self.outputs.states))
-        self.outputs.add(groups, client_rid)
+        self.outputs.add(groups, None if client_rid is None else (tenant, client_rid))
         for data in encoded:  # a failed send fails every registered request (503)
             if not self._send_encoded(data):
                 break
         return Generation(states, events, self.abort_states)
 
     def _new_rid(self) -> str:
-        return f"{next(self._ids)}-{self._tag}"
+        """Random: a client must not guess the ids of others' requests."""
+        return uuid.uuid4().hex
 
     def _state(
         self,
@@ -396,10 +404,10 @@ class Front:
             return False
         return True
 
-    async def flush_cache(self) -> CacheFlushed:
-        """Flush the scheduler's prefix cache (unlocked entries only) and wait for its
-        answer; ApiError 503 while not serving."""
-        return await self._ask(FlushCache)
+    async def flush_cache(self, scope: SaltScope | None = None) -> CacheFlushed:
+        """Flush the scheduler's prefix cache (unlocked entries only; `scope`: under one
+        tenant's salts only) and wait for its answer; ApiError 503 while not serving."""
+        return await self._ask(lambda i: FlushCache(i, scope))
 
     async def release_cache_holds(self, tenant: str | None, client_ids: list[str]) -> int:
         """End the retention holds of `tenant`'s finished requests known to their client as
@@ -415,11 +423,17 @@ class Front:
         out: CacheHoldsReleased = await self._ask(lambda i: ReleaseCacheHolds(i, rids))
         return out.released
 
-    async def cache_pressure(self) -> CachePressureRead:
+    async def cache_pressure(self, scope: SaltScope | None = None) -> CachePressureRead:
         """The engine's `CachePressure`, read by the scheduler between steps (its `held`: the
-        scheduler's ids; `held.client_ids` maps them for a tenant); ApiError 503 while not
-        serving."""
-        return await self._ask(ReadCachePressure)
+        scheduler's ids; `held.client_ids` maps them for a tenant; `scope`: the figures of one
+        tenant's salts only); ApiError 503 while not serving."""
+
+        def read(call_id: int) -> ReadCachePressure:
+            if scope is not None:
+                self._scoped_reads.add(call_id)
+            return ReadCachePressure(call_id, scope)
+
+        return await self._ask(read)
 
     async def _ask(self, message: Callable[[int], ToScheduler]) -> Any:
         """Send `message(call_id)` to the scheduler and wait for its answer with that id
@@ -451,11 +465,12 @@ class Front:
         for rid in dict.fromkeys(rids):
             self._send(AbortRequest(rid))
 
-    def abort_client_rid(self, rid: str) -> int:
-        """/abort: end the unfinished requests with this client rid, or the one request
-        without a client rid whose own id (the `id` /generate returned) this is; they
-        finish with "abort" when the scheduler confirms. Returns how many outputs."""
-        pending = self.outputs.unfinished(rid)
+    def abort_client_rid(self, rid: str, tenant: str | None = None) -> int:
+        """/abort: end `tenant`'s unfinished requests with this client rid, or its one
+        request without a client rid whose own id (the `id` /generate returned) this is; they
+        finish with "abort" when the scheduler confirms. Another tenant's requests are never
+        found. Returns how many outputs."""
+        pending = self.outputs.unfinished(rid, tenant)
         for r in dict.fromkeys(st.rid for st in pending):
             self._send(AbortRequest(r))
         return len(pending)

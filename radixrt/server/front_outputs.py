@@ -55,24 +55,29 @@ class FrontOutputs:
         self._record_hold = record_hold
         # in-flight scheduler requests by (internal) rid: their outputs, by choice index
         self.states: dict[str, list[RequestState]] = {}
-        self.by_client_rid: dict[str, list[RequestState]] = {}  # in flight, by client rid
+        # in flight, by (tenant, client rid): each tenant's rids are a namespace of its own
+        self.by_client_rid: dict[tuple[str | None, str], list[RequestState]] = {}
         self.snapshot: SchedulerSnapshot | None = None  # the scheduler's latest state
         metrics.in_flight.set_function(lambda: len(self.states))
 
     # ---- requests in and out ----
-    def add(self, groups: dict[str, list[RequestState]], client_rid: str | None) -> None:
-        """Register the states of the scheduler requests of one HTTP request (by rid)."""
+    def add(
+        self, groups: dict[str, list[RequestState]], client_key: tuple[str | None, str] | None
+    ) -> None:
+        """Register the states of the scheduler requests of one HTTP request (by rid, and by
+        `client_key`: (tenant, client rid) when the client sent a rid)."""
         self.states.update(groups)
-        if client_rid is not None:
-            self.by_client_rid[client_rid] = [st for group in groups.values() for st in group]
+        if client_key is not None:
+            self.by_client_rid[client_key] = [st for group in groups.values() for st in group]
 
-    def unfinished(self, rid: str) -> list[RequestState]:
-        """The unfinished outputs with this client rid, or of the one request without a
-        client rid whose own id this is."""
-        states = self.by_client_rid.get(rid)
+    def unfinished(self, rid: str, tenant: str | None) -> list[RequestState]:
+        """`tenant`'s unfinished outputs with this client rid, or of its one request without
+        a client rid whose own id this is."""
+        states = self.by_client_rid.get((tenant, rid))
         if states is None:
             group = self.states.get(rid)
-            states = group if group is not None and group[0].client_rid is None else []
+            mine = group is not None and group[0].client_rid is None and group[0].tenant == tenant
+            states = group if mine else []
         return [st for st in states if not st.finished]
 
     def fail_all(self, error: ApiError, abort: bool) -> None:
@@ -104,9 +109,10 @@ class FrontOutputs:
         if group is not None and all(s.finished for s in group):
             del self.states[st.rid]
         if st.client_rid is not None:
-            group = self.by_client_rid.get(st.client_rid)
+            key = (st.tenant, st.client_rid)
+            group = self.by_client_rid.get(key)
             if group is not None and all(s.finished for s in group):
-                del self.by_client_rid[st.client_rid]
+                del self.by_client_rid[key]
 
     # ---- what the scheduler sends ----
     def on_ready(self, ready: Ready) -> None:

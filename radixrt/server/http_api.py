@@ -33,13 +33,23 @@ from radixrt.server.openai_routes import chat_completions, completions, models
 from radixrt.server.protocol import ApiError
 from radixrt.server.request_state import Delta, RequestState
 from radixrt.server.schemas import AbortBody
-from radixrt.server.tenants import TENANT, Tenants, apply_tenant, authenticate, request_tenant
+from radixrt.server.tenants import (
+    ADMIN,
+    TENANT,
+    Tenants,
+    apply_tenant,
+    authenticate,
+    request_tenant,
+)
 from radixrt.server.validate import check_rid, parse_generate
 from radixrt.server.worker_routes import WorkerInfo, add_worker_routes
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")  # answer without an API key
+OPEN_PATHS = ("/health",)  # answer without an API key
+OPEN_WITHOUT_TENANTS = ("/metrics",)  # with tenants, these need the admin role
+ADMIN_PATHS = ("/metrics", "/kv_event_sources")  # with tenants: the admin role only
+DEBUG_PREFIX = "/debug/"  # with tenants: the admin role only
 
 
 def create_app(
@@ -113,18 +123,28 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
 
 
 def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
+    """401 without a right key; with tenants, 403 for a tenant's key on an admin route
+    (decided by the matched route, so no spelling of a path gets around it)."""
     api_key = api_key or None
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            tenant = authenticate(request.headers.get("Authorization", ""), api_key, tenants)
-            if tenant is False:
-                err = ApiError(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401
-                )
-                return json_response(err.body(), status=401)
-            request[TENANT] = tenant
+        resource = request.match_info.route.resource
+        path = request.path if resource is None else resource.canonical
+        if path in OPEN_PATHS or (tenants is None and path in OPEN_WITHOUT_TENANTS):
+            return await handler(request)
+        caller = authenticate(request.headers.get("Authorization", ""), api_key, tenants)
+        if caller is None:
+            err = ApiError(
+                "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401
+            )
+            return json_response(err.body(), status=401)
+        admin_only = path in ADMIN_PATHS or path.startswith(DEBUG_PREFIX)
+        if tenants is not None and admin_only and not caller.admin:
+            err = ApiError(f"{path} needs a key with the admin role", status=403)
+            return json_response(err.body(), status=403)
+        request[TENANT] = caller.tenant
+        request[ADMIN] = caller.admin
         return await handler(request)
 
     return auth
@@ -177,7 +197,7 @@ async def abort(request: web.Request) -> web.Response:
         await read_body(request), AbortBody, "/abort", request.app[UNKNOWN_FIELDS]
     )
     check_rid(body.rid)
-    n = request.app[FRONT].abort_client_rid(body.rid)
+    n = request.app[FRONT].abort_client_rid(body.rid, request_tenant(request))
     return json_response({"rid": body.rid, "aborted": n})
 
 

@@ -10,10 +10,16 @@
   batch with seq >= start_seq, then `[b"", -1 (8 bytes, signed), b""]`. The last
   `buffer_steps` batches are kept.
 Encoding and sending run on a thread: `publish` only queues the batch.
+
+ZMQ has no authentication: whoever reaches the sockets reads every tenant's events. So tcp
+addresses must be loopback unless the operator allows others (`allow_remote`), and
+`BlockStored` carries no token ids (`[]`; the block hashes, salted per tenant, stay) unless the
+operator asks for them (`token_ids`), which a server with tenants refuses.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
@@ -39,16 +45,37 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's send high-water mark
     topic: str = ""
     data_parallel_rank: int = 0  # stamped on every batch
+    token_ids: bool = False  # BlockStored carries its tokens (else only the hashes)
+    allow_remote: bool = False  # tcp addresses other than loopback may be bound
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
             addr = getattr(self, name)
             if addr is not None and not addr.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{name} must be a tcp://, ipc:// or inproc:// address: {addr!r}")
+            if addr is not None and not self.allow_remote and not _loopback(addr):
+                raise ValueError(
+                    f"{name} {addr!r} is not a loopback address: ZMQ has no authentication, so "
+                    "anyone who reaches it reads every tenant's cache events; bind 127.0.0.1 "
+                    "(or allow remote subscribers explicitly: --kv-events-allow-remote)"
+                )
         if self.buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {self.buffer_steps}")
         if self.hwm < 0 or self.data_parallel_rank < 0:
             raise ValueError("hwm and data_parallel_rank must be >= 0")
+
+
+def _loopback(addr: str) -> bool:
+    """ipc/inproc addresses, and tcp ones on a loopback host."""
+    if not addr.startswith("tcp://"):
+        return True
+    host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface or another host name
+        return False
 
 
 def kv_event_sources(cfg: KVEventsConfig | None, block_size: int) -> list[dict]:
@@ -73,9 +100,10 @@ class ZmqEventPublisher:
     `publish` is called from one thread (the scheduler loop); `shutdown` stops the sender."""
 
     def __init__(self, cfg: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
-        from radixrt.cache.kv_events import KVEventBatch  # the scheduler process's side only
+        from radixrt.cache.kv_events import KVEventBatch, without_token_ids  # scheduler side
 
         self._batch = KVEventBatch
+        self._without_token_ids = without_token_ids
         self.cfg = cfg
         self._ctx = ctx or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -93,7 +121,10 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def publish(self, events: list) -> None:
-        """Queue one batch of `events` (radixrt.cache.kv_events), stamped now."""
+        """Queue one batch of `events` (radixrt.cache.kv_events), stamped now (their token
+        ids left out unless `cfg.token_ids`)."""
+        if not self.cfg.token_ids:
+            events = self._without_token_ids(events)
         self._queue.put(self._batch(time.time(), events, self.cfg.data_parallel_rank))
 
     def shutdown(self, timeout_s: float = 1.0) -> None:

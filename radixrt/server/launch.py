@@ -93,6 +93,11 @@ class ServeConfig:
             )
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {EVENT_LOOPS}, got {self.event_loop!r}")
+        if self.tenants is not None and self.kv_events is not None and self.kv_events.token_ids:
+            raise ValueError(
+                "--kv-events-token-ids with tenants would publish every tenant's prompts: "
+                "with tenants KV events carry only (salted) block hashes"
+            )
 
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
@@ -243,6 +248,18 @@ def add_serve_command(
         "number (e.g. tcp://127.0.0.1:5558; default: none)",
     )
     p.add_argument(
+        "--kv-events-token-ids",
+        action="store_true",
+        help="KV events carry each stored block's token ids (default: hashes only; refused "
+        "with tenants: the events would show every tenant's prompts)",
+    )
+    p.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="the KV event addresses may be non-loopback (ZMQ has no authentication: anyone "
+        "who reaches them reads the events)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="auto",
         choices=["auto", *TOOL_PARSERS],
@@ -260,7 +277,8 @@ def add_serve_command(
         "--router-prometheus-port",
         type=int,
         default=None,
-        help="--dp > 1: the router's Prometheus port, bound on --host (default: a free one)",
+        help="--dp > 1: the router's Prometheus port, on 127.0.0.1 (clients read it as the "
+        "endpoint's /metrics; default: a free one)",
     )
     p.add_argument(
         "--router-args",
@@ -280,7 +298,12 @@ def add_serve_command(
         try:
             kv_events = None
             if args.kv_events_endpoint is not None:
-                kv_events = KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+                kv_events = KVEventsConfig(
+                    args.kv_events_endpoint,
+                    args.kv_events_replay_endpoint,
+                    token_ids=args.kv_events_token_ids,
+                    allow_remote=args.kv_events_allow_remote,
+                )
                 options["kv_events"] = True
             elif args.kv_events_replay_endpoint is not None:
                 raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
@@ -438,7 +461,9 @@ async def _serve_http(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     model_name = cfg.served_model_name or cfg.model
-    front = Front(None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall)
+    front = Front(
+        None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall, cfg.tenants
+    )
     front.start()
     limits = cfg.connections
     worker = WorkerInfo.of_model_dir(

@@ -45,11 +45,24 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
+class SaltScope(msgspec.Struct, frozen=True):
+    """The cache salts of one tenant: those that start with `prefix`, and the unsalted
+    namespace too when `unsalted` (the shared tenant's)."""
+
+    prefix: str
+    unsalted: bool = False
+
+    def covers(self, salt: str | None) -> bool:
+        return self.unsalted if salt is None else salt.startswith(self.prefix)
+
+
 class FlushCache(msgspec.Struct, tag=True, frozen=True):
-    """Drop every unlocked prefix-cache entry (running requests keep their paths); the
-    scheduler answers with `CacheFlushed` carrying the same `flush_id`."""
+    """Drop every unlocked prefix-cache entry (running requests keep their paths), or only
+    those under the salts of `scope`; the scheduler answers with `CacheFlushed` carrying the
+    same `flush_id`."""
 
     flush_id: int
+    scope: SaltScope | None = None  # None: every salt
 
 
 class ReleaseCacheHolds(msgspec.Struct, tag=True, frozen=True):
@@ -62,10 +75,11 @@ class ReleaseCacheHolds(msgspec.Struct, tag=True, frozen=True):
 
 
 class ReadCachePressure(msgspec.Struct, tag=True, frozen=True):
-    """Read the engine's `CachePressure`; the scheduler answers with `CachePressureRead`
-    carrying the same `call_id`."""
+    """Read the engine's `CachePressure` (its held figures of the salts of `scope` only);
+    the scheduler answers with `CachePressureRead` carrying the same `call_id`."""
 
     call_id: int
+    scope: SaltScope | None = None  # None: every salt
 
 
 ToScheduler = (

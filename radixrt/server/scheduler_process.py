@@ -262,13 +262,14 @@ class SchedulerLoop:
                 released = sum(self.core.release_cache_hold(rid) for rid in msg.rids)
                 self.outbox.send(CacheHoldsReleased(msg.call_id, released))
             elif isinstance(msg, ReadCachePressure):
-                self.outbox.send(CachePressureRead(msg.call_id, self.core.cache_pressure()))
+                covers = None if msg.scope is None else msg.scope.covers
+                self.outbox.send(CachePressureRead(msg.call_id, self.core.cache_pressure(covers)))
         return errors, finished
 
     def _flush(self, msg: FlushCache) -> CacheFlushed:
         free = self.core.allocator.num_free
         try:
-            freed = self.core.flush_cache()
+            freed = self.core.flush_cache(None if msg.scope is None else msg.scope.covers)
         except AssertionError:
             error = traceback.format_exc()
             logger.error("integrity check failed after a cache flush:\n%s", error)

@@ -9,10 +9,20 @@ salt: clients of one tenant share the tenant's cache (and may split it further w
 `cache_salt`); clients of different tenants share no KV on any tier.
 
 Keys come from a file (`--api-keys-file PATH`) or the environment (`RADIXRT_API_KEYS`), never
-the command line (other users can read it): one `KEY TENANT` pair per line (in the variable,
-lines or commas separate the pairs); `#` starts a comment. A tenant name is 1..MAX_TENANT_CHARS
-characters without whitespace. The tenant `-` is the shared namespace: its keys' requests
-without a `cache_salt` use the unsalted cache, as a server without tenants does.
+the command line (other users can read it): one `KEY TENANT [admin]` entry per line; `#` starts
+a comment, stripped before anything else; in the variable (only there) commas also separate
+entries. A tenant name is 1..MAX_TENANT_CHARS characters without whitespace. The tenant `-` is
+the shared namespace: its keys' requests without a `cache_salt` use the unsalted cache, as a
+server without tenants does. `admin` gives the key the admin role: the routes that act on every
+tenant (a global cache flush, /metrics, /debug/*, the KV event sources, the router's worker
+management behind `--dp`); other keys never reach them. A key shorter than MIN_KEY_CHARS draws a
+warning; a tenant named like one of the keys is refused (its columns are swapped).
+
+What a tenant's requests may claim comes from `@TENANT NAME=VALUE ...` lines of the same file
+(`TenantPolicy`): `priority=LO..HI` (default 0..0: no tenant can put itself ahead of another),
+`default_priority=P` (what a request without a priority gets; default LO if 0 is outside the
+range, else 0) and `max_cache_ttl_s=S` (default: the engine's cap). A request outside them is a
+400 naming the field and the allowed range.
 
 Sharing across tenants (a common system prompt computed once) is the operator's choice and
 its trade-off: tenants that share a namespace (one tenant name, or `-`) can probe each other's
@@ -24,22 +34,114 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from radixrt.server.messages import SaltScope
+from radixrt.server.protocol import ApiError
+
+logger = logging.getLogger("radixrt.server")
+
 SHARED_TENANT = "-"  # keys of this tenant use the unsalted (shared) namespace
 MAX_TENANT_CHARS = 256
+MIN_KEY_CHARS = 16  # shorter keys draw a warning: they can be guessed
+ADMIN_ROLE = "admin"
 ENV_VAR = "RADIXRT_API_KEYS"
 TENANT = "radixrt.tenant"  # key of the authenticated request's tenant in the aiohttp request
+ADMIN = "radixrt.admin"  # key of whether the authenticated request may use admin routes
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one tenant's requests may claim."""
+
+    min_priority: int = 0
+    max_priority: int = 0
+    default_priority: int = 0  # a request that sends none (or 0) gets this
+    max_cache_ttl_s: float | None = None  # None: the engine's cap only
+
+    def __post_init__(self) -> None:
+        if not self.min_priority <= self.default_priority <= self.max_priority:
+            raise ValueError(
+                f"default_priority {self.default_priority} is outside priority="
+                f"{self.min_priority}..{self.max_priority}"
+            )
+        if self.max_cache_ttl_s is not None and not self.max_cache_ttl_s >= 0:
+            raise ValueError(f"max_cache_ttl_s must be >= 0, got {self.max_cache_ttl_s}")
+
+    @classmethod
+    def parse(cls, options: list[str]) -> TenantPolicy:
+        """From `priority=LO..HI`, `default_priority=P`, `max_cache_ttl_s=S` (ValueError)."""
+        kw: dict[str, object] = {}
+        for opt in options:
+            name, sep, value = opt.partition("=")
+            try:
+                if name == "priority" and sep:
+                    lo, dots, hi = value.partition("..")
+                    if not dots:
+                        raise ValueError
+                    kw["min_priority"], kw["max_priority"] = int(lo), int(hi)
+                elif name == "default_priority" and sep:
+                    kw["default_priority"] = int(value)
+                elif name == "max_cache_ttl_s" and sep:
+                    kw["max_cache_ttl_s"] = float(value)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"{opt!r}: expected priority=LO..HI, default_priority=P or max_cache_ttl_s=S"
+                ) from None
+        if "default_priority" not in kw:
+            lo, hi = kw.get("min_priority", 0), kw.get("max_priority", 0)
+            kw["default_priority"] = 0 if lo <= 0 <= hi else lo
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def apply(self, sampling: dict) -> None:
+        """Check the SamplingParams keywords `sampling` against the policy (in place: a
+        priority of 0, the schemas' default, becomes `default_priority`); ApiError 400
+        naming the field and the allowed range."""
+        priority = sampling.get("priority", 0)
+        if priority == 0:
+            sampling["priority"] = priority = self.default_priority
+        if not self.min_priority <= priority <= self.max_priority:
+            raise ApiError(
+                f"priority {priority} is outside the range this key may claim: "
+                f"[{self.min_priority}, {self.max_priority}]",
+                param="priority",
+            )
+        ttl = sampling.get("cache_ttl_s", 0.0)
+        if self.max_cache_ttl_s is not None and ttl > self.max_cache_ttl_s:
+            raise ApiError(
+                f"cache_ttl_s {ttl:g} is over what this key may claim: "
+                f"[0, {self.max_cache_ttl_s:g}]",
+                param="cache_ttl_s",
+            )
+
+
+DEFAULT_POLICY = TenantPolicy()
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who an authenticated request comes from."""
+
+    tenant: str | None  # its tenant (None: the server has no tenants)
+    admin: bool  # may use the admin routes
 
 
 @dataclass(frozen=True)
 class Tenants:
-    """API key -> tenant name (frozen after loading)."""
+    """API key -> tenant name, and the keys of the admin role (frozen after loading)."""
 
     by_key: dict[str, str] = field(repr=False)  # secrets: never in a log line
+    admin_keys: frozenset[str] = field(default=frozenset(), repr=False)  # a subset of by_key
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)  # by tenant; else default
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.policies.get(tenant) or DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         for key, tenant in self.by_key.items():
@@ -50,26 +152,85 @@ class Tenants:
                     f"tenant {tenant[:40]!r}: a tenant name has 1..{MAX_TENANT_CHARS} "
                     "characters, no whitespace"
                 )
+            if tenant in self.by_key:
+                raise ValueError(
+                    "a tenant is named like one of the keys: is an entry written 'TENANT KEY'? "
+                    "Entries are 'KEY TENANT [admin]'"
+                )
+        if not self.admin_keys <= self.by_key.keys():
+            raise ValueError("an admin key must be one of the keys")
+        unknown = sorted(self.policies.keys() - self.tenant_names)
+        if unknown:
+            raise ValueError(f"a policy for tenant {unknown[0][:40]!r}, which has no key")
+
+    @property
+    def tenant_names(self) -> set[str]:
+        return set(self.by_key.values())
 
     @classmethod
-    def parse(cls, text: str, source: str) -> Tenants:
-        """`KEY TENANT` pairs, one per line or comma-separated; ValueError naming `source`
-        and the line for anything else, or a key given twice."""
+    def parse(cls, text: str, source: str, commas: bool = False) -> Tenants:
+        """`KEY TENANT [admin]` entries, one per line (`commas`: commas separate entries too,
+        as in the environment variable); comments are stripped first. ValueError naming
+        `source` and the entry for anything else, or a key given twice."""
         by_key: dict[str, str] = {}
-        for n, line in enumerate(text.replace(",", "\n").splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
+        admins: set[str] = set()
+        policies: dict[str, TenantPolicy] = {}
+        lines = (line.split("#", 1)[0] for line in text.splitlines())
+        entries = [e for line in lines for e in (line.split(",") if commas else [line])]
+        for n, entry in enumerate(entries, 1):
+            parts = entry.split()
+            if not parts:
                 continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{source}: entry {n}: expected 'KEY TENANT'")
-            key, tenant = parts
+            where = f"{source}: entry {n}" if commas else f"{source}: line {n}"
+            if parts[0].startswith("@"):
+                tenant = parts[0][1:]
+                if tenant in policies:
+                    raise ValueError(f"{where}: a second policy for tenant {tenant[:40]!r}")
+                try:
+                    policies[tenant] = TenantPolicy.parse(parts[1:])
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                continue
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != ADMIN_ROLE):
+                raise ValueError(f"{where}: expected 'KEY TENANT' or 'KEY TENANT {ADMIN_ROLE}'")
+            key, tenant = parts[:2]
+            if len(tenant) >= MIN_KEY_CHARS > len(key):
+                raise ValueError(
+                    f"{where}: the tenant name is longer than its key: is it written "
+                    "'TENANT KEY'? Entries are 'KEY TENANT [admin]'"
+                )
             if key in by_key:
-                raise ValueError(f"{source}: entry {n}: a key is given twice")
+                raise ValueError(f"{where}: a key is given twice")
             by_key[key] = tenant
+            if len(parts) == 3:
+                admins.add(key)
         if not by_key:
             raise ValueError(f"{source}: no 'KEY TENANT' entries")
-        return cls(by_key)
+        try:
+            tenants = cls(by_key, frozenset(admins), policies)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        tenants._log(source)
+        return tenants
+
+    def _log(self, source: str) -> None:
+        """Counts (never keys) and warnings about short keys."""
+        short = sorted({t for k, t in self.by_key.items() if len(k) < MIN_KEY_CHARS})
+        if short:
+            logger.warning(
+                "%s: keys shorter than %d characters (guessable) for tenants %s: use random "
+                "keys (e.g. `openssl rand -hex 16`)",
+                source, MIN_KEY_CHARS, ", ".join(repr(t[:40]) for t in short[:8]),
+            )  # fmt: skip
+        if not self.admin_keys:
+            logger.warning(
+                "%s: no '%s' key: the admin routes (global flush, /metrics, /debug, KV event "
+                "sources) answer no one", source, ADMIN_ROLE,
+            )  # fmt: skip
+        logger.info(
+            "%s: %d API keys (%d admin) for %d tenants",
+            source, len(self.by_key), len(self.admin_keys), len(self.tenant_names),
+        )  # fmt: skip
 
     @classmethod
     def load(cls, path: str | None) -> Tenants | None:
@@ -78,31 +239,42 @@ class Tenants:
             with open(path, encoding="utf-8") as f:
                 return cls.parse(f.read(), path)
         text = os.environ.get(ENV_VAR)
-        return cls.parse(text, ENV_VAR) if text else None
+        return cls.parse(text, ENV_VAR, commas=True) if text else None
 
 
-def authenticate(
-    authorization: str, api_key: str | None, tenants: Tenants | None
-) -> str | None | bool:
-    """The tenant of an `Authorization` header value: a tenant key's tenant, the shared
-    tenant for `api_key` (with tenants), None when the server has no tenants and the key is
-    right (or none is needed); False when the key is missing or wrong."""
+def _matches(digest: bytes, key: str) -> bool:
+    return hmac.compare_digest(digest, hashlib.sha256(f"Bearer {key}".encode()).digest())
+
+
+def authenticate(authorization: str, api_key: str | None, tenants: Tenants | None) -> Caller | None:
+    """Who sent an `Authorization` header value, or None when the key is missing or wrong.
+    With tenants: a key's tenant (admin when the key has the role), `api_key` the shared
+    tenant's (not admin). Without tenants the caller has no tenant and is admin: `api_key`
+    when one is set, anyone when none is."""
     given = authorization.encode()
+    digest = hashlib.sha256(given).digest()
     if tenants is not None:
-        digest = hashlib.sha256(given).digest()
+        found = None
         for key, tenant in tenants.by_key.items():  # every entry compared: no early exit
-            if hmac.compare_digest(digest, hashlib.sha256(f"Bearer {key}".encode()).digest()):
-                return tenant
+            if _matches(digest, key):
+                found = Caller(tenant, key in tenants.admin_keys)
+        if found is not None:
+            return found
     if api_key is not None:
-        if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-            return SHARED_TENANT if tenants is not None else None
-        return False
-    return False if tenants is not None else None
+        if _matches(digest, api_key):
+            return Caller(SHARED_TENANT, False) if tenants is not None else Caller(None, True)
+        return None
+    return None if tenants is not None else Caller(None, True)
 
 
 def request_tenant(request: web.Request) -> str | None:
     """The tenant `authenticate` found for `request` (None: the server has no tenants)."""
     return request.get(TENANT)
+
+
+def request_is_admin(request: web.Request) -> bool:
+    """Whether `authenticate` gave `request` the admin role."""
+    return request.get(ADMIN, False)
 
 
 def tenant_salt(tenant: str | None, client_salt: str | None) -> str | None:
@@ -115,7 +287,14 @@ def tenant_salt(tenant: str | None, client_salt: str | None) -> str | None:
     if tenant == SHARED_TENANT and client_salt is None:
         return None
     name = f"{len(tenant)}:{tenant}:{'' if client_salt is None else '=' + client_salt}"
-    return "tenant:" + hashlib.sha256(name.encode()).hexdigest()
+    return tenant_scope(tenant).prefix + hashlib.sha256(name.encode()).hexdigest()
+
+
+def tenant_scope(tenant: str) -> SaltScope:
+    """Every cache salt `tenant_salt` gives `tenant`'s requests (they all start with the
+    tenant's own prefix); the shared tenant's include the unsalted namespace."""
+    digest = hashlib.sha256(f"{len(tenant)}:{tenant}".encode()).hexdigest()[:32]
+    return SaltScope(f"tenant:{digest}:", unsalted=tenant == SHARED_TENANT)
 
 
 def apply_tenant(sampling: dict, tenant: str | None) -> None:

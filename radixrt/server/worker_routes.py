@@ -26,9 +26,10 @@ from radixrt.server.fields import decode_checked
 from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_response, read_body
 from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.kv_publisher import kv_event_sources as kv_event_sources_of
+from radixrt.server.messages import SaltScope
 from radixrt.server.protocol import ApiError, GenerationSpec, accepted_names
 from radixrt.server.schemas import DetokenizeRequest, ReleaseHoldsBody, TokenizeRequest
-from radixrt.server.tenants import request_tenant
+from radixrt.server.tenants import request_is_admin, request_tenant, tenant_scope
 from radixrt.server.tools.request import checked_tools, template_messages
 from radixrt.server.validate import check_model, check_rid
 
@@ -196,17 +197,32 @@ async def get_load(request: web.Request) -> web.Response:
     return json_response([_load(request)])
 
 
+def _caller_scope(request: web.Request) -> SaltScope | None:
+    """The cache salts the caller acts on: its tenant's, or every salt (None) for an admin
+    or on a server without tenants."""
+    tenant = request_tenant(request)
+    return None if tenant is None or request_is_admin(request) else tenant_scope(tenant)
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     """Empty the prefix cache: unlocked entries only (running requests keep theirs), the
-    scheduler's integrity check after. 500 when that check fails."""
-    out = await request.app[FRONT].flush_cache()
+    scheduler's integrity check after; with tenants, a tenant's flush empties only its own
+    salts (and ends only its holds), an admin's everything. 500 when that check fails."""
+    scope = _caller_scope(request)
+    out = await request.app[FRONT].flush_cache(scope)
     if out.error is not None:
         raise ApiError(
             f"the cache flush left the KV pool inconsistent: {out.error.splitlines()[-1]}",
             status=500,
             type="server_error",
         )
-    return json_response({"success": True, "freed_blocks": out.freed_blocks})
+    return json_response(
+        {
+            "success": True,
+            "freed_blocks": out.freed_blocks,
+            "scope": "all" if scope is None else "tenant",
+        }
+    )
 
 
 async def release_cache_holds(request: web.Request) -> web.Response:
@@ -227,9 +243,10 @@ async def release_cache_holds(request: web.Request) -> web.Response:
 
 async def cache_pressure(request: web.Request) -> web.Response:
     """The engine's retention holds against its KV pool (`radixrt.stats.CachePressure`);
-    `held`: the ids of the caller's finished requests whose holds are in place."""
+    `held`: the ids of the caller's finished requests whose holds are in place. With tenants
+    the figures are the caller's tenant's (an admin's: the whole engine's)."""
     front = request.app[FRONT]
-    read = await front.cache_pressure()
+    read = await front.cache_pressure(_caller_scope(request))
     out = msgspec.to_builtins(read.pressure)
     out["held"] = front.held.client_ids(request_tenant(request), read.pressure.held)
     return json_response(out)
