@@ -195,9 +195,7 @@ class NoDrafts:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize(
-    "method, after", [("admission._try_start", 0), ("rows.drafter.drafts", 2)]
-)
+@pytest.mark.parametrize("method, after", [("admission._try_start", 0), ("rows.drafter.drafts", 2)])
 def test_a_failing_admission_or_draft_fails_that_request_only(overlap, method, after):
     """Starting a request (match, lock, blocks) or drafting for it raising fails it alone
     (ERROR, counted, nothing held), in the step that planned it; the others run on."""

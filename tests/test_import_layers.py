@@ -120,3 +120,60 @@ def test_the_walk_sees_lazy_and_relative_imports(tmp_path):
     assert "radixrt.speculative" in edges["radixrt.engine"]  # create_proposer, lazily or not
     path = ROOT / "radixrt" / "scheduler" / "scheduler.py"
     assert {"radixrt.config", "radixrt.plan"} <= {unit(m) for m in imported_modules(path)}
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: radixrt modules it imports} over every source file (lazy imports included)."""
+    modules = {module_name(path) for path in source_files()}
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in source_files():
+        src = module_name(path)
+        for name in imported_modules(path):
+            while name not in modules:
+                name = name.rpartition(".")[0]
+            if name != src:
+                edges[src].add(name)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles_between_files():
+    assert import_cycles(module_imports()) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

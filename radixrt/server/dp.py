@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 from radixrt.server.dp_front import FrontThread, Upstreams, create_front_app
 
 if TYPE_CHECKING:
-    from radixrt.server.launch import ServeConfig
+    from radixrt.server.serve_config import ServeConfig
 
 logger = logging.getLogger("radixrt.dp")
 
@@ -190,23 +190,6 @@ def _child_setup(parent: int) -> Callable[[], None]:
     return setup
 
 
-def _replica_main() -> None:
-    """A replica process (`python -m radixrt.server.dp INDEX LOG_LEVEL`, its pickled
-    ServeConfig on stdin): serve() until SIGTERM."""
-    index, log_level = int(sys.argv[1]), sys.argv[2]
-    cfg = pickle.loads(sys.stdin.buffer.read())
-    logging.basicConfig(
-        level=log_level.upper(), format=f"%(asctime)s replica{index} %(levelname)s %(message)s"
-    )
-    from radixrt.server.launch import serve
-
-    code = serve(cfg)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 class Replica:
     """One replica process (in a process group of its own) and its restart budget."""
 
@@ -225,7 +208,7 @@ class Replica:
         env = dict(os.environ)
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus
-        cmd = [sys.executable, "-m", "radixrt.server.dp", str(self.index), self.log_level]
+        cmd = [sys.executable, "-m", "radixrt.server.replica", str(self.index), self.log_level]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -499,7 +482,3 @@ def _shutdown(replicas: list[Replica], router: subprocess.Popen | None) -> None:
     for r in live:  # the group: a scheduler or compile worker left behind
         r.kill()
     logger.info("all replicas stopped")
-
-
-if __name__ == "__main__":
-    _replica_main()
