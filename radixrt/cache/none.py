@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 
 if TYPE_CHECKING:
     from radixrt.cache.tiers import HostTier
@@ -21,7 +22,9 @@ class NoCache:
         self.version = 0  # nothing is ever removed
         self.host: HostTier | None = None  # no host KV tier
 
-    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
+    def match(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> MatchResult:
         return MatchResult([], 0, None)
 
     def lock(self, handle: Any) -> None:
@@ -34,7 +37,7 @@ class NoCache:
         self,
         tokens: Sequence[int],
         blocks: Sequence[int],
-        salt: str | None = None,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
         priority: int = 0,
     ) -> InsertResult:
         return InsertResult(None, 0)
