@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,9 +78,10 @@ class Request:
         """The request's tenant cache salt (None: unsalted); see SamplingParams."""
         return self.params.cache_salt
 
-    @property
+    @functools.cached_property
     def cache_namespace(self) -> CacheNamespace:
-        """The prefix-cache namespace of the request: it shares cached KV only within it."""
+        """The prefix-cache namespace of the request: it shares cached KV only within it
+        (made once: drafts ask for it every decode step)."""
         return CacheNamespace(self.params.cache_salt)
 
     @property
