@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
     from radixrt.plan import SwapIn, SwapOut
 
 
@@ -77,7 +77,7 @@ class PrefixCache(Protocol):
     block_size: int
     stats: CacheStats
     version: int  # bumped whenever an entry is removed (see the module docstring)
-    host: HostTier | None  # the host KV tier (radix only; None: no host tier)
+    host: KVTier | None  # the host KV tier (radix only; None: no host tier)
 
     def match(
         self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE

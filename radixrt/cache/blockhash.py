@@ -33,7 +33,7 @@ from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.kv.allocator import BlockAllocator
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
 
 _SEED = b"radixrt-blockhash-v1"
 
@@ -55,7 +55,7 @@ class BlockHashCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction (match results go stale)
-        self.host: HostTier | None = None  # no host KV tier
+        self.host: KVTier | None = None  # no host KV tier
         self._clock = 0
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}  # inverse of _hash_to_block

@@ -10,7 +10,7 @@ from radixrt.cache.base import CacheStats, InsertResult, MatchResult
 from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
 
 
 class NoCache:
@@ -20,7 +20,7 @@ class NoCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # nothing is ever removed
-        self.host: HostTier | None = None  # no host KV tier
+        self.host: KVTier | None = None  # no host KV tier
 
     def match(
         self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE

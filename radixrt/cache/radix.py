@@ -56,7 +56,7 @@ from radixrt.cache.radix_node import (
 from radixrt.kv.allocator import BlockAllocator
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
 
 
 class RadixCache:
@@ -69,7 +69,7 @@ class RadixCache:
     """
 
     mode = "radix"
-    host: HostTier | None = None  # no host KV tier (`HostRadixCache` has one)
+    host: KVTier | None = None  # no host KV tier (`HostRadixCache` has one)
 
     def __init__(
         self, allocator: BlockAllocator, block_size: int, observer: TreeObserver | None = None
