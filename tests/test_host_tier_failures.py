@@ -73,7 +73,7 @@ def check_tree_content(core: EngineCore, runner) -> None:
     """Every copy the tree claims holds its path's KV: for each node and tier, the block
     recorded for position p holds the path's tokens at positions floor(p / B) * B .. p."""
     cache, bs = core.cache, core.cache.block_size
-    assert not core.scheduler.kv.pending_ops and cache.host.num_pending_ops == 0
+    assert not core.scheduler.kv.pending_ops and not cache.host.pending_ops
     stack = [(child, []) for child in cache.root.children.values()]
     while stack:
         node, prefix = stack.pop()

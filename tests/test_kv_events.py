@@ -17,6 +17,7 @@ import struct
 import msgspec
 import pytest
 
+from radixrt.cache import CacheNamespace, create_prefix_cache
 from radixrt.cache.kv_events import (
     VLLM_VERSION,
     AllBlocksCleared,
@@ -28,7 +29,6 @@ from radixrt.cache.kv_events import (
 )
 from radixrt.cache.radix import RadixCache
 from radixrt.cache.radix_events import RadixEventRecorder
-from radixrt.cache.tiers import HostTier
 from radixrt.kv.allocator import BlockAllocator
 
 SEED = "0"
@@ -185,7 +185,7 @@ def check(cache: RadixCache, recorder: RadixEventRecorder, index: Index) -> None
 def make(num_blocks=64, bs=4, host=0):
     recorder = RadixEventRecorder(BlockHasher(bs, SEED))
     alloc = BlockAllocator(num_blocks)
-    cache = RadixCache(alloc, bs, HostTier(host) if host else None, recorder)
+    cache = create_prefix_cache("radix", alloc, bs, host, recorder)
     return cache, alloc, recorder, Index()
 
 
@@ -286,7 +286,7 @@ def test_salted_subtrees_publish_their_own_hashes():
     tokens = list(range(100, 116))  # 4 full blocks
     stored: dict[str | None, list[int]] = {}
     for salt in (None, "tenant-a", "tenant-b", "tenant-a"):
-        cache.insert(tokens, alloc.allocate(4), salt=salt)
+        cache.insert(tokens, alloc.allocate(4), namespace=CacheNamespace(salt))
         hashes = [h for e in recorder.take() if isinstance(e, BlockStored) for h in e.block_hashes]
         stored.setdefault(salt, []).extend(hashes)
     assert len(stored[None]) == len(stored["tenant-b"]) == 4

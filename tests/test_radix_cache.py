@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive_prefix_cache import NaivePrefixCache
+from radix_helpers import block_at, format_tree
 
-from radixrt.cache import create_prefix_cache
+from radixrt.cache import CacheNamespace, create_prefix_cache
 from radixrt.cache.radix import RadixCache, RadixNode
+from radixrt.cache.radix_node import NoObserver
 from radixrt.kv.allocator import BlockAllocator
 
 BLOCK_SIZES = [1, 4, 16]
@@ -42,7 +44,7 @@ def tree_paths(cache: RadixCache) -> list[tuple[tuple[int, ...], list[int]]]:
         node, toks, per_token = stack.pop()
         if node is not cache.root:
             toks = toks + tuple(node.key)
-            per_token = per_token + [node.block_at(p, bs) for p in range(node.start, node.end)]
+            per_token = per_token + [block_at(node, p, bs) for p in range(node.start, node.end)]
             if not node.children:
                 out.append((toks, per_token))
         stack.extend((child, toks, per_token) for child in node.children.values())
@@ -247,13 +249,58 @@ def test_evict_trims_the_tail_of_a_long_leaf(block_size):
     assert cache.evict(100) == num_blocks - 4 and cache.total_tokens == 0
 
 
-def test_pretty_print(capsys):
+def test_the_tree_reports_to_the_observer_it_was_given():
+    """Every node that enters, splits, loses its tail or leaves is reported, in order, to the
+    observer passed at construction, and a reset is bracketed."""
+    calls = []
+
+    class Recording(NoObserver):
+        def added(self, node, namespace):
+            calls.append(("added", tuple(node.key), namespace))
+
+        def removed(self, node, medium):
+            calls.append(("removed", tuple(node.key), medium))
+
+        def trimmed(self, node, keep):
+            calls.append(("trimmed", tuple(node.key), keep))
+
+        def split(self, upper, lower):
+            calls.append(("split", tuple(upper.key), tuple(lower.key)))
+
+        def reset_started(self):
+            calls.append(("reset",))
+
+        def reset_done(self):
+            calls.append(("reset done",))
+
+    alloc = BlockAllocator(8)
+    cache = RadixCache(alloc, 2, Recording())
+    ns = CacheNamespace("t")
+    blocks = alloc.allocate(3)
+    cache.insert([1, 2, 3, 4, 5, 6], blocks, ns)
+    alloc.decref(blocks)
+    cache.match([1, 2, 3], ns)  # splits the edge after 3 tokens
+    assert cache.evict(1) == 1  # trims [4, 5, 6] to [4]
+    cache.reset()
+    assert calls == [
+        ("added", (1, 2, 3, 4, 5, 6), ns),
+        ("split", (1, 2, 3), (4, 5, 6)),
+        ("trimmed", (4, 5, 6), 1),
+        ("reset",),
+        ("removed", (4,), "GPU"),
+        ("removed", (1, 2, 3), "GPU"),
+        ("reset done",),
+    ]
+    assert cache.roots == [cache.root] and alloc.num_free == 8
+    cache.check_integrity()
+
+
+def test_format_tree():
     cache = RadixCache(BlockAllocator(8), 4)
     cache_tokens(cache, [1, 2, 3, 4, 5])
     cache.match([1, 2, 9])
-    cache.pretty_print()
-    out = capsys.readouterr().out
-    assert "[1, 2]" in out and "[3, 4, 5]" in out and out == cache.format_tree() + "\n"
+    out = format_tree(cache)
+    assert "[1, 2]" in out and "[3, 4, 5]" in out
 
 
 @settings(max_examples=150, deadline=None)

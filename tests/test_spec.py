@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive_prefix_cache import NaivePrefixCache
+from radix_helpers import format_tree
 from test_step_plan import make_core, run
 
 from radixrt.cache.radix import RadixCache
@@ -168,7 +169,7 @@ def test_peek_continuation_is_read_only():
     fill(cache, [1, 2, 3, 4, 5, 6])
     fill(cache, [1, 2, 3, 7, 8])
     before = (
-        cache.format_tree(),
+        format_tree(cache),
         cache._clock,
         cache.version,
         vars(cache.stats).copy(),
@@ -179,7 +180,7 @@ def test_peek_continuation_is_read_only():
     for query in ([1], [1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 7], [9]):
         cache.peek_continuation(query, 8)
     after = (
-        cache.format_tree(),
+        format_tree(cache),
         cache._clock,
         cache.version,
         vars(cache.stats).copy(),
@@ -215,7 +216,7 @@ def test_peek_continuation_matches_naive(operations, block_size, max_tokens):
             naive.match(tokens)
         else:
             want = naive.peek_continuation(tokens, max_tokens)
-            assert cache.peek_continuation(tokens, max_tokens) == want, cache.format_tree()
+            assert cache.peek_continuation(tokens, max_tokens) == want, format_tree(cache)
     cache.check_integrity()
 
 

@@ -6,7 +6,9 @@ in-batch dedup and radix drafts per salt), priority order with aging, and the se
 from __future__ import annotations
 
 import pytest
+from radix_helpers import namespace_of
 
+from radixrt.cache import CacheNamespace
 from radixrt.cache.blockhash import BlockHashCache
 from radixrt.cache.radix import RadixCache
 from radixrt.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -20,6 +22,7 @@ from radixrt.testing import ScriptedRunner, scripted_model_config
 MODEL = scripted_model_config(4096)
 EOS = 3
 PROMPT = list(range(100, 160))
+A, B = CacheNamespace("a"), CacheNamespace("b")  # two tenants' cache namespaces
 
 
 def ctx_token(rid: str, context) -> int:
@@ -50,24 +53,22 @@ def run(core: EngineCore, on_step=None) -> dict:
 def test_radix_salts_are_separate_trees():
     cache = RadixCache(BlockAllocator(64), 4)
     blocks = cache.allocator.allocate(3)
-    cache.insert(PROMPT[:10], blocks, "a")
+    cache.insert(PROMPT[:10], blocks, A)
     cache.allocator.decref(blocks)
-    assert cache.match(PROMPT[:10], "a").num_cached_tokens == 10
-    assert cache.match(PROMPT[:10], "b").num_cached_tokens == 0
+    assert cache.match(PROMPT[:10], A).num_cached_tokens == 10
+    assert cache.match(PROMPT[:10], B).num_cached_tokens == 0
     assert cache.match(PROMPT[:10]).num_cached_tokens == 0
-    assert cache.peek_continuation(PROMPT[:4], 4, "a") == PROMPT[4:8]
-    assert cache.peek_continuation(PROMPT[:4], 4, "b") == []
+    assert cache.peek_continuation(PROMPT[:4], 4, A) == PROMPT[4:8]
+    assert cache.peek_continuation(PROMPT[:4], 4, B) == []
     assert cache.peek_continuation(PROMPT[:4], 4) == []
-    assert cache.salt_of(cache.match(PROMPT[:6], "a").handle) == "a"
+    assert namespace_of(cache, cache.match(PROMPT[:6], A).handle) == A
     cache.check_integrity()
     # the same tokens under another salt get their own blocks
     other = cache.allocator.allocate(3)
-    result = cache.insert(PROMPT[:10], other, "b")
+    result = cache.insert(PROMPT[:10], other, B)
     cache.allocator.decref(other)
     assert result.num_new_tokens == 10
-    assert set(cache.match(PROMPT[:10], "a").blocks).isdisjoint(
-        cache.match(PROMPT[:10], "b").blocks
-    )
+    assert set(cache.match(PROMPT[:10], A).blocks).isdisjoint(cache.match(PROMPT[:10], B).blocks)
     cache.check_integrity()
     # a salt's root goes when its last entry does (no memory per forgotten salt)
     cache.reset()
@@ -81,22 +82,22 @@ def test_radix_flush_salts_drops_only_those_salts_unlocked_entries():
     cache = RadixCache(BlockAllocator(64), 4)
     for salt in ("t:a:1", "t:a:2", "t:b:1", None):
         blocks = cache.allocator.allocate(3)
-        cache.insert(PROMPT[:10], blocks, salt)
+        cache.insert(PROMPT[:10], blocks, CacheNamespace(salt))
         cache.allocator.decref(blocks)
         blocks = cache.allocator.allocate(3)
-        cache.insert(PROMPT[:6] + [7, 7, 7, 7], blocks, salt)  # a branch: two leaves
+        cache.insert(PROMPT[:6] + [7, 7, 7, 7], blocks, CacheNamespace(salt))  # two leaves
         cache.allocator.decref(blocks)
-    locked = cache.match(PROMPT[:10], "t:a:2")
+    locked = cache.match(PROMPT[:10], CacheNamespace("t:a:2"))
     cache.lock(locked.handle)
     free = cache.allocator.num_free
     freed = cache.flush_salts(lambda s: s is not None and s.startswith("t:a:"))
     assert freed == cache.allocator.num_free - free > 0
-    assert cache.match(PROMPT[:10], "t:a:1").num_cached_tokens == 0
-    assert cache.match(PROMPT[:10], "t:a:2").num_cached_tokens == 10  # locked: kept
-    assert cache.match(PROMPT[:6] + [7, 7, 7, 7], "t:a:2").num_cached_tokens == 6
+    assert cache.match(PROMPT[:10], CacheNamespace("t:a:1")).num_cached_tokens == 0
+    assert cache.match(PROMPT[:10], CacheNamespace("t:a:2")).num_cached_tokens == 10  # locked
+    assert cache.match(PROMPT[:6] + [7, 7, 7, 7], CacheNamespace("t:a:2")).num_cached_tokens == 6
     for salt in ("t:b:1", None):
-        assert cache.match(PROMPT[:10], salt).num_cached_tokens == 10
-    assert "t:a:1" not in cache._salt_roots
+        assert cache.match(PROMPT[:10], CacheNamespace(salt)).num_cached_tokens == 10
+    assert CacheNamespace("t:a:1") not in cache._roots
     cache.check_integrity()
     cache.unlock(locked.handle)
     cache.check_integrity()
@@ -104,15 +105,15 @@ def test_radix_flush_salts_drops_only_those_salts_unlocked_entries():
 
 def test_radix_salted_lock_and_evict():
     cache = RadixCache(BlockAllocator(8), 4)
-    for salt, base in (("a", 0), ("b", 1)):
+    for salt, base in ((A, 0), (B, 1)):
         blocks = cache.allocator.allocate(2)
         cache.insert([base] * 8, blocks, salt)
         cache.allocator.decref(blocks)
-    m = cache.match([0] * 8, "a")
+    m = cache.match([0] * 8, A)
     cache.lock(m.handle)
     assert cache.evictable_blocks == 2
     assert cache.evict(4) == 2  # only b's entry goes: a's is locked
-    assert cache.match([1] * 8, "b").num_cached_tokens == 0
+    assert cache.match([1] * 8, B).num_cached_tokens == 0
     cache.unlock(m.handle)
     cache.check_integrity()
 
@@ -120,12 +121,12 @@ def test_radix_salted_lock_and_evict():
 def test_blockhash_salt_seeds_the_chain():
     cache = BlockHashCache(BlockAllocator(16), 4)
     blocks = cache.allocator.allocate(2)
-    cache.insert(PROMPT[:8], blocks, "a")
+    cache.insert(PROMPT[:8], blocks, A)
     cache.allocator.decref(blocks)
-    assert cache.match(PROMPT[:8], "a").num_cached_tokens == 8
-    assert cache.match(PROMPT[:8], "b").num_cached_tokens == 0
+    assert cache.match(PROMPT[:8], A).num_cached_tokens == 8
+    assert cache.match(PROMPT[:8], B).num_cached_tokens == 0
     assert cache.match(PROMPT[:8]).num_cached_tokens == 0
-    assert set(cache.block_hashes(PROMPT[:8], "a")).isdisjoint(cache.block_hashes(PROMPT[:8]))
+    assert set(cache.block_hashes(PROMPT[:8], A)).isdisjoint(cache.block_hashes(PROMPT[:8]))
     cache.check_integrity()
 
 
@@ -221,21 +222,21 @@ def test_radix_drafts_read_only_their_salt():
 
     cache = RadixCache(BlockAllocator(64), 4)
     blocks = cache.allocator.allocate(4)
-    cache.insert(PROMPT[:16], blocks, "a")
+    cache.insert(PROMPT[:16], blocks, A)
     proposer = RadixProposer(cache)
-    assert proposer.propose(PROMPT[:8], 4, "a") == PROMPT[8:12]
-    assert proposer.propose(PROMPT[:8], 4, "b") == []
+    assert proposer.propose(PROMPT[:8], 4, A) == PROMPT[8:12]
+    assert proposer.propose(PROMPT[:8], 4, B) == []
 
 
 def test_dfs_weight_orders_requests_of_several_salts():
     cache = RadixCache(BlockAllocator(64), 4)
-    for salt in ("a", "b"):
+    for salt in (A, B):
         blocks = cache.allocator.allocate(4)
         cache.insert(PROMPT[:16], blocks, salt)
     sp = {s: SamplingParams(cache_salt=s) for s in ("a", "b", "c")}
     waiting = [Request(f"r{i}", 20, PROMPT[:16] + [i] * 4, sp["abcb"[i]], 4) for i in range(4)]
     order = order_waiting(
-        waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1], r.cache_salt), 0
+        waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1], r.cache_namespace), 0
     )
     assert sorted(r.rid for r in order) == ["r0", "r1", "r2", "r3"]
     assert [r.rid for r in order][:2] == ["r1", "r3"]  # b's subtree is the heaviest

@@ -1,9 +1,16 @@
-"""Prefix caches: radix (token-level tree), blockhash (vLLM APC baseline), none."""
+"""Prefix caches: radix (token-level tree, with an optional host-tier layer), blockhash (vLLM APC
+baseline), none; and the namespace every cache key derives from."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult, PrefixCache
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.kv.allocator import BlockAllocator
+
+if TYPE_CHECKING:
+    from radixrt.cache.radix_node import TreeObserver
 
 
 def create_prefix_cache(
@@ -11,22 +18,25 @@ def create_prefix_cache(
     allocator: BlockAllocator,
     block_size: int,
     num_host_blocks: int = 0,
-    events: object | None = None,
+    events: TreeObserver | None = None,
 ) -> PrefixCache:
-    """Build the cache named by `kind` (radix | blockhash | none) over `allocator`, with a
-    host KV tier of `num_host_blocks` blocks when > 0 and KV events recorded by `events` (a
-    `radixrt.cache.radix_events.RadixEventRecorder`) when given (both radix only: ValueError
-    otherwise)."""
+    """Build the cache named by `kind` (radix | blockhash | none) over `allocator`: for radix,
+    the base tree, or its host-tier layer with `num_host_blocks` host blocks when > 0, which
+    report to `events` (a `radixrt.cache.radix_events.RadixEventRecorder`) when given. A host
+    tier or events with another kind: ValueError."""
     if num_host_blocks and kind != "radix":
         raise ValueError(f"a host KV tier needs prefix_cache 'radix', got {kind!r}")
     if events is not None and kind != "radix":
         raise ValueError(f"KV events need prefix_cache 'radix', got {kind!r}")
-    if kind == "radix":
-        from radixrt.cache.radix import RadixCache
+    if kind == "radix" and num_host_blocks:
+        from radixrt.cache.radix_host import HostRadixCache
         from radixrt.cache.tiers import HostTier
 
-        host = HostTier(num_host_blocks) if num_host_blocks else None
-        return RadixCache(allocator, block_size, host, events)
+        return HostRadixCache(allocator, block_size, HostTier(num_host_blocks), events)
+    if kind == "radix":
+        from radixrt.cache.radix import RadixCache
+
+        return RadixCache(allocator, block_size, events)
     if kind == "blockhash":
         from radixrt.cache.blockhash import BlockHashCache
 
@@ -39,6 +49,8 @@ def create_prefix_cache(
 
 
 __all__ = [
+    "DEFAULT_NAMESPACE",
+    "CacheNamespace",
     "CacheStats",
     "InsertResult",
     "MatchResult",

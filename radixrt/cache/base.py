@@ -21,9 +21,10 @@ Ownership rules (all implementations):
   after `lock(handle)`, `load(handle)` allocates device blocks for them (it may evict), queues
   SwapIn ops and returns the full device block table (None when blocks are short).
   `take_swap_ops()` hands the queued SwapIn / SwapOut ops to the scheduler for the next plan.
-- `salt` (tenants): `match` and `insert` take a cache salt (None: unsalted); entries inserted
-  under one salt are never matched under another (radix: one root per salt; blockhash: the
-  salt seeds the hash chain, as vLLM puts it in the first block's extra keys).
+- `namespace` (tenants; `radixrt.cache.namespace.CacheNamespace`): `match` and `insert` take
+  the request's namespace (default: the shared, unsalted one); entries inserted in one are
+  never matched in another (radix: one root per namespace; blockhash: the namespace seeds the
+  hash chain).
 - `priority` (`insert`): the inserting request's priority; the radix tree evicts entries of
   the least urgent priority (the highest number) first, LRU within one (others ignore it).
 - `version` increases whenever an entry is removed (evict, reset): a MatchResult taken
@@ -37,8 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
+
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
     from radixrt.plan import SwapIn, SwapOut
 
 
@@ -74,9 +77,11 @@ class PrefixCache(Protocol):
     block_size: int
     stats: CacheStats
     version: int  # bumped whenever an entry is removed (see the module docstring)
-    host: HostTier | None  # the host KV tier (radix only; None: no host tier)
+    host: KVTier | None  # the host KV tier (radix only; None: no host tier)
 
-    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult: ...
+    def match(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> MatchResult: ...
 
     def lock(self, handle: Any) -> None: ...
 
@@ -86,7 +91,7 @@ class PrefixCache(Protocol):
         self,
         tokens: Sequence[int],
         blocks: Sequence[int],
-        salt: str | None = None,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
         priority: int = 0,
     ) -> InsertResult: ...
 

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 from sortedcontainers import SortedList
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.kv.allocator import BlockAllocator
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
 
 _SEED = b"radixrt-blockhash-v1"
 
@@ -54,7 +55,7 @@ class BlockHashCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # bumped by every eviction (match results go stale)
-        self.host: HostTier | None = None  # no host KV tier
+        self.host: KVTier | None = None  # no host KV tier
         self._clock = 0
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}  # inverse of _hash_to_block
@@ -66,21 +67,25 @@ class BlockHashCache:
 
     # ---- queries -------------------------------------------------------------------
 
-    def block_hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
-        """Chain hashes of the full blocks of `tokens` under cache salt `salt` (it seeds the
-        chain, so no block hash of one salt equals one of another or of no salt)."""
+    def block_hashes(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> list[bytes]:
+        """Chain hashes of the full blocks of `tokens` in `namespace` (it seeds the chain, so
+        no block hash of one namespace equals one of another)."""
         bs, hashes = self.block_size, []
-        h = _SEED if salt is None else hashlib.sha256(_SEED + b"salt" + salt.encode()).digest()
+        h = namespace.chain_seed(_SEED)
         for i in range(len(tokens) // bs):
             h = hashlib.sha256(h + array("q", tokens[i * bs : (i + 1) * bs]).tobytes()).digest()
             hashes.append(h)
         return hashes
 
-    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
+    def match(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> MatchResult:
         """Cached full blocks of the longest cached block-aligned prefix; refreshes their
         access time. Takes no references. Handle: tuple of the matched blocks."""
         blocks = []
-        for h in self.block_hashes(tokens, salt):
+        for h in self.block_hashes(tokens, namespace):
             b = self._hash_to_block.get(h)
             if b is None:
                 break
@@ -134,7 +139,7 @@ class BlockHashCache:
         self,
         tokens: Sequence[int],
         blocks: Sequence[int],
-        salt: str | None = None,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
         priority: int = 0,
     ) -> InsertResult:
         """Cache blocks[i] under H_i for every full block i whose hash is not cached yet
@@ -144,7 +149,7 @@ class BlockHashCache:
         assert len(blocks) >= num_full, f"{len(blocks)} blocks for {num_full} full blocks"
         stamp = self._tick()
         handle, num_new = [], 0
-        for i, h in enumerate(self.block_hashes(tokens, salt)):
+        for i, h in enumerate(self.block_hashes(tokens, namespace)):
             b = self._hash_to_block.get(h)
             if b is None:
                 b = blocks[i]

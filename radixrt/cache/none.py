@@ -7,9 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixrt.cache.base import CacheStats, InsertResult, MatchResult
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 
 if TYPE_CHECKING:
-    from radixrt.cache.tiers import HostTier
+    from radixrt.cache.tiers import KVTier
 
 
 class NoCache:
@@ -19,9 +20,11 @@ class NoCache:
         self.block_size = block_size
         self.stats = CacheStats()
         self.version = 0  # nothing is ever removed
-        self.host: HostTier | None = None  # no host KV tier
+        self.host: KVTier | None = None  # no host KV tier
 
-    def match(self, tokens: Sequence[int], salt: str | None = None) -> MatchResult:
+    def match(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> MatchResult:
         return MatchResult([], 0, None)
 
     def lock(self, handle: Any) -> None:
@@ -34,7 +37,7 @@ class NoCache:
         self,
         tokens: Sequence[int],
         blocks: Sequence[int],
-        salt: str | None = None,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
         priority: int = 0,
     ) -> InsertResult:
         return InsertResult(None, 0)

@@ -9,25 +9,26 @@ reference count per (medium, hash) of the nodes holding it and emits `BlockStore
 hash appears on a medium and `BlockRemoved` when it disappears, so the event stream replayed
 into an empty index equals `held()` at every step (tests/test_kv_events_engine.py).
 
-Transitions (the `RadixCache` calls these hooks; nothing when events are off):
+Transitions (the tree and its host layer report them through the `TreeObserver` hooks; a tree
+without events reports to a `NoObserver`):
 - a new leaf (insert) or a host-only node taking the caller's blocks (insert), a host-only
   node loaded back (SwapIn): Stored GPU;
 - device eviction that writes back: Stored CPU (unless the node had a host copy), Removed GPU;
   eviction without a host tier, or with no room on the host: Removed GPU (and CPU, for the
-  host copies of the removed subtree); trimming a long leaf's tail: Removed GPU for the full
-  blocks it loses;
+  host copies of the removed subtree); trimming a long leaf's tail (`trimmed`): Removed GPU for
+  the full blocks it loses;
 - host eviction (a host copy dropped, or a host-only leaf leaving the tree): Removed CPU;
 - `discard_copies` after a failed step: Removed for each copy it forgets;
 - `reset`: Removed per dropped node, or one `AllBlocksCleared` when nothing stays cached;
 - a split moves ownership between the two halves and emits nothing.
 A node's hashes are computed once, when it enters the tree (kept in `node.block_hashes`; a
-split divides them, a trim cuts them).
+split divides them, a trim cuts them). A sequence's first block hashes in its namespace's
+`event_salt` (`radixrt.cache.namespace`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 from radixrt.cache.kv_events import (
     MEDIUM_CPU,
@@ -39,26 +40,27 @@ from radixrt.cache.kv_events import (
     KVCacheEvent,
     external_hash,
 )
+from radixrt.cache.namespace import CacheNamespace
 from radixrt.cache.radix_node import RadixNode
 
 
 class RadixEventRecorder:
     """Turns the radix tree's node transitions into vLLM KV events (see the module
-    docstring). Plain Python; the owner takes the events once per step (`take`)."""
+    docstring); a `radixrt.cache.radix_node.TreeObserver`. Plain Python; the owner takes the
+    events once per step (`take`)."""
 
     def __init__(self, hasher: BlockHasher) -> None:
         self.hasher = hasher
-        # node -> the cache salt of its subtree (the cache that records into this sets it)
-        self.salt_of: Callable[[RadixNode], str | None] = lambda node: None
         self.block_size = hasher.block_size
         self._held = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}  # hash -> nodes holding it
         self._events: list[KVCacheEvent] = []
         self._reset_mark: int | None = None
 
-    # ---- hooks (RadixCache) ----
-    def added(self, node: RadixNode) -> None:
-        """`node` entered the tree on the device (a new leaf): hash its full blocks."""
-        self._compute(node)
+    # ---- hooks (TreeObserver) ----
+    def added(self, node: RadixNode, namespace: CacheNamespace) -> None:
+        """`node` entered the tree on the device (a new leaf of `namespace`): hash its full
+        blocks."""
+        self._compute(node, namespace)
         self.stored(node, MEDIUM_GPU)
 
     def stored(self, node: RadixNode, medium: str) -> None:
@@ -79,15 +81,29 @@ class RadixEventRecorder:
         if run_start is not None:
             self._emit_stored(node, first, hashes, run_start, len(hashes), medium)
 
-    def removed(self, node: RadixNode, medium: str, keep: int = 0) -> None:
-        """`node`'s KV left `medium`; with `keep`, only its full blocks from the keep-th on
-        (a trimmed leaf)."""
+    def removed(self, node: RadixNode, medium: str) -> None:
+        """`node`'s KV left `medium`."""
+        self._remove(node.block_hashes, medium)
+
+    def trimmed(self, node: RadixNode, keep: int) -> None:
+        """`node`, a device leaf, lost its full blocks from the keep-th on."""
         hashes = node.block_hashes
-        if not hashes or keep >= len(hashes):
+        self._remove(hashes[keep:], MEDIUM_GPU)
+        del hashes[keep:]
+
+    def split(self, upper: RadixNode, lower: RadixNode) -> None:
+        """The full blocks ending before the cut go to `upper`."""
+        num_up = lower.start // self.block_size - upper.start // self.block_size
+        upper.block_hashes = lower.block_hashes[:num_up]
+        lower.block_hashes = lower.block_hashes[num_up:]
+
+    def _remove(self, hashes: list[bytes], medium: str) -> None:
+        """The nodes holding `hashes` on `medium` hold them no more."""
+        if not hashes:
             return
         held = self._held[medium]
         gone = []
-        for h in hashes[keep:]:
+        for h in hashes:
             if held[h] == 1:
                 del held[h]
                 gone.append(external_hash(h))
@@ -120,7 +136,7 @@ class RadixEventRecorder:
     def check_integrity(self, roots: list[RadixNode]) -> None:
         """Every node's hashes cover its full blocks, and the counts per medium are the
         nodes holding each hash on it (the tree's state, not the events sent); `roots`: the
-        tree's roots (one per cache salt)."""
+        tree's roots (one per namespace)."""
         bs = self.block_size
         want = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}
         stack = [child for root in roots for child in root.children.values()]
@@ -154,7 +170,7 @@ class RadixEventRecorder:
             )
         )
 
-    def _compute(self, node: RadixNode) -> None:
+    def _compute(self, node: RadixNode, namespace: CacheNamespace) -> None:
         """Fill `node.block_hashes` (its parent's are filled: it entered the tree first)."""
         bs = self.block_size
         first, end = node.start // bs, node.end // bs
@@ -162,7 +178,7 @@ class RadixEventRecorder:
             node.block_hashes = []
             return
         parent = self._hash_before(node, first)
-        salt = self.salt_of(node) if parent is None else None
+        salt = namespace.event_salt if parent is None else None
         tokens = self._tokens(node, first * bs, end * bs)
         node.block_hashes = self.hasher.chain(parent, tokens, salt)
 

@@ -1,21 +1,21 @@
-"""The host KV tier's scheduler-side state: a host block allocator and the swap ops to send.
+"""The KV tiers below the device, seen from the radix tree: `KVTier`, what a tier layer of the
+tree (`radixrt.cache.radix_host.HostRadixCache`) needs of the store it keeps node copies in;
+`HostTier`, the host tier's (a host block allocator and the swap ops to send); and
+`unmade_blocks`, what a failed step may have left unwritten.
 
-Plain Python (no torch): the runner holds the host tensors (`radixrt.kv.host_pool`). The radix
-cache's host-tier component (`radixrt.cache.radix_host.RadixHostTier`) owns the `HostTier`; the
-radix cache (`radixrt.cache.radix`) decides what moves: evicting a device leaf writes its
-blocks back (`SwapOut`, one host block per device block) unless the node already has a host
-copy; loading a host-resident node into fresh device blocks is a `SwapIn`. The ops collect here
-in the order the cache made them and go, first, into the next plan (`take_ops`); the runner
-executes them in list order, before that step's copies and forward, so every op reads what
-earlier ops and steps wrote. Host blocks are reference counted like device blocks: each node
-with a host copy holds one reference per host block it records (a split inside a block adds
-one).
+Plain Python (no torch): the runner holds the host tensors (`radixrt.kv.host_pool`). The tree's
+layer decides what moves: evicting a device leaf writes its blocks back (`SwapOut`, one host
+block per device block) unless the node already has a host copy; loading a host-resident node
+into fresh device blocks is a `SwapIn`. The ops collect here in the order the layer made them
+and go, first, into the next plan (`take_ops`); the runner executes them in list order, before
+that step's copies and forward, so every op reads what earlier ops and steps wrote.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.plan import BlockOp, CopyBlock, SwapIn, SwapOut
@@ -31,6 +31,37 @@ class TierStats:
     # (order: radixrt.cache.radix_host.host_eviction_key)
     num_dropped_blocks: int = 0  # device blocks freed by evicting a leaf that got no host
     # copy (the host could not make room)
+
+
+class KVTier(Protocol):
+    """A store of KV blocks below the device that a tier layer of the radix tree keeps node
+    copies in. Its blocks are reference counted by the nodes recording them (`allocator`);
+    copies between it and the device are queued as block ops, in the order they were made,
+    for the scheduler's next plan."""
+
+    allocator: BlockAllocator  # the tier's blocks
+    stats: TierStats
+
+    def write_back(self, device_blocks: list[int], tier_blocks: list[int]) -> None:
+        """Queue copies of `device_blocks` into `tier_blocks` (pairwise)."""
+        ...
+
+    def load(self, tier_blocks: list[int], device_blocks: list[int]) -> None:
+        """Queue copies of `tier_blocks` into `device_blocks` (pairwise)."""
+        ...
+
+    def take_ops(self) -> list[SwapIn | SwapOut]:
+        """The ops queued since the last call, in the order they were made (clears them)."""
+        ...
+
+    @property
+    def pending_ops(self) -> list[SwapIn | SwapOut]:
+        """The ops queued since the last `take_ops` (a copy; they stay queued)."""
+        ...
+
+    def uncount(self, ops: Iterable[BlockOp]) -> None:
+        """Take the ops of a failed plan out of the counters."""
+        ...
 
 
 class HostTier:
@@ -59,10 +90,6 @@ class HostTier:
         """The ops queued since the last call, in the order they were made (clears them)."""
         ops, self._ops = self._ops, []
         return ops
-
-    @property
-    def num_pending_ops(self) -> int:
-        return len(self._ops)
 
     @property
     def pending_ops(self) -> list[SwapIn | SwapOut]:

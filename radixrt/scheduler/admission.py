@@ -61,7 +61,7 @@ class Admission:
             self._matches_version = cache.version
         m = self._matches.get(req)
         if m is None:
-            m = cache.match(req.seq_token_ids[: _match_limit(req)], req.cache_salt)
+            m = cache.match(req.seq_token_ids[: _match_limit(req)], req.cache_namespace)
             self._matches[req] = m
         return m
 
@@ -155,16 +155,18 @@ class Admission:
             if not shorter:
                 return None
             self.match(req)  # brings the per-step match table up to the cache version
-            self._matches[req] = kv.cache.match(req.seq_token_ids[: shorter.pop()], req.cache_salt)
+            self._matches[req] = kv.cache.match(
+                req.seq_token_ids[: shorter.pop()], req.cache_namespace
+            )
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
-        """Whether a request of the same cache salt computes at least
-        IN_BATCH_PREFIX_THRESHOLD tokens of `req`'s uncached prefix (another salt's never
+        """Whether a request of the same cache namespace computes at least
+        IN_BATCH_PREFIX_THRESHOLD tokens of `req`'s uncached prefix (another namespace's never
         lands in `req`'s part of the cache)."""
         end = self.match(req).num_cached_tokens + IN_BATCH_PREFIX_THRESHOLD
-        seq, salt = req.seq_token_ids, req.cache_salt
+        seq, namespace = req.seq_token_ids, req.cache_namespace
         return any(
-            share_prefix(seq, other.seq_token_ids, end) and other.cache_salt == salt
+            share_prefix(seq, other.seq_token_ids, end) and other.cache_namespace == namespace
             for other in computing
         )
 

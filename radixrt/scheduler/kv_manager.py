@@ -209,7 +209,7 @@ class KVManager:
         """Insert the first `end` computed tokens so others can share them; the request's
         lock moves to the deeper node."""
         result = self.cache.insert(
-            req.seq_token_ids[:end], req.block_table, req.cache_salt, req.priority
+            req.seq_token_ids[:end], req.block_table, req.cache_namespace, req.priority
         )
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
@@ -221,7 +221,7 @@ class KVManager:
         done = min(req.num_kv_done, len(req.seq_token_ids))
         if done:
             self.cache.insert(
-                req.seq_token_ids[:done], req.block_table, req.cache_salt, req.priority
+                req.seq_token_ids[:done], req.block_table, req.cache_namespace, req.priority
             )
 
     # ---- block ops ----

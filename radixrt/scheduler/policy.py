@@ -118,7 +118,7 @@ def _dfs_weight(waiting: Sequence[Request], handles: dict, age: dict) -> list[Re
             nodes[id(node)] = node
             weight[id(node)] = weight.get(id(node), 0) + 1 + age[req]
             node = node.parent
-    # one root per cache salt (radixrt.cache.radix): heavier subtrees first
+    # one root per cache namespace (radixrt.cache.radix): heavier subtrees first
     roots = sorted((n for n in nodes.values() if n.parent is None), key=lambda n: weight[id(n)])
     order: list[Request] = []
     stack: list[object] = list(roots)  # tree nodes, or requests ready to be emitted

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrt.cache.namespace import CacheNamespace
 from radixrt.sampling import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -73,8 +75,14 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        """The prefix-cache namespace of the request (None: unsalted); see SamplingParams."""
+        """The request's tenant cache salt (None: unsalted); see SamplingParams."""
         return self.params.cache_salt
+
+    @functools.cached_property
+    def cache_namespace(self) -> CacheNamespace:
+        """The prefix-cache namespace of the request: it shares cached KV only within it
+        (made once: drafts ask for it every decode step)."""
+        return CacheNamespace(self.params.cache_salt)
 
     @property
     def priority(self) -> int:

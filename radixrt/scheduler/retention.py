@@ -102,7 +102,7 @@ class RetentionFeature(SchedulerFeature):
 
     def _hold(self, req: Request) -> None:
         cache, salt = self.kv.cache, req.cache_salt
-        m = cache.match(req.seq_token_ids, salt)  # what its finish inserted
+        m = cache.match(req.seq_token_ids, req.cache_namespace)  # what its finish inserted
         if m.num_cached_tokens == 0:
             return
         self.release(req.rid)  # a request id held again: the newer hold counts

@@ -135,7 +135,7 @@ class SpeculationFeature(SchedulerFeature):
         k = min(self.num_speculative_tokens, room)
         if k <= 0:
             return []
-        drafts = self.proposer.propose(self._tokens(req), k, req.cache_salt)[:k]
+        drafts = self.proposer.propose(self._tokens(req), k, req.cache_namespace)[:k]
         if req in self._awaited:
             self._awaited.discard(req)
             e = self._estimate(req)
@@ -159,7 +159,7 @@ class SpeculationFeature(SchedulerFeature):
         room = min(req.max_tokens - req.num_output, self.max_model_len - req.seq_len) - 2
         if room < 1:
             return False
-        return self.proposer.may_propose_next(self._tokens(req), req.cache_salt)
+        return self.proposer.may_propose_next(self._tokens(req), req.cache_namespace)
 
     def worth_waiting(self, running: Sequence[Request]) -> bool:
         """Whether the loop should wait for the in-flight samples of `running` rows before

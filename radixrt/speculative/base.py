@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
+
 
 class TokenIndex(Protocol):
     """A proposer's per-request view of a request's append-only token list (`tokens`), read
@@ -45,13 +47,17 @@ class Proposer:
     # `propose` and `may_propose_next` in place of the request's list
     indexes: bool = False
 
-    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], max_drafts: int, namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> list[int]:
         """Up to `max_drafts` (>= 1) draft tokens to follow `tokens` (a row's prompt and
-        output so far; read only) under the row's cache salt `salt` (a proposer that reads
-        the prefix cache reads only that salt's entries); [] when it has nothing to propose."""
+        output so far; read only) in the row's cache namespace (a proposer that reads the
+        prefix cache reads only that namespace's entries); [] when it has nothing to propose."""
         raise NotImplementedError
 
-    def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+    def may_propose_next(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> bool:
         """Whether `propose(tokens + [t], ...)` drafts for some token t: asked for a row whose
         next token t is still being sampled, so that the loop waits for it only when drafts
         could follow (False only when none can; ngram's is exact). By default True."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.speculative.base import Proposer
 
 PLACEHOLDER = 0  # the input id planned for a draft the runner writes
@@ -21,6 +22,8 @@ class DraftModelProposer(Proposer):
 
     drafts_on_device = True
 
-    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], max_drafts: int, namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> list[int]:
         """`max_drafts` placeholders: the draft model always drafts the full k."""
         return [PLACEHOLDER] * max_drafts

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.speculative.base import Proposer
 
 
@@ -33,12 +34,16 @@ class NgramProposer(Proposer):
         (which then cost O(max_n), plus the indexing of tokens appended since the last call)."""
         return NgramIndex(tokens, max(1, self.min_n - 1), self.max_n)
 
-    def propose(self, tokens: Sequence[int], max_drafts: int, salt: str | None = None) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], max_drafts: int, namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> list[int]:
         if isinstance(tokens, NgramIndex) and tokens.covers(self.min_n, self.max_n):
             return tokens.lookup(self.min_n, self.max_n, max_drafts)
         return ngram_lookup(tokens, self.min_n, self.max_n, max_drafts)
 
-    def may_propose_next(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+    def may_propose_next(
+        self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE
+    ) -> bool:
         """Whether `propose(tokens + [t])` drafts for some token t: exactly when the last
         min_n - 1 tokens occur earlier with a token after them (t can be that token); always
         for min_n = 1."""
