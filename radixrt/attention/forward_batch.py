@@ -44,11 +44,6 @@ class ForwardBatch:
     def num_extend(self) -> int:
         return self.num_rows - self.num_decode
 
-    @property
-    def num_decode_tokens(self) -> int:
-        """Decode rows come first, one token each."""
-        return self.num_decode
-
 
 def reference_batch(
     table: torch.Tensor,  # [R, >= blocks used] int32 cpu: each row's block table

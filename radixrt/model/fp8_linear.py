@@ -355,11 +355,3 @@ def check_fp8_capability(device: torch.device) -> None:
             f"capability >= 8.9 (Ada, Hopper); {torch.cuda.get_device_name(device)} has "
             f"{capability[0]}.{capability[1]}"
         )
-
-
-def finish_fp8_linears(model: nn.Module, dequantize: bool) -> int:
-    """`finish_loading` every Fp8Linear of `model`; returns how many there are."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    for m in layers:
-        m.finish_loading(dequantize)
-    return len(layers)

@@ -1,5 +1,5 @@
 """The scheduler half of request groups that share KV by block references: n > 1 forks and
-beam search (see `ForkGroup` for the life of a group and `radixrt.scheduler.beam` for the beam
+beam search (see `RequestGroup` for the life of a group and `radixrt.scheduler.beam` for the beam
 selection rule). Plain Python, no torch.
 
 Forks: the parent computes the prompt but its last token; once its result is applied the next
@@ -23,7 +23,7 @@ from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, ForkGroup, Request, Status, fork_rid
+from radixrt.scheduler.request import FinishReason, Request, RequestGroup, Status, fork_rid
 from radixrt.stats import SchedulerCounters
 
 
@@ -41,7 +41,7 @@ class GroupsFeature(SchedulerFeature):
         self.lifecycle = lifecycle
         self.stats = stats
         self.eos_token_ids = eos_token_ids
-        self._beam_groups: dict[int, ForkGroup] = {}  # groups with beam results this update
+        self._beam_groups: dict[int, RequestGroup] = {}  # groups with beam results this update
         # a beam's top log-probs from its latest step, until its group picks the next beams
         self._top_logprobs: dict[Request, list[tuple[int, float]]] = {}
 
@@ -101,7 +101,7 @@ class GroupsFeature(SchedulerFeature):
             max_tokens=0,
             reports=beam is not None,
         )
-        group = ForkGroup(parent, children, beam=beam)
+        group = RequestGroup(parent, children, beam=beam)
         parent.group = group
         for child in children:
             child.group = group
@@ -181,8 +181,8 @@ class GroupsFeature(SchedulerFeature):
         return idle, reserved
 
     # ---- forking ----
-    def _fork(self, g: ForkGroup, ops: list[BlockOp]) -> None:
-        """Fork a ready parent into its children (see ForkGroup); waits a step when the
+    def _fork(self, g: RequestGroup, ops: list[BlockOp]) -> None:
+        """Fork a ready parent into its children (see RequestGroup); waits a step when the
         partial-block copies find no free block."""
         kv = self.kv
         parent = g.parent
@@ -217,7 +217,7 @@ class GroupsFeature(SchedulerFeature):
             kv.give_slots(g.reserved_slots)
             g.reserved_slots = []
 
-    def _beam_step(self, g: ForkGroup, changed: list[Request]) -> None:
+    def _beam_step(self, g: RequestGroup, changed: list[Request]) -> None:
         """Every live beam's top log-probs are in: pick the next beams (BeamState.step),
         re-parent them by block references, free dropped beams; or finish the search."""
         kv, lifecycle, running = self.kv, self.lifecycle, self.queues.running

@@ -3,7 +3,7 @@
 `requests` maps every live request that reports (gets deltas) and every group parent to its
 `Request`; `waiting` holds requests (and group parents) in arrival order, a preempted one at
 the head; `running` holds the sequences that own KV and a row slot. A group's children wait
-inside their group, never in `waiting` (see `ForkGroup`).
+inside their group, never in `waiting` (see `RequestGroup`).
 """
 
 from __future__ import annotations

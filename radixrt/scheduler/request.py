@@ -69,7 +69,7 @@ class Request:
     # when params.prompt_logprobs: log-probs of prompt tokens [logprob_start_len, prompt_len)
     prompt_logprobs: list[float] = field(default_factory=list)
     admission_seq: int = 0  # order of the latest admission (preemption picks the newest)
-    group: ForkGroup | None = None  # n > 1 or beam search: parent, children / beams
+    group: RequestGroup | None = None  # n > 1 or beam search: parent, children / beams
     index: int = 0  # a fork child's index (choice) in its group
     reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
 
@@ -123,7 +123,7 @@ def fork_rid(rid: str, index: int) -> str:
 
 
 @dataclass(eq=False)
-class ForkGroup:
+class RequestGroup:
     """Requests that share a prompt's KV by block references.
 
     The parent prefills the prompt but its last token once (it samples nothing), then forks:

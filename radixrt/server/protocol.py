@@ -121,7 +121,6 @@ class GenerationSpec:
     prompt_param: str = "prompt"  # request fields to name in errors
     max_tokens_param: str = "max_tokens"
     n_param: str = "n"
-    grammar_param: str | None = None  # the field that set structured output, if any
     beam_width_param: str = "sampling_params.beam_width"
     grammar_param: str | None = None  # the field holding the constraint (regex, ...), if any
     tools: Any = None  # chat: the request's tools.request.ToolRequest (None: no tools)
