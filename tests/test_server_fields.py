@@ -447,7 +447,7 @@ def neutral_cases():
 CALLS = {CompletionRequest: comp, ChatCompletionRequest: chat, GenerateRequest: gen}
 
 
-@pytest.mark.parametrize("schema, name, accepted, bad", neutral_cases())
+@pytest.mark.parametrize("schema, name, accepted, bad", list(neutral_cases()))
 def test_neutral_fields_accept_the_default_and_refuse_others(schema, name, accepted, bad):
     call = CALLS[schema]
     for value in accepted:
