@@ -37,23 +37,35 @@ def resolve_max_model_len(
     return sliding_window
 
 
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """New tokens the request may generate. Raises RequestValueError naming the lengths."""
+def resolve_max_tokens(
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    default: int | None = None,
+    *,
+    prompt: str = "the prompt",
+    prompt_param: str | None = None,
+    max_tokens_param: str = "max_tokens",
+) -> int:
+    """New tokens the request may generate: an explicit `max_tokens`, else the room left (at
+    most `default`). Raises RequestValueError naming the lengths and the field at fault
+    (`prompt`: how the message names the prompt; the params: the request's field names)."""
     if prompt_len < 1:
-        raise RequestValueError("the prompt is empty: at least one token is needed")
+        raise RequestValueError(f"{prompt} is empty: at least one token is needed", prompt_param)
     room = max_model_len - prompt_len
     if room < 1:
         raise RequestValueError(
-            f"the prompt has {prompt_len} tokens but the context length is {max_model_len}: "
-            f"at most {max_model_len - 1} prompt tokens leave room for a new token"
+            f"{prompt} has {prompt_len} tokens but the context length is {max_model_len}: "
+            f"at most {max_model_len - 1} prompt tokens leave room for a new token",
+            prompt_param,
         )
     if max_tokens is None:
-        return room
+        return room if default is None else min(room, default)
     if max_tokens > room:
         raise RequestValueError(
-            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and "
-            f"the context length is {max_model_len}, so at most {room} new tokens fit",
-            "max_tokens",
+            f"{max_tokens_param}={max_tokens} does not fit: {prompt} has {prompt_len} tokens "
+            f"and the context length is {max_model_len}, so at most {room} new tokens fit",
+            max_tokens_param,
         )
     return max_tokens
 

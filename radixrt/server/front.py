@@ -22,6 +22,8 @@ import msgspec
 from jinja2.exceptions import TemplateError
 
 from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.errors import RequestValueError
+from radixrt.limits import resolve_max_tokens
 from radixrt.server.channel import Channel
 from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
@@ -367,29 +369,18 @@ class Front:
             ids = list(prompt)  # token ids: checked against the vocabulary by protocol
         if spec.truncate_prompt_tokens is not None:
             ids = ids[-spec.truncate_prompt_tokens :]
-        if not ids:
-            raise ApiError(f"{where} is empty: at least one token is needed", spec.prompt_param)
-        limit, n = self.ready.max_model_len, len(ids)
-        if n >= limit:
-            raise ApiError(
-                f"{where} has {n} tokens; this model's context length is {limit} tokens, "
-                f"so a prompt may have at most {limit - 1}",
-                spec.prompt_param,
+        try:
+            max_tokens = resolve_max_tokens(
+                len(ids),
+                spec.max_tokens,
+                self.ready.max_model_len,
+                spec.default_max_tokens,
+                prompt=where,
+                prompt_param=spec.prompt_param,
+                max_tokens_param=spec.max_tokens_param,
             )
-        if spec.max_tokens is None:
-            room = limit - n
-            max_tokens = (
-                room if spec.default_max_tokens is None else min(room, spec.default_max_tokens)
-            )
-        else:
-            max_tokens = spec.max_tokens
-            if n + max_tokens > limit:
-                raise ApiError(
-                    f"this model's context length is {limit} tokens, but {n + max_tokens} were "
-                    f"requested ({n} in {where} + {max_tokens} {spec.max_tokens_param}); "
-                    f"reduce {spec.max_tokens_param} to at most {limit - n} or shorten the prompt",
-                    spec.max_tokens_param,
-                )
+        except RequestValueError as e:
+            raise ApiError(str(e), e.field) from None
         return ids, max_tokens
 
     def _send(self, msg: ToScheduler) -> bool:

@@ -1,14 +1,15 @@
 """n > 1 and beam search in the front: the /generate beam-search field rules (`validate`
 calls them) and the limits `Front` checks after tokenization, before anything is sent: the
-group must fit the running slots and the KV pool (the scheduler's rule,
-`radixrt.limits.group_blocks_needed`) and beam search's candidates the top log-probs the
+group must fit the running slots and the KV pool (the scheduler's rule and message,
+`radixrt.limits.check_fits`) and beam search's candidates the top log-probs the
 runner returns (`BeamSearchParams.check_candidates`). Every problem is an ApiError (400)
 naming the field. Torch-free, like the rest of the front.
 """
 
 from __future__ import annotations
 
-from radixrt.limits import group_blocks_needed
+from radixrt.errors import RequestValueError
+from radixrt.limits import check_fits
 from radixrt.sampling import MAX_BEAM_WIDTH, BeamSearchParams
 from radixrt.server.messages import Ready
 from radixrt.server.protocol import MAX_REQUESTS, ApiError, GenerationSpec
@@ -22,22 +23,19 @@ def check_group_fits(
     blocks) fit in the running slots and the KV pool together."""
     if num_seqs <= 1:
         return
-    if num_seqs > ready.max_running_requests:
-        raise ApiError(
-            f"invalid {param}={num_seqs}: this server runs at most "
-            f"{ready.max_running_requests} sequences at once (--max-running-requests)",
+    try:
+        check_fits(
+            prompt_len,
+            max_tokens,
+            num_seqs,
             param,
+            num_slots=ready.max_running_requests,
+            num_blocks=ready.kv_blocks_total,
+            block_size=ready.block_size,
+            max_model_len=ready.max_model_len,
         )
-    blocks = group_blocks_needed(
-        prompt_len, max_tokens, num_seqs, ready.block_size, ready.max_model_len
-    )
-    if blocks > ready.kv_blocks_total:
-        raise ApiError(
-            f"invalid {param}={num_seqs}: {num_seqs} sequences of a {prompt_len}-token "
-            f"prompt with {max_tokens} new tokens each need {blocks} KV blocks but the "
-            f"pool has {ready.kv_blocks_total}; lower {param} or max_tokens",
-            param,
-        )
+    except RequestValueError as e:
+        raise ApiError(str(e), e.field) from None
 
 
 def beam_params(
