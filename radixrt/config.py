@@ -237,6 +237,22 @@ class CacheConfig:
     num_host_kv_blocks: int | None = option(
         None, "host tier size in blocks (overrides `host_kv_gb`)", cli=False
     )
+    kv_storage: str | None = option(
+        None,
+        "storage KV tier (needs the host tier): a directory that keeps KV pages beyond the "
+        "process (written through as prefixes are cached, read back on an L1/L2 miss)",
+    )
+    kv_storage_max_gb: float = option(
+        64.0, "size bound of the `kv_storage` directory in GiB (least recently used pages go)"
+    )
+    kv_storage_write_pages: int = option(
+        256,
+        "pages of pinned staging memory for storage writes; a write finding them busy is "
+        "dropped (counted)",
+    )
+    kv_storage_prefetch_timeout_s: float = option(
+        2.0, "how long a request waits for its prefix pages from storage before it computes"
+    )
     kv_events: bool = option(
         False,
         "record KV cache events (radix cache only); the server publishes them in vLLM's format",
@@ -271,6 +287,21 @@ class CacheConfig:
             raise ValueError(f"num_host_kv_blocks must be >= 1, got {self.num_host_kv_blocks}")
         if self.kv_events and self.prefix_cache != "radix":
             raise ValueError(f"kv_events need prefix_cache 'radix', got {self.prefix_cache!r}")
+        if self.kv_storage is not None and not self.host_tier:
+            raise ValueError(
+                "kv_storage needs the host KV tier (host_kv_gb > 0): pages move through it"
+            )
+        if not self.kv_storage_max_gb > 0:
+            raise ValueError(f"kv_storage_max_gb must be > 0, got {self.kv_storage_max_gb}")
+        if self.kv_storage_write_pages < 1:
+            raise ValueError(
+                f"kv_storage_write_pages must be >= 1, got {self.kv_storage_write_pages}"
+            )
+        if not self.kv_storage_prefetch_timeout_s >= 0:
+            raise ValueError(
+                "kv_storage_prefetch_timeout_s must be >= 0, got "
+                f"{self.kv_storage_prefetch_timeout_s}"
+            )
         if self.host_tier and self.prefix_cache != "radix":
             raise ValueError(
                 "a host KV tier (host_kv_gb > 0 or num_host_kv_blocks) needs prefix_cache "

@@ -181,6 +181,40 @@ class EngineStats(SchedulerCounters, kw_only=True):
     swap_seconds: Annotated[float, _doc("Seconds of host <-> device KV transfers, since start")] = (
         0.0
     )
+    # storage KV tier (zero without one; radixrt.engine.tier_stats)
+    storage_hits: Annotated[int, _doc("KV pages read back from storage, since start")] = 0
+    storage_misses: Annotated[
+        int, _doc("KV pages storage did not have, or had unreadable, when read, since start")
+    ] = 0
+    storage_corrupt_pages: Annotated[
+        int, _doc("Of the misses, pages found torn, corrupt or foreign (deleted)")
+    ] = 0
+    storage_read_bytes: Annotated[int, _doc("Bytes of KV pages read from storage")] = 0
+    storage_written_bytes: Annotated[int, _doc("Bytes of KV pages written to storage")] = 0
+    storage_written_pages: Annotated[int, _doc("KV pages written to storage, since start")] = 0
+    storage_write_drops: Annotated[
+        int, _doc("KV pages not written: every staging page was busy, since start")
+    ] = 0
+    storage_errors: Annotated[int, _doc("Storage reads and page writes that failed")] = 0
+    storage_pages: Annotated[int, _doc("KV pages in storage (as far as this process knows)")] = 0
+    storage_bytes: Annotated[int, _doc("Bytes of those pages")] = 0
+    storage_evicted_pages: Annotated[
+        int, _doc("KV pages deleted to keep storage within its size bound")
+    ] = 0
+    storage_fetches: Annotated[
+        int, _doc("Fetches of prompt pages a request missed in GPU and host memory")
+    ] = 0
+    storage_fetched_pages: Annotated[int, _doc("KV pages those fetches found")] = 0
+    storage_adopted_pages: Annotated[
+        int, _doc("Of those, pages that entered the cache (others were cached by then)")
+    ] = 0
+    storage_prefetch_waits: Annotated[int, _doc("Requests that waited for a fetch")] = 0
+    storage_prefetch_timeouts: Annotated[
+        int, _doc("Of those, requests admitted before their fetch ended")
+    ] = 0
+    storage_prefetch_wait_seconds: Annotated[
+        float, _doc("Seconds requests waited for fetches, since start")
+    ] = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """The flat view (`EngineCore.stats()`): each scalar field under its name, and the

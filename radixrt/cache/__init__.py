@@ -11,6 +11,7 @@ from radixrt.kv.allocator import BlockAllocator
 
 if TYPE_CHECKING:
     from radixrt.cache.radix_node import TreeObserver
+    from radixrt.cache.storage import StorageTier
 
 
 def create_prefix_cache(
@@ -19,15 +20,24 @@ def create_prefix_cache(
     block_size: int,
     num_host_blocks: int = 0,
     events: TreeObserver | None = None,
+    storage: StorageTier | None = None,
 ) -> PrefixCache:
     """Build the cache named by `kind` (radix | blockhash | none) over `allocator`: for radix,
     the base tree, or its host-tier layer with `num_host_blocks` host blocks when > 0, which
     report to `events` (a `radixrt.cache.radix_events.RadixEventRecorder`) when given. A host
-    tier or events with another kind: ValueError."""
+    tier or events with another kind: ValueError. `storage` (a storage tier under the host
+    tier) makes it the storage layer of the host tier's tree."""
     if num_host_blocks and kind != "radix":
         raise ValueError(f"a host KV tier needs prefix_cache 'radix', got {kind!r}")
     if events is not None and kind != "radix":
         raise ValueError(f"KV events need prefix_cache 'radix', got {kind!r}")
+    if storage is not None and not (kind == "radix" and num_host_blocks):
+        raise ValueError("a storage KV tier needs prefix_cache 'radix' and a host tier")
+    if storage is not None:
+        from radixrt.cache.radix_storage import StorageRadixCache
+        from radixrt.cache.tiers import HostTier
+
+        return StorageRadixCache(allocator, block_size, HostTier(num_host_blocks), storage, events)
     if kind == "radix" and num_host_blocks:
         from radixrt.cache.radix_host import HostRadixCache
         from radixrt.cache.tiers import HostTier

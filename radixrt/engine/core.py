@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 
 from radixrt.cache import create_prefix_cache
+from radixrt.cache.radix_storage import StorageRadixCache
+from radixrt.cache.storage import PageKeyer, StorageTier
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.engine.tier_stats import host_tier_stats
+from radixrt.engine.tier_stats import host_tier_stats, storage_tier_stats
 from radixrt.errors import RequestValueError
 from radixrt.grammar.base import GrammarBackend, GrammarStats
 from radixrt.grammar.spec import grammar_spec
@@ -118,6 +120,7 @@ class EngineCore:
             cfg.cache.block_size,
             num_host_blocks,
             self.kv_events,
+            _storage_tier(cfg, runner) if own_runner else None,
         )
         self.scheduler = Scheduler(
             cfg.scheduler,
@@ -231,7 +234,7 @@ class EngineCore:
         handle = None
         if plan is not None:
             try:
-                handle = self.runner.execute(plan)
+                handle = self._execute(plan)
             except Exception as e:
                 changed += self._step_failed(plan, e)
         if self._inflight is not None:
@@ -245,7 +248,7 @@ class EngineCore:
                 changed += sched.drain_finished()
                 if plan is not None:
                     try:
-                        handle = self.runner.execute(plan)
+                        handle = self._execute(plan)
                     except Exception as e:
                         changed += self._step_failed(plan, e)
         if handle is not None:
@@ -254,8 +257,21 @@ class EngineCore:
             else:
                 changed += self._finish_step(plan, handle)
         elif not changed and self._inflight is None:
+            self._exchange_storage()  # fetches a waiting request needs
             sched.wait_for_grammars(GRAMMAR_IDLE_WAIT_S)  # nothing ran: don't spin on compiles
         return self._deltas(changed)
+
+    def _execute(self, plan: StepPlan) -> StepHandle:
+        """Run `plan`; the storage tier's queued ops go first (a write-through page is copied
+        off the device before this plan's ops and forward can rewrite its block)."""
+        self._exchange_storage()
+        return self.runner.execute(plan)
+
+    def _exchange_storage(self) -> None:
+        """Hand the storage tier's queued ops to the runner; finished fetches enter the tree."""
+        if isinstance(self.cache, StorageRadixCache):
+            for done in self.runner.storage_io(self.cache.storage.take_ops()):
+                self.cache.finish_fetch(done)
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
         try:
@@ -491,6 +507,7 @@ class EngineCore:
             retention_held_blocks=sched.retention.num_held_blocks,
             **sched.spec_stats.as_engine_stats(),
             **host_tier_stats(self.cache, self.runner),
+            **storage_tier_stats(self.cache, self.runner),
         )
 
     def _grammar_stats(self) -> dict[str, int]:
@@ -558,3 +575,12 @@ def _unique(reqs: list[Request]) -> list[Request]:
             seen.add(id(r))
             out.append(r)
     return out
+
+
+def _storage_tier(cfg: EngineConfig, runner: Runner) -> StorageTier | None:
+    """The storage tier's scheduler side, keyed by what the runner's pool holds."""
+    identity = runner.storage_identity if cfg.cache.kv_storage is not None else None
+    if identity is None:
+        return None
+    keyer = PageKeyer(identity, cfg.cache.block_size)
+    return StorageTier(keyer, cfg.cache.kv_storage_prefetch_timeout_s)

@@ -1,8 +1,10 @@
-"""Host KV tier fields of `EngineStats` (all zero without a host tier)."""
+"""Host and storage KV tier fields of `EngineStats` (all zero without the tier)."""
 
 from __future__ import annotations
 
 from radixrt.cache.base import PrefixCache
+from radixrt.cache.radix_storage import StorageRadixCache
+from radixrt.cache.storage import StorageRunner
 from radixrt.plan import Runner
 
 
@@ -39,4 +41,37 @@ def host_tier_stats(cache: PrefixCache, runner: Runner) -> dict[str, float]:
         )
     s = runner.swap_stats()
     out.update(swap_out_bytes=s.bytes_out, swap_in_bytes=s.bytes_in, swap_seconds=s.seconds)
+    return out
+
+
+def storage_tier_stats(cache: PrefixCache, runner: StorageRunner) -> dict[str, float]:
+    """The storage tier's fields of EngineStats: the scheduler side's (fetches, prefetch
+    waits) and, from a runner with a storage tier, its writes and its backend's counters."""
+    if not isinstance(cache, StorageRadixCache):
+        return {}
+    t = cache.storage.stats
+    out: dict[str, float] = dict(
+        storage_fetches=t.fetches,
+        storage_fetched_pages=t.pages_fetched,
+        storage_adopted_pages=t.pages_adopted,
+        storage_prefetch_waits=t.prefetch_waits,
+        storage_prefetch_timeouts=t.prefetch_timeouts,
+        storage_prefetch_wait_seconds=t.prefetch_wait_s,
+    )
+    io = runner.storage_stats()
+    b = io.backend
+    if b is not None:
+        out.update(
+            storage_write_drops=io.write_drops,
+            storage_errors=io.write_errors + io.fetch_errors,
+            storage_hits=b.hits,
+            storage_misses=b.misses,
+            storage_corrupt_pages=b.corrupt,
+            storage_read_bytes=b.bytes_read,
+            storage_written_bytes=b.bytes_written,
+            storage_written_pages=b.pages_written,
+            storage_pages=b.num_pages,
+            storage_bytes=b.num_bytes,
+            storage_evicted_pages=b.pages_evicted,
+        )
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ import torch
 
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
+from radixrt.cache.storage import FetchDone, StorageIdentity, StorageIOStats, StorageOp
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.executor.cpu_malloc import keep_freed_memory
 from radixrt.executor.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
@@ -34,6 +36,7 @@ from radixrt.executor.result import PendingResult
 from radixrt.executor.row_sampling import RowSampler
 from radixrt.executor.runner_features import RunnerFeature, StepContext
 from radixrt.executor.slots import SlotState
+from radixrt.executor.storage_io import StorageIO, weights_revision
 from radixrt.kernels.native import CPU_LIBRARIES, prebuild
 from radixrt.kv.host_pool import HostKVPool, blocks_touched, num_host_blocks
 from radixrt.kv.pool import KVPool, kv_storage_dtype, num_blocks_for_memory
@@ -247,6 +250,38 @@ class ModelRunner:
                 self.cfg.cache.host_kv_gb, self.cfg.cache.num_host_kv_blocks, per_block
             )
             self.host_pool = HostKVPool(self.num_host_blocks, self.pool)
+        self.storage: StorageIO | None = None
+        self.storage_identity: StorageIdentity | None = None
+        if self.cfg.cache.kv_storage is not None:
+            self._open_storage()
+
+    def _open_storage(self) -> None:
+        """The storage tier's backend and I/O thread (radixrt.executor.storage_io)."""
+        from radixrt.cache.storage_local import LocalDirBackend
+
+        c, pool = self.cfg.cache, self.pool
+        backend = LocalDirBackend(
+            c.kv_storage, self.host_pool.bytes_per_block, int(c.kv_storage_max_gb * 2**30)
+        )
+        self.storage = StorageIO(backend, self.host_pool, c.kv_storage_write_pages)
+        self.storage_identity = StorageIdentity(
+            model=os.path.realpath(self.cfg.model_path),
+            revision=weights_revision(self.cfg.model_path, self.cfg.load_format, self.cfg.seed),
+            kv_dtype=pool.kv_cache_dtype,
+            kv_scales=pool.scales.describe() if pool.is_fp8 else "",
+            layout=f"page-first {list(self.host_pool.kv.shape[1:])}",
+            tp_rank=0 if self.tp is None else self.tp.rank,
+            tp_size=1 if self.tp is None else self.tp.size,
+        )
+
+    def storage_io(self, ops: list[StorageOp]) -> list[FetchDone]:
+        """Start the storage tier's ops; the fetches finished since the last call."""
+        assert self.storage is not None, "storage ops without a storage tier"
+        return self.storage.exchange(ops)
+
+    def storage_stats(self) -> StorageIOStats:
+        """The storage tier's runner-side counters (all zero without one)."""
+        return self.storage.stats() if self.storage is not None else StorageIOStats()
 
     def _kv_scales(self) -> KVScales:
         """An fp8 pool's scales: the checkpoint's kv scales, else 1.0 for every layer."""
@@ -288,7 +323,9 @@ class ModelRunner:
         """A single-process runner stays usable (a CUDA error surfaces from `execute`)."""
 
     def close(self) -> None:
-        """Nothing to release beyond what the garbage collector frees."""
+        """Finish the storage tier's queued writes; the rest the garbage collector frees."""
+        if getattr(self, "storage", None) is not None:
+            self.storage.close()
 
     # ---- the step ----
     @torch.inference_mode()

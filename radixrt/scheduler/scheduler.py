@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixrt.cache.base import PrefixCache
+from radixrt.cache.radix_storage import StorageRadixCache
 from radixrt.config import SchedulerConfig
 from radixrt.errors import RequestValueError
 from radixrt.kv.allocator import BlockAllocator
@@ -44,6 +45,7 @@ from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
 from radixrt.scheduler.speculation import SpeculationFeature
 from radixrt.scheduler.steps import InFlight, Launched, discard_unmade_copies
+from radixrt.scheduler.storage import StorageFeature
 from radixrt.speculative.base import Proposer, SpecStats
 from radixrt.stats import SchedulerCounters
 
@@ -158,6 +160,8 @@ class Scheduler:
         whose drafter is speculative decoding."""
         grammar = self.grammar if self.grammar is not None else NoGrammar()
         features: list[SchedulerFeature] = [self.groups, grammar, self.retention]
+        if isinstance(self.kv.cache, StorageRadixCache):
+            features.append(StorageFeature(self.kv.cache))
         if self.speculation is not None:
             features.append(self.speculation)
         self.hooks.bind(features)

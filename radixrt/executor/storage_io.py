@@ -1,0 +1,204 @@
+"""The storage tier's runner side: copies between the KV pools and a `StorageBackend`, on one
+background thread.
+
+- `StorePage` ops: the device blocks are copied, at once, into free staging pages (pinned on
+  CUDA, on the host pool's copy stream after the work enqueued on the compute stream so far;
+  the compute stream then waits for that copy, so no later forward rewrites a block before it
+  is read), and the thread writes them. With every staging page busy the op is dropped and
+  counted: writes never hold up the step loop.
+- `FetchPages` ops: the thread asks the backend which of the keys exist, reads the leading run
+  into the named host blocks (the scheduler holds them) and reports a `FetchDone`. Fetches go
+  before queued writes.
+`exchange(ops)` takes a step's ops and returns the fetches finished since the last call; the
+engine calls it before every plan executes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections import deque
+
+import torch
+
+from radixrt.cache.storage import (
+    FetchDone,
+    FetchPages,
+    StorageBackend,
+    StorageIOStats,
+    StorageOp,
+    StorePage,
+    leading_run,
+)
+from radixrt.kv.host_pool import HostKVPool
+
+logger = logging.getLogger(__name__)
+
+
+def weights_revision(model_path: str, load_format: str, seed: int) -> str:
+    """What names the weights of `model_path` in page keys: dummy weights by their seed, a
+    directory by the names, sizes and modification times of its files (a changed checkpoint
+    gets new keys)."""
+    if load_format == "dummy":
+        return f"dummy:{seed}"
+    h = hashlib.sha256()
+    if os.path.isdir(model_path):
+        for name in sorted(os.listdir(model_path)):
+            st = os.stat(os.path.join(model_path, name))
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    else:
+        st = os.stat(model_path)
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def page_view(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, writable, without a copy."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+class StorageIO:
+    """See the module docstring."""
+
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, staging_pages: int) -> None:
+        if staging_pages < 1:
+            raise ValueError(f"kv_storage_write_queue must be >= 1, got {staging_pages}")
+        self.backend = backend
+        self.host_pool = host_pool
+        kv = host_pool.kv  # [num_host_blocks, L, 2, B, H, D]
+        assert backend.page_bytes == host_pool.bytes_per_block
+        self._staging = torch.empty((staging_pages, *kv.shape[1:]), dtype=kv.dtype)
+        if host_pool.is_cuda:
+            self._staging = self._staging.pin_memory()
+        self._free = list(range(staging_pages))
+        self._stats = StorageIOStats()
+        self._cond = threading.Condition()
+        self._fetches: deque[FetchPages] = deque()
+        self._writes: deque[tuple[list[bytes], list[int], torch.cuda.Event | None]] = deque()
+        self._done: list[FetchDone] = []
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._work, name="kv-storage", daemon=True)
+        self._thread.start()
+
+    def exchange(self, ops: list[StorageOp]) -> list[FetchDone]:
+        """Start `ops` (see the module docstring); the fetches finished since the last call."""
+        stores = [op for op in ops if isinstance(op, StorePage)]
+        if stores:
+            self._stage(stores)
+        fetches = [op for op in ops if isinstance(op, FetchPages)]
+        with self._cond:
+            self._fetches.extend(fetches)
+            if fetches:
+                self._cond.notify()
+            done, self._done = self._done, []
+        return done
+
+    def stats(self) -> StorageIOStats:
+        with self._cond:
+            return StorageIOStats(
+                self._stats.pages_queued,
+                self._stats.write_drops,
+                self._stats.write_errors,
+                self._stats.fetch_errors,
+                self.backend.stats(),
+            )
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until the queued work is done (tests; shutdown)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not (self._fetches or self._writes or self._busy), timeout_s
+            )
+
+    def close(self) -> None:
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _stage(self, stores: list[StorePage]) -> None:
+        with self._cond:
+            slots = [self._free.pop() for _ in range(min(len(self._free), len(stores)))]
+            self._stats.write_drops += len(stores) - len(slots)
+            self._stats.pages_queued += len(slots)
+        if not slots:
+            return
+        stores = stores[: len(slots)]
+        kv = self.host_pool.device_pool.kv  # [L, 2, num_blocks, B, H, D]
+        raw = kv.view(torch.uint8) if kv.element_size() == 1 else kv
+        staging = self._staging.view(torch.uint8) if kv.element_size() == 1 else self._staging
+        event = None
+        if self.host_pool.is_cuda:
+            compute = torch.cuda.current_stream()
+            stream = self.host_pool.stream
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                self._copy_out(raw, staging, stores, slots)
+                event = torch.cuda.Event()
+                event.record()
+            compute.wait_event(event)
+        else:
+            self._copy_out(raw, staging, stores, slots)
+        with self._cond:
+            self._writes.append(([op.key for op in stores], slots, event))
+            self._cond.notify()
+
+    @staticmethod
+    def _copy_out(
+        raw: torch.Tensor, staging: torch.Tensor, stores: list[StorePage], slots: list[int]
+    ) -> None:
+        idx = torch.tensor([op.device_block for op in stores], dtype=torch.int64)
+        pages = raw.index_select(2, idx.to(raw.device)).permute(2, 0, 1, 3, 4, 5)
+        for i, slot in enumerate(slots):
+            staging[slot].copy_(pages[i], non_blocking=True)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._fetches or self._writes or self._closed)
+                if self._closed and not (self._fetches or self._writes):
+                    return
+                fetch = self._fetches.popleft() if self._fetches else None
+                write = self._writes.popleft() if fetch is None else None
+                self._busy = True
+            try:
+                if fetch is not None:
+                    done = self._fetch(fetch)
+                    with self._cond:
+                        self._done.append(done)
+                else:
+                    self._write(*write)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _fetch(self, op: FetchPages) -> FetchDone:
+        try:
+            num = leading_run(self.backend.exists(op.keys))
+            kv = self.host_pool.kv
+            views = [page_view(kv[h]) for h in op.host_blocks[:num]]
+            num = leading_run(self.backend.get(op.keys[:num], views))
+        except Exception:  # a failing store is a miss: the request computes instead
+            logger.exception("kv storage: a fetch of %d pages failed", len(op.keys))
+            with self._cond:
+                self._stats.fetch_errors += 1
+            num = 0
+        return FetchDone(op.ticket, num)
+
+    def _write(self, keys: list[bytes], slots: list[int], event) -> None:
+        if event is not None:
+            event.synchronize()
+        try:
+            self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
+        except Exception:  # a failing store loses the pages, never a request
+            logger.exception("kv storage: a write of %d pages failed", len(keys))
+            with self._cond:
+                self._stats.write_errors += len(keys)
+        with self._cond:
+            self._free += slots

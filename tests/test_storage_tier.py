@@ -1,0 +1,130 @@
+"""The storage layer of the radix tree (plain Python) and the runner side's bounded writes."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from radixrt.cache.kv_events import BlockHasher
+from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
+from radixrt.cache.radix_events import RadixEventRecorder
+from radixrt.cache.radix_storage import StorageRadixCache
+from radixrt.cache.storage import (
+    FetchDone,
+    FetchPages,
+    PageKeyer,
+    StorageIdentity,
+    StorageStats,
+    StorageTier,
+    StorePage,
+)
+from radixrt.cache.tiers import HostTier
+from radixrt.executor.storage_io import StorageIO
+from radixrt.kv.allocator import BlockAllocator
+from radixrt.kv.host_pool import HostKVPool
+from radixrt.kv.pool import KVPool
+
+BS = 4
+IDENTITY = StorageIdentity("tiny", "r", "float32", "", "page-first")
+
+
+def make_cache(num_blocks=32, num_host=16, events=True):
+    recorder = RadixEventRecorder(BlockHasher(BS, seed="t")) if events else None
+    tier = StorageTier(PageKeyer(IDENTITY, BS), prefetch_timeout_s=1.0)
+    cache = StorageRadixCache(BlockAllocator(num_blocks), BS, HostTier(num_host), tier, recorder)
+    return cache, tier
+
+
+def insert(cache, tokens, namespace=DEFAULT_NAMESPACE):
+    blocks = cache.allocator.allocate(-(-len(tokens) // BS))
+    result = cache.insert(tokens, blocks, namespace)
+    cache.allocator.decref(blocks)  # the request's references; the tree keeps its own
+    return result
+
+
+def test_write_through_stores_new_full_pages_once():
+    cache, tier = make_cache()
+    tokens = list(range(100, 114))  # 3 full pages and 2 tokens
+    insert(cache, tokens[:6])
+    insert(cache, tokens)
+    ops = tier.take_ops()
+    keys = tier.keyer.keys(tokens, DEFAULT_NAMESPACE)
+    assert [op.key for op in ops] == keys  # page 1 ends on the second leaf's edge
+    assert all(isinstance(op, StorePage) for op in ops)
+    assert len({op.device_block for op in ops}) == 3
+    insert(cache, tokens)  # cached already: nothing new to write
+    assert tier.take_ops() == []
+    cache.check_integrity()
+
+
+def test_fetch_enters_the_tree_past_the_match():
+    cache, tier = make_cache()
+    tokens = list(range(200, 221))
+    insert(cache, tokens[:6])  # cached up to position 6, inside page 1
+    tier.take_ops()  # its write-through
+    ticket = cache.begin_fetch(tokens[:20], DEFAULT_NAMESPACE, 6)
+    (op,) = tier.take_ops()
+    assert isinstance(op, FetchPages) and op.keys == tuple(
+        tier.keyer.keys(tokens[:20], DEFAULT_NAMESPACE)[1:]
+    )
+    assert len(op.host_blocks) == 4 and cache.fetching(ticket)
+    cache.check_integrity()  # the fetch's host blocks are held outside the tree
+    assert cache.finish_fetch(FetchDone(ticket, 3)) == 3  # pages 1..3 stored, page 4 not
+    assert not cache.fetching(ticket)
+    m = cache.match(tokens[:20])
+    assert m.num_cached_tokens == 16 and m.num_host_tokens == 10
+    assert cache.host.allocator.num_free == 16 - 3
+    cache.check_integrity()  # KV events too: the leaf is held on the host only
+
+
+def test_fetch_that_found_nothing_new_frees_its_blocks():
+    cache, tier = make_cache()
+    tokens = list(range(300, 317))
+    ticket = cache.begin_fetch(tokens, CacheNamespace("a"), 0)
+    insert(cache, tokens, CacheNamespace("a"))  # computed meanwhile
+    assert cache.finish_fetch(FetchDone(ticket, 4)) == 0
+    empty = cache.begin_fetch(tokens, DEFAULT_NAMESPACE, 0)
+    assert cache.finish_fetch(FetchDone(empty, 0)) == 0
+    assert cache.host.allocator.num_free == 16 and len(cache.roots) == 2
+    cache.check_integrity()
+
+
+class SlowBackend:
+    """Holds its first write until released."""
+
+    def __init__(self, page_bytes):
+        self.page_bytes = page_bytes
+        self.release = threading.Event()
+        self.written = []
+
+    def exists(self, keys):
+        return [k in self.written for k in keys]
+
+    def get(self, keys, buffers):
+        return [False for _ in keys]
+
+    def set(self, keys, buffers):
+        self.release.wait(30)
+        self.written += keys
+
+    def delete(self, keys):
+        pass
+
+    def stats(self):
+        return StorageStats(num_pages=len(self.written))
+
+
+def test_writes_beyond_the_staging_pages_are_dropped_and_counted():
+    pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(4, pool)
+    backend = SlowBackend(host.bytes_per_block)
+    io = StorageIO(backend, host, staging_pages=2)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    io.exchange([StorePage(1, keys[0])])  # taken by the thread, which waits
+    io.exchange([StorePage(b, k) for b, k in zip([2, 3, 4], keys[1:4])])  # 1 staging page left
+    s = io.stats()
+    assert (s.pages_queued, s.write_drops) == (2, 2)
+    backend.release.set()
+    io.close()
+    assert backend.written == keys[:2]
