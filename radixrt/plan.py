@@ -120,9 +120,14 @@ class PlanRow:
     # (then sample_offsets = the last k + 1)
     num_output_before: int = 0  # tokens generated so far (seeded rows' RNG step)
     prompt_logprobs: PromptLogprobs | None = None
-    needs_host_result: bool = False  # scheduler bookkeeping (not sent to TP ranks): the next
-    # plan needs this row's result on the host first (beam search, grammar masks, verify
-    # rows); the scheduler does not plan the row again before this step's result arrives
+    # scheduler bookkeeping (not sent to TP ranks): the features whose next row needs this
+    # row's result on the host first ("beam", "grammar", "speculation"); the scheduler does
+    # not plan the request again before this step's result arrives
+    waits_for_result: list[str] = field(default_factory=list)
+
+    @property
+    def needs_host_result(self) -> bool:
+        return bool(self.waits_for_result)
 
     @property
     def end(self) -> int:

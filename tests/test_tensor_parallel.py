@@ -280,7 +280,7 @@ def _alive(pid: int) -> bool:
 
 def test_plan_codec_round_trip():
     """Every PlanRow field the ranks read, slot entries, block ops and side tables survive;
-    the request id and needs_host_result (scheduler bookkeeping) are not sent."""
+    the request id and waits_for_result (scheduler bookkeeping) are not sent."""
     from radixrt.executor.tp.plan_codec import ControlKind, PlanDecoder, PlanEncoder
     from radixrt.plan import (
         CopyBlock,
@@ -318,7 +318,7 @@ def test_plan_codec_round_trip():
     enc, dec = PlanEncoder(), PlanDecoder()
     kind, got = dec.decode(enc.encode(plan))
     assert kind == ControlKind.PLAN and got == plan
-    plan.rows[0].rid, plan.rows[0].needs_host_result = "a", True
+    plan.rows[0].rid, plan.rows[0].waits_for_result = "a", ["grammar"]
     sent = PlanRow("", 1, 5, 1, [], True, 1, [9], [0], 0, 3)
     assert dec.decode(enc.encode(plan))[1].rows[0] == sent
     assert dec.decode(enc.control(ControlKind.STOP)) == (ControlKind.STOP, None)

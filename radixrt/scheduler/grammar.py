@@ -7,8 +7,8 @@ ahead) until `schedule()` polls the compile done. A compile error or timeout fin
 FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands such requests to
 EngineCore. Then every sequence (an n > 1 request: every child) holds its own matcher (in
 `_matchers`, dropped when it finishes); its rows carry the matcher's next-token bitmask and wait for
-their result on the host (`needs_host_result`: the mask of step N+1 needs step N's token), and the
-matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained row
+their result on the host (`PlanRow.waits_for_result`: the mask of step N+1 needs step N's
+token), and the matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained row
 drafts too: its drafts are cut at the first one the grammar refuses, and the row carries one mask
 per sample (the state after each draft; the matcher is rolled back after reading them), so a verify
 position samples exactly what masked decoding would. Draft-model drafts (made on the device) are not
@@ -105,7 +105,7 @@ class GrammarFeature(SchedulerFeature):
     ) -> None:
         if samples and req in self._matchers:  # the next mask needs this step's token
             tables.masks[id(row)] = self._masks(req, drafts)
-            row.needs_host_result = True
+            row.waits_for_result.append("grammar")
 
     def on_token(self, req: Request, token: int) -> FinishReason | None:
         """Feed an appended token to the request's matcher; STOP once it terminated."""

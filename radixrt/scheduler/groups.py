@@ -127,7 +127,7 @@ class GroupsFeature(SchedulerFeature):
         self, req: Request, row: PlanRow, drafts: list[int], samples: bool, tables: StepTables
     ) -> None:
         if _is_beam(req):  # its group picks the next beams from this row's top log-probs
-            row.needs_host_result = True
+            row.waits_for_result.append("beam")
 
     def on_row_result(self, req: Request, row: PlanRow, result: StepResult, i: int) -> bool:
         if req.reports:

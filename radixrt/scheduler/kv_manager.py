@@ -202,7 +202,7 @@ class KVManager:
             g.reserved_slots = []
         req.num_computed = req.num_kv_done = req.num_table_sent = 0
         req.num_inflight_samples = 0
-        req.awaiting_host_result = False
+        req.awaiting_result_for = ()
 
     # ---- the prefix cache ----
     def cache_progress(self, req: Request, end: int) -> None:

@@ -53,7 +53,8 @@ class Request:
     # tokens sampled by a step in flight whose value is not on the host yet (0 or 1); the
     # next decode step reads it on the device
     num_inflight_samples: int = 0
-    awaiting_host_result: bool = False  # in flight with needs_host_result: not schedulable
+    # features whose row of this request is in flight and needed on the host: not schedulable
+    awaiting_result_for: tuple[str, ...] = ()
     epoch: int = 0  # bumped by preemption: results of older steps are dropped
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_host_cached_tokens: int = 0  # of those (at the latest admission), from the host tier

@@ -62,8 +62,8 @@ class ResultApplier:
         self, req: Request, row: PlanRow, result: StepResult, i: int, changed: list[Request]
     ) -> None:
         """Apply row i of a result to its (still running) request."""
-        if row.needs_host_result:
-            req.awaiting_host_result = False
+        if row.waits_for_result:
+            req.awaiting_result_for = ()
         if row.prompt_logprobs is not None:
             req.prompt_logprobs += result.prompt_logprobs[i]
         req.num_kv_done = max(req.num_kv_done, row.end)

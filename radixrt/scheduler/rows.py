@@ -57,7 +57,7 @@ def chunk_len(req: Request, budget: int, cfg: SchedulerConfig) -> int:
 
 def schedulable(req: Request) -> bool:
     """Running and not waiting for the host result of a step in flight."""
-    return req.status is Status.RUNNING and not req.awaiting_host_result
+    return req.status is Status.RUNNING and not req.awaiting_result_for
 
 
 def extend_due(req: Request) -> bool:
@@ -181,5 +181,5 @@ class RowPlanner:
         req.num_computed += n
         if samples:
             req.num_inflight_samples += 1
-        req.awaiting_host_result = row.needs_host_result
+        req.awaiting_result_for = tuple(row.waits_for_result)
         return row

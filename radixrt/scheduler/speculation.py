@@ -235,7 +235,7 @@ class SpeculationFeature(SchedulerFeature):
                 # a prefill chunk: index it now, not at the row's first draft
                 self._index(req).advance(row.end)
             return
-        row.needs_host_result = True  # the next row starts where acceptance ends
+        row.waits_for_result.append("speculation")  # the next row starts where acceptance ends
         if self.proposer.drafts_on_device:
             tables.device_drafts.add(id(row))
         else:

@@ -39,7 +39,7 @@ ROW_FIELDS = (
     "num_output_before",
     "prompt_logprobs",
 )
-NOT_SENT = ("rid", "needs_host_result")  # scheduler-side only
+NOT_SENT = ("rid", "waits_for_result")  # scheduler-side only
 assert {f.name for f in fields(PlanRow)} == {*ROW_FIELDS, *NOT_SENT}, (
     "PlanRow changed: update the codec"
 )
