@@ -8,8 +8,8 @@ FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands such 
 EngineCore. Then every sequence (an n > 1 request: every child) holds its own matcher (in
 `_matchers`, dropped when it finishes); its rows carry the matcher's next-token bitmask and wait for
 their result on the host (`PlanRow.waits_for_result`: the mask of step N+1 needs step N's
-token), and the matcher accepts every token appended. With a host-side proposer (ngram, radix) a constrained row
-drafts too: its drafts are cut at the first one the grammar refuses, and the row carries one mask
+token), and the matcher accepts every token appended. With a host-side proposer (ngram,
+radix) a constrained row drafts too: its drafts are cut at the first one the grammar refuses, and the row carries one mask
 per sample (the state after each draft; the matcher is rolled back after reading them), so a verify
 position samples exactly what masked decoding would. Draft-model drafts (made on the device) are not
 checked: constrained rows do not draft with them. A row whose matcher terminated (it accepted a stop
