@@ -1,19 +1,20 @@
 """The scheduler half of structured output (a feature at the scheduler's hooks; plain Python,
 no torch).
 
-Life of a constrained request: `add_request` / `add_fork` submit its GrammarSpec to the backend and
-it waits (grammar-pending: it has a ticket in `_tickets`, skipped by admission, other requests go
-ahead) until `schedule()` polls the compile done. A compile error or timeout finishes it with
-FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands such requests to
-EngineCore. Then every sequence (an n > 1 request: every child) holds its own matcher (in
-`_matchers`, dropped when it finishes); its rows carry the matcher's next-token bitmask and wait for
-their result on the host (`PlanRow.waits_for_result`: the mask of step N+1 needs step N's
-token), and the matcher accepts every token appended. With a host-side proposer (ngram,
-radix) a constrained row drafts too: its drafts are cut at the first one the grammar refuses, and the row carries one mask
-per sample (the state after each draft; the matcher is rolled back after reading them), so a verify
-position samples exactly what masked decoding would. Draft-model drafts (made on the device) are not
-checked: constrained rows do not draft with them. A row whose matcher terminated (it accepted a stop
-token) stops with FinishReason.STOP.
+Life of a constrained request: `add_request` / `add_fork` submit its GrammarSpec to the backend
+and it waits (grammar-pending: it has a ticket in `_tickets`, skipped by admission, other
+requests go ahead) until `schedule()` polls the compile done. A compile error or timeout
+finishes it with FinishReason.ERROR and `invalid_request` (a 400); `drain_finished()` hands such
+requests to EngineCore. Then every sequence (an n > 1 request: every child) holds its own
+matcher (in `_matchers`, dropped when it finishes); its rows carry the matcher's next-token
+bitmask and wait for their result on the host (`PlanRow.waits_for_result`: the mask of step N+1
+needs step N's token), and the matcher accepts every token appended. With a host-side proposer
+(ngram, radix) a constrained row drafts too: its drafts are cut at the first one the grammar
+refuses, and the row carries one mask per sample (the state after each draft; the matcher is
+rolled back after reading them), so a verify position samples exactly what masked decoding
+would. Draft-model drafts (made on the device) are not checked: constrained rows do not draft
+with them. A row whose matcher terminated (it accepted a stop token) stops with
+FinishReason.STOP.
 
 Jump-forward (on by default): after the tokens of a step are accepted, while the grammar
 allows exactly one token, that token is appended without sampling (log-prob 0: it has
