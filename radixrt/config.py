@@ -75,6 +75,14 @@ class ModelConfig:
     # hf_quant_config.json); None: 16/32-bit weights (radixrt.quantization)
     checkpoint_fp8: Fp8Scheme | None = None
 
+    def stop_token_ids(self, tokenizer_eos_id: int | None) -> list[int]:
+        """The ids that end a generation: the checkpoint config's EOS ids and the tokenizer's
+        (what the Engine and the server's scheduler stop on)."""
+        eos = set(self.eos_token_ids)
+        if tokenizer_eos_id is not None:
+            eos.add(tokenizer_eos_id)
+        return sorted(eos)
+
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

@@ -97,11 +97,9 @@ class Engine:
         cfg = resolve_config(model_path, device, dtype, **options)
         model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = load_tokenizer(model_path)
-        eos = set(model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = model_config.stop_token_ids(self.tokenizer.eos_token_id)
         self.core = EngineCore(
-            cfg, model_config, sorted(eos), runner=runner, num_kv_blocks=cfg.cache.num_kv_blocks
+            cfg, model_config, eos, runner=runner, num_kv_blocks=cfg.cache.num_kv_blocks
         )
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode by windows
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -56,14 +56,6 @@ from radixrt.token_bytes import TokenBytes
 logger = logging.getLogger(__name__)
 
 
-def eos_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
-    """EOS ids of the checkpoint config plus the tokenizer's (as `Engine` does)."""
-    eos = set(model_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return sorted(eos)
-
-
 class Front:
     """Requests in (validate, tokenize, send), calls to the scheduler and the lifecycle;
     the in-flight requests and the handling of their outputs belong to `outputs`."""

@@ -47,7 +47,7 @@ from radixrt.server.connections import (
     connection_cap,
     raise_fd_limit,
 )
-from radixrt.server.front import Front, eos_token_ids
+from radixrt.server.front import Front
 from radixrt.server.http_api import create_app
 from radixrt.server.kv_publisher import KVEventsConfig
 from radixrt.server.liveness import StallPolicy
@@ -468,7 +468,7 @@ async def _serve_http(
         if loaded is None:
             return 1
         tokenizer, token_bytes = loaded
-        eos = eos_token_ids(ModelConfig.from_pretrained(cfg.model), tokenizer)
+        eos = ModelConfig.from_pretrained(cfg.model).stop_token_ids(tokenizer.eos_token_id)
         proc = start_scheduler(cfg, eos, to_scheduler, from_scheduler)
 
         def on_child_exit() -> None:
