@@ -47,15 +47,23 @@ def reference(tiny_model_dir, adapters):
 
 
 def _greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs (PEFT's forward with HF's KV cache)."""
+    x = torch.tensor([ids])
     with torch.no_grad():
-        seq = list(ids)
-        for _ in range(MAX_NEW):
-            logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
-            seq.append(int(logits.argmax()))
-        logits = model(input_ids=torch.tensor([seq])).logits[0]
-        lps = torch.log_softmax(logits.double(), -1)
-        new = seq[len(ids) :]
-        scores = [float(lps[len(ids) - 1 + i, t]) for i, t in enumerate(new)]
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=MAX_NEW,
+            min_new_tokens=MAX_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    new = out.sequences[0, len(ids) :].tolist()
+    scores = [
+        float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, new)
+    ]
     return new, scores
 
 
