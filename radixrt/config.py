@@ -493,7 +493,9 @@ class LoraConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {n!r}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
-            raise ValueError(f"max_lora_rank must be in 1..{MAX_LORA_RANK}, got {self.max_lora_rank}")
+            raise ValueError(
+                f"max_lora_rank must be in 1..{MAX_LORA_RANK}, got {self.max_lora_rank}"
+            )
         n = self.max_cpu_loras
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < self.max_loras):
             raise ValueError(

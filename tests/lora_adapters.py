@@ -68,3 +68,35 @@ def edit_config(path: str, **fields) -> None:
     config.update(fields)
     with open(file, "w") as f:
         json.dump(config, f)
+
+
+def write_random_adapter(model_dir: str, path: str, r: int = 4, seed: int = 0) -> str:
+    """A PEFT-format adapter of random weights for every served projection of the model in
+    `model_dir`, written without PEFT (tests that need an adapter, not PEFT's numerics)."""
+    from safetensors.torch import save_file
+
+    from radixrt.config import ModelConfig
+    from radixrt.lora.adapter import module_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(ModelConfig.from_pretrained(model_dir))
+    tensors = {}
+    for layer in range(ModelConfig.from_pretrained(model_dir).num_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            kind = "self_attn" if module in ATTN else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{kind}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen) * 0.1
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": ATTN + MLP,
+        "base_model_name_or_path": model_dir,
+        "bias": "none",
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path

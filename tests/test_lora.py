@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch
+from lora_adapters import ADAPTERS, edit_config, make_adapters
 from safetensors.torch import save_file
 
 from radixrt import SamplingParams
 from radixrt.cache.namespace import CacheNamespace
 from radixrt.lora import LoraInUse, LoraLoadError, UnknownLora
-from lora_adapters import ADAPTERS, edit_config, make_adapters
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village by the sea, there lived"]
 MAX_NEW = 12
@@ -61,9 +61,7 @@ def _greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
             return_dict_in_generate=True,
         )
     new = out.sequences[0, len(ids) :].tolist()
-    scores = [
-        float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, new)
-    ]
+    scores = [float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, new)]
     return new, scores
 
 
@@ -165,7 +163,10 @@ def test_refusals_name_the_field(make_engine, adapters, tmp_path):
     shutil.copytree(adapters["qv4"], path)
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     save_file(
-        {f"{prefix}.lora_A.weight": torch.zeros(4, 256), f"{prefix}.lora_B.weight": torch.zeros(256, 4)},
+        {
+            f"{prefix}.lora_A.weight": torch.zeros(4, 256),
+            f"{prefix}.lora_B.weight": torch.zeros(256, 4),
+        },
         str(path / "adapter_model.safetensors"),
     )
     refused(str(path), "base_model_name_or_path")

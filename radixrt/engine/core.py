@@ -215,8 +215,7 @@ class EngineCore:
     def _check_lora(self, lora: LoraRef | None) -> None:
         if lora is not None and not self.config.lora.enabled:
             raise RequestValueError(
-                f"the request asks for LoRA adapter {lora.name!r}, but LoRA is off "
-                "(max_loras=0)",
+                f"the request asks for LoRA adapter {lora.name!r}, but LoRA is off (max_loras=0)",
                 "lora",
             )
 

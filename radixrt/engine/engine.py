@@ -12,8 +12,8 @@ import torch
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
-from radixrt.plan import Runner
 from radixrt.lora import LoraInUse, LoraRegistry
+from radixrt.plan import Runner
 from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
 from radixrt.scheduler.request import FinishReason, fork_rid
 from radixrt.stats import CachePressure

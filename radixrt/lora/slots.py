@@ -66,7 +66,9 @@ def read_host_adapter(ref: LoraRef) -> HostAdapter:
     """Read `ref`'s weights from its directory. Raises ValueError when its files changed
     since the registry checked them (their key differs: cached KV would be wrong)."""
     if digest(ref.path) != ref.key:
-        raise ValueError(f"LoRA adapter {ref.name!r}: the files in {ref.path} changed since it was loaded")
+        raise ValueError(
+            f"LoRA adapter {ref.name!r}: the files in {ref.path} changed since it was loaded"
+        )
     config = read_config(ref.path)
     scaling = adapter_scaling(config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

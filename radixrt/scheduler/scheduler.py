@@ -37,10 +37,10 @@ from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
 from radixrt.scheduler.groups import GroupsFeature
 from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplier
-from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
 from radixrt.scheduler.speculation import SpeculationFeature
