@@ -36,6 +36,7 @@ HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's quantization config (legacy)
 DECODE_ATTENTION_KERNELS = ("auto", "fa2", "xqa")  # radixrt.attention.flashinfer_backend
 XQA_BLOCK_SIZES = (16, 32, 64, 128)  # block sizes FlashInfer's XQA decode kernel is built for
+MAX_LORA_RANK = 512  # max_lora_rank at most
 
 
 def holds_back_shared_prefixes(policy: str, prefix_cache: str) -> bool:
@@ -501,6 +502,66 @@ class GrammarConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (radixrt.lora): how many a batch may mix, their largest rank, how many
+    stay loaded in host memory, and those loaded at start."""
+
+    max_loras: int = option(
+        0,
+        "LoRA adapter slots on the device: distinct adapters one batch may mix; 0: LoRA off",
+        flags=("--max-loras", "--max-loras-per-batch"),
+    )
+    max_lora_rank: int = option(16, "largest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = option(
+        None,
+        "adapters whose weights stay in host memory, least recently used dropped first (read "
+        "again from their directory when next used)",
+        doc_default="max_loras",
+    )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "adapters loaded at start, each `name=path` (a PEFT directory); needs max_loras > 0",
+        flags=("--lora-modules", "--lora-paths"),
+        doc_default="none",
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for name in ("max_loras", "max_lora_rank"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {n!r}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be in 1..{MAX_LORA_RANK}, got {self.max_lora_rank}"
+            )
+        n = self.max_cpu_loras
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < self.max_loras):
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {n!r}"
+            )
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            if not (sep and name and path):
+                raise ValueError(f"lora_modules: {spec!r} is not `name=path`")
+        if self.lora_modules and not self.enabled:
+            raise ValueError("lora_modules needs max_loras > 0 (the adapters' device slots)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters kept in host memory (max_cpu_loras, at least max_loras)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def modules(self) -> list[tuple[str, str]]:
+        """lora_modules as (name, path) pairs."""
+        return [tuple(spec.split("=", 1)) for spec in self.lora_modules]  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine needs, resolved (no "auto" left)."""
 
@@ -599,6 +660,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -653,6 +715,16 @@ class EngineConfig:
                 f"prefix_cache is {self.cache.prefix_cache!r}; use prefix_cache='radix' or "
                 "speculative_method 'ngram'"
             )
+        if self.lora.enabled and tp > 1:
+            raise ValueError(
+                f"LoRA adapters (max_loras={self.lora.max_loras}) run with tensor_parallel_size "
+                f"1 only for now, got tensor_parallel_size={tp}"
+            )
+        if self.lora.enabled and self.quantization is not None:
+            raise ValueError(
+                f"LoRA adapters (max_loras={self.lora.max_loras}) need a 16/32-bit base; "
+                f"quantization={self.quantization!r} has no LoRA path yet"
+            )
         if self.speculative.speculative_method == "draft" and tp > 1:
             raise ValueError(
                 "speculative_method 'draft' runs with tensor_parallel_size 1 only, "
@@ -697,6 +769,7 @@ def resolve_config(
         "scheduler": SchedulerConfig,
         "speculative": SpeculativeConfig,
         "grammar": GrammarConfig,
+        "lora": LoraConfig,
     }
     sub: dict[str, dict[str, object]] = {k: {} for k in groups}
     top: dict[str, object] = {}
@@ -728,6 +801,7 @@ def resolve_config(
         scheduler=SchedulerConfig(**sub["scheduler"]),
         speculative=SpeculativeConfig(**sub["speculative"]),
         grammar=GrammarConfig(**sub["grammar"]),
+        lora=LoraConfig(**sub["lora"]),
         **top,
     )
 

@@ -53,6 +53,11 @@ def _is_bool(f: dataclasses.Field) -> bool:
     return f.type in ("bool", bool)
 
 
+def _is_list(f: dataclasses.Field) -> bool:
+    """A `tuple[str, ...]` field: its flag takes one or more values."""
+    return str(f.type).startswith("tuple[")
+
+
 def _value_type(f: dataclasses.Field, opt: Option):
     if opt.unit is not None:
         return float
@@ -89,6 +94,8 @@ def add_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
             )
         else:
             kw["type"] = _value_type(f, opt)
+            if _is_list(f):
+                kw["nargs"] = "+"
             if opt.unit is not None:
                 kw["metavar"] = opt.unit[0]
             if opt.choices is not None:
@@ -106,6 +113,8 @@ def given_options(args: argparse.Namespace, config_cls: type) -> dict[str, Any]:
         value = getattr(args, f.name)
         if opt.auto and value == "auto":
             continue
+        if _is_list(f):
+            value = tuple(value)
         out[f.name] = int(value * opt.unit[1]) if opt.unit is not None else value
     return out
 

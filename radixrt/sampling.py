@@ -63,6 +63,16 @@ MAX_CACHE_TTL_S = 86400.0  # cache_ttl_s at most (the engine caps it lower: rete
 
 
 @dataclass(frozen=True)
+class LoraRef:
+    """The LoRA adapter a request runs under, as a `radixrt.lora.LoraRegistry` resolved its
+    name: clients name adapters, and this carries what the cache and the runner need."""
+
+    name: str  # the adapter's served name
+    key: str  # digest of its config and weights: the cache namespace's adapter field
+    path: str  # its PEFT directory (the runner reads the weights from there)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # new tokens to generate at most; None: all that fit
     temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 too): greedy
@@ -107,6 +117,9 @@ class SamplingParams:
     # this xgrammar structural tag (JSON text: {"type": "structural_tag", "format": ...});
     # tool calls in a model's format
     structural_tag: str | None = None
+    # the LoRA adapter to run under (None: the base model); set from an adapter's name by
+    # `Engine.generate(lora=...)` or the server, which resolve it in their registry
+    lora: LoraRef | None = None
 
     def __post_init__(self) -> None:
         _check_tenancy(self)
@@ -261,6 +274,7 @@ class BeamSearchParams:
     cache_salt: str | None = None  # as SamplingParams.cache_salt
     priority: int = 0  # as SamplingParams.priority
     cache_ttl_s: float = 0.0  # as SamplingParams.cache_ttl_s
+    lora: LoraRef | None = None  # as SamplingParams.lora
 
     def __post_init__(self) -> None:
         _check_tenancy(self)

@@ -23,6 +23,7 @@ LAYERS = [
     {"radixrt.options"},
     {"radixrt.config"},
     {"radixrt.hf_dir"},
+    {"radixrt.lora"},
     {"radixrt.plan", "radixrt.detokenizer"},
     {"radixrt.kv"},
     {"radixrt.testing"},

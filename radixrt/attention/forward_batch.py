@@ -8,8 +8,12 @@ belongs to the row r with qo_indptr[r] <= i < qo_indptr[r + 1].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixrt.lora.slots import LoraBatch
 
 
 @dataclass
@@ -31,6 +35,7 @@ class ForwardBatch:
     # [1] int64, device: tokens [0, n) are real, the rest padding (a CUDA graph's bucket);
     # None: every token is real
     num_real_tokens: torch.Tensor | None = None
+    lora: LoraBatch | None = None  # the rows' LoRA adapters (None: every row is the base's)
 
     @property
     def num_tokens(self) -> int:

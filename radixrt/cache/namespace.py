@@ -21,18 +21,27 @@ class CacheNamespace:
     """A request's prefix-cache namespace (hashable; equal namespaces share entries)."""
 
     salt: str | None = None  # the tenant's cache salt (None: the shared, unsalted cache)
+    lora: str | None = None  # the LoRA adapter's key (`LoraRef.key`; None: the base model)
 
     def chain_seed(self, base: bytes) -> bytes:
         """The first parent of a block-hash chain in this namespace: `base` for the default
         namespace, else a digest of `base` and the fields (no other namespace shares it)."""
-        if self.salt is None:
+        if self.salt is None and self.lora is None:
             return base
-        return hashlib.sha256(base + b"salt" + self.salt.encode()).digest()
+        data = base
+        if self.salt is not None:
+            data += b"salt" + self.salt.encode()
+        if self.lora is not None:
+            data += b"\0lora" + self.lora.encode()
+        return hashlib.sha256(data).digest()
 
     @property
     def event_salt(self) -> str | None:
-        """What KV events hash into a sequence's first block (vLLM's `cache_salt`)."""
-        return self.salt
+        """What KV events hash into a sequence's first block (vLLM's `cache_salt`; an
+        adapter's key joins it, so no block hash of an adapter equals the base model's)."""
+        if self.lora is None:
+            return self.salt
+        return f"{self.salt or ''}\0lora:{self.lora}"
 
 
 DEFAULT_NAMESPACE = CacheNamespace()  # requests without a salt

@@ -32,7 +32,7 @@ from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
-from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
@@ -134,6 +134,7 @@ class EngineCore:
             jump_forward_retokenize=cfg.grammar.jump_forward_retokenize,
             max_graph_tokens=runner.max_graph_tokens if own_runner else 0,
             overlap=cfg.overlap_schedule,
+            max_loras=cfg.lora.max_loras,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
@@ -164,6 +165,7 @@ class EngineCore:
         ValueError on bad input (nothing is queued then): a RequestValueError naming the
         field at fault where one is."""
         ids = self._check_ids(prompt_ids)
+        self._check_lora(params.lora)
         vocab = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
@@ -192,6 +194,7 @@ class EngineCore:
         """Queue a beam search; its one delta (when it ends) carries `beams`, best first.
         Raises ValueError on bad input (nothing is queued then)."""
         ids = self._check_ids(prompt_ids)
+        self._check_lora(params.lora)
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if max_tokens < 1:
             raise RequestValueError("beam search needs room for at least one token in the context")
@@ -211,6 +214,21 @@ class EngineCore:
         if not ids:
             raise RequestValueError("the prompt is empty: give at least one token", "prompt")
         return ids
+
+    def _check_lora(self, lora: LoraRef | None) -> None:
+        if lora is not None and not self.config.lora.enabled:
+            raise RequestValueError(
+                f"the request asks for LoRA adapter {lora.name!r}, but LoRA is off (max_loras=0)",
+                "lora",
+            )
+
+    def requests_using_lora(self, key: str) -> list[str]:
+        """Ids of the live requests that run under the adapter of key `key`."""
+        return [
+            rid
+            for rid, r in self.scheduler.queues.requests.items()
+            if r.params.lora is not None and r.params.lora.key == key
+        ]
 
     def _new_rid(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
+from radixrt.lora import LoraInUse, LoraRegistry
 from radixrt.plan import Runner
-from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
 from radixrt.scheduler.request import FinishReason, fork_rid
 from radixrt.stats import CachePressure
 from radixrt.token_bytes import TokenBytes
@@ -103,6 +104,10 @@ class Engine:
         )
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode by windows
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # LoRA adapters by name (radixrt.lora); `lora_modules` are loaded now
+        self.loras = LoraRegistry(model_config, cfg.lora.max_lora_rank)
+        for name, path in cfg.lora.modules():
+            self.load_lora(name, path)
 
     config = property(lambda self: self.core.config)
     model_config = property(lambda self: self.core.model_config)
@@ -110,6 +115,30 @@ class Engine:
     allocator = property(lambda self: self.core.allocator)
     cache = property(lambda self: self.core.cache)
     max_model_len = property(lambda self: self.core.max_model_len)
+
+    # ---- LoRA adapters ----
+    def load_lora(self, name: str, path: str) -> LoraRef:
+        """Serve the PEFT adapter at `path` as `name` (radixrt.lora.LoraRegistry.load; a
+        LoraLoadError names the field at fault). Needs max_loras > 0."""
+        if not self.config.lora.enabled:
+            raise ValueError("LoRA is off: start the engine with max_loras > 0")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: UnknownLora if it is not loaded, LoraInUse (naming
+        them) while requests use it."""
+        ref = self.loras.resolve(name)
+        users = self.core.requests_using_lora(ref.key)
+        if users:
+            raise LoraInUse(name, users)
+        self.loras.unload(name)
+
+    def with_lora(self, params: SamplingParams, lora: str | None) -> SamplingParams:
+        """`params` running under adapter `lora` (None: unchanged). UnknownLora if it is not
+        loaded."""
+        if lora is None:
+            return params
+        return replace(params, lora=self.loras.resolve(lora))
 
     # ---- low level: add / step / abort ----
     def add_request(
@@ -154,7 +183,7 @@ class Engine:
         self._detok.pop(rid, None)
 
     # ---- batch API ----
-    def _requests(self, prompts, sampling_params, prompt_token_ids):
+    def _requests(self, prompts, sampling_params, prompt_token_ids, lora=None):
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -178,22 +207,28 @@ class Engine:
         )
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        loras = [lora] * n if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA adapters for {n} prompts")
+        params = [self.with_lora(p, name) for p, name in zip(params, loras)]
         return texts, prompt_token_ids, params
 
     def generate_stream(
-        self, prompts=None, sampling_params=None, prompt_token_ids=None
+        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yields text deltas as tokens arrive (any request order)."""
-        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
+        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids, lora)
         yield from self._run(ids, params, {})
 
     def generate(
-        self, prompts=None, sampling_params=None, prompt_token_ids=None
+        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None
     ) -> list[RequestOutput]:
         """Generate for a batch of prompts (text or token ids); one SamplingParams for all
-        or one per prompt. Returns outputs in prompt order; a prompt with SamplingParams.n
-        > 1 contributes n consecutive outputs (`index` 0..n-1; rid `fork_rid(rid, index)`)."""
-        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids)
+        or one per prompt; `lora`: a loaded adapter's name for all, or a name (or None: the
+        base model) per prompt. Returns outputs in prompt order; a prompt with
+        SamplingParams.n > 1 contributes n consecutive outputs (`index` 0..n-1; rid
+        `fork_rid(rid, index)`). UnknownLora (nothing queued) for an adapter not loaded."""
+        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids, lora)
         outs: dict[tuple[int, int], RequestOutput] = {}
         for delta in self._run(ids, params, outs):
             out = outs[delta.index, delta.choice]

@@ -46,6 +46,7 @@ from radixrt.plan import CopyBlock, SlotEntry, StepHandle, StepPlan, SwapIn, Swa
 from radixrt.quantization import resolve_scheme
 
 if TYPE_CHECKING:
+    from radixrt.lora.slots import LoraSlots
     from radixrt.model.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class ModelRunner:
         start = time.perf_counter()
         self._setup_cpu()
         attn_cfg = self._load_model(max_model_len)
+        self._build_lora_slots()
         self._build_attention(attn_cfg)
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         # Row state per slot (block tables, sampling parameters, last samples on the device).
@@ -143,6 +145,29 @@ class ModelRunner:
         )
         self.num_kv_heads = model_cfg.num_kv_heads if shard is None else shard.num_kv_heads
         return attn_cfg
+
+    def _build_lora_slots(self) -> None:
+        """The LoRA adapters' device slots (radixrt.lora.slots), before the KV pool is sized."""
+        lora = self.cfg.lora
+        self.lora: LoraSlots | None = None
+        if not lora.enabled:
+            return
+        if self.model.fp8 is not None:
+            raise ValueError(
+                f"LoRA adapters (max_loras={lora.max_loras}) over an fp8 base "
+                f"({self.model.fp8.describe()}) are not served: fused fp8 GEMMs take no LoRA "
+                "delta yet"
+            )
+        from radixrt.lora.slots import LoraSlots
+
+        self.lora = LoraSlots(
+            self.model_cfg,
+            lora.max_loras,
+            lora.max_lora_rank,
+            lora.host_capacity,
+            self.device,
+            self.dtype,
+        )
 
     def _build_attention(self, attn_cfg: ModelConfig) -> None:
         cfg = self.cfg
@@ -392,7 +417,13 @@ class ModelRunner:
         features' `after_forward` hooks run after the target's forward."""
         plan, layout = ctx.plan, ctx.layout
         graphs = self.cuda_graphs
-        if ctx.use_cuda_graph and graphs is not None and graphs.can_run(plan, layout):
+        lora = None
+        if self.lora is not None:
+            params = self.slots.params
+            lora = self.lora.batch([params[s].lora for s in layout.slots], layout.num_new)
+        # decode graphs are captured without adapters: LoRA steps run eagerly
+        graphed = lora is None and ctx.use_cuda_graph and graphs is not None
+        if graphed and graphs.can_run(plan, layout):
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
                 layout,
@@ -405,6 +436,7 @@ class ModelRunner:
                 f.after_forward(ctx, None)
             return logits, None
         fb = self.build_batch(layout)
+        fb.lora = lora
         if ctx.input_writes is not None:
             index, ids = ctx.input_writes
             fb.input_ids[index] = ids

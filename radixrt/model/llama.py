@@ -30,6 +30,7 @@ from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme
 
 if TYPE_CHECKING:
+    from radixrt.lora.slots import LoraBatch
     from radixrt.model.tp.group import TPGroup
 
     WeightSource = torch.Tensor | Any  # a tensor, or a safetensors slice (`get_slice`)
@@ -76,9 +77,12 @@ class Attention(nn.Module):
         x: torch.Tensor | Fp8Activation,  # [T, hidden] (quantized by a fused norm)
         backend: AttentionBackend,
         pool: KVPool,
+        lora: LoraBatch | None = None,  # the step's adapters (None: every row is the base's)
     ) -> torch.Tensor | Fp8Product:
         """[T, hidden]: o_proj's output, perhaps unscaled (`Fp8Linear.product`)."""
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(qkv, x, self.layer_id, "qkv_proj")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -87,7 +91,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(rope, q, k)
         out = backend.forward(self.layer_id, q, k, v, pool)  # [T, hq, d]
-        return linear_product(self.o_proj, out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        if lora is not None:
+            return lora.apply(self.o_proj(out), out, self.layer_id, "o_proj")
+        return linear_product(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -102,6 +109,7 @@ class MLP(nn.Module):
         super().__init__()
         inter = shard.intermediate_size
         self.inter = inter
+        self.layer_id = layer_id
         prefix = f"model.layers.{layer_id}.mlp"
         self.gate_up_proj = _linear(
             cfg.hidden_size,
@@ -115,8 +123,16 @@ class MLP(nn.Module):
         )
         self.fused_fp8 = False  # set by `fuse_fp8` (quantize silu-and-mul's output in one pass)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Product:
-        """[T, hidden]: down_proj's output, perhaps unscaled (`Fp8Linear.product`)."""
+    def forward(
+        self, x: torch.Tensor | Fp8Activation, lora: LoraBatch | None = None
+    ) -> torch.Tensor | Fp8Product:
+        """[T, hidden]: down_proj's output, perhaps unscaled (`Fp8Linear.product`); with
+        `lora`, each row's adapter delta added to gate_up_proj's and down_proj's outputs."""
+        if lora is not None:
+            assert isinstance(x, torch.Tensor)  # LoRA runs over 16/32-bit bases only
+            gate_up = lora.apply(self.gate_up_proj(x), x, self.layer_id, "gate_up_proj")
+            act = silu_and_mul(gate_up)
+            return lora.apply(self.down_proj(act), act, self.layer_id, "down_proj")
         if self.fused_fp8:
             down = self.down_proj
             assert isinstance(down, Fp8Linear)
@@ -229,13 +245,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         backend: AttentionBackend,
         pool: KVPool,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor | Fp8Product, torch.Tensor]:
         """(the MLP's output, perhaps unscaled, the residual stream): the next layer's x and
         residual."""
         h, residual = self._norm(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(rope, h, backend, pool)
+        x = self.self_attn(rope, h, backend, pool, lora)
         h, residual = self._norm(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -297,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.prepare(batch.positions, x)  # cos/sin gathered once for all layers
         residual = None
         for layer in self.layers:
-            x, residual = layer(rope, x, residual, backend, pool)
+            x, residual = layer(rope, x, residual, backend, pool, batch.lora)
         x, _ = self.norm(as_tensor(x), residual)
         return x
 

@@ -80,6 +80,7 @@ class GroupsFeature(SchedulerFeature):
             cache_salt=params.cache_salt,
             priority=params.priority,
             cache_ttl_s=params.cache_ttl_s,
+            lora=params.lora,
         )
         ids = list(prompt_ids)
         req = Request(rid, len(ids), ids, beam_params, max_tokens)

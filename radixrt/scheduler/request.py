@@ -83,7 +83,8 @@ class Request:
     def cache_namespace(self) -> CacheNamespace:
         """The prefix-cache namespace of the request: it shares cached KV only within it
         (made once: drafts ask for it every decode step)."""
-        return CacheNamespace(self.params.cache_salt)
+        lora = self.params.lora
+        return CacheNamespace(self.params.cache_salt, None if lora is None else lora.key)
 
     @property
     def priority(self) -> int:

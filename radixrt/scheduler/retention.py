@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.cache.namespace import CacheNamespace
 from radixrt.config import SchedulerConfig
 from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
@@ -51,8 +52,9 @@ class Hold:
     expires: float  # clock time
     blocks: list[int]  # device blocks the lock keeps (every block a node of the path records)
     tokens: list[int]  # the held sequence
-    salt: str | None  # its cache salt
+    salt: str | None  # its cache salt (the tenant whose share it counts in)
     born: int  # the lineage's age: order of its first hold (lower: older)
+    namespace: CacheNamespace  # its cache namespace (salt and adapter)
 
 
 class RetentionFeature(SchedulerFeature):
@@ -107,7 +109,8 @@ class RetentionFeature(SchedulerFeature):
             return
         self.release(req.rid)  # a request id held again: the newer hold counts
         tokens = list(req.seq_token_ids)
-        covered = [rid for rid, h in self.holds.items() if _extends(tokens, salt, h)]
+        namespace = req.cache_namespace
+        covered = [rid for rid, h in self.holds.items() if _extends(tokens, namespace, h)]
         born = min((self.holds[r].born for r in covered), default=None)
         if born is None:
             born = next(self._births)
@@ -119,7 +122,9 @@ class RetentionFeature(SchedulerFeature):
             self._drop(rid)
         cache.lock(m.handle)
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
-        self.holds[req.rid] = hold = Hold(m.handle, self.clock() + ttl, blocks, tokens, salt, born)
+        self.holds[req.rid] = hold = Hold(
+            m.handle, self.clock() + ttl, blocks, tokens, salt, born, namespace
+        )
         self._count(hold, +1)
         self.stats.retention_holds += 1
 
@@ -199,7 +204,7 @@ class RetentionFeature(SchedulerFeature):
         math.inf when it continues none (a new lineage: the youngest)."""
         tokens = req.seq_token_ids
         return min(
-            (h.born for h in self.holds.values() if _extends(tokens, req.cache_salt, h)),
+            (h.born for h in self.holds.values() if _extends(tokens, req.cache_namespace, h)),
             default=math.inf,
         )
 
@@ -232,7 +237,8 @@ class RetentionFeature(SchedulerFeature):
             assert self.num_tenant_held_blocks(salt) <= self.max_tenant_blocks
 
 
-def _extends(tokens: list[int], salt: str | None, hold: Hold) -> bool:
-    """Whether the sequence `tokens` of cache salt `salt` continues `hold`'s sequence."""
+def _extends(tokens: list[int], namespace: CacheNamespace, hold: Hold) -> bool:
+    """Whether the sequence `tokens` of cache namespace `namespace` continues `hold`'s
+    sequence."""
     n = len(hold.tokens)
-    return hold.salt == salt and len(tokens) >= n and tokens[:n] == hold.tokens
+    return hold.namespace == namespace and len(tokens) >= n and tokens[:n] == hold.tokens

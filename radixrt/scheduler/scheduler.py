@@ -38,6 +38,7 @@ from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
 from radixrt.scheduler.groups import GroupsFeature
 from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
+from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplier
@@ -65,13 +66,15 @@ class Scheduler:
         jump_forward_retokenize: bool = False,
         max_graph_tokens: int = 0,
         overlap: bool = False,
+        max_loras: int = 0,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
         `jump_forward` and `jump_forward_retokenize` (see radixrt.scheduler.grammar).
         `max_graph_tokens`: the runner's largest decode CUDA graph (Runner.max_graph_tokens;
         0: none), which a decode step's drafts stay within; `overlap`: whether the loop
-        overlaps steps (`overlap`, settable)."""
+        overlaps steps (`overlap`, settable); `max_loras`: distinct LoRA adapters the running
+        requests may use (0: LoRA off)."""
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.max_graph_tokens = max_graph_tokens
@@ -88,6 +91,7 @@ class Scheduler:
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len, h)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
         self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats)
+        self.lora = LoraFeature(max_loras, self.queues) if max_loras else None
         self.admission = Admission(
             cfg, self.kv, self.queues, self.lifecycle, self.stats, h.admissible
         )
@@ -162,6 +166,8 @@ class Scheduler:
         features: list[SchedulerFeature] = [self.groups, grammar, self.retention]
         if isinstance(self.kv.cache, StorageRadixCache):
             features.append(StorageFeature(self.kv.cache))
+        if self.lora is not None:
+            features.append(self.lora)
         if self.speculation is not None:
             features.append(self.speculation)
         self.hooks.bind(features)

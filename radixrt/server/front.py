@@ -24,6 +24,7 @@ from jinja2.exceptions import TemplateError
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.errors import RequestValueError
 from radixrt.limits import resolve_max_tokens
+from radixrt.lora import LoraRegistry, UnknownLora
 from radixrt.server.channel import Channel
 from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
@@ -69,6 +70,7 @@ class Front:
         model_name: str = "default",
         stall_policy: StallPolicy | None = None,
         tenants: Tenants | None = None,
+        loras: LoraRegistry | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None until loaded (the server answers 503 until then)
         self.token_bytes: TokenBytes | None = None  # the tokenizer's byte table, if any
@@ -77,6 +79,7 @@ class Front:
         self.metrics = metrics
         self.model_name = model_name  # the id /v1/models lists
         self.tenants = tenants  # what each tenant's requests may claim (None: no tenants)
+        self.loras = loras  # the LoRA adapters served (None: LoRA off)
         self.ready: Ready | None = None  # set when the scheduler's Ready arrives
         self.dead: str | None = None  # why the scheduler is gone, once it is
         self.dead_event = asyncio.Event()
@@ -232,7 +235,8 @@ class Front:
         if not self.serving:
             raise self.unavailable_error()
         assert self.ready is not None
-        return ModelInfo(self.model_name, self.ready.vocab_size, self.ready.max_model_len)
+        adapters = () if self.loras is None else tuple(self.loras.names())
+        return ModelInfo(self.model_name, self.ready.vocab_size, self.ready.max_model_len, adapters)
 
     # ---- requests in ----
     def render_chat(
@@ -267,6 +271,7 @@ class Front:
             self.tenants.policy(tenant).apply(spec.sampling)
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
+        self._resolve_lora(spec)
         prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
         events = Outbox()
         groups: dict[str, list[RequestState]] = {}
@@ -308,6 +313,29 @@ class Front:
             if not self._send_encoded(data):
                 break
         return Generation(states, events, self.abort_states)
+
+    def _resolve_lora(self, spec: GenerationSpec) -> None:
+        """The adapter name validation put in `spec.sampling` becomes its LoraRef (404 if it
+        was unloaded meanwhile)."""
+        name = spec.sampling.get("lora")
+        if not isinstance(name, str):
+            return
+        try:
+            assert self.loras is not None  # validation names only loaded adapters
+            spec.sampling["lora"] = self.loras.resolve(name)
+        except UnknownLora as e:
+            raise ApiError(str(e), "model", status=404, code="lora_not_found") from e
+
+    def requests_using_lora(self, name: str) -> list[str]:
+        """Client-visible ids of the in-flight requests that run under adapter `name`."""
+        return sorted(
+            {
+                st.client_rid or st.rid
+                for group in self.outputs.states.values()
+                for st in group
+                if st.params.lora is not None and st.params.lora.name == name
+            }
+        )
 
     def _new_rid(self) -> str:
         """Random: a client must not guess the ids of others' requests."""

@@ -56,6 +56,7 @@ def beam_params(
         cache_salt=spec.sampling.get("cache_salt"),
         priority=spec.sampling.get("priority", 0),
         cache_ttl_s=spec.sampling.get("cache_ttl_s", 0.0),
+        lora=spec.sampling.get("lora"),
     )
     try:
         beam.check_candidates(ready.num_eos_ids)

@@ -27,6 +27,7 @@ from radixrt.server.http_util import (
     read_body,
     sse_response,
 )
+from radixrt.server.lora_routes import add_lora_routes
 from radixrt.server.messages import SchedulerSnapshot
 from radixrt.server.metrics import CONTENT_TYPE
 from radixrt.server.openai_routes import chat_completions, completions, models
@@ -91,6 +92,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
+    add_lora_routes(app)
     add_worker_routes(app, worker or WorkerInfo.of_model_dir(model_name, model_name))
     if debug:
         app.router.add_get("/debug/state", debug_state)

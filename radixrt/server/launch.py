@@ -39,6 +39,7 @@ from aiohttp import web
 
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.hf_dir import check_model_dir, load_tokenizer
+from radixrt.lora import LoraRegistry
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.connections import (
     ConnectionGuard,
@@ -347,6 +348,7 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
     try:
         check_model_dir(cfg.model, require_weights=cfg.options.get("load_format") != "dummy")
         resolve_config(cfg.model, cfg.device, cfg.dtype, detect_devices=False, **cfg.options)
+        loras = _lora_registry(cfg)
         loop_factory = event_loop_factory(cfg.event_loop)
     except (OSError, ValueError) as e:
         sock.close()
@@ -364,7 +366,7 @@ def serve(cfg: ServeConfig, start_scheduler: SchedulerStarter | None = None) -> 
         start = start_scheduler or _start_scheduler
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             serving = _serve_http(
-                cfg, sock, max_connections, ipc_dir, to_scheduler, from_scheduler, start
+                cfg, sock, max_connections, ipc_dir, to_scheduler, from_scheduler, start, loras
             )
             return runner.run(serving)
     finally:
@@ -409,6 +411,20 @@ def _start_scheduler(
     return proc
 
 
+def _lora_registry(cfg: ServeConfig) -> LoraRegistry | None:
+    """The front's LoRA adapters, `lora_modules` loaded (None: LoRA off). Raises ValueError
+    (LoraLoadError) for an adapter it refuses."""
+    lora = resolve_config(
+        cfg.model, cfg.device, cfg.dtype, detect_devices=False, **cfg.options
+    ).lora
+    if not lora.enabled:
+        return None
+    registry = LoraRegistry(ModelConfig.from_pretrained(cfg.model), lora.max_lora_rank)
+    for name, path in lora.modules():
+        registry.load(name, path)
+    return registry
+
+
 async def _serve_http(
     cfg: ServeConfig,
     sock: socket.socket,
@@ -417,6 +433,7 @@ async def _serve_http(
     to_scheduler: Channel[ToScheduler],
     from_scheduler: Channel[FromScheduler],
     start_scheduler: SchedulerStarter,
+    loras: LoraRegistry | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -424,7 +441,14 @@ async def _serve_http(
         loop.add_signal_handler(sig, stop.set)
     model_name = cfg.served_model_name or cfg.model
     front = Front(
-        None, to_scheduler, from_scheduler, ServerMetrics(), model_name, cfg.stall, cfg.tenants
+        None,
+        to_scheduler,
+        from_scheduler,
+        ServerMetrics(),
+        model_name,
+        cfg.stall,
+        cfg.tenants,
+        loras,
     )
     front.start()
     limits = cfg.connections

@@ -19,6 +19,7 @@ from radixrt.server.http_util import (
     sse_response,
     tool_parser,
 )
+from radixrt.server.lora_routes import adapter_cards
 from radixrt.server.protocol import GenerationSpec
 from radixrt.server.request_state import Delta, Generation, RequestState
 from radixrt.server.tenants import apply_tenant, request_tenant
@@ -27,7 +28,8 @@ from radixrt.server.validate import parse_chat, parse_completion
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model (requests may also name it by its last path part or "default")."""
+    """The served model (requests may also name it by its last path part or "default"), then
+    its LoRA adapters (`model` may name one)."""
     front = request.app[FRONT]
     card = {
         "id": request.app[MODEL_NAME],
@@ -36,7 +38,7 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "radixrt",
         "max_model_len": front.ready.max_model_len if front.ready else None,
     }
-    return json_response({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card, *adapter_cards(request)]})
 
 
 def _usage(states: list[RequestState], n: int) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class ModelInfo:
     name: str  # the id /v1/models lists
     vocab_size: int
     max_model_len: int  # prompt + output tokens of one request at most
+    adapters: tuple[str, ...] = ()  # loaded LoRA adapters: `model` / `lora_path` may name one
 
     @property
     def accepted_names(self) -> tuple[str, ...]:

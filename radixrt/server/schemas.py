@@ -149,7 +149,8 @@ class OpenAIFields(SamplingFields, kw_only=True):
     return_cached_tokens_details: Off = False
     return_spec_tokens_details: Off = False
     return_token_ids: Off = False
-    lora_path: NoLora = None
+    # SGLang's adapter name (one, or one per prompt, all equal); radixrt.server.validate
+    lora_path: str | list[str] | None = None
     custom_logit_processor: Annotated[Any, neutral(None, why="no custom logit processors")] = None
     session_id: Unset = None
     session_params: Unset = None
@@ -329,7 +330,7 @@ class GenerateRequest(Body, kw_only=True):
     background: Annotated[bool, neutral(False, why="no background requests")] = False
     require_reasoning: Off = False
     max_thinking_tokens: Annotated[Any, neutral(None, why="no reasoning models")] = None
-    lora_path: NoLora = None
+    lora_path: str | list[str] | None = None  # as OpenAIFields.lora_path
     lora_id: NoLora = None
     custom_logit_processor: Annotated[Any, neutral(None, why="no custom logit processors")] = None
     positional_embed_overrides: Unset = None

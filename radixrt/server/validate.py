@@ -265,10 +265,34 @@ def check_model(name: str | None, accepted_names: tuple[str, ...]) -> None:
         )
 
 
+def check_adapter(name: Any, model: ModelInfo, param: str) -> str:
+    """`name` if it names a loaded LoRA adapter: a string (or SGLang's list of one name per
+    prompt, all equal); 404 naming it otherwise."""
+    if isinstance(name, list) and name and all(n == name[0] for n in name):
+        name = name[0]
+    if not isinstance(name, str):
+        raise ApiError(f"{param} must be one adapter name, got {_short(name)}", param=param)
+    if name not in model.adapters:
+        raise ApiError(
+            f"LoRA adapter {_short(name)} is not loaded",
+            param=param,
+            status=404,
+            code="lora_not_found",
+        )
+    return name
+
+
 def _check_openai(req: OpenAIFields, model: ModelInfo) -> dict[str, Any]:
-    """`model` and the fields of both OpenAI routes; the sampling keywords."""
-    check_model(req.model, model.accepted_names)
+    """`model` (the served model, or a LoRA adapter's name) and the fields of both OpenAI
+    routes; the sampling keywords (`lora`: the adapter's name, resolved by the front)."""
+    adapter = req.model if req.model in model.adapters else None
+    if adapter is None:
+        check_model(req.model, (*model.accepted_names, *model.adapters))
     sampling = _sampling(req, model)
+    if req.lora_path is not None:
+        adapter = check_adapter(req.lora_path, model, "lora_path")
+    if adapter is not None:
+        sampling["lora"] = adapter
     sampling["min_tokens"] = req.min_tokens
     sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
     if req.include_stop_str_in_output:
@@ -432,6 +456,8 @@ def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIE
     sampling = _sampling(sp, model, prefix="sampling_params.")
     sampling["min_tokens"] = sp.min_new_tokens
     sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
+    if req.lora_path is not None:
+        sampling["lora"] = check_adapter(req.lora_path, model, "lora_path")
     return_logprob = bool(req.return_logprob)
     start = req.logprob_start_len
     if start == -1 or not (return_logprob or req.return_prompt_logprob):

@@ -1,0 +1,233 @@
+"""Adapter weights on the device and one forward's LoRA inputs (torch).
+
+`LoraSlots` keeps `max_loras` device slots of adapter weights, filled least-recently-used
+first from a host cache of `max_cpu_loras` adapters (read from their directories on a miss).
+For every layer and merged projection (qkv_proj, o_proj, gate_up_proj, down_proj) it holds
+
+    a     [in, L * P * R]   the A matrices, transposed: column (slot, part, r)
+    b[p]  [L * R, out_p]    part p's B matrices times the adapter's scaling: row (slot, r)
+
+(L slots, P parts of the merged layer, R = max_lora_rank; an adapter of rank r < R and a
+projection it does not adapt leave zeros). A forward over rows of several adapters and the
+base (`LoraBatch.apply`) then runs one shrink GEMM over the slots in use, zeroes each token's
+columns of other slots (a 0/1 mask, all zeros for base rows), and one expand GEMM per part:
+no loop over adapters, static shapes, and each slot's weights read once however many rows
+use it. Its cost grows with the slots in use (m): m * P * R shrink columns and m * R expand
+rows per token, which for a few adapters of rank <= 64 is a few percent of the base GEMMs.
+Zeroed columns contribute exact zeros, so a row's output does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from radixrt.config import ModelConfig
+from radixrt.lora.adapter import (
+    SERVED_MODULES,
+    WEIGHTS_FILE,
+    adapter_scaling,
+    digest,
+    module_shapes,
+    parse_tensor_name,
+    read_config,
+)
+from radixrt.sampling import LoraRef
+
+# merged projection -> the PEFT modules it is made of, in order
+MERGED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass
+class HostAdapter:
+    """An adapter's weights in host memory: (layer, module) -> (A [r, in], B * scaling
+    [out, r]), float32."""
+
+    ref: LoraRef
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def read_host_adapter(ref: LoraRef) -> HostAdapter:
+    """Read `ref`'s weights from its directory. Raises ValueError when its files changed
+    since the registry checked them (their key differs: cached KV would be wrong)."""
+    if digest(ref.path) != ref.key:
+        raise ValueError(
+            f"LoRA adapter {ref.name!r}: the files in {ref.path} changed since it was loaded"
+        )
+    config = read_config(ref.path)
+    scaling = adapter_scaling(config)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in load_file(f"{ref.path}/{WEIGHTS_FILE}").items():
+        parsed = parse_tensor_name(name)
+        assert parsed is not None and parsed[1] in SERVED_MODULES, name  # checked at load
+        layer, module, kind = parsed
+        pairs.setdefault((layer, module), {})[kind] = tensor.float()
+    weights = {k: (v["A"], v["B"] * scaling) for k, v in pairs.items()}
+    return HostAdapter(ref, config["r"], weights)
+
+
+@dataclass
+class LayerLora:
+    """One merged projection's slot weights (see the module docstring)."""
+
+    a: torch.Tensor  # [in, L * P * R]
+    b: list[torch.Tensor]  # P x [L * R, out_p]
+    out_ranges: list[tuple[int, int]]  # part p's output features [start, stop)
+
+
+class LoraSlots:
+    """See the module docstring. `assign` (once a step, before the forward) makes every
+    adapter of the step resident and returns their slots; `batch` makes the forward's
+    LoraBatch."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        host_capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_slots, self.rank = max_loras, max_rank
+        self.host_capacity = host_capacity
+        self.device, self.dtype = device, dtype
+        L, R = max_loras, max_rank
+        shapes = module_shapes(model)
+        self.layers: list[dict[str, LayerLora]] = []
+        for _ in range(model.num_layers):
+            layer = {}
+            for merged, parts in MERGED.items():
+                fan_in = shapes[parts[0]][0]
+                outs = [shapes[p][1] for p in parts]
+                starts = np.cumsum([0, *outs]).tolist()
+                layer[merged] = LayerLora(
+                    torch.zeros(fan_in, L * len(parts) * R, device=device, dtype=dtype),
+                    [torch.zeros(L * R, n, device=device, dtype=dtype) for n in outs],
+                    [(starts[i], starts[i + 1]) for i in range(len(parts))],
+                )
+            self.layers.append(layer)
+        self.slot_keys: list[str | None] = [None] * L  # the adapter in each slot
+        self._lru: OrderedDict[str, int] = OrderedDict()  # resident key -> slot, LRU first
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU first
+        self.num_swaps_in = 0  # adapters copied into a slot
+        self.num_host_reads = 0  # adapters read from their directory
+
+    def assign(self, refs: Sequence[LoraRef]) -> dict[str, int]:
+        """Slots of the distinct adapters `refs` (at most max_loras of them), loading those
+        not resident into free or least recently used slots that none of them holds."""
+        wanted = {ref.key: ref for ref in refs}
+        if len(wanted) > self.num_slots:
+            raise ValueError(f"{len(wanted)} adapters in one step, max_loras={self.num_slots}")
+        out = {}
+        for key in wanted:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                out[key] = self._lru[key]
+        for key, ref in wanted.items():
+            if key in out:
+                continue
+            slot = self._free_slot(set(out))
+            self._fill(slot, self._host_adapter(ref))
+            self._lru[key] = slot
+            out[key] = slot
+        return out
+
+    def _free_slot(self, keep: set[str]) -> int:
+        if None in self.slot_keys:
+            return self.slot_keys.index(None)
+        victim = next(k for k in self._lru if k not in keep)
+        slot = self._lru.pop(victim)
+        self.slot_keys[slot] = None
+        return slot
+
+    def _host_adapter(self, ref: LoraRef) -> HostAdapter:
+        host = self._host.get(ref.key)
+        if host is not None:
+            self._host.move_to_end(ref.key)
+            return host
+        host = read_host_adapter(ref)
+        self.num_host_reads += 1
+        self._host[ref.key] = host
+        while len(self._host) > self.host_capacity:
+            self._host.popitem(last=False)
+        return host
+
+    def _fill(self, slot: int, host: HostAdapter) -> None:
+        """Copy `host`'s weights into `slot` (zeros where it adapts nothing)."""
+        R, r = self.rank, host.rank
+        for i, layer in enumerate(self.layers):
+            for merged, parts in MERGED.items():
+                w = layer[merged]
+                P = len(parts)
+                cols = w.a[:, slot * P * R : (slot + 1) * P * R]
+                cols.zero_()
+                for p, module in enumerate(parts):
+                    rows = w.b[p][slot * R : (slot + 1) * R]
+                    rows.zero_()
+                    pair = host.weights.get((i, module))
+                    if pair is None:
+                        continue
+                    a, b = pair
+                    cols[:, p * R : p * R + r].copy_(a.t())
+                    rows[:r].copy_(b.t())
+        self.slot_keys[slot] = host.ref.key
+        self.num_swaps_in += 1
+
+    def batch(
+        self,
+        row_refs: Sequence[LoraRef | None],  # [R] each row's adapter
+        num_new: np.ndarray,  # [R] int: each row's new tokens
+    ) -> LoraBatch | None:
+        """The forward's LoRA inputs for rows of these adapters (None when no row has one):
+        the adapters are made resident (`assign`) first."""
+        if all(ref is None for ref in row_refs):
+            return None
+        slots = self.assign([ref for ref in row_refs if ref is not None])
+        row_slot = np.array(
+            [-1 if ref is None else slots[ref.key] for ref in row_refs], dtype=np.int64
+        )
+        used = int(row_slot.max()) + 1
+        token_slot = np.repeat(row_slot, num_new)
+        tokens = np.nonzero(token_slot >= 0)[0]
+        mask = torch.zeros(len(token_slot), used, dtype=self.dtype)
+        mask[torch.from_numpy(tokens), torch.from_numpy(token_slot[tokens])] = 1
+        return LoraBatch(self.layers, mask.to(self.device, non_blocking=True), used, self.rank)
+
+
+@dataclass
+class LoraBatch:
+    """One forward's LoRA inputs: the slot weights and which slot each token runs under."""
+
+    layers: list[dict[str, LayerLora]]
+    mask: torch.Tensor  # [T, m] model dtype: 1 at (token, its adapter's slot), else 0
+    num_used: int  # m: slots [0, m) are read (the highest slot of the step + 1)
+    rank: int  # R: columns per slot and part
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
+        """Add the LoRA delta of `module` (a merged projection) in layer `layer` for input x
+        [T, in] to its base output `out` [T, out] (in place); returns out."""
+        w = self.layers[layer][module]
+        m, R, T = self.num_used, self.rank, x.shape[0]
+        P = len(w.b)
+        shrunk = torch.mm(x, w.a[:, : m * P * R]).view(T, m, P, R)
+        shrunk.mul_(self.mask.view(T, m, 1, 1))
+        for p, (start, stop) in enumerate(w.out_ranges):
+            part = shrunk[:, :, p].reshape(T, m * R)
+            out[:, start:stop].addmm_(part, w.b[p][: m * R])
+        return out
