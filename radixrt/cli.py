@@ -12,6 +12,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from radixrt.config import EngineConfig  # torch-free
     from radixrt.options import add_flags
 
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF models: an HF dir whose tokenizer and chat template replace the file's own",
+    )
+    g.add_argument("--revision", default=None, help="hub ids: the branch, tag or commit")
     add_flags(p, EngineConfig)
 
 
@@ -47,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
     model = args.model or ensure_tiny_model()
     line = f"{model}" if args.model else f"the tiny model, {TINY_MODEL_LINE} ({model})"
-    engine = Engine(model, **engine_options(args))
+    engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **engine_options(args))
     try:
         checks = run_demo(engine, args.max_tokens, line)
     finally:
@@ -59,7 +66,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from radixrt import Engine, SamplingParams
 
-    engine = Engine(args.model, **engine_options(args))
+    engine = Engine(
+        args.model, tokenizer=args.tokenizer, revision=args.revision, **engine_options(args)
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for delta in engine.generate_stream([args.prompt], params):
         sys.stdout.write(delta.text)
