@@ -15,6 +15,9 @@ import torch
 from radixrt.config import ModelConfig
 from radixrt.hf_dir.gguf_file import LINK_NAME, TENSOR_INDEX
 
+CHUNK_ROWS = 4096
+PERMUTED = ("q_proj.weight", "k_proj.weight")
+
 
 def iterate_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, float32 CPU tensor in HF layout) for every tensor of the GGUF file
@@ -28,13 +31,17 @@ def iterate_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     data = np.memmap(os.path.join(model_dir, LINK_NAME), dtype=np.uint8, mode="r")
     for t in index:
         name, shape = t["name"], t["shape"]
-        raw = data[t["offset"] : t["offset"] + t["nbytes"]].reshape(shape[0] if shape else 1, -1)
-        w = dequantize(raw, GGMLQuantizationType[t["type"]]).reshape(shape)
-        if cfg.architecture == "LlamaForCausalLM" and name.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
-            w = unpermute_rows(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file is read-only
+        rows = shape[0] if shape else 1
+        raw = data[t["offset"] : t["offset"] + t["nbytes"]].reshape(rows, -1)
+        out = torch.empty(shape, dtype=torch.float32)
+        flat = out.view(rows, -1).numpy()
+        kind = GGMLQuantizationType[t["type"]]
+        for start in range(0, rows, CHUNK_ROWS):  # bounded temporaries: the process stays small
+            flat[start : start + CHUNK_ROWS] = dequantize(raw[start : start + CHUNK_ROWS], kind)
+        if cfg.architecture == "LlamaForCausalLM" and name.endswith(PERMUTED):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            out = torch.from_numpy(unpermute_rows(flat, heads))
+        yield name, out
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -42,4 +49,5 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     from HF's rotate-half layout (first halves, then second halves) to interleaved pairs.
     `w`: [num_heads * head_dim, hidden]."""
     half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    out = w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(out).reshape(w.shape)
