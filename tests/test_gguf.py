@@ -6,6 +6,8 @@ tokenizer comes from the file's metadata or from --tokenizer; the rest is refuse
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -168,3 +170,20 @@ def test_options_that_do_not_apply_are_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="holds 2 GGUF files"):
         resolve_model(str(two))
     assert not os.path.exists(os.path.join(tiny_model_dir, "model.gguf"))
+
+
+def test_a_process_without_torch_prepares_a_gguf_dir_without_importing_it(tmp_path):
+    # the server's front: transformers' GGUF tokenizer reader imports torch, so it runs in a child
+    hf_dir = make_hf_checkpoint(str(tmp_path / "hf"), "llama")
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_dir, path, "llama", "Q8_0", tokenizer_metadata=True)
+    code = (
+        "import sys; from radixrt.hf_dir import load_tokenizer, resolve_model; "
+        "d = resolve_model(sys.argv[1]); print(load_tokenizer(d).encode('Hello world!')); "
+        "assert 'torch' not in sys.modules"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(load_tokenizer(hf_dir).encode("Hello world!"))
