@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixrt.config import ModelConfig
+from radixrt.hf_dir.gguf_file import LINK_NAME, TENSOR_INDEX
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,12 +98,12 @@ def _torch_hidden() -> Iterator[None]:
 
 
 def gguf_weights(model_path: str) -> str | None:
-    """The GGUF file that holds the weights of the model dir `model_path` (config.json beside
-    exactly one `*.gguf` and no safetensors), or None: the weights are safetensors."""
-    if glob.glob(os.path.join(model_path, "*.safetensors")):
+    """The GGUF file that holds the weights of the model dir `model_path` (a dir prepared by
+    `radixrt.hf_dir.gguf_file`: config.json and its tensor table beside the link to the
+    file), or None: the weights are safetensors."""
+    if not os.path.isfile(os.path.join(model_path, TENSOR_INDEX)):
         return None
-    found = glob.glob(os.path.join(model_path, "*.gguf"))
-    return found[0] if len(found) == 1 else None
+    return os.path.join(model_path, LINK_NAME)
 
 
 def shard_plan(model_path: str) -> ShardPlan:

@@ -1,6 +1,6 @@
 """What `--model` (and `Engine(model)`) may name, turned into the local model dir that the
 rest of radixrt reads: an HF dir as it is, a GGUF file (or a dir holding one and no
-config.json) as its prepared dir, a hub id `org/name` as its snapshot in the hub cache."""
+safetensors) as its prepared dir, a hub id `org/name` as its snapshot in the hub cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 
 from radixrt.hf_dir.gguf_file import prepare_gguf_dir
 from radixrt.hf_dir.hub import hub_snapshot, is_hub_id
+from radixrt.hf_dir.local import gguf_weights
 
 
 def resolve_model(spec: str, *, tokenizer: str | None = None, revision: str | None = None) -> str:
@@ -32,11 +33,13 @@ def resolve_model(spec: str, *, tokenizer: str | None = None, revision: str | No
 
 
 def _gguf_file(spec: str) -> str | None:
-    """The GGUF file `spec` names: the file itself, or the one .gguf of a dir without
-    config.json. Raises ValueError for a dir holding several."""
+    """The GGUF file `spec` names: the file itself, or the one .gguf of a dir that holds no
+    safetensors and is no prepared GGUF dir. Raises ValueError for a dir holding several."""
     if os.path.isfile(spec) and spec.endswith(".gguf"):
         return spec
-    if not os.path.isdir(spec) or os.path.isfile(os.path.join(spec, "config.json")):
+    if not os.path.isdir(spec) or gguf_weights(spec) is not None:
+        return None
+    if glob.glob(os.path.join(spec, "*.safetensors")):
         return None
     found = sorted(glob.glob(os.path.join(spec, "*.gguf")))
     if len(found) > 1:
