@@ -61,8 +61,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         model = ensure_tiny_model()
         line = f"the tiny model, {TINY_MODEL_LINE} ({model})"
     options = engine_options(args)
-    if options["num_kv_blocks"] is None:
-        options["num_kv_blocks"] = DEMO_KV_BLOCKS
+    options.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
     engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **options)
     try:
         checks = run_demo(engine, args.max_tokens, line, check_fact=default)
