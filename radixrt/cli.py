@@ -12,6 +12,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from radixrt.config import EngineConfig  # torch-free
     from radixrt.options import add_flags
 
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF models: an HF dir whose tokenizer and chat template replace the file's own",
+    )
+    g.add_argument("--revision", default=None, help="hub ids: the branch, tag or commit")
     add_flags(p, EngineConfig)
 
 
@@ -38,18 +45,26 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """The runtime's features on the tiny model (radixrt.demo)."""
+    """The runtime's features on SmolLM2, or the tiny model (radixrt.demo)."""
     from radixrt import Engine
-    from radixrt.demo import run_demo
+    from radixrt.demo import DEMO_KV_BLOCKS, run_demo
+    from radixrt.hf_dir.smollm2 import SMOLLM2_LINE, fetch_default_model
     from radixrt.model.tiny import TINY_MODEL_LINE, ensure_tiny_model, tiny_model_ready
 
-    if args.model is None and not tiny_model_ready():
-        print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
-    model = args.model or ensure_tiny_model()
-    line = f"{model}" if args.model else f"the tiny model, {TINY_MODEL_LINE} ({model})"
-    engine = Engine(model, **engine_options(args))
+    model, line = args.model, args.model
+    default = model is None and not args.tiny and (model := fetch_default_model()) is not None
+    if default:
+        line = f"{SMOLLM2_LINE} ({model})"
+    if model is None:
+        if not tiny_model_ready():
+            print("training the tiny model on first use (1-2 minutes on one core)...", flush=True)
+        model = ensure_tiny_model()
+        line = f"the tiny model, {TINY_MODEL_LINE} ({model})"
+    options = engine_options(args)
+    options.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
+    engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **options)
     try:
-        checks = run_demo(engine, args.max_tokens, line)
+        checks = run_demo(engine, args.max_tokens, line, check_fact=default)
     finally:
         engine.shutdown()
     if not all(checks.values()):
@@ -59,7 +74,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from radixrt import Engine, SamplingParams
 
-    engine = Engine(args.model, **engine_options(args))
+    engine = Engine(
+        args.model, tokenizer=args.tokenizer, revision=args.revision, **engine_options(args)
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for delta in engine.generate_stream([args.prompt], params):
         sys.stdout.write(delta.text)
@@ -72,8 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="run a short demo on the tiny model (CPU is fine)")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny model)")
+    p = sub.add_parser("demo", help="run a short demo on a real model (CPU is fine)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF dir, a .gguf file or a hub id (default: SmolLM2-135M-Instruct, fetched "
+        "once, ~100 MB; the tiny model if that fails)",
+    )
+    p.add_argument("--tiny", action="store_true", help="the embedded tiny model (trained once)")
     p.add_argument("--max-tokens", type=int, default=24, help="per answer / sample")
     _engine_args(p)
     p.set_defaults(func=cmd_demo)

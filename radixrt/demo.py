@@ -1,7 +1,8 @@
-"""`radixrt demo`: what the runtime does, on the tiny model, in four checks.
+"""`radixrt demo`: what the runtime does, on SmolLM2-135M-Instruct (or the tiny model), in
+four checks, after a question with a known answer.
 
-The tiny model's text is whatever a 2.4M-parameter model writes; what each section prints
-about the runtime is measured, and its checks hold by construction whatever the text:
+What each section prints about the runtime is measured, and its checks hold by construction
+whatever the text; on SmolLM2 the demo also checks one answer (it names Paris):
 
 1. prefix cache: a multi-turn chat with the radix cache, then the same prompts with the cache
    emptied before each: the tokens reused, the time, and whether the texts are identical
@@ -30,12 +31,19 @@ PERSON_SCHEMA = {
     "additionalProperties": False,
 }
 SAMPLES_PROMPT = "Once upon a time"
+FACT_QUESTION, FACT_ANSWER = "What is the capital of France?", "Paris"
+# KV blocks of the demo's pool: its prompts and answers fit many times over, and the process
+# stays small (the default pool is sized for serving)
+DEMO_KV_BLOCKS = 64
 
 
-def run_demo(engine: Any, max_tokens: int, model_line: str | None) -> dict[str, bool]:
+def run_demo(
+    engine: Any, max_tokens: int, model_line: str | None, check_fact: bool = False
+) -> dict[str, bool]:
     """Print the four sections on `engine` (an `radixrt.Engine`; its cache is emptied in
     section 1) and return each section's check: {"cache_identical", "fork_shared",
-    "json_valid", "n_prompt_shared"}."""
+    "json_valid", "n_prompt_shared"}, and "fact_right" first with `check_fact` (a real
+    model: its greedy answer to FACT_QUESTION names FACT_ANSWER)."""
     from radixrt import SamplingParams
 
     if model_line:
@@ -43,9 +51,18 @@ def run_demo(engine: Any, max_tokens: int, model_line: str | None) -> dict[str, 
     print("(the text is the model's; the lines about the runtime are measured)\n")
     checks = {}
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0)
+    tok = engine.tokenizer
+    if check_fact:
+        print(f"== a question with a known answer ==\nuser: {FACT_QUESTION}")
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": FACT_QUESTION}], add_generation_prompt=True, tokenize=False
+        )
+        answer = engine.generate([prompt], greedy)[0].text
+        checks["fact_right"] = FACT_ANSWER in answer
+        said = "yes" if checks["fact_right"] else "NO"
+        print(f"assistant: {answer!r}\nnames {FACT_ANSWER}: {said}\n")
 
     print(f"== 1. prefix cache: a {len(CHAT_TURNS)}-turn chat, radix cache vs no cache ==")
-    tok = engine.tokenizer
     messages = [{"role": "system", "content": CHAT_SYSTEM}]
     turns = []
     for question in CHAT_TURNS:

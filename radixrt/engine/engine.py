@@ -88,12 +88,16 @@ class Engine:
         dtype: str = "auto",
         *,
         runner: Runner | None = None,
+        tokenizer: str | None = None,
+        revision: str | None = None,
         **options: object,
     ) -> None:
-        """`runner` replaces the model runner (a scripted one: simulations, which then give
-        the `num_kv_blocks` option)."""
-        from radixrt.hf_dir import check_model_dir, load_tokenizer
+        """`model_path`: an HF dir, a GGUF file or a hub id (`radixrt.hf_dir.resolve_model`,
+        with `tokenizer` and `revision`). `runner` replaces the model runner (a scripted one:
+        simulations, which then give the `num_kv_blocks` option)."""
+        from radixrt.hf_dir import check_model_dir, load_tokenizer, resolve_model
 
+        model_path = resolve_model(model_path, tokenizer=tokenizer, revision=revision)
         check_model_dir(model_path, require_weights=options.get("load_format") != "dummy")
         cfg = resolve_config(model_path, device, dtype, **options)
         model_config = ModelConfig.from_pretrained(model_path)

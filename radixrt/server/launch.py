@@ -38,7 +38,8 @@ import zmq
 from aiohttp import web
 
 from radixrt.config import ModelConfig, resolve_config
-from radixrt.hf_dir import check_model_dir, load_tokenizer
+from radixrt.hf_dir import check_model_dir, load_tokenizer, resolve_model
+from radixrt.hf_dir.smollm2 import fetch_default_model
 from radixrt.lora import LoraRegistry
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.connections import (
@@ -109,6 +110,19 @@ def _tiny_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the model dir to serve, the id to serve it as; None: that dir): --model resolved
+    (GGUF files and hub ids), else SmolLM2, else (--tiny, or SmolLM2 cannot be fetched) the
+    tiny model."""
+    spec = args.model
+    if spec is None and not args.tiny:
+        spec = fetch_default_model()
+    if spec is None:
+        return _tiny_model(), None
+    model = resolve_model(spec, tokenizer=args.tokenizer, revision=args.revision)
+    return model, None if model == spec else spec
+
+
 def add_serve_command(
     subparsers: argparse._SubParsersAction,
     add_engine_args: Callable[[argparse.ArgumentParser], None],
@@ -118,7 +132,11 @@ def add_serve_command(
     p.add_argument(
         "--model",
         default=None,
-        help="local HF model dir (default: the embedded tiny model, trained on first use)",
+        help="an HF dir, a .gguf file (or a dir holding one) or a hub id org/name (default: "
+        "SmolLM2-135M-Instruct, fetched once, ~100 MB)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="no --model: the embedded tiny model (trained once)"
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
@@ -276,13 +294,14 @@ def add_serve_command(
                 from radixrt.server.dp import check_router
 
                 check_router()
+            model, name = _served_model(args)
             cfg = ServeConfig(
-                model=args.model or _tiny_model(),
+                model=model,
                 host=args.host,
                 port=args.port,
                 api_key=args.api_key,
                 tenants=Tenants.load(args.api_keys_file),
-                served_model_name=args.served_model_name,
+                served_model_name=args.served_model_name or name,
                 debug_endpoints=args.enable_debug_endpoints,
                 cpu_threads=args.cpu_threads,
                 event_loop=args.event_loop,

@@ -1,9 +1,10 @@
-"""A local HF model directory, read without torch: its checks, its config, its tokenizer and
-the safetensors files that hold its weights. The model loader (tensors, with torch), the
-front (tokenizer only) and the DSL's HTTP backend all read a directory through this module.
+"""A local model directory, read without torch: its checks, its config, its tokenizer and
+the files that hold its weights. The model loader (tensors, with torch), the front (tokenizer
+only) and the DSL's HTTP backend all read a directory through this module.
 
-Only safetensors checkpoints are supported: `model.safetensors`, or
-`model.safetensors.index.json` plus the shards it names. Nothing is downloaded.
+Weights are safetensors (`model.safetensors`, or `model.safetensors.index.json` plus the
+shards it names) or one GGUF file beside config.json (the dir that `radixrt.hf_dir.gguf_file`
+prepares for a GGUF model). Nothing is downloaded here (`radixrt.hf_dir.resolve` does that).
 
 `transformers` imports torch as soon as it is installed (`is_torch_available()` at import
 time), which costs a torch-free process seconds and hundreds of MB it never uses. So the
@@ -24,10 +25,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixrt.config import ModelConfig
+from radixrt.hf_dir.gguf_file import LINK_NAME, TENSOR_INDEX
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-UNSUPPORTED_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf")
+UNSUPPORTED_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 # [(safetensors path, the tensor names to read from it; None: all of them)]
 ShardPlan = list[tuple[str, list[str] | None]]
@@ -45,7 +47,7 @@ def check_model_dir(model_path: str, *, require_weights: bool = True) -> ModelCo
         config = ModelConfig.from_pretrained(model_path)
     except KeyError as e:
         raise ValueError(f"config.json in {model_path!r} lacks required key {e.args[0]!r}") from e
-    if require_weights:
+    if require_weights and gguf_weights(model_path) is None:
         shard_plan(model_path)
     return config
 
@@ -55,7 +57,7 @@ def require_dir(model_path: str) -> None:
     if not os.path.isdir(model_path):
         raise FileNotFoundError(
             f"model directory {model_path!r} does not exist (expected a local HF model dir "
-            "with config.json and safetensors weights; nothing is downloaded)"
+            "with config.json and safetensors weights, a .gguf file or a hub id org/name)"
         )
 
 
@@ -95,6 +97,15 @@ def _torch_hidden() -> Iterator[None]:
             os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
 
 
+def gguf_weights(model_path: str) -> str | None:
+    """The GGUF file that holds the weights of the model dir `model_path` (a dir prepared by
+    `radixrt.hf_dir.gguf_file`: config.json and its tensor table beside the link to the
+    file), or None: the weights are safetensors."""
+    if not os.path.isfile(os.path.join(model_path, TENSOR_INDEX)):
+        return None
+    return os.path.join(model_path, LINK_NAME)
+
+
 def shard_plan(model_path: str) -> ShardPlan:
     """The safetensors files of a model dir and what to read from each, every file checked
     to exist. Raises FileNotFoundError (no weights, a missing shard) or ValueError (a
@@ -113,8 +124,8 @@ def shard_plan(model_path: str) -> ShardPlan:
     hint = f"found {found[:5]}" if found else "found no weight files"
     raise FileNotFoundError(
         f"no safetensors weights in {model_path!r}: expected {SINGLE_FILE} or {INDEX_FILE} "
-        f"with its shards ({hint}). PyTorch .bin/.pt checkpoints are not supported; "
-        "convert them to safetensors first"
+        f"with its shards, or one .gguf file ({hint}). PyTorch .bin/.pt checkpoints are not "
+        "supported; convert them to safetensors first"
     )
 
 
