@@ -62,6 +62,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         line = f"the tiny model, {TINY_MODEL_LINE} ({model})"
     options = engine_options(args)
     options.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
+    options.setdefault("cpu_prepack_weights", False)  # the demo's memory over its speed
     engine = Engine(model, tokenizer=args.tokenizer, revision=args.revision, **options)
     try:
         checks = run_demo(engine, args.max_tokens, line, check_fact=default)

@@ -619,6 +619,12 @@ class EngineConfig:
         doc_default="in-process: the cores not busy at start-up (1-minute load average), at "
         "least 1; server: all cores but one",
     )
+    cpu_prepack_weights: bool = option(
+        True,
+        "float32 on a CPU: keep a oneDNN-packed copy of each linear weight (faster GEMMs from 8 "
+        "rows up, at twice the weights' memory; radixrt/model/linear.py)",
+        flags=("--disable-cpu-prepack-weights",),
+    )
     # Python's full collections otherwise rescan the model, graphs and modules every ~80 busy
     # steps (benchmarks/bench_timeline.py); off in-process, where an engine dropped without
     # shutdown() would keep its (device) memory for good

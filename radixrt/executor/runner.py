@@ -134,6 +134,7 @@ class ModelRunner:
             seed=cfg.seed,
             shard=shard,
             group=tp,
+            prepack=cfg.cpu_prepack_weights,
             fp8=resolve_scheme(
                 model_cfg.checkpoint_fp8, cfg.quantization, cfg.fp8_activation_scale
             ),
