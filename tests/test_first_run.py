@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from server_utils import REPO, serving
+from smollm2_model import smollm2_gguf  # noqa: F401
 
 SCHEMA = {
     "type": "object",
@@ -34,6 +35,15 @@ def test_demo_passes_its_checks(tiny_model_dir, workdir):
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "json_valid ok" in out.stdout, out.stdout[-2000:]
+
+
+def test_default_demo_runs_smollm2_and_names_paris(smollm2_gguf, tmp_path):  # noqa: F811
+    """What the README's first command runs (the model fetched already: the fixture)."""
+    cmd = [sys.executable, "-m", "radixrt.cli", "demo", "--device", "cpu"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "SmolLM2-135M-Instruct" in out.stdout.splitlines()[0]
+    assert "fact_right ok" in out.stdout and "cache_identical ok" in out.stdout, out.stdout[-2000:]
 
 
 def test_server_round_trip_with_a_schema(tiny_model_dir, workdir):
