@@ -192,6 +192,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     model = front.model_info()  # 503 while not serving
     g = parse_generate(await read_body(request), model, request.app[UNKNOWN_FIELDS])
     spec = g.gen
+    prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
     apply_tenant(spec.sampling, tenant)
     top = spec.sampling["top_logprobs"]
@@ -234,7 +235,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return m
 
     many = spec.batched or spec.n > 1  # a list of outputs; streamed events carry "index"
-    async with front.generate(spec, client_rid=g.rid, tenant=tenant) as gen:
+    async with front.generate(spec, g.rid, tenant, prompt_ids) as gen:
         if spec.stream:
             incremental = request.app[INCREMENTAL_STREAMING]
 

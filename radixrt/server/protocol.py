@@ -31,6 +31,7 @@ MAX_RID_CHARS = 256  # a client request id (/generate rid)
 # A text prompt longer than this many characters per token of context cannot fit; it is
 # refused before it is tokenized (tokenizing megabytes would stall every other request).
 MAX_CHARS_PER_TOKEN = 64
+MAX_TOOLS = 512  # functions offered by one chat request
 MODEL_ALIAS = "default"  # a `model` that always names the served model
 
 
@@ -167,8 +168,13 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
         raise ApiError(f"invalid {where or 'JSON body'}: {msg}", param=where) from None
 
 
+MAX_SHOWN_BODY_BYTES = 1 << 20  # bodies whose bad value an error message quotes
+
+
 def _value_at(body: bytes, where: str) -> str | None:
     """repr of the value at `where` ("a.b[2].c") in the JSON `body` (short), or None."""
+    if len(body) > MAX_SHOWN_BODY_BYTES:  # decoding it again to show a value costs too much
+        return None
     try:
         value: Any = msgspec.json.decode(body)
         for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", where):

@@ -72,6 +72,7 @@ def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
     chat template takes them."""
     tools: list[Tool] = []
     template_tools: list[dict] = []
+    names: set[str] = set()
     for i, t in enumerate(defs):
         p = f"tools[{i}]"
         if t.type != "function":
@@ -83,8 +84,9 @@ def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
                 "underscores, dots or dashes",
                 f"{p}.function.name",
             )
-        if any(x.name == f.name for x in tools):
+        if f.name in names:
             raise ApiError(f"{p}.function.name {f.name!r} is offered twice", f"{p}.function.name")
+        names.add(f.name)
         params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
         check_schema(params, f"{p}.function.parameters")
         tools.append(Tool(f.name, params, f.description))
