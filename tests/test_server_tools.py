@@ -72,14 +72,12 @@ def test_required_calls_are_valid_by_construction(client, seed):
 
 
 def test_parallel_calls_each_valid(client):
-    """The tiny model keeps calling until its budget ends: every call but a cut last one
-    matches its schema."""
+    """The tiny model keeps calling until its budget ends: every call returned matches its
+    schema (a last call that the budget cut is not returned)."""
     choice = _chat(client, tool_choice="required", temperature=1.0, seed=4).choices[0]
     calls = choice.message.tool_calls
     assert len(calls) > 1 and len({c.id for c in calls}) == len(calls)
-    complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
-    assert complete
-    for c in complete:
+    for c in calls:
         _valid(c.function.name, c.function.arguments)
 
 
@@ -114,8 +112,9 @@ def test_streamed_calls_equal_the_whole_response(client):
     assert sorted(calls) == list(range(len(calls)))
     got = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
     want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert got == want
-    for name, arguments in got if whole.finish_reason == "tool_calls" else got[:-1]:
+    # a stream has sent a call's start before the budget cuts it; the whole response drops it
+    assert got == want or (whole.finish_reason == "length" and got[:-1] == want), (got, want)
+    for name, arguments in want:
         _valid(name, arguments)
 
 
