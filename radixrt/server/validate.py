@@ -427,6 +427,12 @@ def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIE
     if req.rid is not None:
         check_rid(req.rid)
     sp = req.sampling_params
+    if None not in (sp.max_new_tokens, sp.max_tokens) and sp.max_new_tokens != sp.max_tokens:
+        raise ApiError(
+            f"sampling_params.max_tokens={_short(sp.max_tokens)} and max_new_tokens="
+            f"{_short(sp.max_new_tokens)} disagree: set one of them",
+            "sampling_params.max_tokens",
+        )
     max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_tokens
     _check_max_tokens(max_tokens, "sampling_params.max_new_tokens")
     if sp.sampling_seed is not None and sp.seed is None:
