@@ -176,3 +176,8 @@ def test_sigterm_ends_the_server_during_an_attack(tiny_model_dir):
 def _quietly(call, *args) -> None:
     with contextlib.suppress(OSError):
         call(*args)
+
+
+def test_tokenize_with_empty_messages_is_400(server):
+    status, out = server.post("/tokenize", {"messages": [], "tools": []})
+    assert status == 400 and out["error"]["param"] == "messages", out
