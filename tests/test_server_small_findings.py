@@ -59,3 +59,19 @@ def test_tool_text_counts_before_rendering():
     body = json.dumps({"messages": [USER], "tools": [tool]}).encode()
     err = _error(parse_chat, body, MODEL, lambda m, o: rendered.append(m) or "p")
     assert err.param == "tools" and not rendered
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"prompt": "a\\ud800b"}', "prompt"),
+        (b'{"prompt": "x", "stop": ["ok", "\\udc00"]}', "stop[1]"),
+        (b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(body, param):
+    from radixrt.server.validate import parse_completion
+
+    err = _error(parse_completion, body, MODEL)
+    assert err.param == param and "surrogate" in err.message
+    err.message.encode()  # the message itself is valid text (it can be sent)

@@ -123,8 +123,10 @@ class XGrammarBackend:
         if isinstance(error, CompileError):
             return CompileOutcome(error=str(error))
         assert isinstance(error, InternalCompileError), error
-        logger.error("compiling a %s failed: %s", ticket.spec.kind, error)
-        return CompileOutcome(error=str(error), internal=True)
+        down = self._pool is not None and self._pool.failure is not None
+        if not down:  # a failed compiler was logged once, when it failed
+            logger.error("compiling a %s failed: %s", ticket.spec.kind, error)
+        return CompileOutcome(error=str(error), internal=True, unavailable=down)
 
     def wait(self, tickets: Sequence[Ticket], timeout_s: float) -> None:
         if tickets:
@@ -169,6 +171,7 @@ class XGrammarBackend:
             grammar_cache_bytes=c.bytes,
             grammar_compile_timeouts=p.num_timeouts if p else 0,
             grammar_compile_preemptions=p.num_preemptions if p else 0,
+            grammar_compiler_failed=int(self._pool is not None and self._pool.failure is not None),
         )
 
     def check_integrity(self) -> None:

@@ -199,7 +199,7 @@ class GrammarFeature(SchedulerFeature):
                 continue
             del tickets[req]
             if outcome.error is not None:
-                self._reject(req, outcome.error, invalid=not outcome.internal)
+                self._reject(req, outcome.error, not outcome.internal, outcome.unavailable)
                 continue
             self.stats.grammar_requests += 1
             try:
@@ -218,9 +218,10 @@ class GrammarFeature(SchedulerFeature):
         if g is None and not (self.jump_forward and self._jump_forward(req)):
             self._dead_end(req)  # after forced tokens (the start is checked at compile)
 
-    def _reject(self, req: Request, error: str, invalid: bool) -> None:
+    def _reject(self, req: Request, error: str, invalid: bool, unavailable: bool = False) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
-        client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500)."""
+        client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500;
+        `unavailable`: the compiler is down, a 503)."""
         if invalid:
             self.stats.grammar_errors += 1
         else:
@@ -228,7 +229,7 @@ class GrammarFeature(SchedulerFeature):
         g = req.group
         seqs = [req] if g is None else list(g.children)
         for seq in seqs:
-            seq.error, seq.invalid_request = error, invalid
+            seq.error, seq.invalid_request, seq.unavailable = error, invalid, unavailable
         if g is None:
             self.lifecycle.stop(req, FinishReason.ERROR)
         else:

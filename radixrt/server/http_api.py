@@ -40,6 +40,7 @@ from radixrt.server.worker_routes import WorkerInfo, add_worker_routes
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")  # answer without an API key
+RETRY_AFTER_S = 5  # a 503's Retry-After
 
 
 def create_app(
@@ -109,7 +110,10 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
         "rejected %s %s: %d %s (param %s)",
         request.method, request.path, err.status, err.message[:200], err.param,
     )  # fmt: skip
-    return json_response(err.body(), status=err.status)
+    response = json_response(err.body(), status=err.status)
+    if err.status == 503:  # the server's state, not the request: a router retries elsewhere
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
@@ -133,6 +137,11 @@ def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
 # ---- plain routes ----
 async def health(request: web.Request) -> web.Response:
     front = request.app[FRONT]
+    snap = front.outputs.snapshot
+    if front.serving and snap is not None and snap.stats.grammar_compiler_failed:
+        # the replica serves what needs no grammar; a balancer should prefer another
+        detail = "the grammar compiler failed: structured output and tool calls get 503"
+        return json_response({"status": "grammar_unavailable", "detail": detail}, status=503)
     if front.serving:
         return json_response({"status": "ok"})
     if front.dead:

@@ -5,6 +5,7 @@ tokenization). The per-API validation that builds specs is in `validate`.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,13 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as e:
         raise _validation_error(str(e), body) from None
     except msgspec.DecodeError as e:
+        where = _surrogate_at(body)
+        if where is not None:
+            raise ApiError(
+                f"invalid {where or 'JSON body'}: it holds a lone UTF-16 surrogate (\\ud800-"
+                "\\udfff without its pair), which is not Unicode text",
+                param=where or None,
+            ) from None
         raise ApiError(f"invalid JSON body: {e}") from None
     except RecursionError:
         where = too_deep_path(body.decode(errors="replace"))
@@ -169,6 +177,35 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
 
 
 MAX_SHOWN_BODY_BYTES = 1 << 20  # bodies whose bad value an error message quotes
+
+
+def _surrogate_at(body: bytes) -> str | None:
+    """Where ("a.b[2]", "" for the body itself) the JSON `body` holds a string with a lone
+    surrogate (which msgspec refuses without saying where), or None: no such string, not
+    JSON, or too large to parse again."""
+    if len(body) > MAX_SHOWN_BODY_BYTES or b"\\u" not in body.lower():
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str) and _SURROGATE.search(node):
+            return where
+        if isinstance(node, dict):
+            for key, item in reversed(node.items()):
+                if _SURROGATE.search(key):
+                    return where  # the object whose key it is (the key cannot be shown)
+                path = f"{where}.{key}" if where else key
+                stack.append((item, path))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(node))))
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _value_at(body: bytes, where: str) -> str | None:
