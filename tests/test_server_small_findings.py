@@ -75,3 +75,17 @@ def test_a_lone_surrogate_is_400_naming_the_field(body, param):
     err = _error(parse_completion, body, MODEL)
     assert err.param == param and "surrogate" in err.message
     err.message.encode()  # the message itself is valid text (it can be sent)
+
+
+@pytest.mark.parametrize("error", [IndexError("list index out of range"), KeyError("content")])
+def test_a_template_that_fails_on_the_messages_is_400(error):
+    from types import SimpleNamespace
+
+    from radixrt.server.front import Front
+
+    def apply_chat_template(*args, **kw):
+        raise error
+
+    front = SimpleNamespace(tokenizer=SimpleNamespace(apply_chat_template=apply_chat_template))
+    err = _error(Front.render_chat, front, [USER])
+    assert err.param == "messages"

@@ -261,8 +261,10 @@ class Front:
                 tools=opts.tools,
                 **(opts.extra or {}),
             )
-        except (TemplateError, ValueError, TypeError) as e:  # ValueError: no template
-            raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
+        # ValueError: no template; the lookups fail where a template indexes messages or
+        # fields the request does not have (the request's fault, as a TemplateError is)
+        except (TemplateError, ValueError, TypeError, LookupError, AttributeError) as e:
+            raise ApiError(f"the chat template rejected the messages: {e!r}", "messages") from e
 
     def encode(self, spec: GenerationSpec) -> list[list[int]]:
         """Token ids of every prompt of `spec` (text is tokenized: run it `off_loop`)."""
