@@ -89,3 +89,13 @@ def test_a_template_that_fails_on_the_messages_is_400(error):
     front = SimpleNamespace(tokenizer=SimpleNamespace(apply_chat_template=apply_chat_template))
     err = _error(Front.render_chat, front, [USER])
     assert err.param == "messages"
+
+
+def test_unknown_field_names_are_remembered_up_to_a_bound():
+    from radixrt.server.fields import MAX_WARNED_NAMES, UnknownFields
+    from radixrt.server.schemas import CompletionRequest
+
+    unknown = UnknownFields()
+    for i in range(MAX_WARNED_NAMES + 50):
+        unknown.check(json.dumps({"prompt": "x", f"name{i}": 1}).encode(), CompletionRequest, "/c")
+    assert len(unknown._warned) == MAX_WARNED_NAMES

@@ -23,7 +23,7 @@ from radixrt.grammar.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 
 MIN_BATCH_FILL = 8  # fewer stale masks are filled one by one (no thread hand-off)
-DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar's memory_size_bytes)
+DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (`Compiled.nbytes`)
 ERROR_ENTRY_BYTES = 1024  # what a cached compile error counts
 
 
@@ -33,6 +33,9 @@ class Compiled:
     # [W] int32 ANDed into every mask, or None. JSON schemas: tokens with raw control bytes
     # are banned (xgrammar 0.2.9 lets maxLength strings take them, which JSON forbids)
     and_mask: np.ndarray | None = None
+    # what the process holds for it: memory_size_bytes leaves out most of a deserialized
+    # grammar, whose serialized length tracks the rest (tests/test_server_grammar_rss.py)
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +220,14 @@ class XGrammarBackend:
             self._info = xgr.TokenizerInfo.deserialize_json(ready.tokenizer_info_json)
             self._no_control = np.frombuffer(ready.no_control_mask, dtype=np.int32).copy()
         grammar = xgr.CompiledGrammar.deserialize_json(grammar_json, self._info)
-        return Compiled(grammar, self._no_control if spec.kind == "json_schema" else None)
+        and_mask = self._no_control if spec.kind == "json_schema" else None
+        nbytes = grammar.memory_size_bytes + len(grammar_json)
+        nbytes += 0 if and_mask is None else and_mask.nbytes
+        return Compiled(grammar, and_mask, nbytes)
 
 
 def _entry_bytes(compiled: Compiled) -> int:
-    extra = 0 if compiled.and_mask is None else compiled.and_mask.nbytes
-    return compiled.grammar.memory_size_bytes + extra
+    return compiled.nbytes
 
 
 class XGrammarMatcher:
