@@ -207,3 +207,50 @@ def test_langchain_bind_tools(server):
         [*messages, ai, ToolMessage("12:00", tool_call_id=call["id"])]
     )
     assert isinstance(follow.content, str)
+
+
+ENUMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ENUM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": ENUMS}}]
+
+
+def _in_64(client, **kw):
+    return client.chat.completions.create(
+        model="default", messages=USER, tools=ENUM_TOOLS, max_tokens=64, parallel_tool_calls=False,
+        **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_call_fits_64_tokens(client, seed):
+    """The call's fixed text is appended as the tokenizer writes it and its JSON is compact:
+    sampled hot, the tiny model's call of an all-enum schema (58 tokens as its tokenizer
+    writes it) ends within 64 tokens."""
+    out = _in_64(client, tool_choice="required", temperature=1.0, seed=seed)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and out.usage.completion_tokens <= 64, out
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), ENUMS)
+
+
+def test_named_and_streamed_calls_fit_64_tokens(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _in_64(client, tool_choice=named, temperature=1.0, seed=7)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), ENUMS)
+    arguments, reasons = "", []
+    for chunk in _in_64(client, tool_choice="required", temperature=1.0, seed=8, stream=True):
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for tc in c.delta.tool_calls or []:
+                arguments += tc.function.arguments or ""
+    assert reasons[-1] == "tool_calls"
+    jsonschema.validate(json.loads(arguments), ENUMS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -87,9 +87,12 @@ class XGrammarBackend:
         self._compiling: set[GrammarSpec] = set()  # the entries whose size is None
         self.mask_threads = mask_threads
         self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
+        self._encode: Callable[[str], list[int]] | None = None  # the tokenizer's, on first use
+        self._encode_tried = False
 
     def start(self) -> None:
-        """Start the compile workers (idempotent)."""
+        """Start the compile workers and load the tokenizer (idempotent)."""
+        self._encoder()
         if self._pool is None:
             self._pool = CompilePool(
                 self.setup, self.num_workers, self.compile_timeout_s, self._decode
@@ -136,7 +139,22 @@ class XGrammarBackend:
             wait_futures([t.future for t in tickets], timeout_s, return_when=FIRST_COMPLETED)
 
     def new_matcher(self, grammar: Compiled) -> XGrammarMatcher:
-        return XGrammarMatcher(grammar, self.vocab_size)
+        return XGrammarMatcher(grammar, self.vocab_size, self._encoder())
+
+    def _encoder(self) -> Callable[[str], list[int]] | None:
+        """The model's tokenizer (text -> ids, no special tokens added), loaded once; None
+        when it does not load (forced strings then take xgrammar's split)."""
+        if not self._encode_tried:
+            self._encode_tried = True
+            from radixrt.hf_dir import load_tokenizer
+
+            try:
+                fast = load_tokenizer(self.setup.model_path).backend_tokenizer
+            except (OSError, ValueError) as e:
+                logger.warning("forced strings keep xgrammar's tokenization: %s", e)
+            else:
+                self._encode = lambda text: fast.encode(text, add_special_tokens=False).ids
+        return self._encode
 
     def fill_masks(self, matchers: Sequence[XGrammarMatcher]) -> None:
         """Compute the masks of the matchers whose state changed, in one call on
@@ -234,8 +252,14 @@ class XGrammarMatcher:
     """GrammarMatcher on xgrammar's matcher; the mask of the current state is computed once
     (into a host int32 buffer) and reused by `next_mask` and `forced_token`."""
 
-    def __init__(self, grammar: Compiled, vocab_size: int) -> None:
+    def __init__(
+        self,
+        grammar: Compiled,
+        vocab_size: int,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self._matcher = xgr.GrammarMatcher(grammar.grammar)
+        self._encode = encode  # text -> token ids as the model's tokenizer writes them
         self._and_mask = grammar.and_mask
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, W] int32 cpu
         self._words = self._bitmask.numpy()[0]  # [W]: the current state's mask when _fresh
@@ -271,6 +295,19 @@ class XGrammarMatcher:
         return self._fill().tobytes()
 
     def forced_string_tokens(self) -> list[int]:
+        """Tokens of the string the grammar forces next: as the tokenizer writes it (what
+        the model was trained on) as far as the grammar takes those tokens, else xgrammar's
+        split of it. The matcher is left as it was."""
+        text = self._matcher.find_jump_forward_string() if self._encode else ""
+        if text:
+            ids, taken = self._encode(text), 0
+            for token in ids:
+                if not self._matcher.accept_token(token):
+                    break
+                taken += 1
+            if taken:
+                self._matcher.rollback(taken)
+                return ids[:taken]
         return list(self._matcher.find_jump_forward_tokens())
 
     def forced_token(self) -> int | None:

@@ -258,13 +258,17 @@ class GrammarFeature(SchedulerFeature):
 
     def _jump_forward(self, req: Request) -> bool:
         """Append the tokens the grammar forces (see the module docstring); True when that
-        finished the request. With `jump_forward_retokenize`, also the tokens of the string
-        the grammar forces (xgrammar's own tokenization of it: not output-identical)."""
+        finished the request. With `jump_forward_retokenize`, and always for a structural
+        tag, also the tokens of the string the grammar forces (xgrammar's own tokenization of
+        it: not output-identical)."""
         m, p = self._matchers[req], req.params
+        # a structural tag's fixed text (tool-call wrappers) sampled token by token comes out
+        # a character or two per token and spends the call's budget: append it whole
+        retokenize = self.jump_forward_retokenize or p.structural_tag is not None
         queue: list[int] = []
         while req.num_output < req.max_tokens:
             token = queue.pop(0) if queue else m.forced_token()
-            if token is None and self.jump_forward_retokenize:
+            if token is None and retokenize:
                 queue = m.forced_string_tokens()
                 token = queue.pop(0) if queue else None
             if token is None:
