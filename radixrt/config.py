@@ -466,7 +466,8 @@ class GrammarConfig:
     # the model might have picked other tokens for a forced string
     jump_forward_retokenize: bool = option(
         False,
-        "also append forced strings as xgrammar tokenizes them (fewer steps, not output-identical)",
+        "also append forced strings as the model's tokenizer writes them (fewer steps, not "
+        "output-identical); always on for structural tags (tool calls)",
     )
     grammar_compile_timeout_s: float = option(
         30.0,

@@ -12,17 +12,31 @@ searching only the text not yet returned (the held-back tail, shorter than the l
 stop string, plus the new text): O(number of stop strings x (longest stop string + new
 text)), independent of how long the output already is. A stop string cannot start in
 text already returned (that text was returned because no stop string could start there).
+Stop regexes search the same way, with the held-back tail capped at
+`STOP_REGEX_WINDOW` characters and all their searches of one output under
+`STOP_REGEX_BUDGET_S` of time (a regex that backtracks catastrophically raises
+`StopRegexTimeout` instead of blocking the caller).
 """
 
 from __future__ import annotations
 
 import codecs
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from radixrt.token_bytes import TokenBytes
 
 CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for the first tokens' spacing
+# a stop regex's match is found when it lies within this many characters of held-back text
+# plus the new text (older text is returned, so every search is bounded)
+STOP_REGEX_WINDOW = 1024
+# time all stop-regex searches of one output may take (they run on the server's event loop)
+STOP_REGEX_BUDGET_S = 0.5
+
+
+class StopRegexTimeout(ValueError):
+    """The output's stop-regex searches took longer than `STOP_REGEX_BUDGET_S`."""
 
 
 class WindowDecoder:
@@ -106,6 +120,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.stop = tuple(stop)
         self.stop_regex = [_compile(r) for r in stop_regex]
+        self.regex_budget_s = STOP_REGEX_BUDGET_S  # search time left to this output
         self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.num_tokens = 0  # tokens fed so far
@@ -156,7 +171,7 @@ class IncrementalDetokenizer:
         text = self.pending
         # (start, end) of each stop string's / regex's first match
         hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s)) >= 0]
-        hits += [m.span() for r in self.stop_regex if (m := r.search(text)) is not None]
+        hits += [m.span() for r in self.stop_regex if (m := self._search(r, text)) is not None]
         if hits:
             start, end = min(hits)
             self.stopped = True
@@ -164,22 +179,31 @@ class IncrementalDetokenizer:
             return text[: end if self.include_stop else start]
         keep = 0 if final else _held_back(text, self.stop)
         if self.stop_regex and not final:
-            keep = max(keep, *(_regex_held_back(text, r) for r in self.stop_regex))
+            partial = (self._search(r, text, partial=True) for r in self.stop_regex)
+            held = max(len(text) - m.start() if m is not None else 0 for m in partial)
+            keep = max(keep, min(held, STOP_REGEX_WINDOW))
         self.pending = text[len(text) - keep :]
         return text[: len(text) - keep]
+
+    def _search(self, pattern: Any, text: str, partial: bool = False) -> Any:
+        """`pattern.search` within what is left of this output's time budget."""
+        start = time.perf_counter()
+        try:
+            return pattern.search(text, partial=partial, timeout=max(self.regex_budget_s, 1e-3))
+        except TimeoutError:
+            self.regex_budget_s = 0.0
+            raise StopRegexTimeout(
+                f"stop_regex {pattern.pattern[:60]!r} took over {STOP_REGEX_BUDGET_S:g} s to "
+                "search this output (it backtracks too much): simplify it"
+            ) from None
+        finally:
+            self.regex_budget_s -= time.perf_counter() - start
 
 
 def _compile(pattern: str) -> Any:
     import regex
 
     return regex.compile(pattern)
-
-
-def _regex_held_back(text: str, pattern: Any) -> int:
-    """Length of the suffix of `text` from the start of a partial match of `pattern` (text
-    that further output could turn into a match)."""
-    m = pattern.search(text, partial=True)
-    return len(text) - m.start() if m is not None else 0
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

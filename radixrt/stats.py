@@ -133,6 +133,9 @@ class EngineStats(SchedulerCounters, kw_only=True):
     grammar_compile_preemptions: Annotated[
         int, _doc("Grammar compiles stopped for a waiting one")
     ] = 0
+    grammar_compiler_failed: Annotated[
+        int, _doc("1 once the grammar compiler could not start or died (grammars get 503)")
+    ] = 0
     # retention hints (radixrt.scheduler.retention)
     retention_held_blocks: Annotated[int, _doc("Distinct KV blocks retention holds keep now")] = 0
     # speculative decoding (zero without a proposer)

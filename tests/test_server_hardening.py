@@ -181,7 +181,7 @@ def test_content_encoding_and_type(server):
         == 200
     )
     assert_400(server, COMP, b'{"prompt": "\xff\xfe"}', None)  # not UTF-8
-    assert_400(server, GEN, b'{"text": "a\\ud800"}', None)  # lone surrogate
+    assert_400(server, GEN, b'{"text": "a\\ud800"}', "text")  # lone surrogate: named
 
 
 def test_model_names(server, tiny_model_dir):

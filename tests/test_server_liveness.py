@@ -49,6 +49,17 @@ def test_liveness_counts_silence_only_while_there_is_work():
     assert live.stalled_for_s == 10.5
 
 
+def test_a_warm_scheduler_is_reported_stuck_within_30_s_by_default():
+    """A load balancer's probe budget: 30 s after warm-up (the warm-up limit stays long)."""
+    clock = Clock()
+    live = Liveness(StallPolicy(), clock)
+    live.on_finished()
+    live.on_work_sent(had_work=False)
+    clock.now += 30.5
+    assert live.check(has_work=True) is not None and live.stalled
+    assert StallPolicy().warmup_timeout_s >= 300
+
+
 def test_stall_policy_checks_its_values():
     with pytest.raises(ValueError, match="heartbeat"):
         StallPolicy(timeout_s=HEARTBEAT_S)

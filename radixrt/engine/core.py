@@ -58,6 +58,7 @@ class RequestDelta:
     error: str | None = None  # with FinishReason.ERROR: what failed
     invalid_request: bool = False  # with ERROR: the request's fault (bad grammar): a 400
     error_param: str | None = None  # with invalid_request: the SamplingParams field at fault
+    unavailable: bool = False  # with ERROR: a part it needs is down (a 503)
     new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
@@ -454,6 +455,7 @@ class EngineCore:
             else req.num_cached_tokens,
             error=req.error,
             invalid_request=req.invalid_request,
+            unavailable=req.unavailable,
             error_param=_constraint_field(req) if req.invalid_request else None,
             new_logprobs=req.output_logprobs[sent:] if p.logprobs else [],
             new_top_logprobs=req.output_top_logprobs[sent:] if p.top_logprobs else [],

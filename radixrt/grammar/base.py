@@ -26,6 +26,8 @@ class CompileOutcome:
     grammar: Any = None
     error: str | None = None
     internal: bool = False  # the error is the engine's (a 500), not the request's (a 400)
+    # with internal: the compiler is down for good (a 503: the replica cannot serve grammars)
+    unavailable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class GrammarStats:
     grammar_cache_bytes: int = 0  # bytes the cached grammars take now
     grammar_compile_timeouts: int = 0  # compiles stopped at the time limit (worker killed)
     grammar_compile_preemptions: int = 0  # compiles stopped for a waiting one (requeued)
+    grammar_compiler_failed: int = 0  # 1 once the compiler could not start or died
 
 
 class GrammarMatcher(Protocol):

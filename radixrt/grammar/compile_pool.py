@@ -257,6 +257,7 @@ class CompilePool:
             msg = self._template_conn.recv()
         except (EOFError, OSError):
             code = self._stop_template()
+            logger.error("the grammar compiler exited (%s): constrained requests get 503", code)
             self._fail_pool(f"internal error: the grammar compiler exited ({code})")
             return
         if isinstance(msg, Ready):

@@ -22,6 +22,7 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 from radixrt.grammar.spec import GrammarSpec
 
@@ -190,7 +191,7 @@ class _Worker:
                 schema = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
                 grammar = c.compile_grammar(no_surrogates(schema))
             elif spec.kind == "structural_tag":
-                grammar = c.compile_structural_tag(spec.text)
+                grammar = c.compile_structural_tag(compact_tag(spec.text, spec.field))
             else:
                 assert spec.kind == "ebnf", spec.kind
                 grammar = c.compile_grammar(no_surrogates(xgr.Grammar.from_ebnf(spec.text)))
@@ -206,6 +207,38 @@ class _Worker:
                 "token of the model's vocabulary starts a match)"
             )
         return grammar
+
+
+def compact_tag(text: str, field: str) -> str:
+    """A structural tag (JSON text) whose JSON-schema contents are compact JSON grammars, as
+    `json_schema` requests get: no free whitespace (a tool call's arguments cannot spend its
+    budget on blanks, and separators are forced), surrogates left out, and the schema
+    keywords checked (CompileError naming what is not enforced)."""
+    import xgrammar as xgr
+
+    from radixrt.grammar.json_schema_support import check_json_schema
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, list):
+            return [convert(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        schema = node.get("json_schema")
+        plain = node.get("style", "json") == "json" and not node.get("any_order")
+        if node.get("type") == "json_schema" and isinstance(schema, dict) and plain:
+            try:
+                check_json_schema(schema, field)
+            except ValueError as e:
+                raise CompileError(str(e)) from None
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            return {"type": "grammar", "grammar": str(no_surrogates(grammar))}
+        return {k: convert(v) for k, v in node.items()}
+
+    try:
+        tag = json.loads(text)
+    except ValueError:
+        return text  # the compile reports it
+    return json.dumps(convert(tag))
 
 
 def no_surrogates(grammar):

@@ -15,10 +15,26 @@ above what hand-written patterns use.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MAX_OPTIONAL_RUN = 64  # consecutive optional items in one sequence at most
 MAX_GROUP_NESTING = 32  # groups inside groups at most
+
+
+# the `regex` module's fuzzy-matching constraints: `{e}`, `{e<=2}`, `{i<=1,d<=1}`, `{2i+1s<=3}`
+_FUZZY = re.compile(r"(?<!\\)\{[\d\s<=,+eisd]*[eisd][\d\s<=,+eisd]*(?::[^{}]*)?\}")
+
+
+def check_not_fuzzy(regex: str, what: str = "regex") -> None:
+    """Raise ValueError when `regex` uses fuzzy matching (its search cost grows with the
+    allowed errors times the text, far beyond what plain patterns cost)."""
+    m = _FUZZY.search(regex)
+    if m is not None:
+        raise ValueError(
+            f"{what} uses fuzzy matching ({m.group()[:40]!r}), which is not supported; "
+            "escape a literal brace as \\{"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ from radixrt.grammar.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 
 MIN_BATCH_FILL = 8  # fewer stale masks are filled one by one (no thread hand-off)
-DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar's memory_size_bytes)
+DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (`Compiled.nbytes`)
 ERROR_ENTRY_BYTES = 1024  # what a cached compile error counts
 
 
@@ -33,6 +33,9 @@ class Compiled:
     # [W] int32 ANDed into every mask, or None. JSON schemas: tokens with raw control bytes
     # are banned (xgrammar 0.2.9 lets maxLength strings take them, which JSON forbids)
     and_mask: np.ndarray | None = None
+    # what the process holds for it: memory_size_bytes leaves out most of a deserialized
+    # grammar, whose serialized length tracks the rest (tests/test_server_grammar_rss.py)
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +87,12 @@ class XGrammarBackend:
         self._compiling: set[GrammarSpec] = set()  # the entries whose size is None
         self.mask_threads = mask_threads
         self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
+        self._encode: Callable[[str], list[int]] | None = None  # the tokenizer's, on first use
+        self._encode_tried = False
 
     def start(self) -> None:
-        """Start the compile workers (idempotent)."""
+        """Start the compile workers and load the tokenizer (idempotent)."""
+        self._encoder()
         if self._pool is None:
             self._pool = CompilePool(
                 self.setup, self.num_workers, self.compile_timeout_s, self._decode
@@ -123,15 +129,32 @@ class XGrammarBackend:
         if isinstance(error, CompileError):
             return CompileOutcome(error=str(error))
         assert isinstance(error, InternalCompileError), error
-        logger.error("compiling a %s failed: %s", ticket.spec.kind, error)
-        return CompileOutcome(error=str(error), internal=True)
+        down = self._pool is not None and self._pool.failure is not None
+        if not down:  # a failed compiler was logged once, when it failed
+            logger.error("compiling a %s failed: %s", ticket.spec.kind, error)
+        return CompileOutcome(error=str(error), internal=True, unavailable=down)
 
     def wait(self, tickets: Sequence[Ticket], timeout_s: float) -> None:
         if tickets:
             wait_futures([t.future for t in tickets], timeout_s, return_when=FIRST_COMPLETED)
 
     def new_matcher(self, grammar: Compiled) -> XGrammarMatcher:
-        return XGrammarMatcher(grammar, self.vocab_size)
+        return XGrammarMatcher(grammar, self.vocab_size, self._encoder())
+
+    def _encoder(self) -> Callable[[str], list[int]] | None:
+        """The model's tokenizer (text -> ids, no special tokens added), loaded once; None
+        when it does not load (forced strings then take xgrammar's split)."""
+        if not self._encode_tried:
+            self._encode_tried = True
+            from radixrt.hf_dir import load_tokenizer
+
+            try:
+                fast = load_tokenizer(self.setup.model_path).backend_tokenizer
+            except (OSError, ValueError) as e:
+                logger.warning("forced strings keep xgrammar's tokenization: %s", e)
+            else:
+                self._encode = lambda text: fast.encode(text, add_special_tokens=False).ids
+        return self._encode
 
     def fill_masks(self, matchers: Sequence[XGrammarMatcher]) -> None:
         """Compute the masks of the matchers whose state changed, in one call on
@@ -169,6 +192,7 @@ class XGrammarBackend:
             grammar_cache_bytes=c.bytes,
             grammar_compile_timeouts=p.num_timeouts if p else 0,
             grammar_compile_preemptions=p.num_preemptions if p else 0,
+            grammar_compiler_failed=int(self._pool is not None and self._pool.failure is not None),
         )
 
     def check_integrity(self) -> None:
@@ -214,20 +238,28 @@ class XGrammarBackend:
             self._info = xgr.TokenizerInfo.deserialize_json(ready.tokenizer_info_json)
             self._no_control = np.frombuffer(ready.no_control_mask, dtype=np.int32).copy()
         grammar = xgr.CompiledGrammar.deserialize_json(grammar_json, self._info)
-        return Compiled(grammar, self._no_control if spec.kind == "json_schema" else None)
+        and_mask = self._no_control if spec.kind == "json_schema" else None
+        nbytes = grammar.memory_size_bytes + len(grammar_json)
+        nbytes += 0 if and_mask is None else and_mask.nbytes
+        return Compiled(grammar, and_mask, nbytes)
 
 
 def _entry_bytes(compiled: Compiled) -> int:
-    extra = 0 if compiled.and_mask is None else compiled.and_mask.nbytes
-    return compiled.grammar.memory_size_bytes + extra
+    return compiled.nbytes
 
 
 class XGrammarMatcher:
     """GrammarMatcher on xgrammar's matcher; the mask of the current state is computed once
     (into a host int32 buffer) and reused by `next_mask` and `forced_token`."""
 
-    def __init__(self, grammar: Compiled, vocab_size: int) -> None:
+    def __init__(
+        self,
+        grammar: Compiled,
+        vocab_size: int,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self._matcher = xgr.GrammarMatcher(grammar.grammar)
+        self._encode = encode  # text -> token ids as the model's tokenizer writes them
         self._and_mask = grammar.and_mask
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, W] int32 cpu
         self._words = self._bitmask.numpy()[0]  # [W]: the current state's mask when _fresh
@@ -263,6 +295,19 @@ class XGrammarMatcher:
         return self._fill().tobytes()
 
     def forced_string_tokens(self) -> list[int]:
+        """Tokens of the string the grammar forces next: as the tokenizer writes it (what
+        the model was trained on) as far as the grammar takes those tokens, else xgrammar's
+        split of it. The matcher is left as it was."""
+        text = self._matcher.find_jump_forward_string() if self._encode else ""
+        if text:
+            ids, taken = self._encode(text), 0
+            for token in ids:
+                if not self._matcher.accept_token(token):
+                    break
+                taken += 1
+            if taken:
+                self._matcher.rollback(taken)
+                return ids[:taken]
         return list(self._matcher.find_jump_forward_tokens())
 
     def forced_token(self) -> int | None:

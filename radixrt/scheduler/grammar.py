@@ -203,7 +203,7 @@ class GrammarFeature(SchedulerFeature):
                 continue
             del tickets[req]
             if outcome.error is not None:
-                self._reject(req, outcome.error, invalid=not outcome.internal)
+                self._reject(req, outcome.error, not outcome.internal, outcome.unavailable)
                 continue
             self.stats.grammar_requests += 1
             try:
@@ -222,9 +222,10 @@ class GrammarFeature(SchedulerFeature):
         if g is None and not (self.jump_forward and self._jump_forward(req)):
             self._dead_end(req)  # after forced tokens (the start is checked at compile)
 
-    def _reject(self, req: Request, error: str, invalid: bool) -> None:
+    def _reject(self, req: Request, error: str, invalid: bool, unavailable: bool = False) -> None:
         """Finish a waiting request (an n > 1 request: all its children) with ERROR: the
-        client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500)."""
+        client's fault (`invalid_request`: a 400) or, not `invalid`, the engine's (a 500;
+        `unavailable`: the compiler is down, a 503)."""
         if invalid:
             self.stats.grammar_errors += 1
         else:
@@ -232,7 +233,7 @@ class GrammarFeature(SchedulerFeature):
         g = req.group
         seqs = [req] if g is None else list(g.children)
         for seq in seqs:
-            seq.error, seq.invalid_request = error, invalid
+            seq.error, seq.invalid_request, seq.unavailable = error, invalid, unavailable
         if g is None:
             self.lifecycle.stop(req, FinishReason.ERROR)
         else:
@@ -261,13 +262,17 @@ class GrammarFeature(SchedulerFeature):
 
     def _jump_forward(self, req: Request) -> bool:
         """Append the tokens the grammar forces (see the module docstring); True when that
-        finished the request. With `jump_forward_retokenize`, also the tokens of the string
-        the grammar forces (xgrammar's own tokenization of it: not output-identical)."""
+        finished the request. With `jump_forward_retokenize`, and always for a structural
+        tag, also the tokens of the string the grammar forces (xgrammar's own tokenization of
+        it: not output-identical)."""
         m, p = self._matchers[req], req.params
+        # a structural tag's fixed text (tool-call wrappers) sampled token by token comes out
+        # a character or two per token and spends the call's budget: append it whole
+        retokenize = self.jump_forward_retokenize or p.structural_tag is not None
         queue: list[int] = []
         while req.num_output < req.max_tokens:
             token = queue.pop(0) if queue else m.forced_token()
-            if token is None and self.jump_forward_retokenize:
+            if token is None and retokenize:
                 queue = m.forced_string_tokens()
                 token = queue.pop(0) if queue else None
             if token is None:

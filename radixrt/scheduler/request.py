@@ -64,6 +64,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: what went wrong
     invalid_request: bool = False  # with ERROR: the request's own fault (a bad grammar: 400)
+    unavailable: bool = False  # with ERROR: a part it needs is down (the grammar compiler: 503)
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     # when params.top_logprobs: per output token, the most likely (token, log-prob) pairs
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

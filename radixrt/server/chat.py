@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from radixrt.server.protocol import ApiError, ModelInfo
 
 
@@ -26,11 +28,38 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-def chat_messages(req_messages: list, model: ModelInfo) -> list[dict[str, str]]:
-    """The messages as the chat template takes them (text parts joined); ApiError for
-    parts that are not text or a conversation too long to fit."""
-    messages = []
+def check_chat_length(req_messages: list, tools: list | None, model: ModelInfo) -> None:
+    """ApiError when the text of a chat request cannot fit the context: the tools (names,
+    descriptions, parameter schemas as JSON), then everything (that plus the messages'
+    contents and their calls' arguments), at `ModelInfo.max_prompt_chars`. Linear in the
+    request and checked before anything is rendered, parsed or tokenized."""
     chars = 0
+    for t in tools or ():
+        f = t.function
+        chars += len(f.name) + len(f.description or "") + _json_chars(f.parameters)
+    model.check_text_length(chars, "tools")
+    for m in req_messages:
+        if isinstance(m.content, list):
+            chars += sum(len(p.text or "") for p in m.content)
+        else:
+            chars += len(m.content or "")
+        chars += len(m.reasoning_content or "")
+        for c in m.tool_calls or ():
+            chars += len(c.function.name) + _json_chars(c.function.arguments)
+    model.check_text_length(chars, "messages")
+
+
+def _json_chars(value: Any) -> int:
+    """Characters of a JSON text, or of an object written as JSON."""
+    if value is None:
+        return 0
+    return len(value) if isinstance(value, str) else len(msgspec.json.encode(value))
+
+
+def chat_messages(req_messages: list) -> list[dict[str, str]]:
+    """The messages as the chat template takes them (text parts joined); ApiError for
+    parts that are not text (their length: `check_chat_length`)."""
+    messages = []
     for i, m in enumerate(req_messages):
         if isinstance(m.content, list):
             bad = [p.type for p in m.content if p.type != "text" or p.text is None]
@@ -43,14 +72,12 @@ def chat_messages(req_messages: list, model: ModelInfo) -> list[dict[str, str]]:
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
-        chars += len(content)
         message = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
         if m.reasoning_content is not None:
             message["reasoning_content"] = m.reasoning_content
         messages.append(message)
-    model.check_text_length(chars, "messages")
     return messages
 
 

@@ -113,6 +113,10 @@ def unknown_names(body: bytes | msgspec.Raw, schema: type[msgspec.Struct]) -> li
     return out
 
 
+# unknown names remembered (and logged once each) at most: clients choose the names
+MAX_WARNED_NAMES = 1024
+
+
 class UnknownFields:
     """What a route does with names its schema does not declare: ignore them with one
     warning per name (`strict` False, vLLM's behaviour), or refuse the request (400 naming
@@ -133,9 +137,13 @@ class UnknownFields:
             )
         for name in names:
             key = f"{route}: {_generic(name)}"
-            if key not in self._warned:
+            if key not in self._warned and len(self._warned) < MAX_WARNED_NAMES:
                 self._warned.add(key)
                 logger.warning("ignoring field %s of %s: no schema defines it", name, route)
+                if len(self._warned) == MAX_WARNED_NAMES:
+                    logger.warning(
+                        "%d unknown field names seen: no more are logged", len(self._warned)
+                    )
 
 
 def _generic(name: str) -> str:

@@ -16,7 +16,8 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import msgspec
 from jinja2.exceptions import TemplateError
@@ -55,6 +56,7 @@ from radixrt.server.tenants import Tenants
 from radixrt.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Front:
@@ -92,6 +94,9 @@ class Front:
         self.calls: dict[int, asyncio.Future] = {}
         self.held = HeldRequests()  # finished requests that may hold their context
         self._scoped_reads: set[int] = set()  # one tenant's pressure reads: not every hold
+        # tokenizing and chat templates: long texts take seconds, which the event loop
+        # (every other request's streaming, /health) must not wait for
+        self.work = ThreadPoolExecutor(1, thread_name_prefix="radixrt-tokenize")
         self.outputs = FrontOutputs(
             metrics, self._send, self._decode, self.liveness.on_finished, self.held.add
         )
@@ -107,6 +112,12 @@ class Front:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.work.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the front's worker thread (request work that may take long:
+        chat templates, tokenizing); its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
 
     def stop_serving(self, reason: str) -> None:
         """Fail every in-flight request and refuse new ones (503) from now on (the
@@ -253,18 +264,32 @@ class Front:
                 tools=opts.tools,
                 **(opts.extra or {}),
             )
-        except (TemplateError, ValueError, TypeError) as e:  # ValueError: no template
-            raise ApiError(f"the chat template rejected the messages: {e}", "messages") from e
+        # ValueError: no template; the lookups fail where a template indexes messages or
+        # fields the request does not have (the request's fault, as a TemplateError is)
+        except (TemplateError, ValueError, TypeError, LookupError, AttributeError) as e:
+            raise ApiError(f"the chat template rejected the messages: {e!r}", "messages") from e
+
+    def encode(self, spec: GenerationSpec) -> list[list[int]]:
+        """Token ids of every prompt of `spec` (text is tokenized: run it `off_loop`)."""
+        special = spec.add_special_tokens
+        return [
+            self.tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
+            for p in spec.prompts
+        ]
 
     def generate(
-        self, spec: GenerationSpec, client_rid: str | None = None, tenant: str | None = None
+        self,
+        spec: GenerationSpec,
+        client_rid: str | None = None,
+        tenant: str | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> Generation:
-        """Tokenize and send one scheduler request per prompt of `spec` (n > 1: the
-        scheduler forks n children; beam_width: a beam search), made under `tenant` (None:
-        the server has no tenants). Raises ApiError (nothing is sent and no state is kept
-        then): 503 while not serving, 400 for a prompt that does not fit, n / beam_width
-        sequences that can never fit the KV pool or the running slots, or a client rid
-        already in flight."""
+        """Send one scheduler request per prompt of `spec` (n > 1: the scheduler forks n
+        children; beam_width: a beam search), made under `tenant` (None: the server has no
+        tenants). `prompt_ids`: the prompts' `encode`, done ahead off the event loop (None:
+        tokenized here). Raises ApiError (nothing is sent and no state is kept then): 503
+        while not serving, 400 for a prompt that does not fit, n / beam_width sequences that
+        can never fit the KV pool or the running slots, or a client rid already in flight."""
         if not self.serving:
             raise self.unavailable_error()
         if tenant is not None and self.tenants is not None:
@@ -272,7 +297,8 @@ class Front:
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         self._resolve_lora(spec)
-        prepared = [self._prepare(spec, p, i) for i, p in enumerate(spec.prompts)]
+        all_ids = self.encode(spec) if prompt_ids is None else prompt_ids
+        prepared = [self._prepare(spec, ids, i) for i, ids in enumerate(all_ids)]
         events = Outbox()
         groups: dict[str, list[RequestState]] = {}
         messages: list[ToScheduler] = []
@@ -371,22 +397,22 @@ class Front:
             num_choices,
             beam=beam,
             grammar_param=spec.grammar_param,
-            field_names={"max_tokens": spec.max_tokens_param, "prompt": spec.prompt_param},
+            field_names={
+                "max_tokens": spec.max_tokens_param,
+                "prompt": spec.prompt_param,
+                # beside n: "stop_regex" or "sampling_params.stop_regex"
+                "stop_regex": spec.n_param.removesuffix("n") + "stop_regex",
+            },
             tenant=tenant,
         )
 
-    def _prepare(
-        self, spec: GenerationSpec, prompt: str | list[int], index: int
-    ) -> tuple[list[int], int]:
-        """Token ids and max_tokens of one prompt, checked against the context length
-        (vLLM's rule): the prompt must leave room for one token; an explicit max_tokens
-        must fit after it; an absent one is the room left (at most the default)."""
+    def _prepare(self, spec: GenerationSpec, ids: list[int], index: int) -> tuple[list[int], int]:
+        """Token ids and max_tokens of one prompt (its `encode`), checked against the
+        context length (vLLM's rule): the prompt must leave room for one token; an explicit
+        max_tokens must fit after it; an absent one is the room left (at most the
+        default)."""
         assert self.ready is not None
         where = spec.prompt_param if len(spec.prompts) == 1 else f"{spec.prompt_param}[{index}]"
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=spec.add_special_tokens)
-        else:
-            ids = list(prompt)  # token ids: checked against the vocabulary by protocol
         if spec.truncate_prompt_tokens is not None:
             ids = ids[-spec.truncate_prompt_tokens :]
         try:

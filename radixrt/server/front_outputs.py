@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from radixrt.detokenizer import StopRegexTimeout
 from radixrt.grammar.api import SAMPLING_FIELDS
 from radixrt.server.messages import (
     AbortRequest,
@@ -180,7 +181,11 @@ class FrontOutputs:
                 st.logprobs += new_lps
             if new_top:
                 st.top_logprobs += new_top
-        text = st.detok.add(new_ids, final=final)
+        try:
+            text = st.detok.add(new_ids, final=final)
+        except StopRegexTimeout as e:
+            self._fail_stop_regex(st, e, final)
+            return len(new_ids)
         if text:
             st.text_parts.append(text)
         if st.detok.stopped and not st.stop_seen:
@@ -203,6 +208,15 @@ class FrontOutputs:
                 self._record_hold(st.tenant, st.client_id, out.rid, st.params.cache_ttl_s)
             self.finish(st, reason)
         return len(new_ids)
+
+    def _fail_stop_regex(self, st: RequestState, e: StopRegexTimeout, final: bool) -> None:
+        """A stop regex ran out of search time: the client's pattern ends this choice with
+        a 400 (the scheduler drops it unless it finished already)."""
+        param = st.field_names.get("stop_regex", "stop_regex")
+        self.fail(st, ApiError(str(e), param))
+        if not final:
+            index = st.choice if st.num_choices > 1 else None
+            self._send(AbortRequest(st.rid, reason="abort", index=index))
 
     def _on_beams(self, st: RequestState, out: TokenOut) -> int:
         """A beam search's only output: its sequences, best first ([] when aborted)."""

@@ -51,6 +51,7 @@ OPEN_PATHS = ("/health",)  # answer without an API key
 OPEN_WITHOUT_TENANTS = ("/metrics",)  # with tenants, these need the admin role
 ADMIN_PATHS = ("/metrics", "/kv_event_sources")  # with tenants: the admin role only
 DEBUG_PREFIX = "/debug/"  # with tenants: the admin role only
+RETRY_AFTER_S = 5  # a 503's Retry-After
 
 
 def create_app(
@@ -121,7 +122,10 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
         "rejected %s %s: %d %s (param %s)",
         request.method, request.path, err.status, err.message[:200], err.param,
     )  # fmt: skip
-    return json_response(err.body(), status=err.status)
+    response = json_response(err.body(), status=err.status)
+    if err.status == 503:  # the server's state, not the request: a router retries elsewhere
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
@@ -155,6 +159,11 @@ def _auth_middleware(api_key: str | None, tenants: Tenants | None) -> Callable:
 # ---- plain routes ----
 async def health(request: web.Request) -> web.Response:
     front = request.app[FRONT]
+    snap = front.outputs.snapshot
+    if front.serving and snap is not None and snap.stats.grammar_compiler_failed:
+        # the replica serves what needs no grammar; a balancer should prefer another
+        detail = "the grammar compiler failed: structured output and tool calls get 503"
+        return json_response({"status": "grammar_unavailable", "detail": detail}, status=503)
     if front.serving:
         return json_response({"status": "ok"})
     if front.dead:
@@ -214,6 +223,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     model = front.model_info()  # 503 while not serving
     g = parse_generate(await read_body(request), model, request.app[UNKNOWN_FIELDS])
     spec = g.gen
+    prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
     apply_tenant(spec.sampling, tenant)
     top = spec.sampling["top_logprobs"]
@@ -256,7 +266,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return m
 
     many = spec.batched or spec.n > 1  # a list of outputs; streamed events carry "index"
-    async with front.generate(spec, client_rid=g.rid, tenant=tenant) as gen:
+    async with front.generate(spec, g.rid, tenant, prompt_ids) as gen:
         if spec.stream:
             incremental = request.app[INCREMENTAL_STREAMING]
 

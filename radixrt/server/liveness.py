@@ -25,7 +25,9 @@ HEARTBEAT_S = 1.0  # the scheduler's longest silence while it runs steps
 class StallPolicy:
     """How long the scheduler may go without progress while it has work."""
 
-    timeout_s: float = 120.0  # after the first finished request: a step's cost at most
+    # after the first finished request: within a load balancer's probe budget, and far
+    # above one step (the heartbeat covers long prefill chunks)
+    timeout_s: float = 30.0
     warmup_timeout_s: float = 600.0  # until then (first steps compile kernels)
 
     def __post_init__(self) -> None:

@@ -150,12 +150,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     spec = parse_completion(
         await read_body(request), front.model_info(), request.app[UNKNOWN_FIELDS]
     )
+    prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
     apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "cmpl", "text_completion").head
     want_lp = spec.sampling["logprobs"]
     # known by the response's id: POST /abort and /release_cache_holds take it
-    async with front.generate(spec, client_rid=head["id"], tenant=tenant) as gen:
+    async with front.generate(spec, head["id"], tenant, prompt_ids) as gen:
         if spec.stream:
             offsets = [0] * len(gen.states)
 
@@ -206,19 +207,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    spec = parse_chat(
-        await read_body(request),
-        front.model_info(),
-        front.render_chat,
-        request.app[UNKNOWN_FIELDS],
-        tool_parser(request),
-    )
+    body, model = await read_body(request), front.model_info()
+    parse = (body, model, front.render_chat, request.app[UNKNOWN_FIELDS], tool_parser(request))
+    spec = await front.off_loop(parse_chat, *parse)  # renders the chat template
+    prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
     apply_tenant(spec.sampling, tenant)
     head = _Ids(request, "chatcmpl", "chat.completion").head
     want_lp = spec.sampling["logprobs"]
     # known by the response's id: POST /abort and /release_cache_holds take it
-    async with front.generate(spec, client_rid=head["id"], tenant=tenant) as gen:
+    async with front.generate(spec, head["id"], tenant, prompt_ids) as gen:
         if spec.stream:
             chead = {**head, "object": "chat.completion.chunk"}
             deltas = ChatDeltas(spec.tools)

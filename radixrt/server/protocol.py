@@ -5,6 +5,7 @@ tokenization). The per-API validation that builds specs is in `validate`.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ MAX_RID_CHARS = 256  # a client request id (/generate rid)
 # A text prompt longer than this many characters per token of context cannot fit; it is
 # refused before it is tokenized (tokenizing megabytes would stall every other request).
 MAX_CHARS_PER_TOKEN = 64
+MAX_TOOLS = 512  # functions offered by one chat request
 MODEL_ALIAS = "default"  # a `model` that always names the served model
 
 
@@ -160,6 +162,13 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as e:
         raise _validation_error(str(e), body) from None
     except msgspec.DecodeError as e:
+        where = _surrogate_at(body)
+        if where is not None:
+            raise ApiError(
+                f"invalid {where or 'JSON body'}: it holds a lone UTF-16 surrogate (\\ud800-"
+                "\\udfff without its pair), which is not Unicode text",
+                param=where or None,
+            ) from None
         raise ApiError(f"invalid JSON body: {e}") from None
     except RecursionError:
         where = too_deep_path(body.decode(errors="replace"))
@@ -167,8 +176,42 @@ def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
         raise ApiError(f"invalid {where or 'JSON body'}: {msg}", param=where) from None
 
 
+MAX_SHOWN_BODY_BYTES = 1 << 20  # bodies whose bad value an error message quotes
+
+
+def _surrogate_at(body: bytes) -> str | None:
+    """Where ("a.b[2]", "" for the body itself) the JSON `body` holds a string with a lone
+    surrogate (which msgspec refuses without saying where), or None: no such string, not
+    JSON, or too large to parse again."""
+    if len(body) > MAX_SHOWN_BODY_BYTES or b"\\u" not in body.lower():
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str) and _SURROGATE.search(node):
+            return where
+        if isinstance(node, dict):
+            for key, item in reversed(node.items()):
+                if _SURROGATE.search(key):
+                    return where  # the object whose key it is (the key cannot be shown)
+                path = f"{where}.{key}" if where else key
+                stack.append((item, path))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(node))))
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _value_at(body: bytes, where: str) -> str | None:
     """repr of the value at `where` ("a.b[2].c") in the JSON `body` (short), or None."""
+    if len(body) > MAX_SHOWN_BODY_BYTES:  # decoding it again to show a value costs too much
+        return None
     try:
         value: Any = msgspec.json.decode(body)
         for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", where):

@@ -204,7 +204,8 @@ class SchedulerLoop:
                 for d in (*finished, *changed):
                     if d.finish_reason == "error":  # failed on our side: a 500
                         message = d.error or "internal error"
-                        status = 400 if d.invalid_request else 500  # a bad grammar: 400
+                        # a bad grammar: 400; the grammar compiler down: 503
+                        status = 400 if d.invalid_request else 503 if d.unavailable else 500
                         errors.append(
                             RequestError(
                                 d.rid,

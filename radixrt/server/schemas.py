@@ -33,6 +33,7 @@ from radixrt.sampling import (
     MAX_TOP_LOGPROBS,
     MIN_PRIORITY,
 )
+from radixrt.server.protocol import MAX_TOOLS
 
 NEUTRAL = "neutral"  # key of `msgspec.Meta.extra`: the accepted values of a neutral field
 
@@ -222,7 +223,8 @@ class ToolDef(Body, kw_only=True):
 class ChatCompletionRequest(OpenAIFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, ints(0)] | None = None  # wins over max_tokens
-    tools: list[ToolDef] | None = None  # functions the model may call (radixrt.server.tools)
+    # functions the model may call (radixrt.server.tools)
+    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     # "none" | "auto" (the default with tools) | "required" | {"type": "function",
     # "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
@@ -395,7 +397,8 @@ class TokenizeRequest(Body, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
     chat_template: Annotated[Any, neutral(None, why="the model's own template only")] = None
-    tools: list[ToolDef] | None = None  # passed to the chat template with messages
+    # passed to the chat template with messages
+    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     mm_processor_kwargs: NoMultimodal = None
 
 

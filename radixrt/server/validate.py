@@ -23,8 +23,14 @@ from radixrt.grammar.api import (
     grammar_param,
     guided_kwargs,
 )
+from radixrt.grammar.regex_limits import check_not_fuzzy
 from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE
-from radixrt.server.chat import ChatTemplateOptions, chat_messages, template_options
+from radixrt.server.chat import (
+    ChatTemplateOptions,
+    chat_messages,
+    check_chat_length,
+    template_options,
+)
 from radixrt.server.fields import LENIENT, UnknownFields, decode_checked
 from radixrt.server.groups import check_beam_fields
 from radixrt.server.protocol import (
@@ -96,6 +102,11 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
         value = getattr(f, name)
         if value is not None:
             kw[name] = _stop_strings(value, p(name))
+    for pattern in kw.get("stop_regex", ()):
+        try:
+            check_not_fuzzy(pattern, p("stop_regex"))
+        except ValueError as e:
+            raise ApiError(str(e), p("stop_regex")) from None
     if f.stop_token_ids is not None:
         if len(f.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ApiError(
@@ -368,7 +379,8 @@ def parse_chat(
     sampling = _check_openai(req, model)
     if not req.messages:
         raise ApiError("messages is empty: at least one message is needed", param="messages")
-    messages = chat_messages(req.messages, model)
+    check_chat_length(req.messages, req.tools, model)
+    messages = chat_messages(req.messages)
     template_messages(messages, req.messages)
     tool_req = parse_tools(req, tool_parser)
     options = template_options(
@@ -439,6 +451,12 @@ def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIE
     if req.rid is not None:
         check_rid(req.rid)
     sp = req.sampling_params
+    if None not in (sp.max_new_tokens, sp.max_tokens) and sp.max_new_tokens != sp.max_tokens:
+        raise ApiError(
+            f"sampling_params.max_tokens={_short(sp.max_tokens)} and max_new_tokens="
+            f"{_short(sp.max_new_tokens)} disagree: set one of them",
+            "sampling_params.max_tokens",
+        )
     max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_tokens
     _check_max_tokens(max_tokens, "sampling_params.max_new_tokens")
     if sp.sampling_seed is not None and sp.seed is None:

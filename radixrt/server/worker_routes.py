@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from radixrt.server.chat import chat_messages, template_options
+from radixrt.server.chat import chat_messages, check_chat_length, template_options
 from radixrt.server.fields import decode_checked
 from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_response, read_body
 from radixrt.server.kv_publisher import KVEventsConfig
@@ -314,8 +314,11 @@ async def tokenize(request: web.Request) -> web.Response:
             raise ApiError(f"prompt has over {model.max_prompt_chars} characters", "prompt")
         text, special = req.prompt, req.add_special_tokens is not False
     else:
-        messages = chat_messages(req.messages or [], model)
-        template_messages(messages, req.messages or [])
+        if not req.messages:  # chat templates index the last message
+            raise ApiError("messages is empty: at least one message is needed", "messages")
+        check_chat_length(req.messages, req.tools, model)
+        messages = chat_messages(req.messages)
+        template_messages(messages, req.messages)
         options = template_options(
             req.add_generation_prompt,
             req.continue_final_message,
@@ -323,8 +326,9 @@ async def tokenize(request: web.Request) -> web.Response:
             messages,
             checked_tools(req.tools)[1] if req.tools else None,
         )
-        text, special = front.render_chat(messages, options), bool(req.add_special_tokens)
-    ids = front.tokenizer.encode(text, add_special_tokens=special)
+        text = await front.off_loop(front.render_chat, messages, options)
+        special = bool(req.add_special_tokens)
+    ids = await front.off_loop(lambda: front.tokenizer.encode(text, add_special_tokens=special))
     out: dict[str, Any] = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = front.tokenizer.convert_ids_to_tokens(ids)

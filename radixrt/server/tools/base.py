@@ -90,6 +90,6 @@ def held_back(text: str, marker: str) -> int:
 
 def arguments_format(tool: Tool) -> dict[str, Any]:
     """xgrammar structural-tag format of a call's arguments: JSON matching the tool's
-    schema, at most one blank between tokens (a model cannot fill its budget with them)."""
+    schema (the compile makes it compact JSON: `radixrt.grammar.compile_worker.compact_tag`)."""
     schema = tool.parameters or {"type": "object"}
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}

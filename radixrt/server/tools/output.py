@@ -3,6 +3,7 @@ whole or streamed."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from radixrt.server.tools.request import ToolRequest
@@ -19,6 +20,7 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolRequest | None
     if tools is None or tools.fmt is None:
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = parse_calls(tools.fmt, text)
+    calls = [c for c in calls if _is_object(c.arguments)]  # a call cut short is dropped
     if not calls:
         return {"role": "assistant", "content": content}, finish_reason
     message: dict[str, Any] = {
@@ -30,6 +32,14 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolRequest | None
         ],
     }
     return message, _reason(finish_reason, len(calls))
+
+
+def _is_object(arguments: str) -> bool:
+    """The arguments are a whole JSON object (not the start of one that `max_tokens` cut)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 class ChatDeltas:

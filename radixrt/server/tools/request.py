@@ -72,6 +72,7 @@ def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
     chat template takes them."""
     tools: list[Tool] = []
     template_tools: list[dict] = []
+    names: set[str] = set()
     for i, t in enumerate(defs):
         p = f"tools[{i}]"
         if t.type != "function":
@@ -83,8 +84,9 @@ def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
                 "underscores, dots or dashes",
                 f"{p}.function.name",
             )
-        if any(x.name == f.name for x in tools):
+        if f.name in names:
             raise ApiError(f"{p}.function.name {f.name!r} is offered twice", f"{p}.function.name")
+        names.add(f.name)
         params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
         check_schema(params, f"{p}.function.parameters")
         tools.append(Tool(f.name, params, f.description))
@@ -142,9 +144,17 @@ def _choice(value: Any) -> tuple[str, str | None]:
 def template_messages(messages: list[dict], raw: list[Any]) -> None:
     """Add the call history of the request's messages `raw` to the template's `messages`
     (in place): an assistant's `tool_calls` (arguments as objects, as templates
-    `tojson` them) and a tool message's `tool_call_id`. ApiError naming the field."""
+    `tojson` them) and a tool message's `tool_call_id`. ApiError naming the field: a call
+    needs an `id`, and a tool message answers a call made earlier in the messages."""
+    call_ids: set[str] = set()
     for i, (m, r) in enumerate(zip(messages, raw)):
         if r.tool_call_id is not None:
+            if r.role == "tool" and r.tool_call_id not in call_ids:
+                raise ApiError(
+                    f"messages[{i}].tool_call_id={r.tool_call_id[:80]!r} answers no call of "
+                    "an earlier assistant message",
+                    f"messages[{i}].tool_call_id",
+                )
             m["tool_call_id"] = r.tool_call_id
         if not r.tool_calls:
             continue
@@ -153,6 +163,13 @@ def template_messages(messages: list[dict], raw: list[Any]) -> None:
                            f"messages[{i}].tool_calls")  # fmt: skip
         calls = []
         for j, c in enumerate(r.tool_calls):
+            if not c.id:
+                raise ApiError(
+                    f"messages[{i}].tool_calls[{j}].id is missing: a call needs the id its "
+                    "tool message answers",
+                    f"messages[{i}].tool_calls[{j}].id",
+                )
+            call_ids.add(c.id)
             p = f"messages[{i}].tool_calls[{j}].function.arguments"
             args = c.function.arguments
             if isinstance(args, str):

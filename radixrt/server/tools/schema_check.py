@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixrt.grammar.json_schema_support import check_json_schema
 from radixrt.json_depth import MAX_JSON_DEPTH, value_depth_exceeds
 from radixrt.server.protocol import ApiError
 
@@ -26,6 +27,10 @@ def check_schema(schema: Any, param: str) -> None:
     if schema.get("type", "object") != "object":
         raise ApiError(f'{param}.type must be "object" (the arguments are an object)', param)
     _check(schema, param, param)
+    try:  # the keywords the grammar enforces, as for response_format
+        check_json_schema(schema, param)
+    except ValueError as e:
+        raise ApiError(str(e), param) from None
 
 
 def _check(schema: Any, where: str, param: str) -> None:
