@@ -63,8 +63,9 @@ def resolve_max_tokens(
         return room if default is None else min(room, default)
     if max_tokens > room:
         raise RequestValueError(
-            f"{max_tokens_param}={max_tokens} does not fit: {prompt} has {prompt_len} tokens "
-            f"and the context length is {max_model_len}, so at most {room} new tokens fit",
+            f"{max_tokens_param}={max_tokens} does not fit: this model's maximum context length "
+            f"is {max_model_len} tokens, and {prompt_len + max_tokens} were requested "
+            f"({prompt_len} in {prompt} + {max_tokens}); at most {room} new tokens fit",
             max_tokens_param,
         )
     return max_tokens

@@ -89,7 +89,7 @@ def test_stop_conditions(make_engine, overlap):
     # context length: an explicit max_tokens must fit; None means all the room left
     small = make_engine(prefix_cache="none", max_model_len=20)
     ids = small.tokenizer.encode(PROMPTS[0])
-    with pytest.raises(ValueError, match=f"max_tokens=24 does not fit.*{len(ids)} tokens"):
+    with pytest.raises(ValueError, match=f"max_tokens=24 does not fit.*{len(ids)} in the prompt"):
         small.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
     room = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
     out = small.generate(prompt_token_ids=[ids], sampling_params=room)[0]
