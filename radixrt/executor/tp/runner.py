@@ -87,7 +87,10 @@ class TensorParallelRunner:
         ]
         self.size = size
         self.broken: str | None = None
-        self.workers = WorkerSet(args)
+        # CUDA: a dead rank's peers would hang in NCCL kernels; the process group's abort frees
+        # them (a no-op before the group exists)
+        abort = _abort_process_group if torch.device(cfg.device).type == "cuda" else None
+        self.workers = WorkerSet(args, on_failure=abort)
         self.group: TPGroup | None = None
         try:
             self.workers.wait_started(STARTUP_TIMEOUT_S)
@@ -98,8 +101,6 @@ class TensorParallelRunner:
                 torch.set_num_threads(threads)
             with self._watched("startup"):
                 self.group = TPGroup(0, size, device, store)
-                if device.type == "cuda":
-                    self.workers.on_failure = _abort_process_group
                 self.local = ModelRunner(
                     dataclasses.replace(cfg, device=str(device)),
                     model_config,

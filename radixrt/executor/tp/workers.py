@@ -51,8 +51,11 @@ class WorkerArgs:
 
 
 class WorkerSet:
-    def __init__(self, args: list[WorkerArgs]) -> None:
-        """Start one process per entry of `args` (ranks 1..size-1) and the watchdog."""
+    def __init__(
+        self, args: list[WorkerArgs], on_failure: Callable[[], None] | None = None
+    ) -> None:
+        """Start one process per entry of `args` (ranks 1..size-1) and the watchdog, which runs
+        `on_failure` after the first failure (see the module docstring)."""
         self.ranks = [a.rank for a in args]
         self.procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
@@ -60,7 +63,7 @@ class WorkerSet:
         self._hello: set[int] = set()
         self._cond = threading.Condition()
         self.failure: str | None = None
-        self.on_failure: Callable[[], None] | None = None
+        self.on_failure = on_failure
         self._closing = False  # close() asked the workers to exit
         self._closed = False
         self._stop_r, self._stop_w = os.pipe()
