@@ -356,8 +356,12 @@ class SchedulerConfig:
         "share of the KV pool retention hints (`cache_ttl_s`) may hold (a running request "
         "that needs more blocks takes holds, youngest first)",
     )
+    # what one tenant's holds leave the others: RESULTS.md, "Tenants"
     retention_max_tenant_share: float = option(
-        1.0, "share of the KV pool one cache salt's holds may keep"
+        0.25,
+        "share of the KV pool one tenant's holds may keep, over all its cache salts (a keys "
+        "file's `retention_share=` sets it per tenant); without API keys there is one tenant, "
+        "bounded by `retention_max_share` only",
     )
     retention_max_ttl_s: float = option(600.0, "a retention hint's time to live at most")
     num_speculative_tokens: int = option(4, "drafts per decode row, 1..16")

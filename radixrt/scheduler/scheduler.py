@@ -40,7 +40,7 @@ from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
 from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
@@ -249,12 +249,17 @@ class Scheduler:
         return children
 
     def add_beam_search(
-        self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        max_tokens: int,
+        tenant: Tenant | None = None,
     ) -> Request:
-        """Queue a beam search (`max_tokens` resolved against the context). The returned
-        request gets one output when the search ends: `group.beam.finished`, best first.
-        Raises ValueError on bad input (nothing is queued)."""
-        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens)
+        """Queue a beam search (`max_tokens` resolved against the context) of `tenant`. The
+        returned request gets one output when the search ends: `group.beam.finished`, best
+        first. Raises ValueError on bad input (nothing is queued)."""
+        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens, tenant)
         self._check_fits(req, params.beam_width, "beam_width")
         self.groups.add_group(self.groups.make_group(req, [beam], state))
         return req
