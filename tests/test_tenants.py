@@ -254,6 +254,40 @@ def test_priority_orders_admission_then_ages():
     waiting[0].waited_steps = 60  # 5 - 60 // 10 = -1: level with r2, earlier in the queue
     assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 10)][:2] == ["r0", "r2"]
     assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 0)][0] == "r2"
+    # the overdue go first, in queue order, whatever their priority
+    late = lambda r: r.rid in ("r3", "r0")
+    assert [r.rid for r in order_waiting(waiting, "lpm", match, 4.0, 0, late)] == [
+        "r0", "r3", "r2", "r1"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("max_wait_s", [10.0, 0.0])
+def test_a_request_of_the_lowest_priority_starts_within_the_wait_bound(max_wait_s):
+    """A flood at the most urgent priority keeps the slots busy and the queue full; a request
+    at the least urgent one starts once it waited `priority_max_wait_s` (aging by steps would
+    take (gap * priority_aging_steps) steps), and without the bound it is still waiting."""
+    clock = FakeClock()
+    sched = SchedulerConfig(policy="lpm", max_running_requests=2, priority_max_wait_s=max_wait_s)
+    cfg = EngineConfig(model_path="-", overlap_schedule=False, scheduler=sched)
+    runner = ScriptedRunner(2, 16)
+    core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=64, clock=clock)
+    flood = SamplingParams(max_tokens=4, ignore_eos=True, priority=-10)
+    core.add_request([900] * 20, SamplingParams(max_tokens=4, ignore_eos=True, priority=10), "low")
+    low = core.scheduler.queues.requests["low"]
+    started_at, n = None, 0
+    while clock.now < 60 and started_at is None:
+        while len(core.scheduler.queues.waiting) < 6:  # the flood never lets up
+            n += 1
+            core.add_request([1000 + n] * 20, flood, f"f{n}")
+        core.step()
+        if low.num_computed > 0:
+            started_at = clock.now
+        clock.now += 0.05
+    if max_wait_s:
+        assert started_at is not None and started_at <= max_wait_s + 1, started_at
+    else:
+        assert started_at is None  # a 20-level gap ages away only after 5,120 steps
+    core.check_integrity()
 
 
 def test_priority_admits_first_and_preempts_last():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,11 +82,13 @@ class EngineCore:
         runner: Runner | None = None,
         num_kv_blocks: int | None = None,
         grammar_backend: GrammarBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`runner` replaces the ModelRunner (scripted runners in tests and simulations,
         which then give `num_kv_blocks`). `grammar_backend` serves structured output
         (radixrt.grammar.base.GrammarBackend); None: xgrammar's, made lazily for the model's
-        tokenizer when the ModelRunner is used and xgrammar is installed."""
+        tokenizer when the ModelRunner is used and xgrammar is installed. `clock`: the
+        scheduler's seconds (how long requests wait, retention holds' times)."""
         self.config = cfg
         self.model_config = model_config
         self.max_model_len = resolve_max_model_len(
@@ -135,6 +138,7 @@ class EngineCore:
             max_graph_tokens=runner.max_graph_tokens if own_runner else 0,
             overlap=cfg.overlap_schedule,
             max_loras=cfg.lora.max_loras,
+            clock=clock,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None

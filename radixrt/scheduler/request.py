@@ -89,6 +89,7 @@ class Request:
     index: int = 0  # a fork child's index (choice) in its group
     reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
     tenant: Tenant | None = None  # None: the server has no tenants (one tenant)
+    queued_at: float = 0.0  # the scheduler's clock when it was queued (the wait bound)
 
     @property
     def cache_salt(self) -> str | None:
