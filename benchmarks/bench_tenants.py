@@ -6,10 +6,11 @@
   bounded by the default per-tenant share, by 1.0 (only the pool's `retention_max_share`, as
   before per-tenant bounds), and a without hints (plain LRU).
 - starvation: 24 threads of one tenant flood the server at the most urgent priority it may
-  claim (-R; prompts and outputs long enough to fill the pool, so requests queue); a request
-  of it at the least urgent one (R) is sent during the flood. Per configuration and R (10,
-  1000): its time to first token and to its end. Configurations: the default
-  `priority_max_wait_s` and 0 (aging by steps only, one level per 256 steps).
+  claim (-R; 600-token prompts, so a few fill the pool and the rest always queue); a request
+  of it at the least urgent one (R) is sent 5 s into the flood. Per configuration and R (10,
+  1000; `--repeats` floods, one after another, on one server): its time to first token and
+  to its end. Configurations: the default `priority_max_wait_s` and 0 (aging by steps only,
+  one level per 256 steps).
 
     python -m benchmarks.bench_tenants --scenario retention,starvation
 Prints one markdown table per scenario.
@@ -30,6 +31,8 @@ import urllib.request
 from benchmarks.http_driver import ServerProcess
 
 POOL_BLOCKS = 256
+# a flood request's tokens: a few fill the pool, so most of the 24 always wait
+FLOOD_PROMPT, FLOOD_OUTPUT = 600, 64
 # the starvation scenario's tenants may claim priorities -R (first) .. R
 RANGES = {"narrow": 10, "wide": 1000}
 KEYS = "".join(
@@ -95,7 +98,7 @@ def retention(model: str, keys_path: str, log: str) -> None:
         print(f"| {name} | {', '.join(map(str, rounds))} | {held} |")
 
 
-def starvation(model: str, keys_path: str, log: str, timeout_s: float) -> None:
+def starvation(model: str, keys_path: str, log: str, timeout_s: float, repeats: int) -> None:
     configs = [
         ("`priority_max_wait_s` 10 (default)", []),
         ("0 (aging by steps only)", ["--priority-max-wait-s", "0"]),
@@ -106,23 +109,36 @@ def starvation(model: str, keys_path: str, log: str, timeout_s: float) -> None:
     print("|---|---|---|---|---|")
     for (name, args), tenant in itertools.product(configs, RANGES):
         r = RANGES[tenant]
+        runs = []
         with serve(model, keys_path, log, *args) as srv:
-            stop, done = threading.Event(), [0]
-            threads = [
-                threading.Thread(target=_flood, args=(srv.url, tenant, t, stop, done), daemon=True)
-                for t in range(24)
-            ]
-            for th in threads:
-                th.start()
-            time.sleep(5)  # the pool fills and requests queue
-            before = done[0]
-            first, end = _timed_stream(srv.url, tenant, timeout_s)
-            flood_done = done[0] - before
-            stop.set()
-            for th in threads:
-                th.join(timeout=120)
-        shown = [f"> {timeout_s:.0f}" if x is None else f"{x:.1f}" for x in (first, end)]
-        print(f"| {name} | -{r}..{r} | {shown[0]} | {shown[1]} | {flood_done} |")
+            for _ in range(repeats):
+                runs.append(_starve_once(srv.url, tenant, timeout_s))
+        shown = [
+            ", ".join(f"> {timeout_s:.0f}" if x is None else f"{x:.1f}" for x in column)
+            for column in list(zip(*runs))[:2]
+        ]
+        shown += [", ".join(str(run[2]) for run in runs)]
+        print(f"| {name} | -{r}..{r} | {' | '.join(shown)} |")
+
+
+def _starve_once(url: str, tenant: str, timeout_s: float) -> tuple:
+    """(first token s, end s, flood requests done meanwhile) of one low request sent 5 s
+    into a flood."""
+    stop, done = threading.Event(), [0]
+    threads = [
+        threading.Thread(target=_flood, args=(url, tenant, t, stop, done), daemon=True)
+        for t in range(24)
+    ]
+    for th in threads:
+        th.start()
+    time.sleep(5)  # the pool fills and requests queue
+    before = done[0]
+    first, end = _timed_stream(url, tenant, timeout_s)
+    flood_done = done[0] - before
+    stop.set()
+    for th in threads:
+        th.join(timeout=300)
+    return first, end, flood_done
 
 
 def _flood(url: str, tenant: str, t: int, stop: threading.Event, done: list[int]) -> None:
@@ -131,8 +147,8 @@ def _flood(url: str, tenant: str, t: int, stop: threading.Event, done: list[int]
     priority = -RANGES[tenant]
     n = 0
     while not stop.is_set():
-        ids = [300 + (t * 97 + n * 13 + j) % 1500 for j in range(200)]
-        sp = {"max_new_tokens": 100, "ignore_eos": True, "temperature": 0}
+        ids = [300 + (t * 97 + n * 13 + j) % 1500 for j in range(FLOOD_PROMPT)]
+        sp = {"max_new_tokens": FLOOD_OUTPUT, "ignore_eos": True, "temperature": 0}
         try:
             post(url, key(tenant), {"input_ids": ids, "sampling_params": sp, "priority": priority})
         except OSError:
@@ -171,6 +187,7 @@ def main() -> None:
     ap.add_argument("--scenario", default="retention,starvation")
     ap.add_argument("--model", default=None, help="default: the tiny model")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="the low request's")
+    ap.add_argument("--repeats", type=int, default=3, help="low requests per starvation row")
     args = ap.parse_args()
     model = args.model or ensure_tiny_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,7 +199,7 @@ def main() -> None:
         if "retention" in scenarios:
             retention(model, keys_path, log)
         if "starvation" in scenarios:
-            starvation(model, keys_path, log, args.timeout_s)
+            starvation(model, keys_path, log, args.timeout_s, args.repeats)
 
 
 if __name__ == "__main__":
