@@ -350,14 +350,24 @@ class SchedulerConfig:
         "each this many waited steps make a request one priority level more urgent; 0: no aging",
         cli=False,
     )
+    # the starvation bound under a flood of the most urgent priority: RESULTS.md, "Tenants"
+    priority_max_wait_s: float = option(
+        10.0,
+        "a request waiting this long goes ahead of every priority level (the overdue in "
+        "arrival order); 0: no bound",
+    )
     # the held share's trade-off: RESULTS.md, "Program suite"
     retention_max_share: float = option(
         0.8,
         "share of the KV pool retention hints (`cache_ttl_s`) may hold (a running request "
         "that needs more blocks takes holds, youngest first)",
     )
+    # what one tenant's holds leave the others: RESULTS.md, "Tenants"
     retention_max_tenant_share: float = option(
-        1.0, "share of the KV pool one cache salt's holds may keep"
+        0.25,
+        "share of the KV pool one tenant's holds may keep, over all its cache salts (a keys "
+        "file's `retention_share=` sets it per tenant); without API keys there is one tenant, "
+        "bounded by `retention_max_share` only",
     )
     retention_max_ttl_s: float = option(600.0, "a retention hint's time to live at most")
     num_speculative_tokens: int = option(4, "drafts per decode row, 1..16")
@@ -395,6 +405,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"retention_max_ttl_s must be in [0, {MAX_CACHE_TTL_S}], "
                 f"got {self.retention_max_ttl_s}"
+            )
+        if not self.priority_max_wait_s >= 0:
+            raise ValueError(
+                f"priority_max_wait_s must be >= 0 (0: no bound), got {self.priority_max_wait_s}"
             )
         if self.priority_aging_steps < 0:
             raise ValueError(

@@ -16,7 +16,7 @@ from radixrt.engine.core import EngineCore
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 from radixrt.scheduler.policy import order_waiting
-from radixrt.scheduler.request import Request
+from radixrt.scheduler.request import Request, Tenant
 from radixrt.testing import ScriptedRunner, scripted_model_config
 
 MODEL = scripted_model_config(4096)
@@ -254,6 +254,40 @@ def test_priority_orders_admission_then_ages():
     waiting[0].waited_steps = 60  # 5 - 60 // 10 = -1: level with r2, earlier in the queue
     assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 10)][:2] == ["r0", "r2"]
     assert [r.rid for r in order_waiting(waiting, "fcfs", match, 4.0, 0)][0] == "r2"
+    # the overdue go first, in queue order, whatever their priority
+    late = lambda r: r.rid in ("r3", "r0")
+    assert [r.rid for r in order_waiting(waiting, "lpm", match, 4.0, 0, late)] == [
+        "r0", "r3", "r2", "r1"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("max_wait_s", [10.0, 0.0])
+def test_a_request_of_the_lowest_priority_starts_within_the_wait_bound(max_wait_s):
+    """A flood at the most urgent priority keeps the slots busy and the queue full; a request
+    at the least urgent one starts once it waited `priority_max_wait_s` (aging by steps would
+    take (gap * priority_aging_steps) steps), and without the bound it is still waiting."""
+    clock = FakeClock()
+    sched = SchedulerConfig(policy="lpm", max_running_requests=2, priority_max_wait_s=max_wait_s)
+    cfg = EngineConfig(model_path="-", overlap_schedule=False, scheduler=sched)
+    runner = ScriptedRunner(2, 16)
+    core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=64, clock=clock)
+    flood = SamplingParams(max_tokens=4, ignore_eos=True, priority=-10)
+    core.add_request([900] * 20, SamplingParams(max_tokens=4, ignore_eos=True, priority=10), "low")
+    low = core.scheduler.queues.requests["low"]
+    started_at, n = None, 0
+    while clock.now < 60 and started_at is None:
+        while len(core.scheduler.queues.waiting) < 6:  # the flood never lets up
+            n += 1
+            core.add_request([1000 + n] * 20, flood, f"f{n}")
+        core.step()
+        if low.num_computed > 0:
+            started_at = clock.now
+        clock.now += 0.05
+    if max_wait_s:
+        assert started_at is not None and started_at <= max_wait_s + 1, started_at
+    else:
+        assert started_at is None  # a 20-level gap ages away only after 5,120 steps
+    core.check_integrity()
 
 
 def test_priority_admits_first_and_preempts_last():
@@ -558,6 +592,37 @@ def test_retention_lineages_keep_the_oldest_and_give_way_youngest_first():
     core.add_request([950 + j for j in range(31)], hold, rid="z0")  # 8 blocks: no room
     run(core)
     assert set(retention.holds) == {"x1"} and stats.retention_refused == 1
+    core.check_integrity()
+
+
+def test_retention_bounds_each_tenant_over_all_its_salts():
+    """A tenant's holds stay within its share however many cache salts it uses (a bound per
+    salt let one tenant hold the pool with many salts), the holds of another tenant are not
+    given up for it, a tenant's own `retention_share` overrides the default, and requests
+    without a tenant are bounded by the pool's share only (as before tenants)."""
+    core = make_core(num_kv_blocks=80, retention_max_share=0.8, retention_max_tenant_share=0.25)
+    retention = core.scheduler.retention
+    a, b, c = Tenant("a"), Tenant("b"), Tenant("c", retention_share=0.5)
+
+    def hold(tenant, base, n, salt_prefix):
+        for i in range(n):  # 40 tokens with the output: 10 blocks each
+            sp = SamplingParams(max_tokens=1, cache_ttl_s=60, cache_salt=f"{salt_prefix}{i}")
+            core.add_request([base + 50 * i + j for j in range(39)], sp, tenant=tenant)
+            run(core)
+
+    hold(b, 3500, 1, "b")
+    hold(a, 1000, 5, "a")  # five salts of one tenant: two holds fit its 20 blocks
+    assert retention.num_tenant_held_blocks("a") == 20 and retention.num_held_blocks == 30
+    assert retention.num_tenant_held_blocks("b") == 10  # b's older hold stays
+    hold(c, 2000, 5, "c")  # its own share is 40 blocks, but the pool's bound leaves it 34
+    assert retention.num_tenant_held_blocks("c") == 30 and retention.num_held_blocks == 60
+    pressure = core.cache_pressure(lambda salt: salt is not None and salt[0] == "c", c)
+    assert (pressure.held_blocks, pressure.max_held_blocks) == (30, 40)
+    core.check_integrity()
+
+    core = make_core(num_kv_blocks=80, retention_max_share=0.8, retention_max_tenant_share=0.25)
+    hold(None, 1000, 8, "s")  # no tenants: one tenant, the pool's bound only
+    assert core.scheduler.retention.num_held_blocks == 60
     core.check_integrity()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
 from radixrt.stats import CachePressure, EngineStats
@@ -82,11 +83,13 @@ class EngineCore:
         runner: Runner | None = None,
         num_kv_blocks: int | None = None,
         grammar_backend: GrammarBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`runner` replaces the ModelRunner (scripted runners in tests and simulations,
         which then give `num_kv_blocks`). `grammar_backend` serves structured output
         (radixrt.grammar.base.GrammarBackend); None: xgrammar's, made lazily for the model's
-        tokenizer when the ModelRunner is used and xgrammar is installed."""
+        tokenizer when the ModelRunner is used and xgrammar is installed. `clock`: the
+        scheduler's seconds (how long requests wait, retention holds' times)."""
         self.config = cfg
         self.model_config = model_config
         self.max_model_len = resolve_max_model_len(
@@ -136,6 +139,7 @@ class EngineCore:
             max_graph_tokens=runner.max_graph_tokens if own_runner else 0,
             overlap=cfg.overlap_schedule,
             max_loras=cfg.lora.max_loras,
+            clock=clock,
         )
         self._ids = itertools.count()
         self._inflight: tuple[StepPlan, StepHandle] | None = None
@@ -160,11 +164,15 @@ class EngineCore:
         self.scheduler.overlap = on
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        tenant: Tenant | None = None,
     ) -> str:
-        """Queue one request; returns its id (generated when `rid` is None). Raises
-        ValueError on bad input (nothing is queued then): a RequestValueError naming the
-        field at fault where one is."""
+        """Queue one request of `tenant` (None: no tenants); returns its id (generated when
+        `rid` is None). Raises ValueError on bad input (nothing is queued then): a
+        RequestValueError naming the field at fault where one is."""
         ids = self._check_ids(prompt_ids)
         self._check_lora(params.lora)
         vocab = self.model_config.vocab_size
@@ -178,7 +186,12 @@ class EngineCore:
         if rid is None:
             rid = self._new_rid()
         req = Request(
-            rid=rid, prompt_len=len(ids), seq_token_ids=ids, params=params, max_tokens=max_tokens
+            rid=rid,
+            prompt_len=len(ids),
+            seq_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            tenant=tenant,
         )
         if params.n > 1:
             # deltas come per child: rid fork_rid(rid, i), parent_rid rid, index i
@@ -190,17 +203,21 @@ class EngineCore:
         return rid
 
     def add_beam_search(
-        self, prompt_ids: Sequence[int], params: BeamSearchParams, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        rid: str | None = None,
+        tenant: Tenant | None = None,
     ) -> str:
-        """Queue a beam search; its one delta (when it ends) carries `beams`, best first.
-        Raises ValueError on bad input (nothing is queued then)."""
+        """Queue a beam search of `tenant`; its one delta (when it ends) carries `beams`, best
+        first. Raises ValueError on bad input (nothing is queued then)."""
         ids = self._check_ids(prompt_ids)
         self._check_lora(params.lora)
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if max_tokens < 1:
             raise RequestValueError("beam search needs room for at least one token in the context")
         rid = rid if rid is not None else self._new_rid()
-        self.scheduler.add_beam_search(rid, ids, params, max_tokens)
+        self.scheduler.add_beam_search(rid, ids, params, max_tokens, tenant)
         self._sent[rid] = 0
         return rid
 
@@ -311,11 +328,14 @@ class EngineCore:
         when it holds nothing (never had a hint, expired, or released for room)."""
         return self.scheduler.retention.release(rid)
 
-    def cache_pressure(self, salts: Callable[[str | None], bool] | None = None) -> CachePressure:
+    def cache_pressure(
+        self, salts: Callable[[str | None], bool] | None = None, tenant: Tenant | None = None
+    ) -> CachePressure:
         """The pool's fill with retention holds now (between steps): plain data for clients
         that decide how many held contexts to run at once (`CachePressure`). `salts`: the
-        figures of the holds under the cache salts it accepts only (one tenant's): its held
-        blocks and holds against the per-salt bound; figures that show others' use are None."""
+        figures of the holds under the cache salts it accepts only (one tenant's, `tenant`):
+        its held blocks and holds against the tenant's bound; figures that show others' use
+        are None."""
         retention = self.scheduler.retention
         if salts is not None:
             mine = {r: h for r, h in retention.holds.items() if salts(h.salt)}
@@ -325,7 +345,7 @@ class EngineCore:
                 free_blocks=None,
                 evictable_blocks=None,
                 held_blocks=len({b for h in mine.values() for b in h.blocks}),
-                max_held_blocks=min(retention.max_blocks, retention.max_tenant_blocks),
+                max_held_blocks=retention.max_tenant_blocks(tenant),
                 holds_refused=None,
                 held=frozenset(mine),
             )

@@ -36,9 +36,12 @@ class Admission:
         lifecycle: Lifecycle,
         stats: SchedulerCounters,
         admissible: list[Callable[[Request], bool]],
+        clock: Callable[[], float],
     ) -> None:
-        """`admissible`: the features' vetoes (a request any of them refuses waits)."""
+        """`admissible`: the features' vetoes (a request any of them refuses waits); `clock`:
+        seconds (the wait bound, `priority_max_wait_s`)."""
         self.cfg = cfg
+        self.clock = clock
         self.kv = kv
         self.queues = queues
         self.lifecycle = lifecycle
@@ -71,7 +74,12 @@ class Admission:
         the budget left."""
         cfg, q, kv, stats = self.cfg, self.queues, self.kv, self.stats
         order = order_waiting(
-            q.waiting, cfg.policy, self.match, cfg.aging_tokens_per_step, cfg.priority_aging_steps
+            q.waiting,
+            cfg.policy,
+            self.match,
+            cfg.aging_tokens_per_step,
+            cfg.priority_aging_steps,
+            self._overdue(),
         )
         # Cache-aware policies with a prefix cache hold back a request whose uncached prefix
         # another request is computing right now: once that result is in, it finds the
@@ -129,6 +137,13 @@ class Admission:
             computing.append(req)
             budget -= n
         return budget
+
+    def _overdue(self) -> Callable[[Request], bool] | None:
+        """Whether a request has waited `priority_max_wait_s` or longer (None: no bound)."""
+        if self.cfg.priority_max_wait_s <= 0:
+            return None
+        since = self.clock() - self.cfg.priority_max_wait_s
+        return lambda req: req.queued_at <= since
 
     def _try_start(self, req: Request, ops: list[BlockOp], budget: int) -> int | None:
         """Start `req` and reserve its first chunk; returns the chunk, or None holding nothing.

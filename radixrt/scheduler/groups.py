@@ -23,7 +23,14 @@ from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, RequestGroup, Status, fork_rid
+from radixrt.scheduler.request import (
+    FinishReason,
+    Request,
+    RequestGroup,
+    Status,
+    Tenant,
+    fork_rid,
+)
 from radixrt.stats import SchedulerCounters
 
 
@@ -60,12 +67,18 @@ class GroupsFeature(SchedulerFeature):
                 params=replace(req.params, n=1, seed=None if seed is None else (seed + i) % 2**63),
                 max_tokens=req.max_tokens,
                 index=i,
+                tenant=req.tenant,
             )
             for i in range(n)
         ]
 
     def beam_search(
-        self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        max_tokens: int,
+        tenant: Tenant | None = None,
     ) -> tuple[Request, Request, BeamState]:
         """The request, its first beam and the search state of a beam search. Raises
         ValueError on bad input."""
@@ -83,9 +96,15 @@ class GroupsFeature(SchedulerFeature):
             lora=params.lora,
         )
         ids = list(prompt_ids)
-        req = Request(rid, len(ids), ids, beam_params, max_tokens)
+        req = Request(rid, len(ids), ids, beam_params, max_tokens, tenant=tenant)
         beam = Request(
-            fork_rid(rid, 0), len(ids), list(ids), beam_params, max_tokens, reports=False
+            fork_rid(rid, 0),
+            len(ids),
+            list(ids),
+            beam_params,
+            max_tokens,
+            reports=False,
+            tenant=tenant,
         )
         state = BeamState(params.beam_width, k, max_tokens, params.length_penalty, eos)
         return req, beam, state
@@ -101,6 +120,7 @@ class GroupsFeature(SchedulerFeature):
             params=req.params,
             max_tokens=0,
             reports=beam is not None,
+            tenant=req.tenant,
         )
         group = RequestGroup(parent, children, beam=beam)
         parent.group = group
@@ -267,6 +287,7 @@ class GroupsFeature(SchedulerFeature):
                     src.max_tokens,
                     group=g,
                     reports=False,
+                    tenant=src.tenant,
                 )
                 if copies is None:  # no block for the copy: recompute this beam later
                     beam.status = Status.WAITING

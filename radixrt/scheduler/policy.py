@@ -20,6 +20,11 @@ fcfs keeps arrival order, a preempted request first). A request's effective prio
 priority minus one per `priority_aging_steps` steps it waited (0: no aging across levels).
 Bound: a waiting request of priority p is overtaken by requests of priority q < p only until
 it waited (p - q) * priority_aging_steps steps; after that it competes with them as above.
+That never closes a wide gap, so there is a bound in time too: a request queued for
+`priority_max_wait_s` or longer (`overdue`) goes ahead of every priority level, the overdue
+in queue order (FCFS: a preempted request first), so a request of the lowest priority waits
+for the overdue ones queued before it, never for newer ones. (Under an overload that keeps
+every request waiting that long, the order is FCFS.)
 
 The policies never call the cache: the scheduler matches each waiting request once per
 step and passes the results in (`matched`).
@@ -66,10 +71,16 @@ def order_waiting(
     matched: Callable[[Request], MatchResult],
     aging_per_step: float,
     priority_aging_steps: int = 0,
+    overdue: Callable[[Request], bool] | None = None,
 ) -> list[Request]:
-    """Return `waiting` (given in FCFS order) in admission order: by effective priority,
-    then by `policy` within a level. `matched(req)` is the request's prefix match of this
-    step."""
+    """Return `waiting` (given in FCFS order) in admission order: the `overdue` ones first in
+    that order, then by effective priority, then by `policy` within a level. `matched(req)`
+    is the request's prefix match of this step."""
+    if overdue is not None:
+        late = [r for r in waiting if overdue(r)]
+        if late:
+            rest = [r for r in waiting if not overdue(r)]
+            return late + order_waiting(rest, policy, matched, aging_per_step, priority_aging_steps)
     if len(waiting) > 1 and any(r.priority != waiting[0].priority for r in waiting):
         levels: dict[int, list[Request]] = {}
         for req in waiting:

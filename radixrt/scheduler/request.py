@@ -28,6 +28,21 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request (a bug or a failed step: `Request.error`)
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Who sent a request, as the server resolved its API key (separate from its cache salt,
+    which a tenant may vary): retention bounds the holds of each tenant."""
+
+    name: str
+    # share of the KV pool this tenant's holds may keep (None: the engine's
+    # `retention_max_tenant_share`)
+    retention_share: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.retention_share is not None and not 0 <= self.retention_share <= 1:
+            raise ValueError(f"retention_share must be in [0, 1], got {self.retention_share}")
+
+
 @dataclass(eq=False)
 class Request:
     """What the scheduler's core needs of a request. Features keep their own per-request
@@ -74,6 +89,8 @@ class Request:
     group: RequestGroup | None = None  # n > 1 or beam search: parent, children / beams
     index: int = 0  # a fork child's index (choice) in its group
     reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
+    tenant: Tenant | None = None  # None: the server has no tenants (one tenant)
+    queued_at: float = 0.0  # the scheduler's clock when it was queued (the wait bound)
 
     @property
     def cache_salt(self) -> str | None:

@@ -12,10 +12,13 @@ has held its context longest is the nearest to its end (when its holds go), and 
 same programs' contexts is what turns a cyclic access pattern that LRU thrashes (every agent
 back just after its context was evicted) into hits for the programs that fit. So:
 - share bound: held blocks (distinct device blocks the holds' locks keep) stay within
-  `retention_max_share` of the pool and, per cache salt (tenant), within
-  `retention_max_tenant_share`; a new hold that would exceed either ends the holds of younger
-  lineages, youngest first, and is not taken when that is not enough (the older lineages keep
-  theirs, its own earlier holds too);
+  `retention_max_share` of the pool and, per tenant (`Request.tenant`, whatever cache salts
+  its requests use), within its `retention_share` (default `retention_max_tenant_share`), so
+  one tenant's holds leave the others a working cache; requests without a tenant (a server
+  without API keys: one tenant) are bounded by `retention_max_share` only. A new hold that
+  would exceed a bound ends the holds of younger lineages, youngest first (only the tenant's
+  own when only its share is exceeded), and is not taken when that is not enough (the older
+  lineages keep theirs, its own earlier holds too);
 - when the pool is short with nothing else evictable (`on_blocks_short`), it gives up
   holds, youngest lineage first: for a running request or when nothing runs (progress), any
   hold; for a waiting request being admitted while others run, only holds of lineages younger
@@ -42,7 +45,7 @@ from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
 from radixrt.stats import SchedulerCounters
 
 
@@ -52,7 +55,8 @@ class Hold:
     expires: float  # clock time
     blocks: list[int]  # device blocks the lock keeps (every block a node of the path records)
     tokens: list[int]  # the held sequence
-    salt: str | None  # its cache salt (the tenant whose share it counts in)
+    salt: str | None  # its cache salt
+    tenant: str | None  # its request's tenant's name, whose share it counts in (None: no tenants)
     born: int  # the lineage's age: order of its first hold (lower: older)
     namespace: CacheNamespace  # its cache namespace (salt and adapter)
 
@@ -71,12 +75,13 @@ class RetentionFeature(SchedulerFeature):
         self.stats = stats
         self.clock = clock
         self.max_ttl_s = cfg.retention_max_ttl_s
-        num_blocks = kv.allocator.num_blocks
-        self.max_blocks = int(cfg.retention_max_share * num_blocks)
-        self.max_tenant_blocks = int(cfg.retention_max_tenant_share * num_blocks)
+        self.num_blocks = kv.allocator.num_blocks
+        self.max_blocks = int(cfg.retention_max_share * self.num_blocks)
+        self.tenant_share = cfg.retention_max_tenant_share
         self.holds: dict[str, Hold] = {}  # by request id
         self._held: Counter[int] = Counter()  # device block -> holds keeping it
-        self._held_by_salt: dict[str | None, Counter[int]] = {}
+        self._held_by_tenant: dict[str, Counter[int]] = {}  # tenant name -> its own counter
+        self._tenant_limit: dict[str, int] = {}  # tenant name -> its bound at its last hold
         self._births = itertools.count()
 
     @property
@@ -84,8 +89,16 @@ class RetentionFeature(SchedulerFeature):
         """Distinct device blocks the holds keep (a block two holds share counts once)."""
         return len(self._held)
 
-    def num_tenant_held_blocks(self, salt: str | None) -> int:
-        return len(self._held_by_salt.get(salt, ()))
+    def num_tenant_held_blocks(self, tenant: str) -> int:
+        """Distinct device blocks the holds of tenant `tenant` (a name) keep."""
+        return len(self._held_by_tenant.get(tenant, ()))
+
+    def max_tenant_blocks(self, tenant: Tenant | None) -> int:
+        """Blocks the holds of `tenant` may keep (None, no tenants: the pool's bound)."""
+        if tenant is None:
+            return self.max_blocks
+        share = self.tenant_share if tenant.retention_share is None else tenant.retention_share
+        return min(self.max_blocks, int(share * self.num_blocks))
 
     def before_schedule(self, ops: list[BlockOp]) -> None:
         if self.holds:
@@ -115,37 +128,44 @@ class RetentionFeature(SchedulerFeature):
         if born is None:
             born = next(self._births)
         blocks = cache.locked_blocks(m.handle)
-        if not self._make_room(blocks, salt, born, set(covered)):
+        if not self._make_room(blocks, req.tenant, born, set(covered)):
             self.stats.retention_refused += 1
             return  # the lineage keeps its earlier holds
         for rid in covered:
             self._drop(rid)
         cache.lock(m.handle)
         ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
+        name = None if req.tenant is None else req.tenant.name
+        expires = self.clock() + ttl
         self.holds[req.rid] = hold = Hold(
-            m.handle, self.clock() + ttl, blocks, tokens, salt, born, namespace
+            m.handle, expires, blocks, tokens, salt, name, born, namespace
         )
+        if req.tenant is not None:
+            self._tenant_limit[req.tenant.name] = self.max_tenant_blocks(req.tenant)
         self._count(hold, +1)
         self.stats.retention_holds += 1
 
-    def _make_room(self, blocks: list[int], salt: str | None, born: int, leaving: set) -> bool:
-        """Whether a hold on `blocks` of lineage `born` fits the share bounds once the holds
-        in `leaving` (its lineage's earlier ones) go. Ends holds of younger lineages for room
-        (youngest first; only the tenant's own when only its share is exceeded), but only
-        when that makes it fit."""
-        total, tenant = Counter(self._held), Counter(self._held_by_salt.get(salt, ()))
+    def _make_room(self, blocks: list[int], tenant: Tenant | None, born: int, leaving: set) -> bool:
+        """Whether a hold on `blocks` of `tenant`'s lineage `born` fits the share bounds once
+        the holds in `leaving` (its lineage's earlier ones) go. Ends holds of younger lineages
+        for room (youngest first; only the tenant's own when only its share is exceeded), but
+        only when that makes it fit."""
+        name = None if tenant is None else tenant.name
+        total = Counter(self._held)
+        own = Counter(self._held_by_tenant.get(name, ())) if name is not None else Counter()
+        max_own = self.max_tenant_blocks(tenant)
         new = set(blocks)
 
         def remove(hold: Hold) -> None:
             total.subtract(hold.blocks)
-            if hold.salt == salt:
-                tenant.subtract(hold.blocks)
+            if hold.tenant == name:
+                own.subtract(hold.blocks)
 
         def over() -> tuple[bool, bool]:
             def size(c: Counter[int]) -> int:
                 return len(new | {b for b, n in c.items() if n > 0})
 
-            return size(total) > self.max_blocks, size(tenant) > self.max_tenant_blocks
+            return size(total) > self.max_blocks, name is not None and size(own) > max_own
 
         for rid in leaving:
             remove(self.holds[rid])
@@ -158,7 +178,7 @@ class RetentionFeature(SchedulerFeature):
             over_total, over_tenant = over()
             if not (over_total or over_tenant):
                 break
-            if over_total or self.holds[rid].salt == salt:
+            if over_total or self.holds[rid].tenant == name:
                 remove(self.holds[rid])
                 dropped.append(rid)
         if any(over()):
@@ -214,8 +234,10 @@ class RetentionFeature(SchedulerFeature):
         self.kv.cache.unlock(hold.handle)
 
     def _count(self, hold: Hold, sign: int) -> None:
-        tenant = self._held_by_salt.setdefault(hold.salt, Counter())
-        for counter in (self._held, tenant):
+        counters = [self._held]
+        if hold.tenant is not None:
+            counters.append(self._held_by_tenant.setdefault(hold.tenant, Counter()))
+        for counter in counters:
             if sign > 0:
                 counter.update(hold.blocks)
             else:
@@ -223,8 +245,9 @@ class RetentionFeature(SchedulerFeature):
                 for b in hold.blocks:
                     if counter[b] <= 0:
                         del counter[b]
-        if not tenant:
-            del self._held_by_salt[hold.salt]
+        if hold.tenant is not None and not counters[1]:
+            del self._held_by_tenant[hold.tenant]
+            del self._tenant_limit[hold.tenant]
 
     def check_integrity(self) -> None:
         expected: Counter[int] = Counter()
@@ -233,8 +256,9 @@ class RetentionFeature(SchedulerFeature):
             assert sorted(h.blocks) == sorted(self.kv.cache.locked_blocks(h.handle)), h
         assert expected == self._held
         assert self.num_held_blocks <= self.max_blocks
-        for salt in self._held_by_salt:
-            assert self.num_tenant_held_blocks(salt) <= self.max_tenant_blocks
+        assert self._held_by_tenant.keys() == self._tenant_limit.keys()
+        for name, limit in self._tenant_limit.items():
+            assert self.num_tenant_held_blocks(name) <= limit, name
 
 
 def _extends(tokens: list[int], namespace: CacheNamespace, hold: Hold) -> bool:

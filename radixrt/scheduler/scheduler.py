@@ -21,7 +21,8 @@ Overlap and the plans in flight: see `radixrt.scheduler.steps`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixrt.cache.base import PrefixCache
@@ -40,7 +41,7 @@ from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
 from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
@@ -67,6 +68,7 @@ class Scheduler:
         max_graph_tokens: int = 0,
         overlap: bool = False,
         max_loras: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`proposer` (speculative decoding) drafts tokens for decode rows; `grammar_backend`
         (radixrt.grammar.base.GrammarBackend) serves constrained requests, with
@@ -74,11 +76,12 @@ class Scheduler:
         `max_graph_tokens`: the runner's largest decode CUDA graph (Runner.max_graph_tokens;
         0: none), which a decode step's drafts stay within; `overlap`: whether the loop
         overlaps steps (`overlap`, settable); `max_loras`: distinct LoRA adapters the running
-        requests may use (0: LoRA off)."""
+        requests may use (0: LoRA off); `clock`: seconds, for how long requests wait."""
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.max_graph_tokens = max_graph_tokens
         self._overlap = overlap
+        self.clock = clock
         eos = frozenset(eos_token_ids)
         self.stats = SchedulerCounters()  # mutated in place by the parts and features
         self.spec_stats = SpecStats()  # speculative decoding's (zero without a proposer)
@@ -90,10 +93,10 @@ class Scheduler:
         )
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len, h)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
-        self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats)
+        self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats, clock)
         self.lora = LoraFeature(max_loras, self.queues) if max_loras else None
         self.admission = Admission(
-            cfg, self.kv, self.queues, self.lifecycle, self.stats, h.admissible
+            cfg, self.kv, self.queues, self.lifecycle, self.stats, h.admissible, clock
         )
         self.results = ResultApplier(
             self.kv, self.lifecycle, self.stats, h.on_row_result, h.on_token, h.after_update
@@ -233,6 +236,7 @@ class Scheduler:
         self._check_fits(req, 1, "")
         for hook in self.hooks.on_add:
             hook(req)
+        req.queued_at = self.clock()
         self.queues.requests[req.rid] = req
         self.queues.waiting.append(req)
 
@@ -245,18 +249,26 @@ class Scheduler:
         parent = self.groups.make_group(req, children, None)
         for hook in self.hooks.on_add:  # the parent waits for its grammar; children get one
             hook(parent)
+        parent.queued_at = self.clock()
         self.groups.add_group(parent)
         return children
 
     def add_beam_search(
-        self, rid: str, prompt_ids: Sequence[int], params: BeamSearchParams, max_tokens: int
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        max_tokens: int,
+        tenant: Tenant | None = None,
     ) -> Request:
-        """Queue a beam search (`max_tokens` resolved against the context). The returned
-        request gets one output when the search ends: `group.beam.finished`, best first.
-        Raises ValueError on bad input (nothing is queued)."""
-        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens)
+        """Queue a beam search (`max_tokens` resolved against the context) of `tenant`. The
+        returned request gets one output when the search ends: `group.beam.finished`, best
+        first. Raises ValueError on bad input (nothing is queued)."""
+        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens, tenant)
         self._check_fits(req, params.beam_width, "beam_width")
-        self.groups.add_group(self.groups.make_group(req, [beam], state))
+        parent = self.groups.make_group(req, [beam], state)
+        parent.queued_at = self.clock()
+        self.groups.add_group(parent)
         return req
 
     def _check_fits(self, req: Request, num_seqs: int, field_name: str) -> None:

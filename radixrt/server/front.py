@@ -292,8 +292,10 @@ class Front:
         can never fit the KV pool or the running slots, or a client rid already in flight."""
         if not self.serving:
             raise self.unavailable_error()
+        tag = None
         if tenant is not None and self.tenants is not None:
             self.tenants.policy(tenant).apply(spec.sampling)
+            tag = self.tenants.tag(tenant)
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         self._resolve_lora(spec)
@@ -314,7 +316,7 @@ class Front:
             rid = self._new_rid()
             if spec.beam_width is not None:
                 beam = beam_params(self.ready, spec, len(ids), max_tokens)
-                messages.append(BeamSearchRequest(rid, ids, beam))
+                messages.append(BeamSearchRequest(rid, ids, beam, tag))
                 groups[rid] = [state(rid, 0, 1)]
             elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
                 # echo + logprobs: every choice scores the prompt itself (a fork computes it
@@ -322,10 +324,10 @@ class Front:
                 for j in range(spec.n):
                     rid = rid if j == 0 else self._new_rid()
                     groups[rid] = [state(rid, j, 1)]
-                    messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j)))
+                    messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j), tag))
             else:
                 check_group_fits(self.ready, spec.n, spec.n_param, len(ids), max_tokens)
-                messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens)))
+                messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens), tag))
                 groups[rid] = [state(rid, j, spec.n) for j in range(spec.n)]
         states = [st for group in groups.values() for st in group]
         try:  # encode all first: a failure leaves nothing behind
@@ -460,15 +462,20 @@ class Front:
         out: CacheHoldsReleased = await self._ask(lambda i: ReleaseCacheHolds(i, rids))
         return out.released
 
-    async def cache_pressure(self, scope: SaltScope | None = None) -> CachePressureRead:
+    async def cache_pressure(
+        self, scope: SaltScope | None = None, tenant: str | None = None
+    ) -> CachePressureRead:
         """The engine's `CachePressure`, read by the scheduler between steps (its `held`: the
-        scheduler's ids; `held.client_ids` maps them for a tenant; `scope`: the figures of one
-        tenant's salts only); ApiError 503 while not serving."""
+        scheduler's ids; `held.client_ids` maps them for a tenant; `scope`: the figures of
+        tenant `tenant`'s salts only); ApiError 503 while not serving."""
+        tag = None
+        if scope is not None and tenant is not None and self.tenants is not None:
+            tag = self.tenants.tag(tenant)
 
         def read(call_id: int) -> ReadCachePressure:
             if scope is not None:
                 self._scoped_reads.add(call_id)
-            return ReadCachePressure(call_id, scope)
+            return ReadCachePressure(call_id, scope, tag)
 
         return await self._ask(read)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.scheduler.request import Tenant
 from radixrt.stats import CachePressure, EngineStats
 
 
@@ -22,6 +23,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, frozen=True):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    tenant: Tenant | None = None  # who sent it, from its API key (None: no tenants)
 
 
 class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
@@ -30,6 +32,7 @@ class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
     rid: str
     prompt_ids: list[int]
     params: BeamSearchParams
+    tenant: Tenant | None = None  # as TokenizedRequest's
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
@@ -75,11 +78,13 @@ class ReleaseCacheHolds(msgspec.Struct, tag=True, frozen=True):
 
 
 class ReadCachePressure(msgspec.Struct, tag=True, frozen=True):
-    """Read the engine's `CachePressure` (its held figures of the salts of `scope` only);
-    the scheduler answers with `CachePressureRead` carrying the same `call_id`."""
+    """Read the engine's `CachePressure` (its held figures of the salts of `scope` only,
+    against the bound of `tenant`'s holds); the scheduler answers with `CachePressureRead`
+    carrying the same `call_id`."""
 
     call_id: int
     scope: SaltScope | None = None  # None: every salt
+    tenant: Tenant | None = None  # with `scope`: the caller's tenant
 
 
 ToScheduler = (

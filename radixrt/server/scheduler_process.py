@@ -241,9 +241,9 @@ class SchedulerLoop:
             if isinstance(msg, (TokenizedRequest, BeamSearchRequest)):
                 try:
                     if isinstance(msg, TokenizedRequest):
-                        self.core.add_request(msg.prompt_ids, msg.params, msg.rid)
+                        self.core.add_request(msg.prompt_ids, msg.params, msg.rid, msg.tenant)
                     else:
-                        self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid)
+                        self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid, msg.tenant)
                 except ValueError as e:  # bad input: a RequestValueError names the field
                     field = e.field if isinstance(e, RequestValueError) else None
                     errors.append(RequestError(msg.rid, str(e), 400, param=field))
@@ -264,7 +264,8 @@ class SchedulerLoop:
                 self.outbox.send(CacheHoldsReleased(msg.call_id, released))
             elif isinstance(msg, ReadCachePressure):
                 covers = None if msg.scope is None else msg.scope.covers
-                self.outbox.send(CachePressureRead(msg.call_id, self.core.cache_pressure(covers)))
+                pressure = self.core.cache_pressure(covers, msg.tenant)
+                self.outbox.send(CachePressureRead(msg.call_id, pressure))
         return errors, finished
 
     def _flush(self, msg: FlushCache) -> CacheFlushed:

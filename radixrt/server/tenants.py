@@ -21,8 +21,11 @@ warning; a tenant named like one of the keys is refused (its columns are swapped
 What a tenant's requests may claim comes from `@TENANT NAME=VALUE ...` lines of the same file
 (`TenantPolicy`): `priority=LO..HI` (default 0..0: no tenant can put itself ahead of another),
 `default_priority=P` (what a request without a priority gets; default LO if 0 is outside the
-range, else 0) and `max_cache_ttl_s=S` (default: the engine's cap). A request outside them is a
-400 naming the field and the allowed range.
+range, else 0), `max_cache_ttl_s=S` (default: the engine's cap) and `retention_share=F` (the
+share of the KV pool its retention holds may keep, over all its cache salts; default the
+engine's `retention_max_tenant_share`). A request outside the first three is a 400 naming the
+field and the allowed range; the share bounds the holds in the scheduler, which learns each
+request's tenant from the request (`radixrt.scheduler.request.Tenant`), not from its salt.
 
 Sharing across tenants (a common system prompt computed once) is the operator's choice and
 its trade-off: tenants that share a namespace (one tenant name, or `-`) can probe each other's
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from radixrt.scheduler.request import Tenant
 from radixrt.server.messages import SaltScope
 from radixrt.server.protocol import ApiError
 
@@ -62,6 +66,8 @@ class TenantPolicy:
     max_priority: int = 0
     default_priority: int = 0  # a request that sends none (or 0) gets this
     max_cache_ttl_s: float | None = None  # None: the engine's cap only
+    # share of the KV pool its retention holds may keep (None: retention_max_tenant_share)
+    retention_share: float | None = None
 
     def __post_init__(self) -> None:
         if not self.min_priority <= self.default_priority <= self.max_priority:
@@ -71,10 +77,13 @@ class TenantPolicy:
             )
         if self.max_cache_ttl_s is not None and not self.max_cache_ttl_s >= 0:
             raise ValueError(f"max_cache_ttl_s must be >= 0, got {self.max_cache_ttl_s}")
+        if self.retention_share is not None and not 0 <= self.retention_share <= 1:
+            raise ValueError(f"retention_share must be in [0, 1], got {self.retention_share}")
 
     @classmethod
     def parse(cls, options: list[str]) -> TenantPolicy:
-        """From `priority=LO..HI`, `default_priority=P`, `max_cache_ttl_s=S` (ValueError)."""
+        """From `priority=LO..HI`, `default_priority=P`, `max_cache_ttl_s=S`,
+        `retention_share=F` (ValueError)."""
         kw: dict[str, object] = {}
         for opt in options:
             name, sep, value = opt.partition("=")
@@ -86,13 +95,14 @@ class TenantPolicy:
                     kw["min_priority"], kw["max_priority"] = int(lo), int(hi)
                 elif name == "default_priority" and sep:
                     kw["default_priority"] = int(value)
-                elif name == "max_cache_ttl_s" and sep:
-                    kw["max_cache_ttl_s"] = float(value)
+                elif name in ("max_cache_ttl_s", "retention_share") and sep:
+                    kw[name] = float(value)
                 else:
                     raise ValueError
             except ValueError:
                 raise ValueError(
-                    f"{opt!r}: expected priority=LO..HI, default_priority=P or max_cache_ttl_s=S"
+                    f"{opt!r}: expected priority=LO..HI, default_priority=P, max_cache_ttl_s=S "
+                    "or retention_share=F"
                 ) from None
         if "default_priority" not in kw:
             lo, hi = kw.get("min_priority", 0), kw.get("max_priority", 0)
@@ -142,6 +152,10 @@ class Tenants:
 
     def policy(self, tenant: str) -> TenantPolicy:
         return self.policies.get(tenant) or DEFAULT_POLICY
+
+    def tag(self, tenant: str) -> Tenant:
+        """What the scheduler is told of `tenant` with each of its requests."""
+        return Tenant(tenant, self.policy(tenant).retention_share)
 
     def __post_init__(self) -> None:
         for key, tenant in self.by_key.items():

@@ -246,7 +246,7 @@ async def cache_pressure(request: web.Request) -> web.Response:
     `held`: the ids of the caller's finished requests whose holds are in place. With tenants
     the figures are the caller's tenant's (an admin's: the whole engine's)."""
     front = request.app[FRONT]
-    read = await front.cache_pressure(_caller_scope(request))
+    read = await front.cache_pressure(_caller_scope(request), request_tenant(request))
     out = msgspec.to_builtins(read.pressure)
     out["held"] = front.held.client_ids(request_tenant(request), read.pressure.held)
     return json_response(out)
