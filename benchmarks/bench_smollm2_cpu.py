@@ -9,7 +9,8 @@ no cache over a 5-turn chat.
   first; prints out tok/s per round and the median of the per-round ratios.
 - single: one prompt x 64 new tokens, the same pairing.
 - chat: 5 turns of one conversation through the in-process engine, the answers fed back, with
-  `prefix_cache="radix"` and with `"none"`: prompt tokens computed and wall time.
+  `prefix_cache="radix"` and with `"none"`, alternating per round: prompt tokens computed and
+  the median wall time.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (both)")
+    p.add_argument("--parts", default="batch,single,chat")
     args = p.parse_args(argv)
+    parts = args.parts.split(",")
     torch.set_num_threads(args.threads)
 
     import transformers
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
     run_hf(prompts[:2])
     run_rt(prompts[:2])  # warm-up
-    for label, batch in (("batch 16 x 64", prompts), ("single 1 x 64", prompts[:1])):
+    cases = {"batch": ("batch 16 x 64", prompts), "single": ("single 1 x 64", prompts[:1])}
+    for label, batch in [cases[part] for part in parts if part in cases]:
         rows = []
         for r in range(args.rounds):
             if r % 2 == 0:
@@ -135,20 +139,33 @@ def main(argv: list[str] | None = None) -> None:
             f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, "
             f"max {max(ratios):.2f})"
         )
-    rt.shutdown()
-
-    for prefix_cache in ("radix", "none"):
-        chat = engine(prefix_cache)
-        messages, computed, start = [], 0, time.perf_counter()
-        for turn in CHAT_TURNS:
-            messages.append({"role": "user", "content": turn})
-            ids = chat_ids(messages)
-            out = chat.generate(prompt_token_ids=[ids], sampling_params=greedy)[0]
-            computed += out.prompt_tokens - out.num_cached_tokens
-            messages.append({"role": "assistant", "content": out.text})
-        wall = time.perf_counter() - start
-        print(f"5-turn chat, prefix_cache={prefix_cache}: {computed} prompt tokens computed, "
-              f"{wall:.1f} s")  # fmt: skip
+    rt.shutdown()  # (its tokenizer still renders the chat below)
+    if "chat" not in parts:
+        return
+    engines = {c: engine(c) for c in ("radix", "none")}
+    walls: dict[str, list[float]] = {c: [] for c in engines}
+    for r in range(args.rounds):  # alternating which goes first, as above
+        for prefix_cache in ("radix", "none") if r % 2 == 0 else ("none", "radix"):
+            chat = engines[prefix_cache]
+            chat.cache.reset()
+            messages, computed, start = [], 0, time.perf_counter()
+            for turn in CHAT_TURNS:
+                messages.append({"role": "user", "content": turn})
+                out = chat.generate(prompt_token_ids=[chat_ids(messages)], sampling_params=greedy)[
+                    0
+                ]
+                computed += out.prompt_tokens - out.num_cached_tokens
+                messages.append({"role": "assistant", "content": out.text})
+            walls[prefix_cache].append(time.perf_counter() - start)
+            print(
+                f"5-turn chat round {r + 1}, prefix_cache={prefix_cache}: {computed} prompt "
+                f"tokens computed, {walls[prefix_cache][-1]:.1f} s",
+                flush=True,
+            )
+    for prefix_cache, chat in engines.items():
+        print(
+            f"5-turn chat, prefix_cache={prefix_cache}: median {statistics.median(walls[prefix_cache]):.1f} s"
+        )
         chat.shutdown()
 
 
