@@ -163,9 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     for prefix_cache, chat in engines.items():
-        print(
-            f"5-turn chat, prefix_cache={prefix_cache}: median {statistics.median(walls[prefix_cache]):.1f} s"
-        )
+        median = statistics.median(walls[prefix_cache])
+        print(f"5-turn chat, prefix_cache={prefix_cache}: median {median:.1f} s")
         chat.shutdown()
 
 
