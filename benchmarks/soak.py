@@ -257,9 +257,13 @@ async def one(
 
 
 async def drive(
-    url: str, args: argparse.Namespace, keys: dict[str, str] | None = None
+    url: str,
+    args: argparse.Namespace,
+    keys: dict[str, str] | None = None,
+    pids: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
-    """`args.requests` requests, or as many as `args.duration_s` allows when it is set."""
+    """`args.requests` requests, or as many as `args.duration_s` allows when it is set; the
+    RSS of `pids` every `args.rss_every_s` meanwhile (growth late in a run is a leak's sign)."""
     rng = random.Random(args.seed)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(4)]
     outcomes: Counter[str] = Counter()
@@ -289,7 +293,17 @@ async def drive(
                     errors_by_route[f"{route} {outcome}"] += 1
                 tokens += n
 
+        rss_samples: list[dict[str, Any]] = []
+
+        async def sample_rss() -> None:
+            while True:
+                await asyncio.sleep(args.rss_every_s)
+                at = round(time.perf_counter() - t0)
+                rss_samples.append({"t_s": at, **{n: rss_mb(p) for n, p in (pids or {}).items()}})
+
+        sampler = asyncio.create_task(sample_rss())
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        sampler.cancel()
         elapsed = time.perf_counter() - t0
     return {
         "elapsed_s": elapsed,
@@ -298,6 +312,7 @@ async def drive(
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "5xx_by_route": dict(errors_by_route),
         "output_tokens": tokens,
+        "rss_mb_samples": rss_samples,
     }
 
 
@@ -357,7 +372,7 @@ def soak(
         pids.update(dp_pids)
     states, pids = snapshot(state_urls, pids, admin)
     rss_before = {name: rss_mb(pid) for name, pid in pids.items()}
-    result = asyncio.run(drive(url, args, keys))
+    result = asyncio.run(drive(url, args, keys, pids))
     if args.dp and log_path is not None:
         dp_pids, state_urls = dp_processes(log_path)
         pids.update(dp_pids)
@@ -404,6 +419,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--duration-s", type=float, default=None, help="run this long (not --requests)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--rss-every-s", type=float, default=60.0, help="RSS samples while running")
     p.add_argument("--mix", choices=["basic", "full"], default="basic")
     p.add_argument("--tenants", action="store_true", help="an --api-keys-file, two tenants")
     p.add_argument("--dp", type=int, default=0, help="start `radixrt serve --dp N`")
