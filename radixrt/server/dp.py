@@ -49,30 +49,18 @@ logger = logging.getLogger("radixrt.dp")
 ROUTER_MODULE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixrt[router]' (sglang-router==0.3.2)"
 ROUTER_POLICY = "cache_aware"
-# cache_aware's thresholds (sglang-router 0.3.2 defaults: 0.3, 64, 1.5), before --router-args
-# (which override them): a request goes to the replica holding its longest cached prefix when
-# that covers more than cache_threshold of the prompt and the loads are balanced, else to the
-# least loaded replica (and that replica is added to the prefix's tenants in the router's tree).
-# A load is the router's count of a replica's requests in flight (from dispatch until the
-# response, streamed or not, ends); loads are imbalanced when max - min > balance_abs_threshold
-# and max > balance_rel_threshold x min. 0.5: a shorter match is a prefix that many requests
-# share (a system prompt), not the request's own history; at 0.3 a system prompt of 30-50% of a
-# first turn pulls every new conversation onto one replica (bench_router, multi-turn at --size
-# smoke: 64 / 0 requests at 0.3, 32 / 32 at 0.5). abs 8: one hot prefix still spreads at low
-# concurrency (one group of 192 requests, 16 in flight: 90 / 102 requests at 8, 192 / 0 at 32
-# or 64). rel 3, not 1.5: with many prefix groups the loads of busy replicas drift apart by
-# chance, more the more requests are in flight; at 1.5 each such drift spills requests of a
-# group onto the other replica, which recomputes its prefix and evicts others' (2 replicas,
-# 64 groups, 64 in flight, CPU: 50-139 spilled of 512, hit 0.84-0.95 x one engine's; H200,
-# 1024 requests: 0.82 x). At 3 a replica must hold under a quarter of the requests in flight
-# before new ones spill: 0-23 spilled, 0.98-1.00 x; one hot prefix still spreads (115 / 77).
-# No circuit breaker and no retries: a 5xx that one client's request provokes is that
-# request's, so it must not take a replica out for every client (with sglang-router's
-# defaults four 500s, retried on each replica, opened both breakers: 503 for all); a dead or
-# stalled replica still leaves through the router's health checks, and we restart it.
+# cache_aware's thresholds (sglang-router 0.3.2 defaults 0.3, 64, 1.5; --router-args override
+# them), chosen in RESULTS.md "Data-parallel replicas behind a router": 0.5 so that a shared
+# system prompt does not pull every new conversation onto one replica, abs 8 so that one hot
+# prefix still spreads, rel 3 so that chance drift between busy replicas does not spill groups.
+# No circuit breaker and no retries: a 5xx that one client's request provokes must not take a
+# replica out for every client (a dead or stalled replica leaves through health checks and is
+# restarted). The router's prefix tree holds a node per prompt character clients send: capped.
+ROUTER_MAX_TREE_CHARS = 2**22
 ROUTER_DEFAULT_ARGS = (
     "--cache-threshold", "0.5", "--balance-abs-threshold", "8", "--balance-rel-threshold", "3",
     "--disable-circuit-breaker", "--disable-retries",
+    "--max-tree-size", str(ROUTER_MAX_TREE_CHARS),
 )  # fmt: skip
 MAX_RESTARTS = 3  # per replica; then it stays down (the router routes around it)
 RESTART_BACKOFF_S = 2.0  # doubled per restart of the same replica
