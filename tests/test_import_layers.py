@@ -19,6 +19,7 @@ LAYERS = [
     {"radixrt.kernels"},
     {"radixrt.errors"},
     {"radixrt.limits", "radixrt.token_bytes", "radixrt.json_depth", "radixrt.stats"},
+    {"radixrt.tenant"},
     {"radixrt.sampling", "radixrt.quantization"},
     {"radixrt.options"},
     {"radixrt.config"},

@@ -16,7 +16,8 @@ from radixrt.engine.core import EngineCore
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 from radixrt.scheduler.policy import order_waiting
-from radixrt.scheduler.request import Request, Tenant
+from radixrt.scheduler.request import Request
+from radixrt.tenant import Tenant
 from radixrt.testing import ScriptedRunner, scripted_model_config
 
 MODEL = scripted_model_config(4096)

@@ -35,10 +35,11 @@ from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
 from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
 from radixrt.scheduler.beam import BeamHypothesis
-from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
+from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
 from radixrt.stats import CachePressure, EngineStats
+from radixrt.tenant import Tenant
 
 logger = logging.getLogger(__name__)
 # A step that planned nothing while grammars compile waits this long (or until one is done)

@@ -28,10 +28,10 @@ from radixrt.scheduler.request import (
     Request,
     RequestGroup,
     Status,
-    Tenant,
     fork_rid,
 )
 from radixrt.stats import SchedulerCounters
+from radixrt.tenant import Tenant
 
 
 class GroupsFeature(SchedulerFeature):

@@ -10,6 +10,7 @@ from typing import Any
 
 from radixrt.cache.namespace import CacheNamespace
 from radixrt.sampling import SamplingParams
+from radixrt.tenant import Tenant
 
 _arrival_counter = itertools.count()
 
@@ -26,21 +27,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # the client went away or asked to abort
     ERROR = "error"  # the engine failed this request (a bug or a failed step: `Request.error`)
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """Who sent a request, as the server resolved its API key (separate from its cache salt,
-    which a tenant may vary): retention bounds the holds of each tenant."""
-
-    name: str
-    # share of the KV pool this tenant's holds may keep (None: the engine's
-    # `retention_max_tenant_share`)
-    retention_share: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.retention_share is not None and not 0 <= self.retention_share <= 1:
-            raise ValueError(f"retention_share must be in [0, 1], got {self.retention_share}")
 
 
 @dataclass(eq=False)

@@ -45,8 +45,9 @@ from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
+from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.stats import SchedulerCounters
+from radixrt.tenant import Tenant
 
 
 @dataclass

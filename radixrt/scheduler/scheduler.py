@@ -41,7 +41,7 @@ from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status, Tenant
+from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
@@ -50,6 +50,7 @@ from radixrt.scheduler.steps import InFlight, Launched, discard_unmade_copies
 from radixrt.scheduler.storage import StorageFeature
 from radixrt.speculative.base import Proposer, SpecStats
 from radixrt.stats import SchedulerCounters
+from radixrt.tenant import Tenant
 
 
 class Scheduler:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import msgspec
 
 from radixrt.sampling import BeamSearchParams, SamplingParams
-from radixrt.scheduler.request import Tenant
 from radixrt.stats import CachePressure, EngineStats
+from radixrt.tenant import Tenant
 
 
 # ---- front -> scheduler ----

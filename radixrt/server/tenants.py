@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from radixrt.scheduler.request import Tenant
 from radixrt.server.messages import SaltScope
 from radixrt.server.protocol import ApiError
+from radixrt.tenant import Tenant
 
 logger = logging.getLogger("radixrt.server")
 
