@@ -77,6 +77,30 @@ def test_radix_salts_are_separate_trees():
     cache.check_integrity()
 
 
+def test_blockhash_flush_salts_drops_only_those_salts_unlocked_blocks():
+    """The block-hash cache records each block's salt at insert (its hash hides it): a
+    tenant's flush frees that tenant's unlocked blocks and keeps a locked one and others'."""
+    cache = BlockHashCache(BlockAllocator(64), 4)
+    for salt in ("t:a:1", "t:b:1", None):
+        blocks = cache.allocator.allocate(3)
+        cache.insert(PROMPT[:12], blocks, CacheNamespace(salt))
+        cache.allocator.decref(blocks)
+    blocks = cache.allocator.allocate(3)
+    locked = cache.insert(PROMPT[20:32], blocks, CacheNamespace("t:a:1"))
+    cache.allocator.decref(blocks)
+    cache.lock(locked.handle)
+    free = cache.allocator.num_free
+    freed = cache.flush_salts(lambda s: s is not None and s.startswith("t:a:"))
+    assert freed == 3 and cache.allocator.num_free == free + 3
+    assert cache.match(PROMPT[:12], CacheNamespace("t:a:1")).num_cached_tokens == 0
+    assert cache.match(PROMPT[20:32], CacheNamespace("t:a:1")).num_cached_tokens == 12
+    for salt in ("t:b:1", None):
+        assert cache.match(PROMPT[:12], CacheNamespace(salt)).num_cached_tokens == 12
+    cache.check_integrity()
+    cache.unlock(locked.handle)
+    cache.check_integrity()
+
+
 def test_radix_flush_salts_drops_only_those_salts_unlocked_entries():
     """A tenant's flush (`flush_salts`) frees its salts' unlocked entries, keeps a locked
     path and every other salt's entries, and drops the salt roots it empties."""

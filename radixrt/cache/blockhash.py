@@ -60,6 +60,7 @@ class BlockHashCache:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}  # inverse of _hash_to_block
         self._block_index: dict[int, int] = {}  # cached block -> its index in the chain
+        self._block_salt: dict[int, str | None] = {}  # cached block -> its namespace's salt
         self._last_access: dict[int, int] = {}  # cached block -> clock of last use
         self._lock_count: Counter[int] = Counter()  # cached block -> locks (> 0 only)
         # Unlocked cached blocks as (last_access, -chain index, block), evicted first first.
@@ -158,6 +159,7 @@ class BlockHashCache:
                 self._hash_to_block[h] = b
                 self._block_hash[b] = h
                 self._block_index[b] = i
+                self._block_salt[b] = namespace.salt
                 self._last_access[b] = stamp
                 self._queue.add(self._queue_key(b))
                 num_new += 1
@@ -225,6 +227,7 @@ class BlockHashCache:
     def _uncache(self, b: int) -> None:
         del self._hash_to_block[self._block_hash.pop(b)]
         del self._block_index[b]
+        del self._block_salt[b]
         del self._last_access[b]
 
     # ---- debugging -----------------------------------------------------------------
@@ -236,6 +239,7 @@ class BlockHashCache:
             assert self._block_hash[b] == h
             assert self.allocator.ref_counts[b] >= 1, f"cached block {b} is free"
         assert self._block_index.keys() == self._block_hash.keys()
+        assert self._block_salt.keys() == self._block_hash.keys()
         assert self._last_access.keys() == self._block_hash.keys()
         for b, c in self._lock_count.items():
             assert c > 0 and b in self._block_hash
@@ -246,5 +250,13 @@ class BlockHashCache:
             assert key == self._queue_key(key[2])
 
     def flush_salts(self, salts: Callable[[str | None], bool]) -> int:
-        """Frees nothing: a block's chain hash hides the salt that seeded it."""
-        return 0
+        """Drop the unlocked cached blocks inserted under the salts `salts` accepts (each
+        block's salt is recorded at insert: its chain hash hides it); returns blocks freed."""
+        freed = 0
+        for key in [k for k in self._queue if salts(self._block_salt[k[2]])]:
+            self._queue.remove(key)
+            self.version += 1
+            self._uncache(key[2])
+            freed += self.allocator.decref([key[2]])
+        self.stats.num_evicted_blocks += freed
+        return freed
