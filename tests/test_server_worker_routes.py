@@ -76,16 +76,22 @@ def test_load_and_flush_under_load(server):
     for i in range(6):  # fill the cache with prefixes
         ok(server, "/v1/completions", {"prompt": f"fill {i} " * 20, "max_tokens": 2})
     results: list = []
+    started = threading.Barrier(4)
 
     def stream(i):
-        events = list(
-            sse_events(server.url + "/generate", {**body, "stream": True}, server.headers())
-        )
+        events = []
+        for event in sse_events(
+            server.url + "/generate", {**body, "stream": True}, server.headers()
+        ):
+            if not events:
+                started.wait(60)  # the load below is sampled while all three run
+            events.append(event)
         results.append(events[-1])
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
+    started.wait(60)
     loads = []
     for _ in range(3):
         loads.append(ok(server, "/get_load"))
