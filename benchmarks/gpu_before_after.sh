@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU call for a before/after comparison: the GPU test suite on this tree, then
+# `bench_one_batch --engine-core` (bf16, then FP8 weights + fp8 KV) on a baseline tree and on
+# this tree, alternating, on the same machine. Run from the repository root after
+# `source .device/gpu-env.sh`; the baseline is a tree unpacked under $BASE (default
+# .device/base, e.g. `git archive <commit> | tar -x -C .device/base`). Logs and JSON to $OUT.
+#   STEPS   which parts run (default "suite bf16 fp8")
+#   ROUNDS  alternations of base/new per precision (default 1)
+set -uo pipefail
+OUT=${OUT:-benchmarks/out}
+BASE=${BASE:-.device/base}
+STEPS=${STEPS:-suite bf16 fp8}
+ROUNDS=${ROUNDS:-1}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+here=$PWD
+
+one_batch() {  # tree label extra-args...
+  local tree=$1 label=$2
+  shift 2
+  # a tree from before checkout_env.sh imports from its root (its radixrt extended __path__)
+  (cd "$tree" && { [[ -f benchmarks/checkout_env.sh ]] && source benchmarks/checkout_env.sh ||
+    export PYTHONPATH=$PWD:$PYTHONPATH; } &&
+    timeout 420 python -m benchmarks.bench_one_batch --engine-core --json "$OUT/$label.json" "$@" \
+      > "$OUT/$label.log" 2>&1)
+  echo "$label exit $?"
+  tail -12 "$OUT/$label.log"
+}
+
+for step in $STEPS; do
+  case $step in
+    suite) OUT=$OUT bash benchmarks/run_gpu_suite.sh ;;
+    bf16 | fp8)
+      extra=()
+      [[ $step == fp8 ]] && extra=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
+      for r in $(seq "$ROUNDS"); do
+        one_batch "$BASE" "base-$step-$r" "${extra[@]}"
+        one_batch "$here" "new-$step-$r" "${extra[@]}"
+      done
+      ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
