@@ -48,7 +48,7 @@ from benchmarks.metrics import save_results, targets_markdown
 from benchmarks.programs import PROGRAMS, Words
 from benchmarks.programs.accounting import Call, CallLog, replay
 from benchmarks.programs.dsl_clients import Dry, Recording, run_dsl
-from benchmarks.programs.report import check_targets, format_table, plot_rows
+from benchmarks.programs.report import check_targets, format_table, median_rows, plot_rows
 from benchmarks.programs.runner import CONFIGS, Config, Plan, run_config
 from benchmarks.stack_sampler import StackSampler
 
@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-fraction", type=float, default=None, help="KV pool = this x the "
                    "largest program working set (default: the engine's pool)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="runs of each program per config; "
+                   "tables and targets use the median run, with the spread of all")  # fmt: skip
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--tag", default="programs")
     g = p.add_argument_group("engine")
@@ -176,6 +178,9 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
         if args.runner == "scripted" and CONFIGS[name].on_server:
             raise ValueError(f"--runner scripted simulates the in-process configs, not {name!r}")
         cfgs.append(CONFIGS[name])
+    if args.repeat < 1 or (args.repeat > 1 and any(c.on_server for c in cfgs)):
+        raise ValueError("--repeat: >= 1, and 1 with server configs (a server keeps the "
+                         "prefixes of earlier runs)")  # fmt: skip
     if any(c.client.startswith("openai") for c in cfgs):
         import openai  # noqa: F401  (the openai configs need it: pip install openai)
     kv = kv_blocks(args, plans)
@@ -208,11 +213,12 @@ def run_suite(args: argparse.Namespace, command: str) -> dict:
                     print(f"{key}: --config-timeout-s reached, skipping {plan.spec.name} and "
                           "the programs after it", flush=True)  # fmt: skip
                     break
-                for cfg in group:
-                    row = run_config(cfg, plan, target, args, history)
-                    results["rows"].append(row)
-                    print(_one_line(row), flush=True)
-                    _write(results, args, plans)
+                for _ in range(args.repeat):
+                    for cfg in group:
+                        row = run_config(cfg, plan, target, args, history)
+                        results["rows"].append(row)
+                        print(_one_line(row), flush=True)
+                        _write(results, args, plans)
     return results
 
 
@@ -290,13 +296,14 @@ def _one_line(r: dict) -> str:
 
 
 def _write(results: dict, args: argparse.Namespace, plans: list[Plan]) -> None:
+    results["medians"] = median_rows(results["rows"])
     if args.size == "full":
         fork_heavy = {p.spec.name for p in plans if p.spec.fork_heavy}
-        results["targets"] = check_targets(results["rows"], fork_heavy)
+        results["targets"] = check_targets(results["medians"], fork_heavy)
     targets = targets_markdown(results["targets"])
-    markdown = f"`{results['command']}`\n\n" + format_table(results["rows"]) + "\n"
+    markdown = f"`{results['command']}`\n\n" + format_table(results["medians"]) + "\n"
     base = save_results(args.out, args.tag, results, markdown + ("\n" + targets if targets else ""))
-    plot_rows(results["rows"], base + ".png", f"{args.tag}: {args.size}")
+    plot_rows(results["medians"], base + ".png", f"{args.tag}: {args.size}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.stack_sampler is not None:
             args.stack_sampler.close()
             args.stack_sampler.save(args.sample_stacks)
-    print("\n" + format_table(results["rows"]) + "\n")
+    print("\n" + format_table(results["medians"]) + "\n")
     for t in results["targets"]:
         print(f"{t['status']:>4}  {t['text']}")
     print(f"wrote {os.path.join(args.out, args.tag)}.{{json,md,png}}")

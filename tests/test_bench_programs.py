@@ -113,6 +113,34 @@ def test_scripted_runner_simulates_the_in_process_configs(tmp_path):
     assert rows["chat-short", "radix"]["hit_over_optimal"] == 1.0
 
 
+def test_repeat_reports_the_median_run_and_the_spread(tmp_path):
+    """--repeat 3: every run is a row; the table and targets use one row per (program,
+    config), the median run, with all runs' programs/s and their spread."""
+    from benchmarks import bench_programs
+    from benchmarks.programs.report import median_rows
+
+    bench_programs.main(["--size", "smoke", "--programs", "chat-short", "--configs",
+                         "radix,blockhash", "--latency-programs", "1", "--runner", "scripted",
+                         "--sim-step-s", "0", "--sim-token-s", "1e-6", "--out", str(tmp_path),
+                         "--tag", "r", "--repeat", "3"])  # fmt: skip
+    with open(tmp_path / "r.json") as f:
+        results = json.load(f)
+    assert len(results["rows"]) == 6
+    medians = {r["config"]: r for r in results["medians"]}
+    assert set(medians) == {"radix", "blockhash"}
+    for config, row in medians.items():
+        runs = sorted(r["programs_per_s"] for r in results["rows"] if r["config"] == config)
+        assert sorted(row["programs_per_s_runs"]) == runs
+        assert row["programs_per_s"] == runs[1]
+        assert row["spread"] == pytest.approx((runs[2] - runs[0]) / runs[1])
+    rows = [{"program": "p", "config": "c", "programs_per_s": x} for x in (4.0, 1.0, 2.0, 3.0)]
+    (only,) = median_rows(rows)
+    assert only["programs_per_s"] == 2.0 and only["spread"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="--repeat"):
+        bench_programs.main(["--size", "smoke", "--programs", "chat-short", "--configs",
+                             "dsl-http", "--repeat", "2", "--out", str(tmp_path)])  # fmt: skip
+
+
 def test_run_resets_the_cache_after_the_warmup_releases_its_holds(tiny_model_dir):
     """The warm-up program's holds are released through the engine thread's queue: the
     cache reset before the timed run must come after that release, or the held path stays
