@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--order", default="config", choices=["config", "workload"],
                    help="loop order of the runs (see _blocks)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="runs per workload and config; "
-                   "the fastest is reported")  # fmt: skip
+                   "the median run is reported, with the spread of all")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--agent-tool-calls", action="store_true", help="the agent workload's "
                    "steps as tool calls and tool messages (workloads.agent)")  # fmt: skip
@@ -206,7 +206,7 @@ def run_suite(args: argparse.Namespace, command: str = "") -> dict:
                 result = b.run(spec.workload, lambda: bar.update(1), cache_ttl_s=ttl)
                 row = _row(spec, config, args.backend, result, ttl)
                 results["all_runs"].append(row)
-                results["runs"] = best_runs(results["all_runs"])
+                results["runs"] = median_runs(results["all_runs"])
                 bar.write(_one_line(row))
                 _write(results, args)
         try:
@@ -233,23 +233,32 @@ def _blocks(
     ]
 
 
-def best_runs(rows: list[dict]) -> list[dict]:
-    """The fastest complete run of each (workload, config), with every repeat's duration in
-    `repeat_durations_s` (best of N: the estimate least disturbed by other load), grouped
-    by workload."""
+def median_runs(rows: list[dict]) -> list[dict]:
+    """The run of median duration of each (workload, config) among its complete runs, with
+    every repeat's duration in `repeat_durations_s` and (max - min) / median in
+    `duration_spread`, grouped by workload. Single runs on a shared CPU differ by up to 2x:
+    compare medians and read the spread."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["config"]), []).append(r)
-    best = []
+    picked = []
     for _, group in sorted(
         groups.items(), key=lambda kv: (workloads.index(kv[0][0]), configs.index(kv[0][1]))
     ):
-        done = [r for r in group if r["complete"]] or group
-        pick = min(done, key=lambda r: r["duration_s"])
-        best.append({**pick, "repeat_durations_s": [r["duration_s"] for r in group]})
-    return best
+        done = sorted([r for r in group if r["complete"]] or group, key=lambda r: r["duration_s"])
+        pick = done[(len(done) - 1) // 2]
+        durations = [r["duration_s"] for r in done]
+        spread = (durations[-1] - durations[0]) / pick["duration_s"] if pick["duration_s"] else 0
+        picked.append(
+            {
+                **pick,
+                "repeat_durations_s": [r["duration_s"] for r in group],
+                "duration_spread": spread,
+            }
+        )
+    return picked
 
 
 def parse_config(name: str) -> tuple[str, str]:

@@ -117,7 +117,7 @@ BASELINE = "blockhash+fcfs"  # the "x blockhash" column divides by this config's
 TABLE_HEADER = (
     "| workload | config | req/s | in tok/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
     "| E2E p50/p99 ms | hit % (best) | peak KV used/active/total | evicted | preempt "
-    "| x blockhash |"
+    "| x blockhash | spread |"
 )
 
 
@@ -137,7 +137,8 @@ def format_table(runs: Sequence[dict]) -> str:
             f"| {_pair(r['ttft_ms'])} | {_pair(r['itl_ms'])} | {_pair(r['e2e_ms'])} "
             f"| {100 * r['hit_rate']:.1f} ({100 * r['best_hit_rate']:.1f}) "
             f"| {kv}/{_opt(r['kv_blocks_total'])} | {_opt(r['evicted_blocks'])} "
-            f"| {_opt(r['preemptions'])} | {ratio} |"
+            f"| {_opt(r['preemptions'])} | {ratio} "
+            f"| {100 * r.get('duration_spread', 0.0):.0f}% |"
         )
     return "\n".join(lines)
 

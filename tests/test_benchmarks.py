@@ -150,6 +150,10 @@ def test_bench_serving_cli_writes_results(tmp_path, tiny_model_dir, one_thread):
     assert len(results["all_runs"]) == 6
     assert all(r["complete"] and r["num_calls"] == 4 and r["output_tokens"] == 128 for r in runs)
     assert all(len(r["repeat_durations_s"]) == 2 for r in runs)
+    for r in runs:  # of two runs, the shorter is the (low) median
+        assert r["duration_s"] == min(r["repeat_durations_s"])
+        a, b = r["repeat_durations_s"]
+        assert r["duration_spread"] == pytest.approx(abs(a - b) / min(a, b))
     assert (tmp_path / "t.png").stat().st_size > 0
     assert "| random | radix+lpm |" in (tmp_path / "t.md").read_text()
 
