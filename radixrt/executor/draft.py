@@ -86,6 +86,7 @@ class DraftRunner(RunnerFeature):
             max_positions=max_model_len,
             seed=cfg.seed + 1,
             fp8=self.model_cfg.checkpoint_fp8,  # an fp8 draft checkpoint runs in fp8
+            attention_backend=cfg.attention_backend,
         )
         self.backend = create_attention_backend(
             cfg.attention_backend, self.model_cfg, self.device, self.dtype

@@ -138,6 +138,7 @@ class ModelRunner:
             fp8=resolve_scheme(
                 model_cfg.checkpoint_fp8, cfg.quantization, cfg.fp8_activation_scale
             ),
+            attention_backend=cfg.attention_backend,
         )
         logger.info(
             "weights: %.2f GiB%s",
