@@ -326,9 +326,13 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.ops.add_rmsnorm(self.norm, as_tensor(x), residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] float32: new, or written into `out` (then
+        returned), at the cost of the same one cast."""
+        logits = self.lm_head(hidden)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     # ---- weights ----
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
