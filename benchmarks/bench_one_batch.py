@@ -15,9 +15,10 @@ Drives ModelRunner directly with step plans (no scheduler, no tokenizer):
 Decode floor = (weights read + KV read) / COPY_BW.
 - prefill: 1 x 4096 and 32 x 1024 tokens from scratch, one forward each (eager). Floor =
   FLOPs / BF16_FLOPS (linear layers + causal attention + lm_head on the sampled rows).
-- `--fused-ops triton,flashinfer`: everything above once per layer-ops choice
+- `--fused-ops triton,flashinfer,triton-rope`: everything above once per layer-ops choice
   (`RADIXRT_FUSED_OPS`, radixrt.model.layer_ops: "triton" fuses RoPE + KV store and runs the
-  Triton norms and SiLU-and-mul, "flashinfer" FlashInfer's kernels and a separate store), one
+  Triton norms and SiLU-and-mul, "flashinfer" FlashInfer's kernels and a separate store,
+  "triton-rope" FlashInfer's norms and SiLU-and-mul with the fused RoPE + KV store), one
   runner or engine after the other in the same process; default: triton alone.
 Timing: CUDA events around each step after warm-up; medians. Prints a table last.
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.model.layer_ops import FUSED_OPS_ENV, FusedRopeStoreOps, ModuleOps
+from radixrt.model.layer_ops import FUSED_OPS_ENV, FusedRopeStoreOps, ModuleOps, RopeStoreOps
 
 pytestmark = pytest.mark.gpu
 
@@ -39,13 +39,16 @@ def _engine(make_engine, monkeypatch, ops: str, **options):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_fused_ops_match_unfused(make_engine, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("ops", "ops_type"), [("triton", FusedRopeStoreOps), ("triton-rope", RopeStoreOps)]
+)
+def test_fused_ops_match_unfused(make_engine, monkeypatch, kv_cache_dtype, ops, ops_type):
     if kv_cache_dtype == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 KV needs compute capability >= 8.9")
     ref = _engine(make_engine, monkeypatch, "flashinfer", kv_cache_dtype=kv_cache_dtype)
-    fused = _engine(make_engine, monkeypatch, "triton", kv_cache_dtype=kv_cache_dtype)
+    fused = _engine(make_engine, monkeypatch, ops, kv_cache_dtype=kv_cache_dtype)
     assert type(ref.core.runner.model.ops) is ModuleOps
-    assert type(fused.core.runner.model.ops) is FusedRopeStoreOps
+    assert type(fused.core.runner.model.ops) is ops_type
     assert fused.core.runner.cuda_graphs is not None
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2

@@ -19,6 +19,7 @@ from radixrt.model.layer_ops import (
     FUSED_OPS_ENV,
     FusedRopeStoreOps,
     ModuleOps,
+    RopeStoreOps,
     TritonOps,
     create_layer_ops,
 )
@@ -88,7 +89,7 @@ def _run(ops, backend) -> tuple[list[torch.Tensor], torch.Tensor]:
     return outs, pool.kv.clone()
 
 
-@pytest.mark.parametrize("fused_ops", [TritonOps, FusedRopeStoreOps])
+@pytest.mark.parametrize("fused_ops", [TritonOps, RopeStoreOps, FusedRopeStoreOps])
 def test_triton_layer_ops_match_modules(fused_ops):
     args = (CFG.num_heads, CFG.num_kv_heads, CFG.head_dim)
     want, want_kv = _run(ModuleOps(), TorchAttentionBackend(*args))
@@ -106,6 +107,9 @@ def test_create_layer_ops_decides_by_device_backend_and_env(monkeypatch):
     assert type(create_layer_ops(cuda, "torch")) is TritonOps  # no `attend`: store unfused
     monkeypatch.setenv(FUSED_OPS_ENV, "flashinfer")
     assert type(create_layer_ops(cuda, "flashinfer")) is ModuleOps
+    monkeypatch.setenv(FUSED_OPS_ENV, "triton-rope")
+    assert type(create_layer_ops(cuda, "flashinfer")) is RopeStoreOps
+    assert type(create_layer_ops(cuda, "torch")) is ModuleOps
     monkeypatch.delenv(FUSED_OPS_ENV)
     assert type(create_layer_ops(cuda, "flashinfer")) is FusedRopeStoreOps  # the default
     monkeypatch.setenv(FUSED_OPS_ENV, "cutlass")

@@ -1,17 +1,19 @@
 """The small per-layer ops of the decoder (norms with the residual add, SiLU-and-mul, RoPE
-and the KV store), run one of two ways, chosen once when the model is built:
+and the KV store), run one of these ways, chosen once when the model is built:
 
 - `ModuleOps`: the modules of `radixrt.model.layers` (FlashInfer's fused add + RMSNorm,
   SiLU-and-mul and in-place RoPE on CUDA, torch on a CPU), then the attention backend's
   `forward`, which stores K/V with its own kernel before attending;
 - `TritonOps` (CUDA): `radixrt.kernels`' Triton add + RMSNorm and SiLU-and-mul, and with the
   flashinfer backend (`FusedRopeStoreOps`) RoPE + KV store in one kernel (`rope_store_kv`)
-  before the backend's `attend`: one launch fewer a layer. FlashInfer's own RoPE + append
-  (`rope_quantize_fp8_append_paged_kv_cache`) quantizes q to fp8 and writes only fp8 caches,
-  which our bf16-q attention does not take.
+  before the backend's `attend`: one launch fewer a layer. `RopeStoreOps` pairs that kernel
+  with FlashInfer's norms and SiLU-and-mul, so that a benchmark can tell the two parts apart.
+  FlashInfer's own RoPE + append (`rope_quantize_fp8_append_paged_kv_cache`) quantizes q to
+  fp8 and writes only fp8 caches, which our bf16-q attention does not take.
 
-`RADIXRT_FUSED_OPS` (read by `create_layer_ops`) picks the CUDA way: "triton" (default) or
-"flashinfer" (the modules). CPU models always take the modules.
+`RADIXRT_FUSED_OPS` (read by `create_layer_ops`) picks the CUDA way: "triton" (default,
+`FusedRopeStoreOps`), "flashinfer" (`ModuleOps`) or "triton-rope" (`RopeStoreOps`). CPU
+models always take the modules.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FUSED_OPS_ENV = "RADIXRT_FUSED_OPS"
-FUSED_OPS = ("triton", "flashinfer")  # its values; the first is the default
+# its values, the first the default: every small op in Triton; FlashInfer's kernels and a
+# separate store (the modules); FlashInfer's norms and SiLU-and-mul with Triton RoPE + store
+FUSED_OPS = ("triton", "flashinfer", "triton-rope")
 
 
 class LayerOps(Protocol):
@@ -91,23 +95,10 @@ class ModuleOps:
         return backend.forward(layer, q, k, v, pool)
 
 
-class TritonOps(ModuleOps):
-    """radixrt.kernels' Triton add + RMSNorm and SiLU-and-mul; RoPE and the store as the
-    modules and the backend run them (a backend without `attend`)."""
-
-    def add_rmsnorm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, new_residual = rmsnorm(x, norm.weight, norm.eps, residual)
-        return out, new_residual
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_mul(x)
-
-
-class FusedRopeStoreOps(TritonOps):
-    """TritonOps with RoPE + KV store in one kernel, for a backend that attends over K/V
-    stored at its `slots` (`attend`: flashinfer)."""
+class RopeStoreOps(ModuleOps):
+    """The modules' norms and SiLU-and-mul (FlashInfer's on CUDA), and RoPE + KV store in
+    one Triton kernel before the backend's `attend` (a backend that attends over K/V stored
+    at its `slots`: flashinfer)."""
 
     def prepare_rope(
         self, rope: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor
@@ -129,20 +120,47 @@ class FusedRopeStoreOps(TritonOps):
         return backend.attend(layer, q, pool)  # q was rotated in place
 
 
+class TritonOps(ModuleOps):
+    """radixrt.kernels' Triton add + RMSNorm and SiLU-and-mul; RoPE and the store as the
+    modules and the backend run them (a backend without `attend`)."""
+
+    def add_rmsnorm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, new_residual = rmsnorm(x, norm.weight, norm.eps, residual)
+        return out, new_residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul(x)
+
+
+class FusedRopeStoreOps(TritonOps):
+    """Every small op a Triton kernel: TritonOps' norms and SiLU-and-mul, RopeStoreOps'
+    RoPE + KV store."""
+
+    prepare_rope = RopeStoreOps.prepare_rope
+    attention = RopeStoreOps.attention
+
+
 def create_layer_ops(device: torch.device, attention_backend: str) -> LayerOps:
     """The layer ops of a model on `device` whose attention runs on `attention_backend`:
-    on CUDA as `RADIXRT_FUSED_OPS` says (ValueError naming the allowed values otherwise),
-    else the modules."""
+    on CUDA as `RADIXRT_FUSED_OPS` says (ValueError naming the allowed values otherwise;
+    RoPE + KV store fuse only with the flashinfer backend), else the modules."""
     if device.type != "cuda":
         return ModuleOps()
     choice = os.environ.get(FUSED_OPS_ENV, FUSED_OPS[0])
     if choice not in FUSED_OPS:
         raise ValueError(f"{FUSED_OPS_ENV} must be one of {FUSED_OPS}, got {choice!r}")
-    if choice == "flashinfer" or not HAS_TRITON:
-        logger.info("layer ops: modules (FlashInfer's fused kernels where installed)")
-        return ModuleOps()
-    if attention_backend != "flashinfer":
-        logger.info("layer ops: Triton norms and SiLU-and-mul")
-        return TritonOps()
-    logger.info("layer ops: Triton norms, SiLU-and-mul and RoPE + KV store")
-    return FusedRopeStoreOps()
+    fuse_rope_store = attention_backend == "flashinfer"
+    if (
+        not HAS_TRITON
+        or choice == "flashinfer"
+        or (choice == "triton-rope" and not fuse_rope_store)
+    ):
+        ops: LayerOps = ModuleOps()
+    elif choice == "triton-rope":
+        ops = RopeStoreOps()
+    else:
+        ops = FusedRopeStoreOps() if fuse_rope_store else TritonOps()
+    logger.info("layer ops: %s", type(ops).__name__)
+    return ops
