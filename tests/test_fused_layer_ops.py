@@ -63,15 +63,26 @@ class StoredKVTorchBackend(TorchAttentionBackend):
         return self.forward(layer, q, k, v, pool)
 
 
-def _run(ops, backend) -> tuple[list[torch.Tensor], torch.Tensor]:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> torch.device:
+    """CPU (Triton's interpreter) or CUDA; float32 either way, so the modules run torch."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1; the cuda case runs instead")
+    return torch.device(request.param)
+
+
+def _run(ops, backend, device) -> tuple[list[torch.Tensor], torch.Tensor]:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CFG, 256, ops=ops)
+    with torch.device(device):
+        model = LlamaForCausalLM(CFG, 256, ops=ops)
     model.init_dummy_weights(seed=3)
     with torch.no_grad():  # norms away from 1, so a weight read wrongly shows
         for layer in model.layers:
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
     pool = KVPool(
-        CFG.num_layers, 16, BLOCK_SIZE, CFG.num_kv_heads, CFG.head_dim, torch.float32, "cpu"
+        CFG.num_layers, 16, BLOCK_SIZE, CFG.num_kv_heads, CFG.head_dim, torch.float32, device
     )
     table = torch.tensor([[3, 5, 7, 9], [1, 2, 4, 6]], dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
@@ -82,18 +93,19 @@ def _run(ops, backend) -> tuple[list[torch.Tensor], torch.Tensor]:
     ]
     with torch.inference_mode():
         for cached, new, num_decode in steps:
-            batch = reference_batch(table, cached, new, num_decode, BLOCK_SIZE)
-            batch.input_ids = torch.randint(0, CFG.vocab_size, batch.input_ids.shape, generator=gen)
+            batch = reference_batch(table, cached, new, num_decode, BLOCK_SIZE, device)
+            ids = torch.randint(0, CFG.vocab_size, batch.input_ids.shape, generator=gen)
+            batch.input_ids = ids.to(device)
             backend.prepare(batch)
             outs.append(model(batch, backend, pool))
     return outs, pool.kv.clone()
 
 
 @pytest.mark.parametrize("fused_ops", [TritonOps, RopeStoreOps, FusedRopeStoreOps])
-def test_triton_layer_ops_match_modules(fused_ops):
+def test_triton_layer_ops_match_modules(fused_ops, device):
     args = (CFG.num_heads, CFG.num_kv_heads, CFG.head_dim)
-    want, want_kv = _run(ModuleOps(), TorchAttentionBackend(*args))
-    got, got_kv = _run(fused_ops(), StoredKVTorchBackend(*args))
+    want, want_kv = _run(ModuleOps(), TorchAttentionBackend(*args), device)
+    got, got_kv = _run(fused_ops(), StoredKVTorchBackend(*args), device)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-6)
