@@ -72,6 +72,19 @@ class LayerOps(Protocol):
         ...
 
 
+class StoredKVAttention(Protocol):
+    """What the fused RoPE + store needs of a backend (FlashInferBackend has it)."""
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The planned step's KV slot of each new token [T] int64."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """Attention of q [T, hq, d] over the pool, this step's K/V stored at `slots`."""
+        ...
+
+
 class ModuleOps:
     """The modules of radixrt.model.layers and the backend's store-then-attend."""
 
@@ -105,7 +118,17 @@ class RopeStoreOps(ModuleOps):
     ) -> RopeInputs:
         return RopeInputs(positions, None, None)  # the kernel reads the cos/sin cache itself
 
-    def attention(self, layer, rope, rope_inputs, q, k, v, backend, pool) -> torch.Tensor:
+    def attention(
+        self,
+        layer: int,
+        rope: RotaryEmbedding,
+        rope_inputs: RopeInputs,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        backend: StoredKVAttention,
+        pool: KVPool,
+    ) -> torch.Tensor:
         rope_store_kv(
             q,
             k,
