@@ -1,7 +1,7 @@
 """One static batch on a dummy Llama-3-8B (bf16, random weights), one GPU, next to its floor.
 
 Drives ModelRunner directly with step plans (no scheduler, no tokenizer):
-- decode: B = 1, 32, 256 rows, each with CONTEXT cached tokens (KV filled with random
+- decode: B = 1, 32, 256 rows (`--batches`), each with CONTEXT cached tokens (KV filled with random
   values), feeding token CONTEXT + 1 every step (the batch does not grow, so every step is
   the same). Full step = `runner.execute(plan).result()` (host-side metadata, graph replay or
   eager forward, lm_head, greedy sampling, the host round trip); CUDA graph vs eager; plus the
@@ -15,12 +15,20 @@ Drives ModelRunner directly with step plans (no scheduler, no tokenizer):
 Decode floor = (weights read + KV read) / COPY_BW.
 - prefill: 1 x 4096 and 32 x 1024 tokens from scratch, one forward each (eager). Floor =
   FLOPs / BF16_FLOPS (linear layers + causal attention + lm_head on the sampled rows).
+- `--fused-ops triton,flashinfer,triton-rope`: everything above once per layer-ops choice
+  (`RADIXRT_FUSED_OPS`, radixrt.model.layer_ops: "triton" fuses RoPE + KV store and runs the
+  Triton norms and SiLU-and-mul, "flashinfer" FlashInfer's kernels and a separate store,
+  "triton-rope" FlashInfer's norms and SiLU-and-mul with the fused RoPE + KV store), one
+  runner or engine after the other in the same process; default: triton alone.
 Timing: CUDA events around each step after warm-up; medians. Prints a table last.
 
     python -m benchmarks.bench_one_batch [--engine-core] [--json out.json]
         [--profile kernels.txt] [--quantization fp8 [--fp8-activation-scale token|tensor]]
-        [--kv-cache-dtype fp8_e4m3]
-        [--cases plain,presence_penalty,ngram,ngram_repeat] [--batches 1,32]
+        [--kv-cache-dtype fp8_e4m3] [--fused-ops triton,flashinfer]
+        [--cases plain,presence_penalty,ngram,ngram_repeat] [--batches 1,32,256,512]
+
+B = 512 at CONTEXT 1024 holds 68 GB of bf16 KV (half with fp8): past an 80 GB H100 with bf16
+KV and bf16 weights.
 
 `--quantization fp8`: the dummy weights are quantized at load (W8A8 fp8 linears; lm_head and
 embeddings stay bf16); floors still assume bf16 FLOP/s for prefill.
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -44,6 +53,7 @@ import torch
 from radixrt.config import ModelConfig, resolve_config
 from radixrt.engine.core import EngineCore
 from radixrt.executor.runner import ModelRunner
+from radixrt.model.layer_ops import FUSED_OPS, FUSED_OPS_ENV
 from radixrt.model.presets import write_dummy_model_dir
 from radixrt.plan import PlanRow, StepPlan
 from radixrt.sampling import SamplingParams
@@ -229,6 +239,8 @@ def kernel_category(name: str) -> str:
         return "attention"
     if "norm" in n:
         return "rmsnorm"
+    if "rope_store_kv" in n:
+        return "rope_store_kv"
     if "rotary" in n or "rope" in n:
         return "rope"
     if "act_and_mul" in n or "silu" in n:
@@ -299,20 +311,38 @@ def main() -> None:
     ap.add_argument(
         "--batches",
         default=",".join(map(str, DECODE_BATCHES)),
-        help="--engine-core batch sizes, comma-separated",
+        help="decode batch sizes, comma-separated (up to 1024: the largest CUDA graph)",
+    )
+    ap.add_argument(
+        "--fused-ops",
+        default=FUSED_OPS[0],
+        help=f"layer ops to measure one after the other, comma-separated from {FUSED_OPS} "
+        f"(sets {FUSED_OPS_ENV})",
     )
     args = ap.parse_args()
     cases = args.cases.split(",")
     bad = sorted(set(cases) - set(CASES))
     if bad:
         raise SystemExit(f"unknown --cases {bad}: pick from {CASES}")
+    ops_choices = args.fused_ops.split(",")
+    bad = sorted(set(ops_choices) - set(FUSED_OPS))
+    if bad:
+        raise SystemExit(f"unknown --fused-ops {bad}: pick from {FUSED_OPS}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--batches must be comma-separated integers, got {args.batches!r}"
+        ) from None
+    if not all(1 <= b <= 1024 for b in batches):
+        raise SystemExit(f"--batches must lie in 1..1024, got {batches}")
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
 
     model_dir = write_dummy_model_dir(os.path.join(tempfile.mkdtemp(), PRESET), PRESET)
     model_cfg = ModelConfig.from_pretrained(model_dir)
     blocks_needed = max(
-        max(DECODE_BATCHES) * math.ceil((CONTEXT + 1) / BLOCK_SIZE),
+        max(batches) * math.ceil((CONTEXT + 1) / BLOCK_SIZE),
         max(rows * math.ceil(n / BLOCK_SIZE) for rows, n in PREFILLS),
     )
     cfg = resolve_config(
@@ -324,7 +354,7 @@ def main() -> None:
         enable_cuda_graph=True,
         num_kv_blocks=blocks_needed + 1,  # + the CUDA-graph scratch block
         block_size=BLOCK_SIZE,
-        max_running_requests=max(DECODE_BATCHES),
+        max_running_requests=max(batches),
         max_model_len=MAX_MODEL_LEN,
         # (only when set: a tree from before FP8 weights runs this script too)
         **(
@@ -342,7 +372,6 @@ def main() -> None:
     results["quantization"] = [{"quantization": args.quantization,
                                 "fp8_activation_scale": args.fp8_activation_scale}]  # fmt: skip
     if args.engine_core:
-        batches = [int(b) for b in args.batches.split(",")]
         steps = args.iters * 2
         most = max(case_max_tokens(c, steps) for c in cases)
         per_row = math.ceil((CONTEXT + most + NGRAM_K + 8) / BLOCK_SIZE)
@@ -350,16 +379,20 @@ def main() -> None:
             cfg,
             cache=dataclasses.replace(cfg.cache, num_kv_blocks=max(batches) * per_row + 1),
         )
-        results["engine_core"] = engine_core_cases(cfg, model_cfg, cases, batches, steps, rng)
+        for ops in ops_choices:
+            os.environ[FUSED_OPS_ENV] = ops  # read when the engine builds its model
+            for row in engine_core_cases(cfg, model_cfg, cases, batches, steps, rng):
+                results["engine_core"].append(dict(row, fused_ops=ops))
         print(f"\n## EngineCore decode (H200, dummy {PRESET}, {label}, block size {BLOCK_SIZE})")
         print(
-            "| case | B | ctx | overlap | ms/step | ms/token/row | tokens/step | tok/s "
+            "| ops | case | B | ctx | overlap | ms/step | ms/token/row | tokens/step | tok/s "
             "| acceptance | graph GPU ms | over replay |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["engine_core"]:
             print(
-                f"| {r['case']} | {r['batch']} | {CONTEXT} | {'on' if r['overlap'] else 'off'} "
+                f"| {r['fused_ops']} | {r['case']} | {r['batch']} | {CONTEXT} "
+                f"| {'on' if r['overlap'] else 'off'} "
                 f"| {r['ms_per_step']:.2f} | {r['ms_per_token_per_row']:.2f} "
                 f"| {r['tokens_per_step']:.1f} | {r['output_tok_s']:.0f} "
                 f"| {r['spec_acceptance']:.2f} | {r['graph_gpu_ms']:.2f} | {r['over']:+.1%} |"
@@ -369,109 +402,119 @@ def main() -> None:
                 json.dump(results, f, indent=2)
         return
 
-    start = time.perf_counter()
-    runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN, cfg.scheduler.max_running_requests)
-    torch.cuda.synchronize()
-    build_s = time.perf_counter() - start
-    for layer_kv in runner.pool.kv:  # random KV: never time on zeros (fp8: drawn in bf16)
-        layer_kv.copy_(torch.empty_like(layer_kv, dtype=torch.bfloat16).uniform_(-1.0, 1.0))
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for name, p in runner.model.named_parameters()
-        if "embed_tokens" not in name  # only the rows of the step's tokens are read
-    )
-    linear_params = sum(
-        p.numel()
-        for name, p in runner.model.layers.named_parameters()
-        if name.endswith("proj.weight")
-    )
-    m = model_cfg
-    kv_element = 1 if args.kv_cache_dtype == "fp8_e4m3" else 2
-    kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_element
-    print(
-        f"{PRESET} ({args.quantization or 'bf16'} linears): weights read per step "
-        f"{weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
-        f"B/token; runner built in {build_s:.1f} s (dummy weights, KV pool, CUDA graphs)"
-    )
+    build_s, weight_bytes = {}, 0
+    for ops in ops_choices:
+        os.environ[FUSED_OPS_ENV] = ops  # read when the runner builds its model
+        start = time.perf_counter()
+        runner = ModelRunner(cfg, model_cfg, MAX_MODEL_LEN, cfg.scheduler.max_running_requests)
+        torch.cuda.synchronize()
+        build_s[ops] = time.perf_counter() - start
+        for layer_kv in runner.pool.kv:  # random KV: never time on zeros (fp8: drawn in bf16)
+            layer_kv.copy_(torch.empty_like(layer_kv, dtype=torch.bfloat16).uniform_(-1.0, 1.0))
+        weight_bytes = sum(
+            p.numel() * p.element_size()
+            for name, p in runner.model.named_parameters()
+            if "embed_tokens" not in name  # only the rows of the step's tokens are read
+        )
+        linear_params = sum(
+            p.numel()
+            for name, p in runner.model.layers.named_parameters()
+            if name.endswith("proj.weight")
+        )
+        m = model_cfg
+        kv_element = 1 if args.kv_cache_dtype == "fp8_e4m3" else 2
+        kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_element
+        print(
+            f"{PRESET} ({args.quantization or 'bf16'} linears): weights read per step "
+            f"{weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} "
+            f"B/token; runner built in {build_s[ops]:.1f} s (dummy weights, KV pool, CUDA graphs)"
+        )
 
-    for bsz in DECODE_BATCHES:
-        plan = make_plan(runner, [(CONTEXT, 1)] * bsz, rng)
-        kv_bytes = bsz * (CONTEXT + 1) * kv_bytes_per_token
-        floor_ms = (weight_bytes + kv_bytes) / COPY_BW * 1e3
-        for graph in (True, False):
-            step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
-            ms = time_ms(step, warmup=5, iters=args.iters)
-            gpu_ms = None
-            if graph:
-                replay = runner.cuda_graphs.graphs[runner.cuda_graphs.bucket(bsz)].replay
-                gpu_ms = time_ms(replay, warmup=3, iters=args.iters)
+        for bsz in batches:
+            plan = make_plan(runner, [(CONTEXT, 1)] * bsz, rng)
+            kv_bytes = bsz * (CONTEXT + 1) * kv_bytes_per_token
+            floor_ms = (weight_bytes + kv_bytes) / COPY_BW * 1e3
+            for graph in (True, False):
+                step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
+                ms = time_ms(step, warmup=5, iters=args.iters)
+                gpu_ms = None
+                if graph:
+                    replay = runner.cuda_graphs.graphs[runner.cuda_graphs.bucket(bsz)].replay
+                    gpu_ms = time_ms(replay, warmup=3, iters=args.iters)
+                row = dict(
+                    batch=bsz,
+                    context=CONTEXT,
+                    cuda_graph=graph,
+                    ms_per_step=ms,
+                    tok_per_s=bsz / ms * 1e3,
+                    graph_gpu_ms=gpu_ms,
+                    floor_ms=floor_ms,
+                    floor_tok_per_s=bsz / floor_ms * 1e3,
+                    fraction_of_floor=floor_ms / ms,
+                )
+                results["decode"].append(dict(row, fused_ops=ops))
+                print(f"decode {row}")
+            if args.profile:
+                for graph in (True, False):
+                    case = f"decode B={bsz} graph={graph} ops={ops}"
+                    step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
+                    cats = profile(step, 5, args.profile, case)
+                    results["profile"].append(dict(case=case, ms=cats))
+                    print(f"profile {case}: {cats}")
+
+        for num_rows, length in PREFILLS:
+            plan = make_plan(runner, [(0, length)] * num_rows, rng)
+            tokens = num_rows * length
+            flops = (
+                2 * tokens * linear_params
+                + 2 * num_rows * m.hidden_size * m.vocab_size
+                + 4 * m.num_layers * m.num_heads * m.head_dim * num_rows * length * (length + 1) / 2
+            )
+            step = functools.partial(run_step, runner, plan)
+            iters = max(3, min(10, int(2e5 // tokens)))
+            ms = time_ms(step, warmup=1, iters=iters)
+            floor_ms = flops / BF16_FLOPS * 1e3
             row = dict(
-                batch=bsz,
-                context=CONTEXT,
-                cuda_graph=graph,
-                ms_per_step=ms,
-                tok_per_s=bsz / ms * 1e3,
-                graph_gpu_ms=gpu_ms,
+                rows=num_rows,
+                tokens_per_row=length,
+                ms=ms,
+                tok_per_s=tokens / ms * 1e3,
+                tflop_per_s=flops / ms / 1e9,
                 floor_ms=floor_ms,
-                floor_tok_per_s=bsz / floor_ms * 1e3,
                 fraction_of_floor=floor_ms / ms,
             )
-            results["decode"].append(row)
-            print(f"decode {row}")
-        if args.profile:
-            for graph in (True, False):
-                case = f"decode B={bsz} graph={graph}"
-                step = functools.partial(run_step, runner, plan, use_cuda_graph=graph)
-                cats = profile(step, 5, args.profile, case)
+            results["prefill"].append(dict(row, fused_ops=ops))
+            print(f"prefill {row}")
+            if args.profile:
+                case = f"prefill {num_rows}x{length} ops={ops}"
+                cats = profile(step, 1, args.profile, case)
                 results["profile"].append(dict(case=case, ms=cats))
                 print(f"profile {case}: {cats}")
-
-    for num_rows, length in PREFILLS:
-        plan = make_plan(runner, [(0, length)] * num_rows, rng)
-        tokens = num_rows * length
-        flops = (
-            2 * tokens * linear_params
-            + 2 * num_rows * m.hidden_size * m.vocab_size
-            + 4 * m.num_layers * m.num_heads * m.head_dim * num_rows * length * (length + 1) / 2
-        )
-        step = functools.partial(run_step, runner, plan)
-        iters = max(3, min(10, int(2e5 // tokens)))
-        ms = time_ms(step, warmup=1, iters=iters)
-        floor_ms = flops / BF16_FLOPS * 1e3
-        row = dict(
-            rows=num_rows,
-            tokens_per_row=length,
-            ms=ms,
-            tok_per_s=tokens / ms * 1e3,
-            tflop_per_s=flops / ms / 1e9,
-            floor_ms=floor_ms,
-            fraction_of_floor=floor_ms / ms,
-        )
-        results["prefill"].append(row)
-        print(f"prefill {row}")
-        if args.profile:
-            case = f"prefill {num_rows}x{length}"
-            cats = profile(step, 1, args.profile, case)
-            results["profile"].append(dict(case=case, ms=cats))
-            print(f"profile {case}: {cats}")
+        runner.close()
+        del runner, plan, step, replay
+        gc.collect()  # the next runner needs the device memory (cycles hold the graphs)
+        torch.cuda.empty_cache()
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(build_s=build_s, weight_bytes=weight_bytes, **results), f, indent=2)
     print(f"\n## One batch (H200, dummy {PRESET}, {label}, block size {BLOCK_SIZE})")
-    print("| decode | B | ctx | graph | ms/step | tok/s | graph GPU ms | floor ms | of floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| decode | ops | B | ctx | graph | ms/step | tok/s | graph GPU ms | floor ms | of floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["decode"]:
         gpu = f"{r['graph_gpu_ms']:.2f}" if r["graph_gpu_ms"] is not None else "-"
         print(
-            f"| decode | {r['batch']} | {r['context']} | {'yes' if r['cuda_graph'] else 'no'} "
+            f"| decode | {r['fused_ops']} | {r['batch']} | {r['context']} "
+            f"| {'yes' if r['cuda_graph'] else 'no'} "
             f"| {r['ms_per_step']:.2f} | {r['tok_per_s']:.0f} | {gpu} | {r['floor_ms']:.2f} "
             f"| {r['fraction_of_floor']:.0%} |"
         )
-    print("| prefill | rows x len | | | ms | tok/s | TFLOP/s | floor ms | of floor |")
+    print("| prefill | ops | rows x len | | ms | tok/s | TFLOP/s | floor ms | of floor |")
     for r in results["prefill"]:
         print(
-            f"| prefill | {r['rows']}x{r['tokens_per_row']} | | | {r['ms']:.1f} "
+            f"| prefill | {r['fused_ops']} | {r['rows']}x{r['tokens_per_row']} | | {r['ms']:.1f} "
             f"| {r['tok_per_s']:.0f} | {r['tflop_per_s']:.0f} | {r['floor_ms']:.1f} "
             f"| {r['fraction_of_floor']:.0%} |"
         )

@@ -37,6 +37,8 @@ else:
         silu_mul_quantize_fp8_reference,
     )
     from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
+    from .rope_store_kv import rope_reference, rope_store_kv, rope_store_kv_reference
+    from .silu_mul import silu_mul, silu_mul_reference
     from .store_kv import store_kv, store_kv_reference
 
     __all__ = [
@@ -59,10 +61,15 @@ else:
         "rmsnorm_quantize_fp8",
         "rmsnorm_quantize_fp8_reference",
         "rmsnorm_reference",
+        "rope_reference",
+        "rope_store_kv",
+        "rope_store_kv_reference",
         "scale_product",
         "scale_product_reference",
+        "silu_mul",
         "silu_mul_quantize_fp8",
         "silu_mul_quantize_fp8_reference",
+        "silu_mul_reference",
         "store_kv",
         "store_kv_reference",
     ]

@@ -7,6 +7,8 @@ block sizes 1 and 16, head dims 128 and 32 (zero-padded to 64 by the backend).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pytest
 import torch
@@ -34,11 +36,30 @@ def test_kv_head_dim():
 
 
 def test_decode_buckets():
-    assert DECODE_BUCKETS[:6] == (1, 2, 4, 8, 16, 24) and DECODE_BUCKETS[-1] == 256
-    assert decode_buckets(256) == DECODE_BUCKETS
+    assert DECODE_BUCKETS[:6] == (1, 2, 4, 8, 16, 24) and DECODE_BUCKETS[-1] == 1024
+    assert decode_buckets(1024) == DECODE_BUCKETS
     assert decode_buckets(20)[-1] == 24 and decode_buckets(1) == (1,)
+    assert decode_buckets(256)[-1] == 256 and len(decode_buckets(256)) == 35
+    assert decode_buckets(300)[-1] == 304 and decode_buckets(512)[-1] == 512
+    assert decode_buckets(513)[-1] == 544 and len(DECODE_BUCKETS) == 67
     with pytest.raises(ValueError):
-        decode_buckets(257)
+        decode_buckets(1025)
+    with pytest.raises(ValueError):
+        decode_buckets(0)
+
+
+def test_decode_bucket_of_every_row_count():
+    """A step of n rows runs the smallest bucket >= n; past 64 rows padding stays under 1/8
+    of the step (8 rows apart to 256, 16 to 512, 32 to 1024)."""
+    buckets = decode_buckets(1024)
+    assert list(buckets) == sorted(set(buckets))
+    for n in range(1, 1025):
+        bucket = buckets[bisect.bisect_left(buckets, n)]
+        assert bucket >= n and not any(n <= b < bucket for b in buckets)
+        if n > 64:
+            assert (bucket - n) * 8 < n, (n, bucket)
+    steps = {b - a for a, b in zip(buckets[4:], buckets[5:])}
+    assert steps == {8, 16, 32}
 
 
 def test_graph_tokens_per_row_covers_verify_rows():

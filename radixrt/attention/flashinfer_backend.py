@@ -297,18 +297,33 @@ class FlashInferBackend:
         self._decode, self._xqa = wrapper, None
 
     # ---- per layer ----
+    @property
+    def slots(self) -> torch.Tensor:
+        """The planned step's KV slot of each new token [T] int64 (where `attend` expects
+        its K/V to be stored already)."""
+        assert self._slots is not None, "prepare() must run before the layers"
+        return self._slots
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
         """Store k/v at the step's slots, then attend (see AttentionBackend.forward).
         q [T, hq, d], k/v [T, hkv, d] (last dim contiguous; other strides free)."""
-        assert self._slots is not None, "prepare() must run before forward()"
         pad = self.kv_head_dim - self.head_dim
         if pad:
-            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+            k, v = F.pad(k, (0, pad)), F.pad(v, (0, pad))
+        store_kv(pool.kv[layer], self.slots, k, v, pool.k_scale(layer), pool.v_scale(layer))
+        return self.attend(layer, q, pool)
+
+    def attend(self, layer: int, q: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """Attention of q [T, hq, d] over the pool, whose K/V of this step's tokens are stored
+        at `slots` already (padded to kv_head_dim with zeros: `forward`, or a fused
+        RoPE + store kernel). Returns [T, hq, d]."""
+        pad = self.kv_head_dim - self.head_dim
+        if pad:
+            q = F.pad(q, (0, pad))
         assert pool.dtype == self.kv_dtype, "the pool's dtype is not the planned kv_data_type"
         k_scale, v_scale = pool.k_scale(layer), pool.v_scale(layer)
-        store_kv(pool.kv[layer], self._slots, k, v, k_scale, v_scale)
         kv_cache = (pool.k_cache(layer), pool.v_cache(layer))
         # FlashInfer folds k_scale into sm_scale; V's scale is linear in the output.
         scales = dict(k_scale=None if k_scale == 1.0 else k_scale)

@@ -36,7 +36,9 @@ from radixrt.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-DECODE_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
+# Spaced 8 rows apart up to 256, then 16 and 32 (a padding row costs less of a larger step):
+# 67 graphs where max_running_requests reaches 1024, the 35 up to 256 otherwise.
+DECODE_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8), *range(272, 513, 16), *range(544, 1025, 32))
 # Longest row a graph step takes (fed as that many decode rows; each reads the row's KV again,
 # which the decode kernel serves from L2 for short rows): verify rows of k <= 15 drafts, short
 # jump-forward runs. Longer rows (prefill chunks) run eagerly.
@@ -62,13 +64,15 @@ def scratch_block_slots(scratch_block: int, block_size: int, num: int) -> np.nda
 
 
 class DecodeCudaGraphs:
-    """Captured decode graphs over `forward_logits`, which maps a ForwardBatch of decode rows
-    to logits [rows, vocab] float32 and must use the backend planned by
-    `backend.prepare_cuda_graph` (see FlashInferBackend)."""
+    """Captured decode graphs over `forward_logits(batch, out)`, which maps a ForwardBatch of
+    decode rows to logits [rows, vocab] float32, written into `out` when it is given (else
+    new), and must use the backend planned by `backend.prepare_cuda_graph` (see
+    FlashInferBackend). Every bucket's graph writes its logits into rows of one buffer, so
+    their memory does not grow with the number of buckets."""
 
     def __init__(
         self,
-        forward_logits: Callable[[ForwardBatch], torch.Tensor],
+        forward_logits: Callable[[ForwardBatch, torch.Tensor | None], torch.Tensor],
         backend,
         *,
         max_batch_size: int,
@@ -96,6 +100,8 @@ class DecodeCudaGraphs:
         backend.init_cuda_graph(n, max_blocks_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
+        # [max_batch_size, vocab] float32: every graph's output rows (made at the first capture)
+        self._logits_out: torch.Tensor | None = None
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -179,11 +185,17 @@ class DecodeCudaGraphs:
         indices.fill_(self.scratch_block)
         fb = self._static_batch(bs)
         self._plan(bs, indptr, indices, one, one)
-        self._forward_logits(fb)  # warm-up: kernel selection, lazy allocations, Triton JIT
+        # warm-up: kernel selection, lazy allocations, Triton JIT
+        out = None if self._logits_out is None else self._logits_out[:bs]
+        warm = self._forward_logits(fb, out)
+        if self._logits_out is None:  # the largest bucket, captured first
+            assert bs == n
+            self._logits_out = torch.empty_like(warm)
+        del warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.logits[bs] = self._forward_logits(fb)
+            self.logits[bs] = self._forward_logits(fb, self._logits_out[:bs])
         self.graphs[bs] = graph
 
     def run(

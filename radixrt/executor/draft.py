@@ -86,6 +86,7 @@ class DraftRunner(RunnerFeature):
             max_positions=max_model_len,
             seed=cfg.seed + 1,
             fp8=self.model_cfg.checkpoint_fp8,  # an fp8 draft checkpoint runs in fp8
+            attention_backend=cfg.attention_backend,
         )
         self.backend = create_attention_backend(
             cfg.attention_backend, self.model_cfg, self.device, self.dtype
@@ -201,7 +202,7 @@ class DraftRunner(RunnerFeature):
         assert self.pool is not None
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self.cuda_graphs = DecodeCudaGraphs(
-            lambda fb: self.model.compute_logits(self.model(fb, self.backend, self.pool)),
+            lambda fb, out: self.model.compute_logits(self.model(fb, self.backend, self.pool), out),
             self.backend,
             max_batch_size=max_batch_size,
             max_blocks_per_seq=max_blocks_per_seq,

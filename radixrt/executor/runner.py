@@ -138,6 +138,7 @@ class ModelRunner:
             fp8=resolve_scheme(
                 model_cfg.checkpoint_fp8, cfg.quantization, cfg.fp8_activation_scale
             ),
+            attention_backend=cfg.attention_backend,
         )
         logger.info(
             "weights: %.2f GiB%s",
@@ -469,9 +470,10 @@ class ModelRunner:
         """The step's ForwardBatch (`SlotState.forward_batch`)."""
         return self.slots.forward_batch(layout)
 
-    def _decode_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """What a decode CUDA graph captures: forward + logits of every row."""
-        return self.model.compute_logits(self.model(fb, self.backend, self.pool))
+    def _decode_logits(self, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """What a decode CUDA graph captures: forward + logits of every row (into `out`
+        [rows, vocab] float32 when given)."""
+        return self.model.compute_logits(self.model(fb, self.backend, self.pool), out)
 
     # ---- for tests and benchmarks ----
     @torch.inference_mode()

@@ -8,6 +8,7 @@ import torch
 
 from radixrt.config import ModelConfig
 from radixrt.model.fp8_linear import check_fp8_capability
+from radixrt.model.layer_ops import create_layer_ops
 from radixrt.model.linear import prepack_linears
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.quantization import Fp8Scheme
@@ -32,13 +33,16 @@ def build_model(
     group: TPGroup | None = None,
     prepack: bool = True,
     fp8: Fp8Scheme | None = None,
+    attention_backend: str = "torch",
 ) -> LlamaForCausalLM:
     """Create the model directly on `device` in `dtype` and fill its weights. With `group`
     (tensor parallelism): this rank's `shard`, reading only its slices of the checkpoint.
     With `fp8` the decoder's linears are `Fp8Linear` (radixrt.model.fp8_linear): fp8 on
     CUDA, dequantized into `dtype` once loaded on a CPU. A float32 CPU model gets
     oneDNN-packed copies of its linear weights (`radixrt.model.linear`: used for
-    prefill-sized inputs) unless `prepack` is False."""
+    prefill-sized inputs) unless `prepack` is False. Its layer ops (norms, SiLU-and-mul, RoPE
+    and the KV store: `radixrt.model.layer_ops`) are chosen here for `device` and the
+    attention backend the runner will pair it with."""
     torch_dtype = DTYPES[dtype]
     if fp8 is not None:
         check_fp8_capability(torch.device(device))
@@ -46,7 +50,8 @@ def build_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, shard, group, fp8)
+            ops = create_layer_ops(torch.device(device), attention_backend)
+            model = LlamaForCausalLM(cfg, max_positions, shard, group, fp8, ops)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

@@ -65,8 +65,8 @@ FP8_TENSOR_NAMES = ("weight", "weight_scale", "input_scale")  # what `load` take
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: fp8 tensor cores (torch._scaled_mm)
 # Row-wise scales at M <= this: the tensor-wise GEMM + an epilogue (the module docstring).
 # benchmarks/bench_fp8_gemm.py, 32 Llama-3-8B layers + lm_head: tensor-wise 1.6-1.9x faster
-# than row-wise at M = 1..32, 1.2x at 256, the same at 4096; 256 is also the largest decode
-# CUDA graph, so every graph runs one path.
+# than row-wise at M = 1..32, 1.2x at 256, the same at 4096 (decode graphs of more rows, up
+# to 1024, run the row-wise GEMM).
 EPILOGUE_MAX_ROWS = 256
 
 

@@ -5,7 +5,8 @@ installed (RMSNorm with the residual add fused in, in place; RoPE from the cos/s
 place; SiLU-and-mul) and plain torch everywhere else (on a CPU: torch.rms_norm, one gathered
 rotary table a forward; fused C versions of these ops gained under 10% of a whole run in
 benchmarks/bench_cpu_paired.py and are not kept). Both paths share one contract; the fused one
-rounds differently (float32 inside).
+rounds differently (float32 inside). On CUDA the model may run radixrt.kernels' Triton
+versions instead (`radixrt.model.layer_ops`, chosen when it is built).
 """
 
 from __future__ import annotations

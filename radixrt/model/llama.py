@@ -24,7 +24,8 @@ from radixrt.kernels.fp8_quant import FP8_DTYPE, Fp8Activation, Fp8Product
 from radixrt.kv.pool import KVPool
 from radixrt.model.fp8_linear import FP8_TENSOR_NAMES, Fp8Linear, as_tensor, linear_product
 from radixrt.model.kv_scales import is_kv_scale_name
-from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul, silu_mul_
+from radixrt.model.layer_ops import LayerOps, ModuleOps
+from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
 from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme
@@ -47,9 +48,11 @@ class Attention(nn.Module):
         rope: RotaryEmbedding,
         group: TPGroup | None,
         fp8: Fp8Scheme | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.ops = ops or ModuleOps()
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
@@ -89,8 +92,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(rope, q, k)
-        out = backend.forward(self.layer_id, q, k, v, pool)  # [T, hq, d]
+        # RoPE, K/V into the pool, attention: [T, hq, d]
+        out = self.ops.attention(self.layer_id, self.rope, rope, q, k, v, backend, pool)
         out = out.reshape(-1, self.q_size)
         if lora is not None:
             return lora.apply(self.o_proj(out), out, self.layer_id, "o_proj")
@@ -105,8 +108,10 @@ class MLP(nn.Module):
         group: TPGroup | None,
         layer_id: int = 0,
         fp8: Fp8Scheme | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or ModuleOps()
         inter = shard.intermediate_size
         self.inter = inter
         self.layer_id = layer_id
@@ -131,7 +136,7 @@ class MLP(nn.Module):
         if lora is not None:
             assert isinstance(x, torch.Tensor)  # LoRA runs over 16/32-bit bases only
             gate_up = lora.apply(self.gate_up_proj(x), x, self.layer_id, "gate_up_proj")
-            act = silu_and_mul(gate_up)
+            act = self.ops.silu_and_mul(gate_up)
             return lora.apply(self.down_proj(act), act, self.layer_id, "down_proj")
         if self.fused_fp8:
             down = self.down_proj
@@ -141,8 +146,8 @@ class MLP(nn.Module):
         assert isinstance(x, torch.Tensor)
         gate_up = self.gate_up_proj
         if x.is_cuda or not gate_up.is_packed or x.shape[0] < PACKED_MIN_ROWS:
-            # one GEMM (FlashInfer's silu_and_mul reads its halves; on CPU, few rows)
-            return linear_product(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
+            # one GEMM (the fused silu-and-mul reads its halves; on CPU, few rows)
+            return linear_product(self.down_proj, self.ops.silu_and_mul(self.gate_up_proj(x)))
         # CPU, many rows: the packed gate and up GEMMs apart, so that silu and mul run on
         # contiguous tensors (on strided halves of one [T, 2I] output silu was 3x slower:
         # 2.9 vs 0.9 ms at 4096 x 512)
@@ -202,10 +207,12 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         group: TPGroup | None,
         fp8: Fp8Scheme | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, shard, layer_id, rope, group, fp8)
-        self.mlp = MLP(cfg, shard, group, layer_id, fp8)
+        self.ops = ops = ops or ModuleOps()
+        self.self_attn = Attention(cfg, shard, layer_id, rope, group, fp8, ops)
+        self.mlp = MLP(cfg, shard, group, layer_id, fp8, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused_fp8 = False  # set by `fuse_fp8`: norms quantize the next GEMM's input
@@ -233,10 +240,7 @@ class DecoderLayer(nn.Module):
         if self.fused_fp8:
             assert isinstance(linear, Fp8Linear)
             return linear.quantize_rmsnorm(x, residual, norm.weight, norm.eps)
-        x = as_tensor(x)
-        if residual is None:
-            return norm(x), x
-        return norm(x, residual)
+        return self.ops.add_rmsnorm(norm, as_tensor(x), residual)
 
     def forward(
         self,
@@ -268,10 +272,13 @@ class LlamaForCausalLM(nn.Module):
         shard: TPShard | None = None,
         group: TPGroup | None = None,
         fp8: Fp8Scheme | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         assert (shard is None or shard.size == 1) == (group is None)
         self.cfg = cfg
+        # how the layers run their norms, activation, RoPE and KV store (`create_layer_ops`)
+        self.ops = ops = ops or ModuleOps()
         self.fp8 = fp8
         self.group = group
         # [1] int64: a forward's real tokens, the only rows whose absmax dynamic per-tensor
@@ -283,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, shard, i, rope, group, fp8) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, shard, i, rope, group, fp8, ops) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         lm_head_fp8 = _fp8_for(fp8, "", ("lm_head",))
@@ -311,16 +318,21 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.fp8_num_rows.copy_(batch.num_real_tokens)
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rope.prepare(batch.positions, x)  # cos/sin gathered once for all layers
+        # cos/sin gathered once for all layers (none where a fused kernel reads the cache)
+        rope = self.ops.prepare_rope(self.rope, batch.positions, x)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, backend, pool, batch.lora)
-        x, _ = self.norm(as_tensor(x), residual)
+        x, _ = self.ops.add_rmsnorm(self.norm, as_tensor(x), residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] float32: new, or written into `out` (then
+        returned), at the cost of the same one cast."""
+        logits = self.lm_head(hidden)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     # ---- weights ----
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
