@@ -123,7 +123,7 @@ def test_create_layer_ops_decides_by_device_backend_and_env(monkeypatch):
     assert type(create_layer_ops(cuda, "flashinfer")) is RopeStoreOps
     assert type(create_layer_ops(cuda, "torch")) is ModuleOps
     monkeypatch.delenv(FUSED_OPS_ENV)
-    assert type(create_layer_ops(cuda, "flashinfer")) is FusedRopeStoreOps  # the default
+    assert type(create_layer_ops(cuda, "flashinfer")) is ModuleOps  # the default
     monkeypatch.setenv(FUSED_OPS_ENV, "cutlass")
     with pytest.raises(ValueError, match="RADIXRT_FUSED_OPS must be one of"):
         create_layer_ops(cuda, "flashinfer")

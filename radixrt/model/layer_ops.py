@@ -11,9 +11,10 @@ and the KV store), run one of these ways, chosen once when the model is built:
   FlashInfer's own RoPE + append (`rope_quantize_fp8_append_paged_kv_cache`) quantizes q to
   fp8 and writes only fp8 caches, which our bf16-q attention does not take.
 
-`RADIXRT_FUSED_OPS` (read by `create_layer_ops`) picks the CUDA way: "triton" (default,
-`FusedRopeStoreOps`), "flashinfer" (`ModuleOps`) or "triton-rope" (`RopeStoreOps`). CPU
-models always take the modules.
+`RADIXRT_FUSED_OPS` (read by `create_layer_ops`) picks the CUDA way: "flashinfer" (default,
+`ModuleOps`, the path the GPU suite and RESULTS measured), "triton" (`FusedRopeStoreOps`) or
+"triton-rope" (`RopeStoreOps`). The Triton ways become the default once a GPU run shows them
+faster with the same tokens. CPU models always take the modules.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FUSED_OPS_ENV = "RADIXRT_FUSED_OPS"
-# its values, the first the default: every small op in Triton; FlashInfer's kernels and a
-# separate store (the modules); FlashInfer's norms and SiLU-and-mul with Triton RoPE + store
-FUSED_OPS = ("triton", "flashinfer", "triton-rope")
+# its values, the first the default: FlashInfer's kernels and a separate store (the
+# modules); every small op in Triton; FlashInfer's norms and SiLU-and-mul with Triton RoPE + store
+FUSED_OPS = ("flashinfer", "triton", "triton-rope")
 
 
 class LayerOps(Protocol):
