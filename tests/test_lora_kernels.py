@@ -174,25 +174,52 @@ def test_slot_pool_on_cuda_uses_the_kernels(tiny_model_dir, tmp_path):
     _compare_pools(cfg, pools, row_refs)
 
 
-@pytest.mark.gpu
-def test_cuda_engine_mixed_batch_equals_cpu(make_engine, tiny_model_dir, tmp_path):
-    """A mixed batch (4 adapters and the base) on CUDA gives the CPU engine's greedy tokens
-    and log-probs (within 1e-3)."""
+def _mixed_batch_outputs(make_engine, model_dir, tmp_path, configs, max_tokens):
+    """Greedy outputs of a mixed batch (4 adapters of ranks 8 and 16, and the base) on an
+    engine per config: (engine options, whether its LoRA delta must be the segmented one)."""
     from radixrt import SamplingParams
 
     names = {}
     for i, r in enumerate((8, 16, 16, 8)):
-        names[f"a{i}"] = write_random_adapter(tiny_model_dir, str(tmp_path / f"a{i}"), r=r, seed=i)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+        names[f"a{i}"] = write_random_adapter(model_dir, str(tmp_path / f"a{i}"), r=r, seed=i)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True)
     prompts = ["The quick brown fox", "Once upon a time, in a small village by the sea"]
     loras = [None, *names] * 2
     prompts = [p for p in prompts for _ in range(5)]
-    outs = {}
-    for dev in ("cpu", "cuda"):
-        engine = make_engine(device=dev, max_loras=4, max_lora_rank=16)
+    outs = []
+    for options, segmented in configs:
+        engine = make_engine(max_loras=4, max_lora_rank=16, **options)
+        slots = engine.core.runner.lora
+        if segmented and not options.get("device", "cpu").startswith("cuda"):
+            slots._make_batch = slots._segmented_batch  # the kernels, interpreted on CPU
+        assert (slots._make_batch.__name__ == "_segmented_batch") == segmented
         for name, path in names.items():
             engine.load_lora(name, path)
-        outs[dev] = engine.generate(prompts, params, lora=loras)
-    for cpu, cuda in zip(outs["cpu"], outs["cuda"]):
-        assert cuda.token_ids == cpu.token_ids
-        assert max(abs(a - b) for a, b in zip(cuda.logprobs, cpu.logprobs)) < 1e-3
+        outs.append(engine.generate(prompts, params, lora=loras))
+    return outs
+
+
+def _assert_same_outputs(want, got, tol):
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids
+        assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < tol
+
+
+def test_engine_segmented_path_equals_torch_ops_on_cpu(make_engine, tiny_model_dir, tmp_path):
+    """The runner's LoRA delta through the kernels (interpreted) gives the torch path's
+    outputs for a mixed batch."""
+    torch_ops, kernels = _mixed_batch_outputs(
+        make_engine, tiny_model_dir, tmp_path, [({}, False), ({}, True)], max_tokens=4
+    )
+    _assert_same_outputs(torch_ops, kernels, 1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_mixed_batch_equals_cpu(make_engine, tiny_model_dir, tmp_path):
+    """A mixed batch on CUDA (the kernels) gives the CPU engine's greedy tokens and
+    log-probs (within 1e-3), float32 on both."""
+    cuda = dict(device="cuda", attention_backend="torch", enable_cuda_graph=False)
+    cpu_out, cuda_out = _mixed_batch_outputs(
+        make_engine, tiny_model_dir, tmp_path, [({}, False), (cuda, True)], max_tokens=12
+    )
+    _assert_same_outputs(cpu_out, cuda_out, 1e-3)

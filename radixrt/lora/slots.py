@@ -5,7 +5,8 @@ first from a host cache of `max_cpu_loras` adapters (read from their directories
 For every layer and merged projection (qkv_proj, o_proj, gate_up_proj, down_proj) it holds
 the slot-major weights that `radixrt.lora.batch` describes (an adapter of rank r < R and a
 projection it does not adapt leave zeros), and makes each forward's `LoraBatch`: the
-segmented Triton kernels on CUDA, torch ops elsewhere (chosen at construction).
+segmented Triton kernels on CUDA (where Triton is installed), torch ops elsewhere (chosen
+at construction).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from radixrt.config import ModelConfig
+from radixrt.kernels import HAS_TRITON
 from radixrt.kernels.lora import build_lora_segments
 from radixrt.lora.adapter import (
     SERVED_MODULES,
@@ -87,11 +89,11 @@ class LoraSlots:
         host_capacity: int,
         device: torch.device,
         dtype: torch.dtype,
-        segmented: bool | None = None,  # Triton kernels (None: on CUDA) or torch ops
+        segmented: bool | None = None,  # Triton kernels (None: on CUDA with Triton) or torch
     ) -> None:
         self.num_slots, self.rank = max_loras, max_rank
         if segmented is None:
-            segmented = device.type == "cuda"
+            segmented = device.type == "cuda" and HAS_TRITON
         self._make_batch = self._segmented_batch if segmented else self._masked_batch
         self.host_capacity = host_capacity
         self.device, self.dtype = device, dtype
