@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .admission import ProgramGate
-from .backends.base import Backend, GenResult
+from .backends.base import Backend, GenResult, adapter_kw
 from .errors import UnknownVariableError
 from .ir import Gen, GenParams, OfferTools, Op, RoleBegin, RoleEnd, Select, Text
 from .tool_calls import constrained, read_calls
@@ -94,6 +94,8 @@ class Executor:
         # the program's cache salt (gen_defaults), for what it sends besides gens (select
         # scoring, prefix prefills)
         self.cache_salt = gen_defaults.cache_salt if gen_defaults is not None else None
+        # the program's LoRA adapter (gen_defaults), likewise: a prefix is cached per adapter
+        self.lora = gen_defaults.lora if gen_defaults is not None else None
         self.sink = sink
         self.tracing = tracing
         self.text = ""
@@ -243,7 +245,9 @@ class Executor:
         self._take_joined()  # the fork's prefix (or the branches' calls) extends it, if any
         prefix_ids = self.backend.encode(self.text) if self.text else []
         if n > 1 and prefix_ids and len(self.text) != self._generated_to:
-            self._send_prefix(prefix_ids, wait=not self.backend.holds_back_shared_prefixes)
+            self._send_prefix(
+                prefix_ids, self.lora, wait=not self.backend.holds_back_shared_prefixes
+            )
         children = []
         for _ in range(n):
             child = Executor(self.backend, self.gen_defaults, concurrent=True, gate=self.gate)
@@ -351,8 +355,11 @@ class Executor:
             sink, name = self.sink, op.name
             on_delta = lambda chunk: sink.put(name, chunk)  # noqa: E731
         tokens = len(prompt_ids) + (params.max_tokens or 0)
+        adapter = adapter_kw(op.params.adapter(self.gen_defaults))
         result = self._call(
-            params.cache_ttl_s, tokens, lambda: self.backend.generate(prompt_ids, params, on_delta)
+            params.cache_ttl_s,
+            tokens,
+            lambda: self.backend.generate(prompt_ids, params, on_delta, **adapter),
         )
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         self._generated_to = len(self.text)
@@ -380,8 +387,11 @@ class Executor:
         # always after the hint: the server does not hold back requests whose shared uncached
         # part is short (radixrt.scheduler.policy.IN_BATCH_PREFIX_THRESHOLD), as a select's
         # tail after a cached context often is, and each scoring would compute it
-        self._send_prefix(prefix_ids)
-        token_logprobs = self.backend.score_continuations(prefix_ids, choice_ids, self.cache_salt)
+        lora = op.lora if op.lora is not None else self.lora
+        self._send_prefix(prefix_ids, lora)
+        token_logprobs = self.backend.score_continuations(
+            prefix_ids, choice_ids, self.cache_salt, **adapter_kw(lora)
+        )
         sums = [sum(lps) for lps in token_logprobs]
         scores = [s / len(lps) for s, lps in zip(sums, token_logprobs)] if op.normalize else sums
         best = max(range(len(scores)), key=scores.__getitem__)  # first of equal maxima
@@ -398,12 +408,13 @@ class Executor:
                 "normalize": op.normalize,
             }
 
-    def _send_prefix(self, prefix_ids: list[int], wait: bool = True) -> None:
-        """Prefill the state's prefix (held for the program, as its gens' contexts).
-        `wait=False`: sent from a thread of its own while the state goes on; its hold joins
-        the state's at the state's next call or sync point (`_await_hint`)."""
-        hold_s, tokens = self.hold_s, len(prefix_ids)
-        send = lambda: self.backend.cache_prefix(prefix_ids, self.cache_salt, hold_s)  # noqa: E731
+    def _send_prefix(self, prefix_ids: list[int], lora: str | None, wait: bool = True) -> None:
+        """Prefill the state's prefix (held for the program, as its gens' contexts) under
+        LoRA adapter `lora` (None: the base model's KV). `wait=False`: sent from a thread of
+        its own while the state goes on; its hold joins the state's at the state's next call
+        or sync point (`_await_hint`)."""
+        hold_s, tokens, adapter = self.hold_s, len(prefix_ids), adapter_kw(lora)
+        send = lambda: self.backend.cache_prefix(prefix_ids, self.cache_salt, hold_s, **adapter)  # noqa: E731
         if wait:
             self._call(hold_s, tokens, send)
             return

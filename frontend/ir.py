@@ -60,8 +60,11 @@ class GenParams:
     cache_salt: str | None = None  # shares cached KV only with requests of this salt
     priority: int | None = None  # lower runs first (vLLM's convention)
     cache_ttl_s: float | None = None  # keep the context cached this long after the gen
+    # the LoRA adapter's name (a loaded one); None: the program's (gen_defaults), else the base
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        _check_lora(self.lora, "gen")
         if isinstance(self.json_schema, dict):
             object.__setattr__(
                 self, "json_schema", SamplingParams(json_schema=self.json_schema).json_schema
@@ -89,7 +92,14 @@ class GenParams:
         if defaults is not None:
             values.update(defaults.set_values())
         values.update(self.set_values())
+        values.pop("lora", None)  # sent beside the sampling parameters (`adapter`)
         return SamplingParams(**values)
+
+    def adapter(self, defaults: GenParams | None) -> str | None:
+        """The LoRA adapter of this gen: its own, else `defaults`' (None: the base model)."""
+        if self.lora is not None or defaults is None:
+            return self.lora
+        return defaults.lora
 
 
 BASE_GEN_DEFAULTS = {"max_tokens": 128}  # over SamplingParams' own defaults
@@ -114,6 +124,7 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     normalize: bool  # score = mean token log-prob (True) or their sum (False)
+    lora: str | None = None  # the LoRA adapter's name; None: the program's, else the base
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,7 @@ def gen(
     cache_ttl_s: float | None = None,
     tool_choice: str | None = None,
     parallel_tool_calls: bool = True,
+    lora: str | None = None,
 ) -> Gen:
     """Generate text at this point of the program and store it in variable `name`.
     Unset options come from `run(..., gen_defaults=...)`, else SamplingParams' defaults
@@ -169,7 +181,8 @@ def gen(
     name) lets the model call the tools offered with `tools(...)`, constrained to calls whose
     arguments match their schemas (auto: once a call starts, in formats with a call marker);
     the variable holds the text outside calls and `state.tool_calls(name)` the calls.
-    Raises ValueError for an invalid value."""
+    `lora`: run under this loaded LoRA adapter (by name; for a whole program:
+    `gen_defaults={"lora": ...}`). Raises ValueError for an invalid value."""
     _check_name(name, "gen")
     params = GenParams(
         max_tokens=max_tokens,
@@ -187,6 +200,7 @@ def gen(
         cache_salt=cache_salt,
         priority=priority,
         cache_ttl_s=cache_ttl_s,
+        lora=lora,
     )
     if tool_choice is not None and not (isinstance(tool_choice, str) and tool_choice):
         raise ValueError(f"gen({name!r}) tool_choice must be auto, required or a tool's name")
@@ -206,17 +220,22 @@ def tool_result(call_id: str, *content: ExprLike) -> Role:
     return Role("tool", tuple(x for c in content for x in _items(c)), call_id)
 
 
-def select(name: str | None, choices: Sequence[str], normalize: bool = True) -> Select:
+def select(
+    name: str | None, choices: Sequence[str], normalize: bool = True, lora: str | None = None
+) -> Select:
     """Append the choice the model finds most likely after the text so far and store it in
     `name`. Each choice is scored by the log-probs of its tokens (tokenized on its own,
     after the separately tokenized prefix): their mean (normalize=True) or sum. Ties go to
-    the first choice. Raises ValueError for no choices or an empty choice."""
+    the first choice. `lora`: score under this loaded LoRA adapter (None: the program's,
+    `gen_defaults={"lora": ...}`, else the base model). Raises ValueError for no choices or
+    an empty choice."""
     _check_name(name, "select")
+    _check_lora(lora, "select")
     if isinstance(choices, str) or not choices:
         raise ValueError(f"select({name!r}) needs a non-empty list of choices, got {choices!r}")
     if not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select({name!r}) choices must be non-empty strings, got {choices!r}")
-    return Select(name, tuple(choices), bool(normalize))
+    return Select(name, tuple(choices), bool(normalize), lora)
 
 
 def role(name: str, *content: ExprLike) -> Role:
@@ -272,3 +291,8 @@ def _items(x: ExprLike) -> tuple[Expr | str, ...]:
 def _check_name(name: object, what: str) -> None:
     if name is not None and not (isinstance(name, str) and name):
         raise ValueError(f"{what} variable name must be a non-empty string or None, got {name!r}")
+
+
+def _check_lora(lora: object, what: str) -> None:
+    if lora is not None and not (isinstance(lora, str) and lora):
+        raise ValueError(f"{what}() lora must be a loaded adapter's name, got {lora!r}")

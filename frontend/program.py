@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import Any
 
 from .admission import BatchAdmission
-from .backends.base import Backend
+from .backends.base import Backend, adapter_kw
 from .interpreter import Executor, StreamSink, TraceStop, program_hold_s
 from .ir import GenParams
 from .state import ProgramState, StreamingState
@@ -143,7 +143,10 @@ class Program:
             prefix = self._common_prefix_ids(backend, defaults, batch_kwargs)
             if prefix:
                 sent = backend.cache_prefix(
-                    prefix, defaults.cache_salt if defaults else None, hold_s
+                    prefix,
+                    defaults.cache_salt if defaults else None,
+                    hold_s,
+                    **adapter_kw(defaults.lora if defaults else None),
                 )
                 if hold_s > 0 and sent.rid is not None:
                     held.append(sent.rid)

@@ -18,9 +18,11 @@ import msgspec
 from msgspec import Meta
 
 
-def _doc(description: str, metric: str | None = None) -> Meta:
-    """A field's help text, and its metric name when it is not the field's own."""
-    return Meta(description=description, extra={"metric": metric} if metric else None)
+def _doc(description: str, metric: str | None = None, label: str | None = None) -> Meta:
+    """A field's help text, its metric name when it is not the field's own, and for a dict
+    field the metric label its keys go under."""
+    extra = {k: v for k, v in (("metric", metric), ("label", label)) if v}
+    return Meta(description=description, extra=extra or None)
 
 
 class SchedulerCounters(msgspec.Struct, kw_only=True):
@@ -98,6 +100,17 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     host_deferred_loads: Annotated[
         int, _doc("Admissions whose first row waited a step for host loads")
     ] = 0
+    # LoRA adapters (radixrt.scheduler.lora), by adapter name (label `lora`); each update
+    # replaces the dict, so a struct copied out of the scheduler does not change after
+    lora_requests: Annotated[
+        dict[str, int], _doc("Requests finished under the LoRA adapter, since start", None, "lora")
+    ] = {}
+    lora_prompt_tokens: Annotated[
+        dict[str, int], _doc("Prompt tokens of those requests, since start", None, "lora")
+    ] = {}
+    lora_generated_tokens: Annotated[
+        dict[str, int], _doc("Tokens generated for those requests, since start", None, "lora")
+    ] = {}
 
 
 class EngineStats(SchedulerCounters, kw_only=True):
@@ -220,14 +233,17 @@ class EngineStats(SchedulerCounters, kw_only=True):
     ] = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        """The flat view (`EngineCore.stats()`): each scalar field under its name, and the
-        per-position lists as `spec_accepted_pos_<i>` / `spec_acceptance_rate_pos_<i>`."""
+        """The flat view (`EngineCore.stats()`): each scalar field under its name, the
+        per-position lists as `spec_accepted_pos_<i>` / `spec_acceptance_rate_pos_<i>`, and
+        the per-adapter dicts as `lora_requests:<name>` and so on."""
         out: dict[str, Any] = {}
         for f in STAT_FIELDS:
             value = getattr(self, f.name)
             if f.per_position:
                 prefix = f.name.removesuffix("_per_position")
                 out.update({f"{prefix}_pos_{i}": v for i, v in enumerate(value)})
+            elif f.label is not None:
+                out.update({f"{f.name}:{key}": v for key, v in value.items()})
             else:
                 out[f.name] = value
         return out
@@ -237,7 +253,18 @@ class StatField(NamedTuple):
     name: str  # the EngineStats field
     metric: str  # the exported name: radixrt_<metric>
     description: str  # help text
-    per_position: bool  # a list: one value per draft position (label `position`)
+    # the metric's label: "position" for a list (one value per draft position), the field's
+    # declared label for a dict (one value per key, e.g. "lora"), None for a scalar
+    label: str | None
+
+    @property
+    def per_position(self) -> bool:
+        return self.label == "position"
+
+    def labelled(self, value: Any) -> list[tuple[str, float]]:
+        """(label value, value) of a labelled field's value (a list or a dict)."""
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return [(str(k), v) for k, v in items]
 
 
 def _stat_fields() -> tuple[StatField, ...]:
@@ -249,8 +276,8 @@ def _stat_fields() -> tuple[StatField, ...]:
         metas = [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, Meta)]
         meta = metas[0] if metas else Meta()
         metric = (meta.extra or {}).get("metric", name)
-        per_position = name.endswith("_per_position")
-        out.append(StatField(name, metric, meta.description or "", per_position))
+        label = "position" if name.endswith("_per_position") else (meta.extra or {}).get("label")
+        out.append(StatField(name, metric, meta.description or "", label))
     return tuple(out)
 
 

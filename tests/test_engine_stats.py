@@ -19,10 +19,14 @@ from radixrt.stats import STAT_FIELDS, EngineStats, SchedulerCounters
 
 
 def distinct_stats() -> EngineStats:
-    """Every scalar field a value of its own (1, 2, ...), the lists two positions each."""
+    """Every scalar field a value of its own (1, 2, ...), the lists two positions each, the
+    dicts two keys each."""
     values = {}
     for i, f in enumerate(STAT_FIELDS, start=1):
-        values[f.name] = [i, i + 1] if f.per_position else i
+        if f.label is None:
+            values[f.name] = i
+        else:
+            values[f.name] = [i, i + 1] if f.per_position else {"a": i, "b": i + 1}
     return EngineStats(**values)
 
 
@@ -38,16 +42,16 @@ def test_every_field_is_on_metrics_with_its_value_and_help():
     for f in STAT_FIELDS:
         family = exported[f"radixrt_{f.metric}"]
         assert family.type == "gauge" and family.documentation == f.description, f.name
-        samples = {s.labels.get("position"): s.value for s in family.samples}
-        if f.per_position:
-            assert samples == {str(i): v for i, v in enumerate(getattr(stats, f.name))}, f.name
+        samples = {s.labels.get(f.label): s.value for s in family.samples}
+        if f.label:
+            assert samples == dict(f.labelled(getattr(stats, f.name))), f.name
         else:
             assert samples == {None: getattr(stats, f.name)}, f.name
     metrics.scheduler_gone()
     exported = families(metrics)
     for f in STAT_FIELDS:
         values = [s.value for s in exported[f"radixrt_{f.metric}"].samples]
-        if f.per_position:
+        if f.label:
             assert values == [], f.name
         else:
             assert len(values) == 1 and math.isnan(values[0]), f.name
@@ -75,11 +79,15 @@ def test_every_scheduler_counter_reaches_stats_by_its_name():
     core, _ = content_core(overlap=False)
     live = core.scheduler.stats
     assert type(live) is SchedulerCounters
+    labels = {f.name: f.label for f in STAT_FIELDS}
     for i, name in enumerate(SchedulerCounters.__struct_fields__, start=1):
-        setattr(live, name, 1000 + i)
+        setattr(live, name, {"a": 1000 + i} if labels[name] else 1000 + i)
     s, view = core.stats_struct(), core.stats()
     for i, name in enumerate(SchedulerCounters.__struct_fields__, start=1):
-        assert getattr(s, name) == view[name] == 1000 + i, name
+        if labels[name]:  # a dict by label value
+            assert getattr(s, name) == {"a": 1000 + i} and view[f"{name}:a"] == 1000 + i, name
+        else:
+            assert getattr(s, name) == view[name] == 1000 + i, name
 
 
 # the scheduler gauges /metrics exported before EngineStats (dashboards read them)
@@ -148,7 +156,7 @@ def test_dict_view_flattens_the_struct():
     assert view["prompt_tokens"] == 7
     assert view["spec_accepted_pos_0"] == 3 and view["spec_accepted_pos_1"] == 1
     assert view["spec_acceptance_rate_pos_1"] == 0.25
-    scalars = {f.name for f in STAT_FIELDS if not f.per_position}
+    scalars = {f.name for f in STAT_FIELDS if not f.label}
     assert scalars <= set(view) and len(view) == len(scalars) + 4
     assert msgspec.structs.asdict(stats)["prompt_tokens"] == 7
 

@@ -188,3 +188,22 @@ def test_lora_off_refuses_adapters(make_engine, adapters):
     with pytest.raises(ValueError, match="max_loras"):
         engine.load_lora("a", adapters["qv4"])
     assert set(ADAPTERS) == set(adapters)
+
+
+def test_per_adapter_counters(make_engine, adapters):
+    """Each adapter's finished requests, prompt and generated tokens (an n > 1 request's
+    choices count each; base requests under no adapter)."""
+    engine = _engine(make_engine, adapters, prefix_cache="radix")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    engine.generate(prompt_token_ids=prompts, sampling_params=params, lora="qv4")
+    engine.generate(prompt_token_ids=[[5, 6]], sampling_params=params, lora="all8")
+    engine.generate(prompt_token_ids=prompts, sampling_params=params)  # the base's
+    two = SamplingParams(max_tokens=3, n=2, temperature=1.0, ignore_eos=True, seed=1)
+    engine.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=two, lora="all8")
+    stats = engine.core.stats_struct()
+    assert stats.lora_requests == {"qv4": 2, "all8": 3}
+    assert stats.lora_prompt_tokens == {"qv4": 7, "all8": 2 + 2 * 3}
+    assert stats.lora_generated_tokens == {"qv4": 10, "all8": 5 + 2 * 3}
+    view = engine.core.stats()
+    assert view["lora_requests:qv4"] == 2 and view["lora_generated_tokens:all8"] == 11

@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 from lora_adapters import write_random_adapter
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import http_call, open_raw_stream, read_until, serving
 
 from radixrt import SamplingParams
@@ -106,3 +107,30 @@ def test_load_use_unload(server, expected, adapter_dirs):
         _complete(client, "a2")
     status, _ = http_call(url + "/v1/unload_lora_adapter", {"lora_name": "a2"})
     assert status == 404
+
+
+def _lora_metrics(server) -> dict[str, dict[str, float]]:
+    server.wait_idle()
+    status, text = server.get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {
+        m: {s.labels["lora"]: s.value for s in families[f"radixrt_lora_{m}"].samples}
+        for m in ("requests", "prompt_tokens", "generated_tokens")
+    }
+
+
+def test_metrics_count_each_adapter(server):
+    before = _lora_metrics(server)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
+            "ignore_eos": True}}  # fmt: skip
+    prompt_tokens = 0
+    for _ in range(3):
+        status, out = http_call(server.url + "/generate", {**body, "lora_path": "a1"})
+        assert status == 200
+        prompt_tokens += out["meta_info"]["prompt_tokens"]
+    assert http_call(server.url + "/generate", body)[0] == 200  # the base's: not counted
+    after = _lora_metrics(server)
+    grew = {m: after[m]["a1"] - before[m].get("a1", 0) for m in after}
+    assert grew == {"requests": 3, "prompt_tokens": prompt_tokens, "generated_tokens": 3 * MAX_NEW}
+    assert set(after["requests"]) <= {"a1", "a2"}

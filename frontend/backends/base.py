@@ -20,6 +20,13 @@ from ..chat import ChatTemplate
 DeltaCallback = Callable[[str], None]  # receives generated text as it arrives
 
 
+def adapter_kw(lora: str | None) -> dict[str, str]:
+    """The keyword a call passes to a Backend's methods to run under LoRA adapter `lora`
+    (`lora=name`); none for the base model, so backends that serve no adapters (and wrappers
+    that forward three arguments) keep their signatures."""
+    return {} if lora is None else {"lora": lora}
+
+
 @dataclass
 class GenResult:
     text: str  # generated text (stop string excluded)
@@ -55,8 +62,10 @@ class Backend(ABC):
         on_delta: DeltaCallback | None = None,
     ) -> GenResult:
         """Generate from `prompt_ids`; `on_delta` (if given) gets text pieces as they arrive
-        (their concatenation is the result's text). Raises ValueError for input the model
-        rejects, BackendError when the backend cannot serve."""
+        (their concatenation is the result's text). Backends that serve LoRA adapters take
+        `lora=name` too (`adapter_kw`). Raises ValueError for input the model rejects,
+        BackendError when the backend cannot serve; an adapter that is not loaded raises
+        radixrt.lora.UnknownLora in process and a BackendError (HTTP 404) naming it over HTTP."""
 
     @abstractmethod
     def score_continuations(
@@ -65,16 +74,22 @@ class Backend(ABC):
         """Log-prob of each continuation token given prefix + the continuation's earlier
         tokens: one list per continuation, all scored in one batched submission with
         max_tokens=0 and logprob_start_len = len(prefix_ids), under `cache_salt`. Send the
-        prefix first (`cache_prefix`) so every continuation reuses its cached KV."""
+        prefix first (`cache_prefix`) so every continuation reuses its cached KV. `lora=name`
+        as in `generate`."""
 
     def cache_prefix(
-        self, prompt_ids: list[int], cache_salt: str | None = None, cache_ttl_s: float = 0.0
+        self,
+        prompt_ids: list[int],
+        cache_salt: str | None = None,
+        cache_ttl_s: float = 0.0,
+        **adapter: str,
     ) -> GenResult:
         """Prefill `prompt_ids` without generating (max_tokens=0) so the prefix cache holds
-        them (under `cache_salt`) for the requests that follow; `cache_ttl_s` > 0: held that
-        long (a retention hint; the result's `rid` releases it)."""
+        them (under `cache_salt`, and `lora=name` as in `generate`) for the requests that
+        follow; `cache_ttl_s` > 0: held that long (a retention hint; the result's `rid`
+        releases it)."""
         params = SamplingParams(max_tokens=0, cache_salt=cache_salt, cache_ttl_s=cache_ttl_s)
-        return self.generate(prompt_ids, params)
+        return self.generate(prompt_ids, params, **adapter)
 
     def release_cache_holds(self, rids: list[str]) -> None:  # noqa: B027 (optional)
         """End the retention holds (`cache_ttl_s`) of finished requests `rids` early (a

@@ -38,6 +38,7 @@ class _Submit:
     params: list[SamplingParams]
     futures: list[Future]
     on_delta: DeltaCallback | None
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass
@@ -93,14 +94,16 @@ class EngineBackend(Backend):
         prompts: Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams],
         on_delta: DeltaCallback | None = None,
+        lora: str | None = None,
     ) -> list[Future]:
-        """Queue requests to be added in the same engine step; returns one Future per
-        prompt resolving to a GenResult (or raising ValueError / BackendError)."""
+        """Queue requests to be added in the same engine step, under LoRA adapter `lora`
+        (a loaded one's name; None: the base model); returns one Future per prompt resolving
+        to a GenResult (or raising ValueError, UnknownLora / BackendError)."""
         if self._closed:
             raise BackendError("the EngineBackend is closed")
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         futures: list[Future] = [Future() for _ in prompts]
-        self._inbox.put(_Submit([list(p) for p in prompts], plist, futures, on_delta))
+        self._inbox.put(_Submit([list(p) for p in prompts], plist, futures, on_delta, lora))
         return futures
 
     def generate(
@@ -108,11 +111,16 @@ class EngineBackend(Backend):
         prompt_ids: list[int],
         params: SamplingParams,
         on_delta: DeltaCallback | None = None,
+        lora: str | None = None,
     ) -> GenResult:
-        return self.submit([prompt_ids], params, on_delta)[0].result()
+        return self.submit([prompt_ids], params, on_delta, lora)[0].result()
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
+        self,
+        prefix_ids: list[int],
+        continuations: list[list[int]],
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[list[float]]:
         params = SamplingParams(
             max_tokens=0,
@@ -120,7 +128,7 @@ class EngineBackend(Backend):
             logprob_start_len=max(1, len(prefix_ids)),
             cache_salt=cache_salt,
         )
-        futures = self.submit([prefix_ids + c for c in continuations], params)
+        futures = self.submit([prefix_ids + c for c in continuations], params, lora=lora)
         return [f.result().prompt_logprobs for f in futures]
 
     def release_cache_holds(self, rids: list[str]) -> None:
@@ -187,7 +195,7 @@ class EngineBackend(Backend):
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                rid = self.engine.add_request(ids, params)
+                rid = self.engine.add_request(ids, self.engine.with_lora(params, sub.lora))
             except Exception as e:  # bad input (ValueError): that caller gets the error
                 future.set_exception(e)
                 continue

@@ -121,8 +121,11 @@ class RuntimeEndpoint(Backend):
         prompt_ids: list[int],
         params: SamplingParams,
         on_delta: DeltaCallback | None = None,
+        lora: str | None = None,
     ) -> GenResult:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_json(params)}
+        if lora is not None:  # SGLang's field: the adapter's name
+            body["lora_path"] = lora
         if params.cache_salt is not None:  # /generate takes these beside sampling_params
             body["cache_salt"] = params.cache_salt
         if params.priority:
@@ -145,7 +148,11 @@ class RuntimeEndpoint(Backend):
         return self._result({**out, "text": text})
 
     def score_continuations(
-        self, prefix_ids: list[int], continuations: list[list[int]], cache_salt: str | None = None
+        self,
+        prefix_ids: list[int],
+        continuations: list[list[int]],
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[list[float]]:
         body = {
             "input_ids": [prefix_ids + c for c in continuations],
@@ -155,6 +162,8 @@ class RuntimeEndpoint(Backend):
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if lora is not None:
+            body["lora_path"] = lora
         outs = self._request("POST", "/generate", body)
         if not isinstance(outs, list) or len(outs) != len(continuations):
             raise BackendError(f"/generate answered {len(continuations)} prompts with {outs!r}")

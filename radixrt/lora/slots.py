@@ -3,18 +3,10 @@
 `LoraSlots` keeps `max_loras` device slots of adapter weights, filled least-recently-used
 first from a host cache of `max_cpu_loras` adapters (read from their directories on a miss).
 For every layer and merged projection (qkv_proj, o_proj, gate_up_proj, down_proj) it holds
-
-    a     [in, L * P * R]   the A matrices, transposed: column (slot, part, r)
-    b[p]  [L * R, out_p]    part p's B matrices times the adapter's scaling: row (slot, r)
-
-(L slots, P parts of the merged layer, R = max_lora_rank; an adapter of rank r < R and a
-projection it does not adapt leave zeros). A forward over rows of several adapters and the
-base (`LoraBatch.apply`) then runs one shrink GEMM over the slots in use, zeroes each token's
-columns of other slots (a 0/1 mask, all zeros for base rows), and one expand GEMM per part:
-no loop over adapters, static shapes, and each slot's weights read once however many rows
-use it. Its cost grows with the slots in use (m): m * P * R shrink columns and m * R expand
-rows per token, which for a few adapters of rank <= 64 is a few percent of the base GEMMs.
-Zeroed columns contribute exact zeros, so a row's output does not depend on its batch.
+the slot-major weights that `radixrt.lora.batch` describes (an adapter of rank r < R and a
+projection it does not adapt leave zeros), and makes each forward's `LoraBatch`: the
+segmented Triton kernels on CUDA (where Triton is installed), torch ops elsewhere (chosen
+at construction).
 """
 
 from __future__ import annotations
@@ -28,6 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from radixrt.config import ModelConfig
+from radixrt.kernels import HAS_TRITON
+from radixrt.kernels.lora import build_lora_segments
 from radixrt.lora.adapter import (
     SERVED_MODULES,
     WEIGHTS_FILE,
@@ -37,6 +31,7 @@ from radixrt.lora.adapter import (
     parse_tensor_name,
     read_config,
 )
+from radixrt.lora.batch import LayerLora, LoraBatch, MaskedLoraBatch, SegmentedLoraBatch
 from radixrt.sampling import LoraRef
 
 # merged projection -> the PEFT modules it is made of, in order
@@ -81,15 +76,6 @@ def read_host_adapter(ref: LoraRef) -> HostAdapter:
     return HostAdapter(ref, config["r"], weights)
 
 
-@dataclass
-class LayerLora:
-    """One merged projection's slot weights (see the module docstring)."""
-
-    a: torch.Tensor  # [in, L * P * R]
-    b: list[torch.Tensor]  # P x [L * R, out_p]
-    out_ranges: list[tuple[int, int]]  # part p's output features [start, stop)
-
-
 class LoraSlots:
     """See the module docstring. `assign` (once a step, before the forward) makes every
     adapter of the step resident and returns their slots; `batch` makes the forward's
@@ -103,8 +89,12 @@ class LoraSlots:
         host_capacity: int,
         device: torch.device,
         dtype: torch.dtype,
+        segmented: bool | None = None,  # Triton kernels (None: on CUDA with Triton) or torch
     ) -> None:
         self.num_slots, self.rank = max_loras, max_rank
+        if segmented is None:
+            segmented = device.type == "cuda" and HAS_TRITON
+        self._make_batch = self._segmented_batch if segmented else self._masked_batch
         self.host_capacity = host_capacity
         self.device, self.dtype = device, dtype
         L, R = max_loras, max_rank
@@ -202,32 +192,16 @@ class LoraSlots:
         row_slot = np.array(
             [-1 if ref is None else slots[ref.key] for ref in row_refs], dtype=np.int64
         )
-        used = int(row_slot.max()) + 1
-        token_slot = np.repeat(row_slot, num_new)
+        return self._make_batch(np.repeat(row_slot, num_new))
+
+    def _masked_batch(self, token_slot: np.ndarray) -> MaskedLoraBatch:
+        used = int(token_slot.max()) + 1
         tokens = np.nonzero(token_slot >= 0)[0]
         mask = torch.zeros(len(token_slot), used, dtype=self.dtype)
         mask[torch.from_numpy(tokens), torch.from_numpy(token_slot[tokens])] = 1
-        return LoraBatch(self.layers, mask.to(self.device, non_blocking=True), used, self.rank)
+        mask = mask.to(self.device, non_blocking=True)
+        return MaskedLoraBatch(self.layers, mask, used, self.rank)
 
-
-@dataclass
-class LoraBatch:
-    """One forward's LoRA inputs: the slot weights and which slot each token runs under."""
-
-    layers: list[dict[str, LayerLora]]
-    mask: torch.Tensor  # [T, m] model dtype: 1 at (token, its adapter's slot), else 0
-    num_used: int  # m: slots [0, m) are read (the highest slot of the step + 1)
-    rank: int  # R: columns per slot and part
-
-    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
-        """Add the LoRA delta of `module` (a merged projection) in layer `layer` for input x
-        [T, in] to its base output `out` [T, out] (in place); returns out."""
-        w = self.layers[layer][module]
-        m, R, T = self.num_used, self.rank, x.shape[0]
-        P = len(w.b)
-        shrunk = torch.mm(x, w.a[:, : m * P * R]).view(T, m, P, R)
-        shrunk.mul_(self.mask.view(T, m, 1, 1))
-        for p, (start, stop) in enumerate(w.out_ranges):
-            part = shrunk[:, :, p].reshape(T, m * R)
-            out[:, start:stop].addmm_(part, w.b[p][: m * R])
-        return out
+    def _segmented_batch(self, token_slot: np.ndarray) -> SegmentedLoraBatch:
+        segments = build_lora_segments(torch.from_numpy(token_slot), self.device)
+        return SegmentedLoraBatch(self.layers, segments, self.rank)

@@ -95,7 +95,7 @@ class Scheduler:
         self.lifecycle = Lifecycle(self.kv, self.queues, self.stats, eos, max_model_len, h)
         self.groups = GroupsFeature(self.kv, self.queues, self.lifecycle, self.stats, eos)
         self.retention = RetentionFeature(cfg, self.kv, self.queues, self.stats, clock)
-        self.lora = LoraFeature(max_loras, self.queues) if max_loras else None
+        self.lora = LoraFeature(max_loras, self.queues, self.stats) if max_loras else None
         self.admission = Admission(
             cfg, self.kv, self.queues, self.lifecycle, self.stats, h.admissible, clock
         )

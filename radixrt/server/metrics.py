@@ -82,12 +82,13 @@ class ServerMetrics:
             r,
         )
         g = lambda name, doc: Gauge(name, doc, registry=r)
-        # the scheduler's EngineStats, field for field (per-position lists: label `position`)
+        # the scheduler's EngineStats, field for field (per-position lists: label `position`,
+        # per-adapter dicts: label `lora`)
         self.scheduler_gauges = {
             f.name: Gauge(
                 f"radixrt_{f.metric}",
                 f.description,
-                ["position"] if f.per_position else (),
+                [f.label] if f.label else (),
                 registry=r,
             )
             for f in STAT_FIELDS
@@ -129,9 +130,9 @@ class ServerMetrics:
         stats = snap.stats
         for f in STAT_FIELDS:
             gauge, value = self.scheduler_gauges[f.name], getattr(stats, f.name)
-            if f.per_position:
-                for i, v in enumerate(value):
-                    gauge.labels(position=str(i)).set(v)
+            if f.label:
+                for key, v in f.labelled(value):
+                    gauge.labels(key).set(v)
             else:
                 gauge.set(value)
 
@@ -139,8 +140,8 @@ class ServerMetrics:
         self.ready.set(0)
         for f in STAT_FIELDS:
             gauge = self.scheduler_gauges[f.name]
-            if f.per_position:
-                gauge.clear()  # no position has a value
+            if f.label:
+                gauge.clear()  # no position (adapter) has a value
             else:
                 gauge.set(float("nan"))
 
