@@ -114,6 +114,9 @@ class SlowBackend:
     def stats(self):
         return StorageStats(num_pages=len(self.written))
 
+    def close(self):
+        pass
+
 
 def test_writes_beyond_the_staging_pages_are_dropped_and_counted():
     pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")

@@ -10,13 +10,17 @@ the tokens of any earlier block, the tenant's salt, the model or its revision, t
 FP8 scales, the layout or the TP rank differ, and equal keys name interchangeable KV.
 
 Backends (`StorageBackend`) keep pages beyond the process: the local directory
-(`radixrt.cache.storage_local`). Anything a backend cannot read back whole and checked is a
-miss, never wrong KV.
+(`radixrt.cache.storage_local`) and Redis (`radixrt.cache.storage_redis`);
+`radixrt.cache.storage_backends.open_backend` picks one from the `kv_storage` option. Both
+store a page as `page_header` then the payload, and anything a backend cannot read back whole
+and checked (`check_header`, then the CRC) is a miss, never wrong KV.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +30,25 @@ from radixrt.cache.namespace import CacheNamespace
 
 KEY_BYTES = 32  # a page key: one SHA-256 digest
 STORAGE_HASH_SEED = "radixrt-kv-storage"  # the chain's NONE_HASH seed (fixed: keys outlive runs)
+MAGIC = b"RXKVPAGE"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sI32sQI")  # magic, version, key, payload length, crc32 of the payload
+
+
+def page_header(key: bytes, payload: memoryview) -> bytes:
+    """The header stored before `payload` (the page of `key`)."""
+    return HEADER.pack(MAGIC, FORMAT_VERSION, key, len(payload), zlib.crc32(payload))
+
+
+def check_header(head: bytes, key: bytes, page_bytes: int) -> int | None:
+    """The payload's CRC-32 if `head` is a header of this format for `key`'s page of
+    `page_bytes` bytes, else None (the page is torn, foreign or of another format)."""
+    if len(head) != HEADER.size:
+        return None
+    magic, version, stored_key, length, crc = HEADER.unpack(head)
+    if (magic, version, stored_key, length) != (MAGIC, FORMAT_VERSION, key, page_bytes):
+        return None
+    return crc
 
 
 @dataclass(frozen=True)
@@ -91,10 +114,15 @@ class StorageStats:
     pages_evicted: int = 0  # deleted to stay within the size bound (least recently used first)
 
 
+class StorageUnavailable(Exception):
+    """The store cannot be reached (or did not answer) now; the backend tries again later,
+    backing off. The caller treats the call as failed: a read as a miss, a write as lost."""
+
+
 class StorageBackend(Protocol):
     """A store of pages by key. Thread-safe: the runner's storage thread calls it. Buffers are
     writable byte buffers (memoryview, numpy uint8 arrays) of exactly `page_bytes` bytes:
-    pinned host memory on CUDA."""
+    pinned host memory on CUDA. Any call may raise `StorageUnavailable`."""
 
     page_bytes: int  # payload bytes of one page
 
@@ -118,6 +146,10 @@ class StorageBackend(Protocol):
 
     def stats(self) -> StorageStats:
         """A copy of the counters."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and files (the pages stay)."""
         ...
 
 

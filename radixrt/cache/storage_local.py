@@ -1,7 +1,8 @@
 """The local-directory storage backend (`--kv-storage DIR`): one file per page.
 
-A page lives in `DIR/<first two hex digits of its key>/<key hex>.kvpage`: a header (magic,
-format version, the page's own key, payload length, CRC-32 of the payload) then the payload.
+A page lives in `DIR/<first two hex digits of its key>/<key hex>.kvpage`: a header
+(`radixrt.cache.storage.page_header`: magic, format version, the page's own key, payload
+length, CRC-32 of the payload) then the payload.
 A write goes to a temporary name in the same folder and is renamed into place, so a crash or a
 concurrent reader never sees a torn page under the final name. A read that finds the file
 missing, short, for another key, of another format or failing its checksum is a miss (and the
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 import time
 import zlib
@@ -27,11 +27,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from radixrt.cache.storage import KEY_BYTES, StorageStats
+from radixrt.cache.storage import HEADER, KEY_BYTES, StorageStats, check_header, page_header
 
-MAGIC = b"RXKVPAGE"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sI32sQI")  # magic, version, key, payload length, crc32
 SUFFIX = ".kvpage"
 STALE_TMP_S = 600  # a temporary file older than this belongs to no live writer
 
@@ -92,6 +89,9 @@ class LocalDirBackend:
         with self._lock:
             return replace(self._stats, num_pages=len(self._lru), num_bytes=self._bytes)
 
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes its files."""
+
     # ---- files ----
     def path_of(self, key: bytes) -> Path:
         """Where `key`'s page lives."""
@@ -102,19 +102,11 @@ class LocalDirBackend:
         path = self.path_of(key)
         try:
             with open(path, "rb") as f:
-                head = f.read(HEADER.size)
-                if len(head) != HEADER.size:
-                    return self._bad(key)
-                magic, version, stored_key, length, crc = HEADER.unpack(head)
-                if (magic, version, stored_key, length) != (
-                    MAGIC,
-                    FORMAT_VERSION,
-                    key,
-                    self.page_bytes,
-                ):
+                crc = check_header(f.read(HEADER.size), key, self.page_bytes)
+                if crc is None:
                     return self._bad(key)
                 view = memoryview(buf).cast("B")
-                if f.readinto(view) != length or f.read(1):
+                if f.readinto(view) != self.page_bytes or f.read(1):
                     return self._bad(key)
         except FileNotFoundError:
             self._forget(key)
@@ -130,7 +122,7 @@ class LocalDirBackend:
         path = self.path_of(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, key, len(data), zlib.crc32(data))
+        header = page_header(key, data)
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(data)

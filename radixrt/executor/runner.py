@@ -26,7 +26,13 @@ import torch
 
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.cache.storage import FetchDone, StorageIdentity, StorageIOStats, StorageOp
+from radixrt.cache.storage import (
+    FetchDone,
+    StorageIdentity,
+    StorageIOStats,
+    StorageOp,
+)
+from radixrt.cache.storage_backends import open_backend
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.executor.cpu_malloc import keep_freed_memory
 from radixrt.executor.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
@@ -283,10 +289,8 @@ class ModelRunner:
 
     def _open_storage(self) -> None:
         """The storage tier's backend and I/O thread (radixrt.executor.storage_io)."""
-        from radixrt.cache.storage_local import LocalDirBackend
-
         c, pool = self.cfg.cache, self.pool
-        backend = LocalDirBackend(
+        backend = open_backend(
             c.kv_storage, self.host_pool.bytes_per_block, int(c.kv_storage_max_gb * 2**30)
         )
         self.storage = StorageIO(backend, self.host_pool, c.kv_storage_write_pages)

@@ -29,6 +29,7 @@ from radixrt.cache.storage import (
     StorageBackend,
     StorageIOStats,
     StorageOp,
+    StorageUnavailable,
     StorePage,
     leading_run,
 )
@@ -120,6 +121,7 @@ class StorageIO:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        self.backend.close()
 
     def _stage(self, stores: list[StorePage]) -> None:
         with self._cond:
@@ -184,6 +186,11 @@ class StorageIO:
             kv = self.host_pool.kv
             views = [page_view(kv[h]) for h in op.host_blocks[:num]]
             num = leading_run(self.backend.get(op.keys[:num], views))
+        except StorageUnavailable as e:  # the backend logs its outages
+            logger.debug("kv storage: a fetch of %d pages failed: %s", len(op.keys), e)
+            with self._cond:
+                self._stats.fetch_errors += 1
+            num = 0
         except Exception:  # a failing store is a miss: the request computes instead
             logger.exception("kv storage: a fetch of %d pages failed", len(op.keys))
             with self._cond:
@@ -196,6 +203,10 @@ class StorageIO:
             event.synchronize()
         try:
             self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
+        except StorageUnavailable as e:  # the backend logs its outages
+            logger.debug("kv storage: a write of %d pages failed: %s", len(keys), e)
+            with self._cond:
+                self._stats.write_errors += len(keys)
         except Exception:  # a failing store loses the pages, never a request
             logger.exception("kv storage: a write of %d pages failed", len(keys))
             with self._cond:
