@@ -205,13 +205,42 @@ def test_redis_killed_mid_run_serves_on_and_reconnects(make_engine, redis_server
     assert out == {0: want[0], 1: want[1]}
     s = eng.stats()
     assert s["storage_errors"] > 0 and s["storage_hits"] == 0
-    backend = eng.core.runner.storage.backend
     redis_server.start()  # empty: it kept nothing
-    deadline = time.monotonic() + 40
-    while backend.down and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_up(eng)
     written = s["storage_written_pages"]
     last, _ = run(eng, batch[4:])
     settle(eng)
     assert last == {0: want[4], 1: want[5]}
     assert eng.stats()["storage_written_pages"] >= written + 20  # the store is used again
+
+
+def wait_until_up(engine, timeout_s=40.0):
+    backend = engine.core.runner.storage.backend
+    deadline = time.monotonic() + timeout_s
+    while backend.down and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_write_back_after_an_outage_serves_the_prefix_from_storage(
+    make_engine,
+    redis_server,  # noqa: F811
+):
+    """Pages whose write-through failed (Redis was down) are written when they leave the
+    host tier: a prefix evicted from GPU and host memory is later found in storage."""
+    batch, others = prompts(2), prompts(8)[2:]
+    want, _ = run(make_engine(block_size=4), batch)
+    small = dict(STORAGE, num_kv_blocks=24, num_host_kv_blocks=24)
+    eng = make_engine(kv_storage=redis_server.url, **small)
+    redis_server.stop()
+    run(eng, batch)
+    settle(eng)
+    assert eng.stats()["storage_written_pages"] == 0
+    redis_server.start()
+    wait_until_up(eng)
+    run(eng, others)  # 6 more prompts of 11 blocks: the batch leaves GPU and host memory
+    settle(eng)
+    s = eng.stats()
+    assert s["storage_written_back_pages"] >= 20 and s["host_evicted_blocks"] > 0
+    fresh = make_engine(kv_storage=redis_server.url, **STORAGE)
+    out, cached = run(fresh, batch)
+    assert out == want and cached == {0: 40, 1: 40}

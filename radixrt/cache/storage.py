@@ -175,6 +175,16 @@ class StorePage:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreHostPage:
+    """Write-back: host block `host_block` holds a full page leaving the host tier; write it
+    under `key` if its write-through did not reach storage (dropped or failed). The runner
+    copies it before any later op or fetch can rewrite the block."""
+
+    host_block: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class FetchPages:
     """Read the longest run of `keys` that storage holds into `host_blocks` (pairwise), in
     the background; the scheduler holds those host blocks until the `FetchDone`."""
@@ -184,7 +194,7 @@ class FetchPages:
     host_blocks: tuple[int, ...]
 
 
-StorageOp = StorePage | FetchPages
+StorageOp = StorePage | StoreHostPage | FetchPages
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +210,8 @@ class StorageIOStats:
     """The runner side's counters of the storage tier."""
 
     pages_queued: int = 0  # StorePage ops taken into a staging buffer
-    write_drops: int = 0  # StorePage ops dropped: every staging buffer was busy
+    pages_written_back: int = 0  # StoreHostPage ops taken (their write-through had not landed)
+    write_drops: int = 0  # StorePage and StoreHostPage ops dropped: every staging buffer was busy
     write_errors: int = 0  # pages a backend failed to write (logged)
     fetch_errors: int = 0  # FetchPages a backend failed (they loaded nothing; logged)
     backend: StorageStats | None = None  # the backend's counters
@@ -211,6 +222,7 @@ class StorageTierStats:
     """The scheduler side's counters of the storage tier."""
 
     pages_stored: int = 0  # StorePage ops sent (write-through of new cache entries)
+    pages_evicted: int = 0  # StoreHostPage ops sent (full pages of host-only entries evicted)
     fetches: int = 0  # FetchPages sent (a request missed L1/L2 on a full page)
     pages_asked: int = 0  # pages those asked for
     pages_fetched: int = 0  # pages they found (the longest stored run)
@@ -234,6 +246,11 @@ class StorageTier:
         """Queue write-through of `device_blocks` under `keys` (pairwise)."""
         self._ops += [StorePage(b, k) for b, k in zip(device_blocks, keys, strict=True)]
         self.stats.pages_stored += len(keys)
+
+    def write_back(self, host_blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Queue write-back of the evicted `host_blocks` under `keys` (pairwise)."""
+        self._ops += [StoreHostPage(b, k) for b, k in zip(host_blocks, keys, strict=True)]
+        self.stats.pages_evicted += len(keys)
 
     def fetch(self, op: FetchPages) -> None:
         self._ops.append(op)

@@ -6,6 +6,10 @@ background thread.
   the compute stream then waits for that copy, so no later forward rewrites a block before it
   is read), and the thread writes them. With every staging page busy the op is dropped and
   counted: writes never hold up the step loop.
+- `StoreHostPage` ops (write-back of pages leaving the host tier): only pages whose
+  write-through was dropped or failed (remembered, at most as many as the device and host
+  pools hold) are copied out of the host block at once (after the copy stream's work so far
+  on CUDA, so an earlier step's write-back into it is complete) and written like the others.
 - `FetchPages` ops: the thread asks the backend which of the keys exist, reads the leading run
   into the named host blocks (the scheduler holds them) and reports a `FetchDone`. Fetches go
   before queued writes.
@@ -19,7 +23,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import replace
 
 import torch
 
@@ -30,6 +35,7 @@ from radixrt.cache.storage import (
     StorageIOStats,
     StorageOp,
     StorageUnavailable,
+    StoreHostPage,
     StorePage,
     leading_run,
 )
@@ -75,6 +81,9 @@ class StorageIO:
         if host_pool.is_cuda:
             self._staging = self._staging.pin_memory()
         self._free = list(range(staging_pages))
+        # keys whose write-through was dropped or failed, oldest first (write-back's to-do)
+        self._unwritten: OrderedDict[bytes, None] = OrderedDict()
+        self._max_unwritten = host_pool.num_blocks + host_pool.device_pool.num_blocks
         self._stats = StorageIOStats()
         self._cond = threading.Condition()
         self._fetches: deque[FetchPages] = deque()
@@ -90,6 +99,9 @@ class StorageIO:
         stores = [op for op in ops if isinstance(op, StorePage)]
         if stores:
             self._stage(stores)
+        evicted = [op for op in ops if isinstance(op, StoreHostPage)]
+        if evicted:
+            self._stage_evicted(evicted)
         fetches = [op for op in ops if isinstance(op, FetchPages)]
         with self._cond:
             self._fetches.extend(fetches)
@@ -100,13 +112,7 @@ class StorageIO:
 
     def stats(self) -> StorageIOStats:
         with self._cond:
-            return StorageIOStats(
-                self._stats.pages_queued,
-                self._stats.write_drops,
-                self._stats.write_errors,
-                self._stats.fetch_errors,
-                self.backend.stats(),
-            )
+            return replace(self._stats, backend=self.backend.stats())
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until the queued work is done (tests; shutdown)."""
@@ -123,13 +129,29 @@ class StorageIO:
         self._thread.join(timeout=5)
         self.backend.close()
 
-    def _stage(self, stores: list[StorePage]) -> None:
+    def _take_slots(self, keys: list[bytes]) -> list[int]:
+        """Free staging pages for the first of `keys`; the rest are dropped (counted, and
+        remembered for write-back)."""
         with self._cond:
-            slots = [self._free.pop() for _ in range(min(len(self._free), len(stores)))]
-            self._stats.write_drops += len(stores) - len(slots)
-            self._stats.pages_queued += len(slots)
+            slots = [self._free.pop() for _ in range(min(len(self._free), len(keys)))]
+            self._stats.write_drops += len(keys) - len(slots)
+            self._remember_unwritten(keys[len(slots) :])
+        return slots
+
+    def _remember_unwritten(self, keys: list[bytes]) -> None:
+        """Caller holds `_cond`."""
+        for key in keys:
+            self._unwritten[key] = None
+            self._unwritten.move_to_end(key)
+        while len(self._unwritten) > self._max_unwritten:
+            self._unwritten.popitem(last=False)
+
+    def _stage(self, stores: list[StorePage]) -> None:
+        slots = self._take_slots([op.key for op in stores])
         if not slots:
             return
+        with self._cond:
+            self._stats.pages_queued += len(slots)
         stores = stores[: len(slots)]
         kv = self.host_pool.device_pool.kv  # [L, 2, num_blocks, B, H, D]
         raw = kv.view(torch.uint8) if kv.element_size() == 1 else kv
@@ -148,6 +170,29 @@ class StorageIO:
             self._copy_out(raw, staging, stores, slots)
         with self._cond:
             self._writes.append(([op.key for op in stores], slots, event))
+            self._cond.notify()
+
+    def _stage_evicted(self, evicted: list[StoreHostPage]) -> None:
+        """Write-back of the evicted host pages whose write-through did not land."""
+        with self._cond:
+            todo = [op for op in evicted if op.key in self._unwritten]
+            for op in todo:
+                del self._unwritten[op.key]
+            slots = [self._free.pop() for _ in range(min(len(self._free), len(todo)))]
+            self._stats.write_drops += len(todo) - len(slots)  # the block is gone after this
+            self._stats.pages_written_back += len(slots)
+        if not slots:
+            return
+        if self.host_pool.is_cuda:
+            self.host_pool.stream.synchronize()  # earlier steps' write-backs into these blocks
+        kv = self.host_pool.kv  # [num_host_blocks, L, 2, B, H, D]
+        one_byte = kv.element_size() == 1
+        raw = kv.view(torch.uint8) if one_byte else kv
+        staging = self._staging.view(torch.uint8) if one_byte else self._staging
+        for op, slot in zip(todo, slots):
+            staging[slot].copy_(raw[op.host_block])
+        with self._cond:
+            self._writes.append(([op.key for op in todo[: len(slots)]], slots, None))
             self._cond.notify()
 
     @staticmethod
@@ -203,13 +248,18 @@ class StorageIO:
             event.synchronize()
         try:
             self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
+            ok = True
         except StorageUnavailable as e:  # the backend logs its outages
             logger.debug("kv storage: a write of %d pages failed: %s", len(keys), e)
-            with self._cond:
-                self._stats.write_errors += len(keys)
+            ok = False
         except Exception:  # a failing store loses the pages, never a request
             logger.exception("kv storage: a write of %d pages failed", len(keys))
-            with self._cond:
-                self._stats.write_errors += len(keys)
+            ok = False
         with self._cond:
             self._free += slots
+            if ok:
+                for key in keys:
+                    self._unwritten.pop(key, None)
+            else:
+                self._stats.write_errors += len(keys)
+                self._remember_unwritten(keys)
