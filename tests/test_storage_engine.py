@@ -116,6 +116,15 @@ def test_restart_finds_earlier_prefixes(make_engine, store):
     assert s["host_loaded_blocks"] >= 40
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_finished_requests_pages_are_written_without_another_step(make_engine, tmp_path, overlap):
+    """The engine may idle after the last request: its cache entry goes to storage anyway."""
+    eng = make_engine(kv_storage=str(tmp_path), overlap_schedule=overlap, **STORAGE)
+    run(eng, prompts(1), dataclasses.replace(GREEDY, max_tokens=1))
+    settle(eng)
+    assert eng.stats()["storage_written_pages"] == 10  # 41 prompt tokens and 1 output
+
+
 def test_corrupt_or_deleted_pages_are_recomputed(make_engine, store):
     batch = prompts()
     want, _ = run(make_engine(block_size=4), batch)
