@@ -253,3 +253,25 @@ def test_write_back_after_an_outage_serves_the_prefix_from_storage(
     fresh = make_engine(kv_storage=redis_server.url, **STORAGE)
     out, cached = run(fresh, batch)
     assert out == want and cached == {0: 40, 1: 40}
+
+
+def test_bench_storage_smoke(redis_server, capsys):  # noqa: F811
+    """benchmarks/bench_storage.py on the tiny model: the warm run computes only each chat's
+    last partial page."""
+    import json
+
+    import torch
+
+    from benchmarks.bench_storage import main
+
+    threads = torch.get_num_threads()
+    try:
+        main(["--model", "tiny", "--history", "64", "--chats", "2", "--threads", "1"]
+             + ["--redis-url", redis_server.url])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["store"] for r in rows] == ["dir", "redis"]
+    for r in rows:
+        assert (r["computed_tokens_cold"], r["computed_tokens_warm"]) == (128, 32)
+        assert r["pages_read"] == 9  # 3 a chat and 3 of the warm-up prompt
