@@ -2,7 +2,7 @@
 redis-server from tests/redis_server.py): a restarted engine with the same `kv_storage` finds
 its earlier prefixes there; greedy outputs equal a run without the tier, also with pools far
 below the working set and after pages are corrupted or deleted behind the engine's back;
-tenants' salts keep their pages apart; two engines on one Redis store reuse each other's pages;
+tenants' salts keep their pages apart; two engines on one store reuse each other's pages;
 an engine whose Redis dies mid-run serves on, computing, and uses the store again when it is
 back."""
 
@@ -183,12 +183,12 @@ def test_pools_below_the_working_set_match(make_engine, tmp_path, overlap):
     assert s["storage_adopted_pages"] > 0 and s["host_evicted_blocks"] > 0
 
 
-def test_two_engines_share_one_redis_store(make_engine, redis_server):  # noqa: F811
+def test_two_engines_share_one_store(make_engine, store):
     """Replicas on one store: each reuses the pages the other computed (both run at once)."""
     batch = prompts()
     want, _ = run(make_engine(block_size=4), batch)
-    a = make_engine(kv_storage=redis_server.url, **STORAGE)
-    b = make_engine(kv_storage=redis_server.url, **STORAGE)
+    a = make_engine(kv_storage=store.spec, **STORAGE)
+    b = make_engine(kv_storage=store.spec, **STORAGE)
     out, cached = run(a, batch[:2])
     assert cached == {0: 0, 1: 0}
     settle(a)

@@ -11,8 +11,9 @@ bad file is deleted): never wrong KV.
 The directory is bounded by `max_bytes`: after a write, least recently used pages (by the
 in-memory order, rebuilt from the files' modification times when the backend opens) are
 deleted until it fits. A hit refreshes the file's modification time, so the order survives a
-restart. Several processes may share a directory (they may over-count its size between
-restarts); each bounds what it sees.
+restart. Several processes may share a directory: `exists` finds the pages another one wrote
+since (a stat per key this process has not indexed), and each bounds the size it sees (they
+may over-count it between restarts).
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ class LocalDirBackend:
 
     # ---- the protocol ----
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Indexed keys, and files another process wrote since this one indexed (they join
+        the index)."""
         with self._lock:
-            return [k in self._lru for k in keys]
+            out = [k in self._lru for k in keys]
+        for i, key in enumerate(keys):
+            if not out[i]:
+                out[i] = self._adopt(key)
+        return out
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
         out = []
@@ -142,6 +149,18 @@ class LocalDirBackend:
             self._stats.pages_evicted += len(victims)
         for victim in victims:
             self.path_of(victim).unlink(missing_ok=True)
+
+    def _adopt(self, key: bytes) -> bool:
+        """Index `key`'s file if it exists (written by another process)."""
+        try:
+            size = self.path_of(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if key not in self._lru:
+                self._bytes += size
+            self._lru[key] = size
+        return True
 
     def _bad(self, key: bytes) -> bool:
         """A page that does not check: count it, delete it; a miss."""
