@@ -50,6 +50,17 @@ def test_round_trip_exists_and_delete(redis_server):  # noqa: F811
     other.close()
 
 
+def test_large_batches_are_split(redis_server):  # noqa: F811
+    store = RedisBackend(redis_server.url, PAGE, batch_bytes=3 * (HEADER.size + PAGE))
+    assert store.batch_pages == 3
+    keys = KEYER.keys(list(range(4 * 8)), DEFAULT_NAMESPACE)
+    store.set(keys[:7], [page(i) for i in range(7)])
+    out = [bytearray(PAGE) for _ in keys]
+    assert store.get(keys, out) == [True] * 7 + [False]
+    assert out[:7] == [page(i) for i in range(7)]
+    assert store.stats().pages_written == 7
+
+
 def test_salted_keys_share_no_value(redis_server):  # noqa: F811
     store = RedisBackend(redis_server.url, PAGE)
     tokens = list(range(8))

@@ -4,7 +4,8 @@ by every process that names the same server and database.
 A page is the value of `radixrt:kv:<key hex>`: the header of `radixrt.cache.storage.page_header`
 then the payload, as the local directory stores it, so a value that is short, for another key,
 of another format or failing its checksum is a miss (and is deleted): never wrong KV. Writes
-use `SET NX` (a key already stored keeps its page); batches go in one pipeline round trip.
+use `SET NX` (a key already stored keeps its page); a batch goes in one pipeline round trip
+(one `MGET` to read), split so that none carries more than `batch_bytes`.
 The server bounds its memory (`maxmemory` with an LRU `maxmemory-policy`): this backend deletes
 nothing for room, and `num_pages`/`num_bytes` count what this process wrote, less what it
 deleted.
@@ -55,11 +56,14 @@ class RedisBackend:
         timeout_s: float = 2.0,
         first_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        batch_bytes: int = 64 << 20,
     ) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be >= 1, got {page_bytes}")
         self.url = url
         self.page_bytes = page_bytes
+        # pages per MGET / SET pipeline: bounds the client's and the server's buffers
+        self.batch_pages = max(1, batch_bytes // (HEADER.size + page_bytes))
         # One quiet retry replaces a pooled connection the server closed (it restarted);
         # longer outages are the backoff's.
         self._client = redis.Redis.from_url(
@@ -86,8 +90,13 @@ class RedisBackend:
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
         assert len(keys) == len(buffers)
-        if not keys:
-            return []
+        out: list[bool] = []
+        for i in range(0, len(keys), self.batch_pages):
+            batch = slice(i, i + self.batch_pages)
+            out += self._get_batch(keys[batch], buffers[batch])
+        return out
+
+    def _get_batch(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
         values = self._call(self._client.mget, [self._name(k) for k in keys])
         out, bad = [], []
         for key, buf, value in zip(keys, buffers, values, strict=True):
@@ -105,6 +114,12 @@ class RedisBackend:
         return out
 
     def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
+        assert len(keys) == len(buffers)
+        for i in range(0, len(keys), self.batch_pages):
+            batch = slice(i, i + self.batch_pages)
+            self._set_batch(keys[batch], buffers[batch])
+
+    def _set_batch(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for key, buf in zip(keys, buffers, strict=True):
             data = memoryview(buf).cast("B")
