@@ -11,7 +11,7 @@ from redis_server import redis_server  # noqa: F401 (a fixture)
 
 from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.cache.storage import HEADER, PageKeyer, StorageIdentity, StorageUnavailable
-from radixrt.cache.storage_redis import RedisBackend
+from radixrt.cache.storage_redis import RedisBackend, without_password
 
 BS = 4
 PAGE = 64
@@ -123,3 +123,9 @@ def test_outage_fails_fast_then_reconnects(redis_server):  # noqa: F811
     store.set(keys[1:], [page(2)])
     assert store.exists(keys) == [False, True]
     store.close()
+
+
+def test_messages_mask_the_password():
+    assert without_password("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
+    assert without_password("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    assert without_password("redis://h:6379/0") == "redis://h:6379/0"

@@ -25,6 +25,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import replace
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -60,7 +61,7 @@ class RedisBackend:
     ) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be >= 1, got {page_bytes}")
-        self.url = url
+        self.where = without_password(url)  # for messages and logs
         self.page_bytes = page_bytes
         # pages per MGET / SET pipeline: bounds the client's and the server's buffers
         self.batch_pages = max(1, batch_bytes // (HEADER.size + page_bytes))
@@ -172,7 +173,7 @@ class RedisBackend:
         with self._lock:
             wait = self._down_until - time.monotonic()
             if wait > 0:
-                raise StorageUnavailable(f"redis at {self.url} is down; next try in {wait:.1f}s")
+                raise StorageUnavailable(f"redis at {self.where} is down; next try in {wait:.1f}s")
         try:
             result = fn(*args)
         except DOWN_ERRORS as e:
@@ -182,10 +183,21 @@ class RedisBackend:
                 self._down_until = time.monotonic() + delay
                 first = self._failures == 1
             if first:
-                logger.warning("kv storage: redis at %s unreachable (%s); backing off", self.url, e)
-            raise StorageUnavailable(f"redis at {self.url}: {e}") from e
+                logger.warning(
+                    "kv storage: redis at %s unreachable (%s); backing off", self.where, e
+                )
+            raise StorageUnavailable(f"redis at {self.where}: {e}") from e
         with self._lock:
             back, self._failures = self._failures, 0
         if back:
-            logger.warning("kv storage: redis at %s reachable again", self.url)
+            logger.warning("kv storage: redis at %s reachable again", self.where)
         return result
+
+
+def without_password(url: str) -> str:
+    """`url` with any password in it masked."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
