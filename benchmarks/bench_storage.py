@@ -7,9 +7,10 @@ For each store, in one process and one engine at a time: `none` (no storage tier
 recompute baseline), `cold` (an empty store: every prompt computed and written through; the
 engine then shuts down, finishing its writes) and `warm` (a new engine on the same store: each
 prompt's full pages are fetched into the host tier and loaded). Each prompt runs alone, one
-output token, greedy; TTFT is the wall time from `add_request` to the first token. `redis`
-starts Debian's redis-server on a free port in a temporary directory unless `--redis-url`
-names one. The OS page cache is not dropped: the directory's pages are read from memory.
+output token, greedy; TTFT is the wall time from `add_request` to the first token, of which
+`prefetch_wait_ms` (a mean per chat) is the wait for storage reads. `redis` starts Debian's
+redis-server on a free port in a temporary directory unless `--redis-url` names one. The OS
+page cache is not dropped: the directory's pages are read from memory.
 """
 
 from __future__ import annotations
@@ -106,10 +107,12 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, **opts, **extra)
         vocab = engine.core.model_config.vocab_size
         ttfts(engine, [list(range(100, 164))])  # warm-up: shares no page with the chats
-        before = engine.stats()["prompt_tokens_computed"]
+        before = engine.stats()
         times = ttfts(engine, histories(args.chats, args.history, vocab))
         stats = engine.stats()
-        stats["computed"] = stats["prompt_tokens_computed"] - before
+        stats["computed"] = stats["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+        wait = stats["storage_prefetch_wait_seconds"] - before["storage_prefetch_wait_seconds"]
+        stats["wait_ms"] = wait / args.chats * 1e3
         engine.shutdown()
         return times, stats
 
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
                          warm_over_cold=round(med["warm"] / med["cold"], 3),
                          pages_read=s["storage_hits"],
                          mb_read=round(s["storage_read_bytes"] / 1e6, 1),
+                         prefetch_wait_ms_cold=round(c["wait_ms"], 1),
+                         prefetch_wait_ms_warm=round(s["wait_ms"], 1),
                          computed_tokens_cold=c["computed"],
                          computed_tokens_warm=s["computed"]))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
