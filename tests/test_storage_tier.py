@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -209,3 +210,23 @@ def test_writes_beyond_the_staging_pages_are_dropped_and_counted():
     backend.release.set()
     io.close()
     assert backend.written == keys[:2]
+
+
+class SlowReadBackend(DownOnceBackend):
+    def exists(self, keys):
+        time.sleep(0.2)
+        return [False for _ in keys]
+
+
+def test_wait_for_fetch_returns_when_the_fetch_ends():
+    pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(4, pool)
+    io = StorageIO(SlowReadBackend(host.bytes_per_block), host, staging_pages=2)
+    t0 = time.monotonic()
+    io.wait_for_fetch(5.0)  # nothing in flight: at once
+    assert time.monotonic() - t0 < 1.0
+    assert io.exchange([FetchPages(7, (bytes(32),), (0,))]) == []
+    io.wait_for_fetch(5.0)
+    assert 0.15 < time.monotonic() - t0 < 4.0
+    assert io.exchange([]) == [FetchDone(7, 0)]
+    io.close()

@@ -116,6 +116,11 @@ class StorageRadixCache(HostRadixCache):
         self.storage.fetch(FetchPages(ticket, tuple(keys), tuple(host_blocks)))
         return ticket
 
+    @property
+    def num_fetches(self) -> int:
+        """Fetches that have not ended yet."""
+        return len(self._fetches)
+
     def fetching(self, ticket: int) -> bool:
         """Whether the fetch `ticket` has not ended yet."""
         return ticket in self._fetches

@@ -273,6 +273,11 @@ class StorageRunner(Protocol):
         """Start `ops`; the fetches finished since the last call."""
         ...
 
+    def storage_wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until a fetch finishes (at once when one has finished
+        since the last `storage_io`). For a loop whose step planned nothing."""
+        ...
+
     def storage_stats(self) -> StorageIOStats:
         """The runner side's counters."""
         ...

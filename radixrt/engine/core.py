@@ -294,6 +294,8 @@ class EngineCore:
             else:
                 changed += self._finish_step(plan, handle)
         elif not changed and self._inflight is None:
+            if isinstance(self.cache, StorageRadixCache) and self.cache.num_fetches:
+                self.runner.storage_wait(GRAMMAR_IDLE_WAIT_S)  # don't spin on storage reads
             sched.wait_for_grammars(GRAMMAR_IDLE_WAIT_S)  # nothing ran: don't spin on compiles
         if self._inflight is None:
             # nothing runs: the step's new cache entries go to storage now (the loop may idle),

@@ -309,6 +309,11 @@ class ModelRunner:
         assert self.storage is not None, "storage ops without a storage tier"
         return self.storage.exchange(ops)
 
+    def storage_wait(self, timeout_s: float) -> None:
+        """Block until a storage fetch finishes, at most `timeout_s`."""
+        assert self.storage is not None, "a storage wait without a storage tier"
+        self.storage.wait_for_fetch(timeout_s)
+
     def storage_stats(self) -> StorageIOStats:
         """The storage tier's runner-side counters (all zero without one)."""
         return self.storage.stats() if self.storage is not None else StorageIOStats()

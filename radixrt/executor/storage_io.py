@@ -91,6 +91,7 @@ class StorageIO:
         self._done: list[FetchDone] = []
         self._closed = False
         self._busy = False
+        self._fetching = False  # the thread is reading a fetch
         self._thread = threading.Thread(target=self._work, name="kv-storage", daemon=True)
         self._thread.start()
 
@@ -113,6 +114,17 @@ class StorageIO:
     def stats(self) -> StorageIOStats:
         with self._cond:
             return replace(self._stats, backend=self.backend.stats())
+
+    def wait_for_fetch(self, timeout_s: float) -> None:
+        """Block until a fetch has finished since the last `exchange`, at most `timeout_s`
+        (the step loop's idle wait: it sleeps instead of spinning, so this thread is not
+        starved of the GIL)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or not self._fetches_pending(), timeout_s)
+
+    def _fetches_pending(self) -> bool:
+        """Caller holds `_cond`: fetches queued or being read."""
+        return bool(self._fetches) or self._fetching
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until the queued work is done (tests; shutdown)."""
@@ -213,6 +225,7 @@ class StorageIO:
                 fetch = self._fetches.popleft() if self._fetches else None
                 write = self._writes.popleft() if fetch is None else None
                 self._busy = True
+                self._fetching = fetch is not None
             try:
                 if fetch is not None:
                     done = self._fetch(fetch)
@@ -223,6 +236,7 @@ class StorageIO:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._fetching = False
                     self._cond.notify_all()
 
     def _fetch(self, op: FetchPages) -> FetchDone:
