@@ -129,3 +129,18 @@ def test_messages_mask_the_password():
     assert without_password("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
     assert without_password("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
     assert without_password("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_a_full_store_refuses_writes_and_still_reads(redis_server, tmp_path):  # noqa: F811
+    keys = KEYER.keys(list(range(8)), DEFAULT_NAMESPACE)
+    RedisBackend(redis_server.url, PAGE).set(keys[:1], [page(1)])
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", "1")  # below what the server uses: every write is refused
+    store = RedisBackend(redis_server.url, PAGE)
+    with pytest.raises(StorageUnavailable, match="refused 1 pages"):
+        store.set(keys[1:], [page(2)])
+    assert not store.down  # reads go on
+    out = [bytearray(PAGE), bytearray(PAGE)]
+    assert store.get(keys, out) == [True, False] and out[0] == page(1)
+    assert store.stats().pages_written == 0

@@ -10,7 +10,9 @@ The server bounds its memory (`maxmemory` with an LRU `maxmemory-policy`): this 
 nothing for room, and `num_pages`/`num_bytes` count what this process wrote, less what it
 deleted.
 
-When the server cannot be reached or does not answer within `timeout_s`, the call raises
+A server that answers but refuses writes (full, with `maxmemory-policy noeviction`) fails
+them with `StorageUnavailable` (logged once) and still serves reads. When the server cannot
+be reached or does not answer within `timeout_s`, the call raises
 `StorageUnavailable` and the backend stays down for an interval that doubles with each failed
 try (`redis.backoff.ExponentialBackoff`, capped at `max_backoff_s`): calls in that interval
 fail at once, without touching the network; the first call after it tries again.
@@ -78,6 +80,7 @@ class RedisBackend:
         self._stats = StorageStats()
         self._failures = 0  # consecutive failed tries
         self._down_until = 0.0  # time.monotonic() before which calls fail without trying
+        self._refused = False  # a write was refused once (logged once)
         # an unreachable store is logged; the engine computes until it answers
         with contextlib.suppress(StorageUnavailable):
             self._call(self._client.ping)
@@ -126,12 +129,20 @@ class RedisBackend:
             data = memoryview(buf).cast("B")
             assert len(data) == self.page_bytes, f"a page of {len(data)} bytes"
             pipe.set(self._name(key), page_header(key, data) + data, nx=True)
-        written = sum(bool(r) for r in self._call(pipe.execute))
+        results = self._call(pipe.execute, False)  # raise_on_error=False: count each page
+        refused = [r for r in results if isinstance(r, Exception)]
+        written = sum(r is True for r in results)
         with self._lock:
             self._stats.pages_written += written
             self._stats.bytes_written += written * self.page_bytes
             self._stats.num_pages += written
             self._stats.num_bytes += written * (HEADER.size + self.page_bytes)
+            first_refusal = refused and not self._refused
+            self._refused = self._refused or bool(refused)
+        if refused:  # the server answers but will not store (full under `noeviction`, ...)
+            if first_refusal:
+                logger.warning("kv storage: redis at %s refuses writes: %s", self.where, refused[0])
+            raise StorageUnavailable(f"redis at {self.where} refused {len(refused)} pages")
 
     def delete(self, keys: Sequence[bytes]) -> None:
         if not keys:
