@@ -248,11 +248,15 @@ class CacheConfig:
     )
     kv_storage: str | None = option(
         None,
-        "storage KV tier (needs the host tier): a directory that keeps KV pages beyond the "
-        "process (written through as prefixes are cached, read back on an L1/L2 miss)",
+        "storage KV tier (needs the host tier): a directory, or a Redis URL "
+        "(`redis://host:port/db`, `rediss://`, `unix://`) that replicas may share, keeping KV "
+        "pages beyond the process (written through as prefixes are cached, read back on an "
+        "L1/L2 miss)",
     )
     kv_storage_max_gb: float = option(
-        64.0, "size bound of the `kv_storage` directory in GiB (least recently used pages go)"
+        64.0,
+        "size bound of a `kv_storage` directory in GiB (least recently used pages go; a Redis "
+        "server bounds itself with `maxmemory`)",
     )
     kv_storage_write_pages: int = option(
         256,
@@ -300,6 +304,8 @@ class CacheConfig:
             raise ValueError(
                 "kv_storage needs the host KV tier (host_kv_gb > 0): pages move through it"
             )
+        if self.kv_storage is not None and not self.kv_storage.strip():
+            raise ValueError("kv_storage must name a directory or a redis:// URL, got ''")
         if not self.kv_storage_max_gb > 0:
             raise ValueError(f"kv_storage_max_gb must be > 0, got {self.kv_storage_max_gb}")
         if self.kv_storage_write_pages < 1:

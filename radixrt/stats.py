@@ -211,6 +211,10 @@ class EngineStats(SchedulerCounters, kw_only=True):
     storage_write_drops: Annotated[
         int, _doc("KV pages not written: every staging page was busy, since start")
     ] = 0
+    storage_written_back_pages: Annotated[
+        int,
+        _doc("KV pages leaving the host tier written to storage (their write-through had not)"),
+    ] = 0
     storage_errors: Annotated[int, _doc("Storage reads and page writes that failed")] = 0
     storage_pages: Annotated[int, _doc("KV pages in storage (as far as this process knows)")] = 0
     storage_bytes: Annotated[int, _doc("Bytes of those pages")] = 0

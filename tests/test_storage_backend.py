@@ -142,3 +142,17 @@ def test_local_reopen_finds_pages_in_lru_order(tmp_path):
     assert again.exists(keys[:4]) == [True, False, True, True]
     out = bytearray(PAGE)
     assert again.get([keys[0]], [out]) == [True] and out == page(0)
+
+
+def test_local_finds_pages_another_process_wrote(tmp_path):
+    keys = PageKeyer(identity(), BS).keys(list(range(8)), DEFAULT_NAMESPACE)
+    mine, theirs = (
+        LocalDirBackend(tmp_path, PAGE, 1 << 20),
+        LocalDirBackend(tmp_path, PAGE, 1 << 20),
+    )
+    theirs.set(keys, [page(1), page(2)])
+    assert mine.stats().num_pages == 0
+    assert mine.exists(keys) == [True, True]
+    assert mine.stats().num_pages == 2  # indexed now
+    out = bytearray(PAGE)
+    assert mine.get(keys[1:], [out]) == [True] and out == page(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -17,6 +18,8 @@ from radixrt.cache.storage import (
     StorageIdentity,
     StorageStats,
     StorageTier,
+    StorageUnavailable,
+    StoreHostPage,
     StorePage,
 )
 from radixrt.cache.tiers import HostTier
@@ -55,6 +58,25 @@ def test_write_through_stores_new_full_pages_once():
     assert len({op.device_block for op in ops}) == 3
     insert(cache, tokens)  # cached already: nothing new to write
     assert tier.take_ops() == []
+    cache.check_integrity()
+
+
+def test_host_eviction_writes_back_the_leaving_pages():
+    cache, tier = make_cache(num_blocks=8, num_host=4)
+    a, b = list(range(100, 114)), list(range(200, 214))  # 3 full pages and 2 tokens each
+    insert(cache, a)
+    cache.evict(4)  # to the host; a host copy of a device entry loses nothing when it goes
+    assert cache.match(a).num_host_tokens == 14
+    insert(cache, b)
+    tier.take_ops()
+    host_a = cache.match(a).handle.host_blocks
+    cache.evict(4)  # b needs the host: a leaves the tree, its full pages go to storage
+    assert cache.match(a).num_cached_tokens == 0
+    ops = tier.take_ops()
+    assert ops == [
+        StoreHostPage(h, k) for h, k in zip(host_a, tier.keyer.keys(a, DEFAULT_NAMESPACE))
+    ]
+    assert tier.stats.pages_evicted == 3
     cache.check_integrity()
 
 
@@ -114,6 +136,66 @@ class SlowBackend:
     def stats(self):
         return StorageStats(num_pages=len(self.written))
 
+    def close(self):
+        pass
+
+
+class DownOnceBackend:
+    """Its first write fails as if the store were down; keeps what it is given after."""
+
+    def __init__(self, page_bytes):
+        self.page_bytes = page_bytes
+        self.pages = {}
+        self.down = True
+
+    def exists(self, keys):
+        return [k in self.pages for k in keys]
+
+    def get(self, keys, buffers):
+        return [False for _ in keys]
+
+    def set(self, keys, buffers):
+        if self.down:
+            self.down = False
+            raise StorageUnavailable("down")
+        for k, b in zip(keys, buffers):
+            self.pages[k] = bytes(b)
+
+    def delete(self, keys):
+        pass
+
+    def stats(self):
+        return StorageStats(num_pages=len(self.pages))
+
+    def close(self):
+        pass
+
+
+def test_write_back_writes_only_pages_whose_write_through_failed():
+    pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(4, pool)
+    for h in range(4):
+        host.kv[h].fill_(float(h + 1))
+    backend = DownOnceBackend(host.bytes_per_block)
+    io = StorageIO(backend, host, staging_pages=4)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    io.exchange([StorePage(1, keys[0]), StorePage(2, keys[1])])  # fails: the store is down
+    io.drain()
+    io.exchange([StorePage(3, keys[2])])  # lands
+    io.drain()
+    assert set(backend.pages) == {keys[2]}
+    # all three leave the host tier (in host blocks 0, 1, 2): two were never written
+    io.exchange([StoreHostPage(h, k) for h, k in zip(range(3), keys[:3])])
+    io.drain()
+    assert set(backend.pages) == set(keys[:3])
+    for h in range(2):
+        assert backend.pages[keys[h]] == host.kv[h].numpy().tobytes()
+    s = io.stats()
+    assert (s.write_errors, s.pages_written_back, s.write_drops) == (2, 2, 0)
+    io.exchange([StoreHostPage(0, keys[0])])  # written now: not again
+    io.close()
+    assert io.stats().pages_written_back == 2
+
 
 def test_writes_beyond_the_staging_pages_are_dropped_and_counted():
     pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")
@@ -128,3 +210,23 @@ def test_writes_beyond_the_staging_pages_are_dropped_and_counted():
     backend.release.set()
     io.close()
     assert backend.written == keys[:2]
+
+
+class SlowReadBackend(DownOnceBackend):
+    def exists(self, keys):
+        time.sleep(0.2)
+        return [False for _ in keys]
+
+
+def test_wait_for_fetch_returns_when_the_fetch_ends():
+    pool = KVPool(2, 8, BS, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(4, pool)
+    io = StorageIO(SlowReadBackend(host.bytes_per_block), host, staging_pages=2)
+    t0 = time.monotonic()
+    io.wait_for_fetch(5.0)  # nothing in flight: at once
+    assert time.monotonic() - t0 < 1.0
+    assert io.exchange([FetchPages(7, (bytes(32),), (0,))]) == []
+    io.wait_for_fetch(5.0)
+    assert 0.15 < time.monotonic() - t0 < 4.0
+    assert io.exchange([]) == [FetchDone(7, 0)]
+    io.close()

@@ -11,6 +11,10 @@ The tree keeps no node for what is only in storage; storage is content-addressed
   blocks outside the tree until `finish_fetch`, which puts the loaded run into the tree as one
   host-only leaf (the request's next match finds it on the host, and `load` brings it to the
   device) and frees the rest.
+- write-back: a host-only entry leaving the host tier queues a `StoreHostPage` for each full
+  block whose last token is on its edge (as write-through numbers them); the runner writes
+  those whose write-through never reached storage (dropped under pressure, or the store was
+  down), so a prefix evicted from GPU and host is still found in storage.
 Plain Python (no torch).
 """
 
@@ -74,6 +78,20 @@ class StorageRadixCache(HostRadixCache):
                 self.storage.store(leaf.blocks[: hi - lo], keys)
         return result
 
+    # ---- write-back ----
+    def _evict_host_one(self) -> None:
+        """Write-back of the first host candidate's pages when it leaves the tree (a host copy
+        of a device entry loses no KV), then the host tier's eviction."""
+        node = self._host_evictable[0]
+        if not node.blocks:
+            bs = self.block_size
+            lo, hi = node.start // bs, node.end // bs
+            if hi > lo:
+                tokens = [t for n in self._path(node) for t in n.key]
+                keys = self.storage.keyer.keys(tokens[: hi * bs], self._namespace_of(node))
+                self.storage.write_back(node.host_blocks[: hi - lo], keys[lo:])
+        super()._evict_host_one()
+
     # ---- prefetch ----
     def begin_fetch(
         self, tokens: Sequence[int], namespace: CacheNamespace, num_cached: int
@@ -97,6 +115,11 @@ class StorageRadixCache(HostRadixCache):
         self._fetches[ticket] = _Fetch(tokens, namespace, first, host_blocks)
         self.storage.fetch(FetchPages(ticket, tuple(keys), tuple(host_blocks)))
         return ticket
+
+    @property
+    def num_fetches(self) -> int:
+        """Fetches that have not ended yet."""
+        return len(self._fetches)
 
     def fetching(self, ticket: int) -> bool:
         """Whether the fetch `ticket` has not ended yet."""

@@ -10,13 +10,17 @@ the tokens of any earlier block, the tenant's salt, the model or its revision, t
 FP8 scales, the layout or the TP rank differ, and equal keys name interchangeable KV.
 
 Backends (`StorageBackend`) keep pages beyond the process: the local directory
-(`radixrt.cache.storage_local`). Anything a backend cannot read back whole and checked is a
-miss, never wrong KV.
+(`radixrt.cache.storage_local`) and Redis (`radixrt.cache.storage_redis`);
+`radixrt.cache.storage_backends.open_backend` picks one from the `kv_storage` option. Both
+store a page as `page_header` then the payload, and anything a backend cannot read back whole
+and checked (`check_header`, then the CRC) is a miss, never wrong KV.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +30,25 @@ from radixrt.cache.namespace import CacheNamespace
 
 KEY_BYTES = 32  # a page key: one SHA-256 digest
 STORAGE_HASH_SEED = "radixrt-kv-storage"  # the chain's NONE_HASH seed (fixed: keys outlive runs)
+MAGIC = b"RXKVPAGE"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sI32sQI")  # magic, version, key, payload length, crc32 of the payload
+
+
+def page_header(key: bytes, payload: memoryview) -> bytes:
+    """The header stored before `payload` (the page of `key`)."""
+    return HEADER.pack(MAGIC, FORMAT_VERSION, key, len(payload), zlib.crc32(payload))
+
+
+def check_header(head: bytes, key: bytes, page_bytes: int) -> int | None:
+    """The payload's CRC-32 if `head` is a header of this format for `key`'s page of
+    `page_bytes` bytes, else None (the page is torn, foreign or of another format)."""
+    if len(head) != HEADER.size:
+        return None
+    magic, version, stored_key, length, crc = HEADER.unpack(head)
+    if (magic, version, stored_key, length) != (MAGIC, FORMAT_VERSION, key, page_bytes):
+        return None
+    return crc
 
 
 @dataclass(frozen=True)
@@ -91,10 +114,15 @@ class StorageStats:
     pages_evicted: int = 0  # deleted to stay within the size bound (least recently used first)
 
 
+class StorageUnavailable(Exception):
+    """The store cannot be reached (or did not answer) now; the backend tries again later,
+    backing off. The caller treats the call as failed: a read as a miss, a write as lost."""
+
+
 class StorageBackend(Protocol):
     """A store of pages by key. Thread-safe: the runner's storage thread calls it. Buffers are
     writable byte buffers (memoryview, numpy uint8 arrays) of exactly `page_bytes` bytes:
-    pinned host memory on CUDA."""
+    pinned host memory on CUDA. Any call may raise `StorageUnavailable`."""
 
     page_bytes: int  # payload bytes of one page
 
@@ -120,6 +148,10 @@ class StorageBackend(Protocol):
         """A copy of the counters."""
         ...
 
+    def close(self) -> None:
+        """Release connections and files (the pages stay)."""
+        ...
+
 
 def leading_run(flags: Sequence[bool]) -> int:
     """How many of `flags` are True before the first False."""
@@ -143,6 +175,16 @@ class StorePage:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreHostPage:
+    """Write-back: host block `host_block` holds a full page leaving the host tier; write it
+    under `key` if its write-through did not reach storage (dropped or failed). The runner
+    copies it before any later op or fetch can rewrite the block."""
+
+    host_block: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class FetchPages:
     """Read the longest run of `keys` that storage holds into `host_blocks` (pairwise), in
     the background; the scheduler holds those host blocks until the `FetchDone`."""
@@ -152,7 +194,7 @@ class FetchPages:
     host_blocks: tuple[int, ...]
 
 
-StorageOp = StorePage | FetchPages
+StorageOp = StorePage | StoreHostPage | FetchPages
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +210,8 @@ class StorageIOStats:
     """The runner side's counters of the storage tier."""
 
     pages_queued: int = 0  # StorePage ops taken into a staging buffer
-    write_drops: int = 0  # StorePage ops dropped: every staging buffer was busy
+    pages_written_back: int = 0  # StoreHostPage ops taken (their write-through had not landed)
+    write_drops: int = 0  # StorePage and StoreHostPage ops dropped: every staging buffer was busy
     write_errors: int = 0  # pages a backend failed to write (logged)
     fetch_errors: int = 0  # FetchPages a backend failed (they loaded nothing; logged)
     backend: StorageStats | None = None  # the backend's counters
@@ -179,6 +222,7 @@ class StorageTierStats:
     """The scheduler side's counters of the storage tier."""
 
     pages_stored: int = 0  # StorePage ops sent (write-through of new cache entries)
+    pages_evicted: int = 0  # StoreHostPage ops sent (full pages of host-only entries evicted)
     fetches: int = 0  # FetchPages sent (a request missed L1/L2 on a full page)
     pages_asked: int = 0  # pages those asked for
     pages_fetched: int = 0  # pages they found (the longest stored run)
@@ -203,6 +247,11 @@ class StorageTier:
         self._ops += [StorePage(b, k) for b, k in zip(device_blocks, keys, strict=True)]
         self.stats.pages_stored += len(keys)
 
+    def write_back(self, host_blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Queue write-back of the evicted `host_blocks` under `keys` (pairwise)."""
+        self._ops += [StoreHostPage(b, k) for b, k in zip(host_blocks, keys, strict=True)]
+        self.stats.pages_evicted += len(keys)
+
     def fetch(self, op: FetchPages) -> None:
         self._ops.append(op)
         self.stats.fetches += 1
@@ -222,6 +271,11 @@ class StorageRunner(Protocol):
 
     def storage_io(self, ops: list[StorageOp]) -> list[FetchDone]:
         """Start `ops`; the fetches finished since the last call."""
+        ...
+
+    def storage_wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until a fetch finishes (at once when one has finished
+        since the last `storage_io`). For a loop whose step planned nothing."""
         ...
 
     def storage_stats(self) -> StorageIOStats:

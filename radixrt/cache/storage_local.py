@@ -1,7 +1,8 @@
 """The local-directory storage backend (`--kv-storage DIR`): one file per page.
 
-A page lives in `DIR/<first two hex digits of its key>/<key hex>.kvpage`: a header (magic,
-format version, the page's own key, payload length, CRC-32 of the payload) then the payload.
+A page lives in `DIR/<first two hex digits of its key>/<key hex>.kvpage`: a header
+(`radixrt.cache.storage.page_header`: magic, format version, the page's own key, payload
+length, CRC-32 of the payload) then the payload.
 A write goes to a temporary name in the same folder and is renamed into place, so a crash or a
 concurrent reader never sees a torn page under the final name. A read that finds the file
 missing, short, for another key, of another format or failing its checksum is a miss (and the
@@ -10,15 +11,15 @@ bad file is deleted): never wrong KV.
 The directory is bounded by `max_bytes`: after a write, least recently used pages (by the
 in-memory order, rebuilt from the files' modification times when the backend opens) are
 deleted until it fits. A hit refreshes the file's modification time, so the order survives a
-restart. Several processes may share a directory (they may over-count its size between
-restarts); each bounds what it sees.
+restart. Several processes may share a directory: `exists` finds the pages another one wrote
+since (a stat per key this process has not indexed), and each bounds the size it sees (they
+may over-count it between restarts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 import time
 import zlib
@@ -27,11 +28,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from radixrt.cache.storage import KEY_BYTES, StorageStats
+from radixrt.cache.storage import HEADER, KEY_BYTES, StorageStats, check_header, page_header
 
-MAGIC = b"RXKVPAGE"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sI32sQI")  # magic, version, key, payload length, crc32
 SUFFIX = ".kvpage"
 STALE_TMP_S = 600  # a temporary file older than this belongs to no live writer
 
@@ -58,8 +56,14 @@ class LocalDirBackend:
 
     # ---- the protocol ----
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Indexed keys, and files another process wrote since this one indexed (they join
+        the index)."""
         with self._lock:
-            return [k in self._lru for k in keys]
+            out = [k in self._lru for k in keys]
+        for i, key in enumerate(keys):
+            if not out[i]:
+                out[i] = self._adopt(key)
+        return out
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
         out = []
@@ -92,6 +96,9 @@ class LocalDirBackend:
         with self._lock:
             return replace(self._stats, num_pages=len(self._lru), num_bytes=self._bytes)
 
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes its files."""
+
     # ---- files ----
     def path_of(self, key: bytes) -> Path:
         """Where `key`'s page lives."""
@@ -102,19 +109,11 @@ class LocalDirBackend:
         path = self.path_of(key)
         try:
             with open(path, "rb") as f:
-                head = f.read(HEADER.size)
-                if len(head) != HEADER.size:
-                    return self._bad(key)
-                magic, version, stored_key, length, crc = HEADER.unpack(head)
-                if (magic, version, stored_key, length) != (
-                    MAGIC,
-                    FORMAT_VERSION,
-                    key,
-                    self.page_bytes,
-                ):
+                crc = check_header(f.read(HEADER.size), key, self.page_bytes)
+                if crc is None:
                     return self._bad(key)
                 view = memoryview(buf).cast("B")
-                if f.readinto(view) != length or f.read(1):
+                if f.readinto(view) != self.page_bytes or f.read(1):
                     return self._bad(key)
         except FileNotFoundError:
             self._forget(key)
@@ -130,7 +129,7 @@ class LocalDirBackend:
         path = self.path_of(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, key, len(data), zlib.crc32(data))
+        header = page_header(key, data)
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(data)
@@ -150,6 +149,18 @@ class LocalDirBackend:
             self._stats.pages_evicted += len(victims)
         for victim in victims:
             self.path_of(victim).unlink(missing_ok=True)
+
+    def _adopt(self, key: bytes) -> bool:
+        """Index `key`'s file if it exists (written by another process)."""
+        try:
+            size = self.path_of(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if key not in self._lru:
+                self._bytes += size
+            self._lru[key] = size
+        return True
 
     def _bad(self, key: bytes) -> bool:
         """A page that does not check: count it, delete it; a miss."""

@@ -294,8 +294,13 @@ class EngineCore:
             else:
                 changed += self._finish_step(plan, handle)
         elif not changed and self._inflight is None:
-            self._exchange_storage()  # fetches a waiting request needs
+            if isinstance(self.cache, StorageRadixCache) and self.cache.num_fetches:
+                self.runner.storage_wait(GRAMMAR_IDLE_WAIT_S)  # don't spin on storage reads
             sched.wait_for_grammars(GRAMMAR_IDLE_WAIT_S)  # nothing ran: don't spin on compiles
+        if self._inflight is None:
+            # nothing runs: the step's new cache entries go to storage now (the loop may idle),
+            # and fetches a waiting request needs come back
+            self._exchange_storage()
         return self._deltas(changed)
 
     def _execute(self, plan: StepPlan) -> StepHandle:
@@ -387,7 +392,9 @@ class EngineCore:
         self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Release the runner: stops tensor-parallel worker processes (idempotent)."""
+        """Release the runner: stops tensor-parallel worker processes (idempotent); the
+        storage tier's queued writes go first."""
+        self._exchange_storage()
         self.runner.close()
         if self.grammar_backend is not None:
             self.grammar_backend.close()

@@ -63,6 +63,7 @@ def storage_tier_stats(cache: PrefixCache, runner: StorageRunner) -> dict[str, f
     if b is not None:
         out.update(
             storage_write_drops=io.write_drops,
+            storage_written_back_pages=io.pages_written_back,
             storage_errors=io.write_errors + io.fetch_errors,
             storage_hits=b.hits,
             storage_misses=b.misses,

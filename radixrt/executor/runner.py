@@ -26,7 +26,13 @@ import torch
 
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
-from radixrt.cache.storage import FetchDone, StorageIdentity, StorageIOStats, StorageOp
+from radixrt.cache.storage import (
+    FetchDone,
+    StorageIdentity,
+    StorageIOStats,
+    StorageOp,
+)
+from radixrt.cache.storage_backends import open_backend
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.executor.cpu_malloc import keep_freed_memory
 from radixrt.executor.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
@@ -284,10 +290,8 @@ class ModelRunner:
 
     def _open_storage(self) -> None:
         """The storage tier's backend and I/O thread (radixrt.executor.storage_io)."""
-        from radixrt.cache.storage_local import LocalDirBackend
-
         c, pool = self.cfg.cache, self.pool
-        backend = LocalDirBackend(
+        backend = open_backend(
             c.kv_storage, self.host_pool.bytes_per_block, int(c.kv_storage_max_gb * 2**30)
         )
         self.storage = StorageIO(backend, self.host_pool, c.kv_storage_write_pages)
@@ -305,6 +309,11 @@ class ModelRunner:
         """Start the storage tier's ops; the fetches finished since the last call."""
         assert self.storage is not None, "storage ops without a storage tier"
         return self.storage.exchange(ops)
+
+    def storage_wait(self, timeout_s: float) -> None:
+        """Block until a storage fetch finishes, at most `timeout_s`."""
+        assert self.storage is not None, "a storage wait without a storage tier"
+        self.storage.wait_for_fetch(timeout_s)
 
     def storage_stats(self) -> StorageIOStats:
         """The storage tier's runner-side counters (all zero without one)."""

@@ -6,6 +6,10 @@ background thread.
   the compute stream then waits for that copy, so no later forward rewrites a block before it
   is read), and the thread writes them. With every staging page busy the op is dropped and
   counted: writes never hold up the step loop.
+- `StoreHostPage` ops (write-back of pages leaving the host tier): only pages whose
+  write-through was dropped or failed (remembered, at most as many as the device and host
+  pools hold) are copied out of the host block at once (after the copy stream's work so far
+  on CUDA, so an earlier step's write-back into it is complete) and written like the others.
 - `FetchPages` ops: the thread asks the backend which of the keys exist, reads the leading run
   into the named host blocks (the scheduler holds them) and reports a `FetchDone`. Fetches go
   before queued writes.
@@ -19,7 +23,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +34,8 @@ from radixrt.cache.storage import (
     StorageBackend,
     StorageIOStats,
     StorageOp,
+    StorageUnavailable,
+    StoreHostPage,
     StorePage,
     leading_run,
 )
@@ -74,6 +81,9 @@ class StorageIO:
         if host_pool.is_cuda:
             self._staging = self._staging.pin_memory()
         self._free = list(range(staging_pages))
+        # keys whose write-through was dropped or failed, oldest first (write-back's to-do)
+        self._unwritten: OrderedDict[bytes, None] = OrderedDict()
+        self._max_unwritten = host_pool.num_blocks + host_pool.device_pool.num_blocks
         self._stats = StorageIOStats()
         self._cond = threading.Condition()
         self._fetches: deque[FetchPages] = deque()
@@ -81,6 +91,7 @@ class StorageIO:
         self._done: list[FetchDone] = []
         self._closed = False
         self._busy = False
+        self._fetching = False  # the thread is reading a fetch
         self._thread = threading.Thread(target=self._work, name="kv-storage", daemon=True)
         self._thread.start()
 
@@ -89,6 +100,9 @@ class StorageIO:
         stores = [op for op in ops if isinstance(op, StorePage)]
         if stores:
             self._stage(stores)
+        evicted = [op for op in ops if isinstance(op, StoreHostPage)]
+        if evicted:
+            self._stage_evicted(evicted)
         fetches = [op for op in ops if isinstance(op, FetchPages)]
         with self._cond:
             self._fetches.extend(fetches)
@@ -99,13 +113,18 @@ class StorageIO:
 
     def stats(self) -> StorageIOStats:
         with self._cond:
-            return StorageIOStats(
-                self._stats.pages_queued,
-                self._stats.write_drops,
-                self._stats.write_errors,
-                self._stats.fetch_errors,
-                self.backend.stats(),
-            )
+            return replace(self._stats, backend=self.backend.stats())
+
+    def wait_for_fetch(self, timeout_s: float) -> None:
+        """Block until a fetch has finished since the last `exchange`, at most `timeout_s`
+        (the step loop's idle wait: it sleeps instead of spinning, so this thread is not
+        starved of the GIL)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or not self._fetches_pending(), timeout_s)
+
+    def _fetches_pending(self) -> bool:
+        """Caller holds `_cond`: fetches queued or being read."""
+        return bool(self._fetches) or self._fetching
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until the queued work is done (tests; shutdown)."""
@@ -120,14 +139,31 @@ class StorageIO:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        self.backend.close()
+
+    def _take_slots(self, keys: list[bytes]) -> list[int]:
+        """Free staging pages for the first of `keys`; the rest are dropped (counted, and
+        remembered for write-back)."""
+        with self._cond:
+            slots = [self._free.pop() for _ in range(min(len(self._free), len(keys)))]
+            self._stats.write_drops += len(keys) - len(slots)
+            self._remember_unwritten(keys[len(slots) :])
+        return slots
+
+    def _remember_unwritten(self, keys: list[bytes]) -> None:
+        """Caller holds `_cond`."""
+        for key in keys:
+            self._unwritten[key] = None
+            self._unwritten.move_to_end(key)
+        while len(self._unwritten) > self._max_unwritten:
+            self._unwritten.popitem(last=False)
 
     def _stage(self, stores: list[StorePage]) -> None:
-        with self._cond:
-            slots = [self._free.pop() for _ in range(min(len(self._free), len(stores)))]
-            self._stats.write_drops += len(stores) - len(slots)
-            self._stats.pages_queued += len(slots)
+        slots = self._take_slots([op.key for op in stores])
         if not slots:
             return
+        with self._cond:
+            self._stats.pages_queued += len(slots)
         stores = stores[: len(slots)]
         kv = self.host_pool.device_pool.kv  # [L, 2, num_blocks, B, H, D]
         raw = kv.view(torch.uint8) if kv.element_size() == 1 else kv
@@ -148,6 +184,29 @@ class StorageIO:
             self._writes.append(([op.key for op in stores], slots, event))
             self._cond.notify()
 
+    def _stage_evicted(self, evicted: list[StoreHostPage]) -> None:
+        """Write-back of the evicted host pages whose write-through did not land."""
+        with self._cond:
+            todo = [op for op in evicted if op.key in self._unwritten]
+            for op in todo:
+                del self._unwritten[op.key]
+            slots = [self._free.pop() for _ in range(min(len(self._free), len(todo)))]
+            self._stats.write_drops += len(todo) - len(slots)  # the block is gone after this
+            self._stats.pages_written_back += len(slots)
+        if not slots:
+            return
+        if self.host_pool.is_cuda:
+            self.host_pool.stream.synchronize()  # earlier steps' write-backs into these blocks
+        kv = self.host_pool.kv  # [num_host_blocks, L, 2, B, H, D]
+        one_byte = kv.element_size() == 1
+        raw = kv.view(torch.uint8) if one_byte else kv
+        staging = self._staging.view(torch.uint8) if one_byte else self._staging
+        for op, slot in zip(todo, slots):
+            staging[slot].copy_(raw[op.host_block])
+        with self._cond:
+            self._writes.append(([op.key for op in todo[: len(slots)]], slots, None))
+            self._cond.notify()
+
     @staticmethod
     def _copy_out(
         raw: torch.Tensor, staging: torch.Tensor, stores: list[StorePage], slots: list[int]
@@ -166,6 +225,7 @@ class StorageIO:
                 fetch = self._fetches.popleft() if self._fetches else None
                 write = self._writes.popleft() if fetch is None else None
                 self._busy = True
+                self._fetching = fetch is not None
             try:
                 if fetch is not None:
                     done = self._fetch(fetch)
@@ -176,6 +236,7 @@ class StorageIO:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._fetching = False
                     self._cond.notify_all()
 
     def _fetch(self, op: FetchPages) -> FetchDone:
@@ -184,6 +245,11 @@ class StorageIO:
             kv = self.host_pool.kv
             views = [page_view(kv[h]) for h in op.host_blocks[:num]]
             num = leading_run(self.backend.get(op.keys[:num], views))
+        except StorageUnavailable as e:  # the backend logs its outages
+            logger.debug("kv storage: a fetch of %d pages failed: %s", len(op.keys), e)
+            with self._cond:
+                self._stats.fetch_errors += 1
+            num = 0
         except Exception:  # a failing store is a miss: the request computes instead
             logger.exception("kv storage: a fetch of %d pages failed", len(op.keys))
             with self._cond:
@@ -196,9 +262,18 @@ class StorageIO:
             event.synchronize()
         try:
             self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
+            ok = True
+        except StorageUnavailable as e:  # the backend logs its outages
+            logger.debug("kv storage: a write of %d pages failed: %s", len(keys), e)
+            ok = False
         except Exception:  # a failing store loses the pages, never a request
             logger.exception("kv storage: a write of %d pages failed", len(keys))
-            with self._cond:
-                self._stats.write_errors += len(keys)
+            ok = False
         with self._cond:
             self._free += slots
+            if ok:
+                for key in keys:
+                    self._unwritten.pop(key, None)
+            else:
+                self._stats.write_errors += len(keys)
+                self._remember_unwritten(keys)
