@@ -15,7 +15,7 @@ from benchmarks.metrics import CallRecord, DriverResult, KVStats
 from benchmarks.workloads import Workload
 from radixrt.engine import Engine
 from radixrt.engine.core import EngineCore
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 
 HOST_COUNTERS = (
     "prompt_tokens_computed",
@@ -54,10 +54,10 @@ def run_engine(
     alloc, cache = core.allocator, core.cache
     assert not core.has_work, "run_engine needs an idle engine"
     params = {
-        (n, ttl): SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, cache_ttl_s=ttl)
+        n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         for n in {c.max_tokens for p in workload.programs for c in p.calls}
-        for ttl in {0.0, cache_ttl_s}
     }
+    held_options = RequestOptions(cache_ttl_s=cache_ttl_s)
     has_children = [
         [bool(k) and (holds is None or holds[i]) for k in p.children()]
         for i, p in enumerate(workload.programs)
@@ -79,7 +79,8 @@ def run_engine(
             break
         for call in disp.pop_ready(now):
             ttl = cache_ttl_s if has_children[call.program][call.index] else 0.0
-            rid = core.add_request(call.prompt, params[call.max_tokens, ttl])
+            options = held_options if ttl > 0 else DEFAULT_OPTIONS
+            rid = core.add_request(call.prompt, params[call.max_tokens], options=options)
             if ttl > 0:
                 held.setdefault(call.program, []).append(rid)
             record = CallRecord(len(call.prompt), 0, 0, now, now, now, program=call.program)

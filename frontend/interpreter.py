@@ -335,8 +335,9 @@ class Executor:
         if self.tracing:
             raise TraceStop
         params = op.params.resolve(self.gen_defaults)
-        if op.params.cache_ttl_s is None and params.cache_ttl_s != self.hold_s:
-            params = dataclasses.replace(params, cache_ttl_s=self.hold_s)  # the program's hold
+        options = op.params.options(self.gen_defaults)
+        if op.params.cache_ttl_s is None and options.cache_ttl_s != self.hold_s:
+            options = dataclasses.replace(options, cache_ttl_s=self.hold_s)  # the program's hold
         fmt = None
         if op.tool_choice is not None:
             if not self.tools:
@@ -357,9 +358,9 @@ class Executor:
         tokens = len(prompt_ids) + (params.max_tokens or 0)
         adapter = adapter_kw(op.params.adapter(self.gen_defaults))
         result = self._call(
-            params.cache_ttl_s,
+            options.cache_ttl_s,
             tokens,
-            lambda: self.backend.generate(prompt_ids, params, on_delta, **adapter),
+            lambda: self.backend.generate(prompt_ids, params, on_delta, options=options, **adapter),
         )
         self._append(result.text, op.name, stream=False)  # streamed piecewise above
         self._generated_to = len(self.text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import RequestOptions, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -42,7 +42,8 @@ class Seq(Expr):
 
 @dataclass(frozen=True)
 class GenParams:
-    """Sampling options of one gen; None means "the program default, else SamplingParams'"."""
+    """Sampling and request options of one gen; None means "the program default, else
+    SamplingParams' / RequestOptions'"."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -80,6 +81,7 @@ class GenParams:
                 self, "logit_bias", SamplingParams(logit_bias=self.logit_bias).logit_bias
             )
         self.resolve(None)  # validate now, where the user wrote gen(...)
+        self.options(None)
 
     def set_values(self) -> dict[str, object]:
         """The options that are set (not None)."""
@@ -88,12 +90,22 @@ class GenParams:
     def resolve(self, defaults: GenParams | None) -> SamplingParams:
         """SamplingParams from these values over `defaults` over BASE_GEN_DEFAULTS.
         Raises ValueError (SamplingParams' message) for an invalid value."""
+        values = self._values(defaults)
+        return SamplingParams(**{k: v for k, v in values.items() if k not in _OPTION_NAMES})
+
+    def options(self, defaults: GenParams | None) -> RequestOptions:
+        """RequestOptions (cache salt, priority, retention) from these values over
+        `defaults`. Raises ValueError (RequestOptions' message) for an invalid value."""
+        values = self._values(defaults)
+        return RequestOptions(**{k: v for k, v in values.items() if k in _OPTION_NAMES})
+
+    def _values(self, defaults: GenParams | None) -> dict[str, object]:
         values = dict(BASE_GEN_DEFAULTS)
         if defaults is not None:
             values.update(defaults.set_values())
         values.update(self.set_values())
-        values.pop("lora", None)  # sent beside the sampling parameters (`adapter`)
-        return SamplingParams(**values)
+        values.pop("lora", None)  # an adapter's name, resolved by the backend (`adapter`)
+        return values
 
     def adapter(self, defaults: GenParams | None) -> str | None:
         """The LoRA adapter of this gen: its own, else `defaults`' (None: the base model)."""
@@ -103,6 +115,7 @@ class GenParams:
 
 
 BASE_GEN_DEFAULTS = {"max_tokens": 128}  # over SamplingParams' own defaults
+_OPTION_NAMES = ("cache_salt", "priority", "cache_ttl_s")  # GenParams' RequestOptions fields
 
 
 @dataclass(frozen=True)

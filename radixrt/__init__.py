@@ -4,6 +4,7 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "Engine",
+    "RequestOptions",
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",
@@ -16,7 +17,7 @@ def __getattr__(name: str):
         from radixrt import engine
 
         return getattr(engine, name)
-    if name in ("SamplingParams", "BeamSearchParams"):
+    if name in ("SamplingParams", "BeamSearchParams", "RequestOptions"):
         from radixrt import sampling
 
         return getattr(sampling, name)

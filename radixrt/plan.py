@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import LoraRef, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +97,7 @@ class SlotEntry:
     prompt_ids: list[int] = field(default_factory=list)  # prompt tokens to count on top
     output_ids: list[int] = field(default_factory=list)  # output tokens to count on top (a
     # re-admitted request's earlier output); both lists only for params.has_penalties
+    lora: LoraRef | None = None  # the LoRA adapter the slot's rows run under (None: the base)
 
 
 @dataclass(slots=True)

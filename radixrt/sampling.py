@@ -1,4 +1,6 @@
-"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops.
+"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops;
+RequestOptions: how it is scheduled and cached (tenancy, priority, retention, LoRA adapter),
+which rides beside them on the request envelope (vLLM's EngineCoreRequest does the same).
 
 Every numeric field has a range, checked in `__post_init__` (a ValueError naming the field
 and the range); the bounds are the constants below, for the HTTP schema and the docs:
@@ -12,7 +14,8 @@ and the range); the bounds are the constants below, for the HTTP schema and the 
     seed                  [0, SEED_RANGE)        n                  [1, MAX_N]
     top_logprobs          [0, MAX_TOP_LOGPROBS]  logprob_start_len  [1, MAX_INT]
     stop_token_ids        [0, MAX_INT] each
-    priority              [MIN_PRIORITY, MAX_PRIORITY]   cache_salt  1..MAX_CACHE_SALT_CHARS chars
+    RequestOptions: priority [MIN_PRIORITY, MAX_PRIORITY], cache_salt 1..MAX_CACHE_SALT_CHARS
+    chars, cache_ttl_s [0, MAX_CACHE_TTL_S]
     BeamSearchParams: beam_width [1, MAX_BEAM_WIDTH], max_tokens [1, MAX_INT],
     length_penalty [-LENGTH_PENALTY_RANGE, LENGTH_PENALTY_RANGE]
 
@@ -73,6 +76,44 @@ class LoraRef:
 
 
 @dataclass(frozen=True)
+class RequestOptions:
+    """How a request is scheduled and cached, beside its SamplingParams or BeamSearchParams
+    (an n > 1 request's children and a beam search's beams share them)."""
+
+    # Tenants: requests share cached KV only with requests of the same salt (None: unsalted);
+    # the server puts a tenant's name in front of it (radixrt.server.tenants)
+    cache_salt: str | None = None
+    priority: int = 0  # admission / preemption order: lower first (vLLM's convention)
+    # retention hint: keep the prompt cached this many seconds after the request finishes
+    # (radixrt.scheduler.retention; 0: plain LRU)
+    cache_ttl_s: float = 0.0
+    # the LoRA adapter to run under (None: the base model); set from an adapter's name by
+    # `Engine.generate(lora=...)` or the server, which resolve it in their registry
+    lora: LoraRef | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            _num(self.cache_ttl_s) and 0 <= self.cache_ttl_s <= MAX_CACHE_TTL_S,
+            "cache_ttl_s",
+            self.cache_ttl_s,
+            f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
+        )
+        salt = self.cache_salt
+        _check(
+            salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS),
+            "cache_salt",
+            salt,
+            f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or None",
+        )
+        _check(
+            _int_in(self.priority, MIN_PRIORITY, MAX_PRIORITY),
+            "priority",
+            self.priority,
+            f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower runs first)",
+        )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # new tokens to generate at most; None: all that fit
     temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 too): greedy
@@ -107,22 +148,11 @@ class SamplingParams:
     regex: str | None = None  # this regular expression (whole output)
     json_schema: str | None = None  # this JSON schema (a dict is turned into canonical JSON)
     grammar: str | None = None  # this EBNF grammar (xgrammar / GBNF syntax, rule `root`)
-    # Tenants: requests share cached KV only with requests of the same salt (None: unsalted);
-    # the server puts a tenant's name in front of it (radixrt.server.tenants)
-    cache_salt: str | None = None
-    priority: int = 0  # admission / preemption order: lower first (vLLM's convention)
-    # retention hint: keep the prompt cached this many seconds after the request finishes
-    # (radixrt.scheduler.retention; 0: plain LRU)
-    cache_ttl_s: float = 0.0
     # this xgrammar structural tag (JSON text: {"type": "structural_tag", "format": ...});
     # tool calls in a model's format
     structural_tag: str | None = None
-    # the LoRA adapter to run under (None: the base model); set from an adapter's name by
-    # `Engine.generate(lora=...)` or the server, which resolve it in their registry
-    lora: LoraRef | None = None
 
     def __post_init__(self) -> None:
-        _check_tenancy(self)
         if isinstance(self.json_schema, Mapping):
             # checked first: json.dumps and repr recurse once per level
             _check(
@@ -271,13 +301,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     ignore_eos: bool = False  # EOS ids are plain tokens (every beam runs max_tokens)
     skip_special_tokens: bool = True  # leave special tokens out of the text
-    cache_salt: str | None = None  # as SamplingParams.cache_salt
-    priority: int = 0  # as SamplingParams.priority
-    cache_ttl_s: float = 0.0  # as SamplingParams.cache_ttl_s
-    lora: LoraRef | None = None  # as SamplingParams.lora
 
     def __post_init__(self) -> None:
-        _check_tenancy(self)
         _check(
             _int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
             "beam_width",
@@ -355,28 +380,6 @@ def _compiles(pattern: str) -> bool:
         return False
 
 
-def _check_tenancy(p: SamplingParams | BeamSearchParams) -> None:
-    _check(
-        _num(p.cache_ttl_s) and 0 <= p.cache_ttl_s <= MAX_CACHE_TTL_S,
-        "cache_ttl_s",
-        p.cache_ttl_s,
-        f"a number of seconds in [0, {MAX_CACHE_TTL_S:g}]",
-    )
-    salt = p.cache_salt
-    _check(
-        salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS),
-        "cache_salt",
-        salt,
-        f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or None",
-    )
-    _check(
-        _int_in(p.priority, MIN_PRIORITY, MAX_PRIORITY),
-        "priority",
-        p.priority,
-        f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower runs first)",
-    )
-
-
 def _int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -407,3 +410,7 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         if len(shown) > 80:
             shown = shown[:77] + "..."
         raise RequestValueError(f"invalid {name}={shown}: must be {allowed}", name)
+
+
+# unsalted, priority 0, no retention, the base model (made once its checks are defined)
+DEFAULT_OPTIONS = RequestOptions()

@@ -28,6 +28,7 @@ from radixrt.frontend import (
 )
 from radixrt.frontend.chat import ChatTemplate
 from radixrt.frontend.ir import to_ops
+from radixrt.sampling import DEFAULT_OPTIONS
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 SHARED = "You are a careful assistant. Think about the question, then answer it briefly. " * 3
@@ -62,13 +63,13 @@ class Spy:
     def encode_continuation(self, text):
         return self.inner.encode_continuation(text)
 
-    def generate(self, ids, params, on_delta=None):
+    def generate(self, ids, params, on_delta=None, options=DEFAULT_OPTIONS):
         self.calls.append(("generate", list(ids), params.max_tokens))
         if params.max_tokens > 0:
             self.params.append(params)
         if self.barrier is not None and params.max_tokens > 0:
             self.barrier.wait(timeout=30)  # fails unless the branches run concurrently
-        return self.inner.generate(ids, params, on_delta)
+        return self.inner.generate(ids, params, on_delta, options=options)
 
     def cache_prefix(self, ids, cache_salt=None, cache_ttl_s=0.0):
         self.calls.append(("cache_prefix", list(ids)))

@@ -42,7 +42,7 @@ class BlockingHint(Backend):
         self.hint_rids: list[str] = []
         self._rids = itertools.count()
 
-    def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
+    def generate(self, prompt_ids, params, on_delta=None, options=None) -> GenResult:
         rid = f"r{next(self._rids)}"
         if params.max_tokens == 0:
             self.events.append(("hint", self.hint_back.is_set()))

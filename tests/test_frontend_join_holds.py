@@ -31,7 +31,7 @@ class Recorder(Backend):
         self._rids = itertools.count()
         self._lock = threading.Lock()
 
-    def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
+    def generate(self, prompt_ids, params, on_delta=None, options=None) -> GenResult:
         with self._lock:
             rid = f"r{next(self._rids)}"
             if params.max_tokens:

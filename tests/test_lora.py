@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from radixrt import SamplingParams
 from radixrt.cache.namespace import CacheNamespace
 from radixrt.lora import LoraInUse, LoraLoadError, UnknownLora
+from radixrt.sampling import DEFAULT_OPTIONS
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village by the sea, there lived"]
 MAX_NEW = 12
@@ -175,7 +176,7 @@ def test_refusals_name_the_field(make_engine, adapters, tmp_path):
     engine.load_lora("qv4", adapters["qv4"])
     with pytest.raises(LoraLoadError, match="lora_name"):
         engine.load_lora("qv4", adapters["all8"])  # a taken name
-    rid = engine.add_request([5, 6, 7], engine.with_lora(GREEDY, "qv4"))
+    rid = engine.add_request([5, 6, 7], GREEDY, options=engine.with_lora(DEFAULT_OPTIONS, "qv4"))
     with pytest.raises(LoraInUse, match=rid):
         engine.unload_lora("qv4")
     engine.abort(rid)

@@ -5,11 +5,18 @@ field."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import msgspec
 import pytest
 
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CACHE_TTL_S,
+    MIN_PRIORITY,
+    LoraRef,
+    SamplingParams,
+)
 from radixrt.server.messages import TokenizedRequest, ToScheduler
 from radixrt.server.protocol import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, ApiError, ModelInfo
 from radixrt.server.validate import parse_chat, parse_completion, parse_generate
@@ -167,11 +174,16 @@ def test_everything_that_validates_encodes_for_the_scheduler():
         logit_bias={"2047": -100, "0": 100},
         logprobs=5,
         max_tokens=2**40,
+        cache_salt="c" * MAX_CACHE_SALT_CHARS,
+        priority=MIN_PRIORITY,
+        cache_ttl_s=MAX_CACHE_TTL_S,
     )
     codec = msgspec.msgpack.Decoder(ToScheduler)
+    options = replace(spec.options(), lora=LoraRef("judge", "k" * 64, "/adapters/judge"))
+    assert options.cache_salt == "c" * MAX_CACHE_SALT_CHARS and options.priority == MIN_PRIORITY
     for choice in range(MAX_N):
         params = spec.params(2**31 - 1, choice)
-        msg = TokenizedRequest("r", [1, 2], params)
+        msg = TokenizedRequest("r", [1, 2], params, options=options)
         assert codec.decode(msgspec.msgpack.encode(msg)) == msg
 
 

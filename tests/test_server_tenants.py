@@ -143,9 +143,9 @@ def test_a_tenant_cannot_send_another_tenants_salt():
 def test_cache_salt_and_priority_are_honoured_on_every_route():
     for spec in (comp(cache_salt="s", priority=-3), chat(cache_salt="s", priority=-3)):
         assert spec.sampling["cache_salt"] == "s" and spec.sampling["priority"] == -3
-        assert spec.params(4).cache_salt == "s" and spec.params(4).priority == -3
+        assert spec.options().cache_salt == "s" and spec.options().priority == -3
     g = gen(cache_salt="s", priority=2).gen
-    assert g.sampling["cache_salt"] == "s" and g.params(4).priority == 2
+    assert g.sampling["cache_salt"] == "s" and g.options().priority == 2
     assert "cache_salt" not in comp().sampling and comp().sampling["priority"] == 0
     for call, fields, param in [
         (comp, {"cache_salt": ""}, "cache_salt"),
@@ -194,8 +194,8 @@ def test_cache_ttl_s_is_honoured_and_reported():
     from radixrt.server.metrics import ServerMetrics
     from radixrt.stats import EngineStats
 
-    assert comp(cache_ttl_s=30).params(4).cache_ttl_s == 30
-    assert gen(cache_ttl_s=2.5).gen.params(4).cache_ttl_s == 2.5
+    assert comp(cache_ttl_s=30).options().cache_ttl_s == 30
+    assert gen(cache_ttl_s=2.5).gen.options().cache_ttl_s == 2.5
     with pytest.raises(ApiError) as e:
         chat(cache_ttl_s=-1)
     assert e.value.param == "cache_ttl_s"

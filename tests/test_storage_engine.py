@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401 (a fixture)
 
-from radixrt import SamplingParams
+from radixrt import RequestOptions, SamplingParams
 from radixrt.cache.storage import HEADER
+from radixrt.sampling import DEFAULT_OPTIONS
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 # long enough to wait for any fetch on a loaded machine: the outputs must not depend on timing
@@ -32,11 +33,11 @@ def prompts(n=4, length=41):
     return [[10 + (7 * p + 3 * i) % 150 for i in range(length)] for p in range(n)]
 
 
-def run(engine, batch, params=GREEDY):
+def run(engine, batch, params=GREEDY, options=DEFAULT_OPTIONS):
     """Each prompt alone (its own step sequence); outputs and cached prompt tokens by index."""
     out, cached = {}, {}
     for i, ids in enumerate(batch):
-        engine.add_request(ids, params, rid=f"r{i}")
+        engine.add_request(ids, params, rid=f"r{i}", options=options)
         while engine.core.has_work:
             for d, _ in engine.step():
                 out.setdefault(i, []).extend(d.new_token_ids)
@@ -144,14 +145,14 @@ def test_corrupt_or_deleted_pages_are_recomputed(make_engine, store):
 def test_salts_share_no_page(make_engine, store):
     batch = prompts(2)
     first = make_engine(kv_storage=store.spec, **STORAGE)
-    run(first, batch, dataclasses.replace(GREEDY, cache_salt="tenant-a"))
+    run(first, batch, options=RequestOptions(cache_salt="tenant-a"))
     settle(first)
     first.core.shutdown()  # the runner finishes its storage writes
     again = make_engine(kv_storage=store.spec, **STORAGE)
-    _, cached = run(again, batch, dataclasses.replace(GREEDY, cache_salt="tenant-b"))
+    _, cached = run(again, batch, options=RequestOptions(cache_salt="tenant-b"))
     assert cached == {0: 0, 1: 0}
     assert again.stats()["storage_hits"] == 0
-    _, cached = run(again, batch, dataclasses.replace(GREEDY, cache_salt="tenant-a"))
+    _, cached = run(again, batch, options=RequestOptions(cache_salt="tenant-a"))
     assert cached == {0: 40, 1: 40}
 
 

@@ -14,7 +14,13 @@ from radixrt.cache.radix import RadixCache
 from radixrt.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixrt.engine.core import EngineCore
 from radixrt.kv.allocator import BlockAllocator
-from radixrt.sampling import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
+from radixrt.sampling import (
+    DEFAULT_OPTIONS,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    RequestOptions,
+    SamplingParams,
+)
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.request import Request
 from radixrt.tenant import Tenant
@@ -24,6 +30,8 @@ MODEL = scripted_model_config(4096)
 EOS = 3
 PROMPT = list(range(100, 160))
 A, B = CacheNamespace("a"), CacheNamespace("b")  # two tenants' cache namespaces
+
+HOLD_30 = RequestOptions(cache_ttl_s=30)  # a retention hint of 30 s
 
 
 def ctx_token(rid: str, context) -> int:
@@ -174,13 +182,14 @@ def test_tenants_share_no_kv_and_compute_every_prompt_token(prefix_cache):
         for req in core.scheduler.queues.running:
             tables[req.cache_salt].update(req.block_table)
 
-    sp = {s: SamplingParams(max_tokens=3, ignore_eos=True, cache_salt=s) for s in "ab"}
-    core.add_request(PROMPT, sp["a"], rid="a0")
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    salt = {s: RequestOptions(cache_salt=s) for s in "ab"}
+    core.add_request(PROMPT, sp, rid="a0", options=salt["a"])
     run(core, record)
     before = core.scheduler.stats.prompt_tokens_computed
     # b sends a's prompt while a sends it again: b's is computed in full, a's is not
-    core.add_request(PROMPT, sp["b"], rid="b0")
-    core.add_request(PROMPT + [7], sp["a"], rid="a1")
+    core.add_request(PROMPT, sp, rid="b0", options=salt["b"])
+    core.add_request(PROMPT + [7], sp, rid="a1", options=salt["a"])
     cached = run(core, record)
     assert cached["b0"] == 0
     assert cached["a1"] >= 56  # the same salt shares as before
@@ -191,29 +200,31 @@ def test_tenants_share_no_kv_and_compute_every_prompt_token(prefix_cache):
 
 def test_tenants_get_no_host_tier_hits():
     core = make_core(num_kv_blocks=24, host_blocks=128)
-    sp = {s: SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=s) for s in "ab"}
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    salt = {s: RequestOptions(cache_salt=s) for s in "ab"}
     prompts = [[1000 + 50 * i + j for j in range(40)] for i in range(4)]
     for i, p in enumerate(prompts):  # a's prompts overflow the device pool to the host
-        core.add_request(p, sp["a"], rid=f"a{i}")
+        core.add_request(p, sp, rid=f"a{i}", options=salt["a"])
         run(core)
     assert core.cache.host_cached_blocks > 0
     stats = core.scheduler.stats
     for i, p in enumerate(prompts):
-        core.add_request(p, sp["b"], rid=f"b{i}")
+        core.add_request(p, sp, rid=f"b{i}", options=salt["b"])
         assert run(core)[f"b{i}"] == 0
     assert stats.host_hit_tokens == 0
-    core.add_request(prompts[0], sp["a"], rid="again")  # control: a's own host hits
+    core.add_request(prompts[0], sp, rid="again", options=salt["a"])  # control: a's own host hits
     assert run(core)["again"] > 0 and stats.host_hit_tokens > 0
 
 
 def test_in_batch_dedup_holds_back_only_the_same_salt():
     core = make_core(max_num_batched_tokens=64, long_prefill_token_threshold=16)
     long = list(range(200, 264))
-    sp = {s: SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=s) for s in "ab"}
-    core.add_request(long, sp["a"], rid="a0")
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    salt = {s: RequestOptions(cache_salt=s) for s in "ab"}
+    core.add_request(long, sp, rid="a0", options=salt["a"])
     core.step()  # a0 computes its first chunk: its prefix is not cached yet
-    core.add_request(long + [1], sp["b"], rid="b0")
-    core.add_request(long + [2], sp["a"], rid="a1")
+    core.add_request(long + [1], sp, rid="b0", options=salt["b"])
+    core.add_request(long + [2], sp, rid="a1", options=salt["a"])
     core.step()
     running = {r.rid for r in core.scheduler.queues.running}
     assert "b0" in running and "a1" not in running  # a1 waits for a0's prefix
@@ -258,8 +269,11 @@ def test_dfs_weight_orders_requests_of_several_salts():
     for salt in (A, B):
         blocks = cache.allocator.allocate(4)
         cache.insert(PROMPT[:16], blocks, salt)
-    sp = {s: SamplingParams(cache_salt=s) for s in ("a", "b", "c")}
-    waiting = [Request(f"r{i}", 20, PROMPT[:16] + [i] * 4, sp["abcb"[i]], 4) for i in range(4)]
+    salt = {s: RequestOptions(cache_salt=s) for s in ("a", "b", "c")}
+    waiting = [
+        Request(f"r{i}", 20, PROMPT[:16] + [i] * 4, SamplingParams(), 4, options=salt["abcb"[i]])
+        for i in range(4)
+    ]
     order = order_waiting(
         waiting, "dfs-weight", lambda r: cache.match(r.seq_token_ids[:-1], r.cache_namespace), 0
     )
@@ -269,8 +283,10 @@ def test_dfs_weight_orders_requests_of_several_salts():
 
 # ---- priority ----
 def test_priority_orders_admission_then_ages():
-    sp = lambda p: SamplingParams(priority=p)
-    waiting = [Request(f"r{i}", 4, [i] * 4, sp(p), 4) for i, p in enumerate([5, 0, -1, 0])]
+    waiting = [
+        Request(f"r{i}", 4, [i] * 4, SamplingParams(), 4, options=RequestOptions(priority=p))
+        for i, p in enumerate([5, 0, -1, 0])
+    ]
     cache = RadixCache(BlockAllocator(4), 4)
     match = lambda r: cache.match(r.seq_token_ids)
     for policy in ("fcfs", "lpm", "dfs-weight"):
@@ -296,14 +312,14 @@ def test_a_request_of_the_lowest_priority_starts_within_the_wait_bound(max_wait_
     cfg = EngineConfig(model_path="-", overlap_schedule=False, scheduler=sched)
     runner = ScriptedRunner(2, 16)
     core = EngineCore(cfg, MODEL, [EOS], runner=runner, num_kv_blocks=64, clock=clock)
-    flood = SamplingParams(max_tokens=4, ignore_eos=True, priority=-10)
-    core.add_request([900] * 20, SamplingParams(max_tokens=4, ignore_eos=True, priority=10), "low")
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    core.add_request([900] * 20, sp, "low", options=RequestOptions(priority=10))
     low = core.scheduler.queues.requests["low"]
     started_at, n = None, 0
     while clock.now < 60 and started_at is None:
         while len(core.scheduler.queues.waiting) < 6:  # the flood never lets up
             n += 1
-            core.add_request([1000 + n] * 20, flood, f"f{n}")
+            core.add_request([1000 + n] * 20, sp, f"f{n}", options=RequestOptions(priority=-10))
         core.step()
         if low.num_computed > 0:
             started_at = clock.now
@@ -318,8 +334,9 @@ def test_a_request_of_the_lowest_priority_starts_within_the_wait_bound(max_wait_
 def test_priority_admits_first_and_preempts_last():
     core = make_core(policy="fcfs", max_running_requests=1)
     for i, p in enumerate([3, 1, 2, -4]):
+        options = RequestOptions(priority=p)
         core.add_request(
-            [500 + i] * 8, SamplingParams(max_tokens=2, ignore_eos=True, priority=p), rid=f"r{i}"
+            [500 + i] * 8, SamplingParams(max_tokens=2, ignore_eos=True), f"r{i}", options=options
         )
     finished = []
     while core.has_work:
@@ -327,9 +344,10 @@ def test_priority_admits_first_and_preempts_last():
     assert finished == ["r3", "r1", "r2", "r0"]
     # a pool too small for both: the lower priority (higher number) goes, though older
     core = make_core(policy="fcfs", num_kv_blocks=8)
-    core.add_request([600] * 8, SamplingParams(max_tokens=12, ignore_eos=True, priority=1), "lo")
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+    core.add_request([600] * 8, long, "lo", options=RequestOptions(priority=1))
     core.step()
-    core.add_request([700] * 8, SamplingParams(max_tokens=12, ignore_eos=True, priority=-1), "hi")
+    core.add_request([700] * 8, long, "hi", options=RequestOptions(priority=-1))
     seen: dict[str, Request] = {}
 
     def record(core):
@@ -343,20 +361,22 @@ def test_priority_admits_first_and_preempts_last():
 def test_priority_and_salt_are_validated():
     for bad in (MIN_PRIORITY - 1, MAX_PRIORITY + 1, 1.5):
         with pytest.raises(ValueError, match="priority"):
-            SamplingParams(priority=bad)
+            RequestOptions(priority=bad)
     with pytest.raises(ValueError, match="cache_salt"):
-        SamplingParams(cache_salt="")
-    SamplingParams(priority=MIN_PRIORITY, cache_salt="x")
+        RequestOptions(cache_salt="")
+    RequestOptions(priority=MIN_PRIORITY, cache_salt="x")
+    with pytest.raises(TypeError):  # sampling holds sampling only
+        SamplingParams(cache_salt="x")
 
 
 def test_dsl_gen_takes_cache_salt_and_priority():
     from radixrt.frontend.ir import gen
     from radixrt.frontend.program import _gen_defaults
 
-    params = gen("x", cache_salt="t", priority=-2).params.resolve(None)
-    assert (params.cache_salt, params.priority) == ("t", -2)
+    options = gen("x", cache_salt="t", priority=-2).params.options(None)
+    assert (options.cache_salt, options.priority) == ("t", -2)
     defaults = _gen_defaults({"cache_salt": "prog"})
-    assert gen("y").params.resolve(defaults).cache_salt == "prog"
+    assert gen("y").params.options(defaults).cache_salt == "prog"
     with pytest.raises(ValueError, match="cache_salt"):
         gen("z", cache_salt="")
 
@@ -386,8 +406,9 @@ def test_finished_low_priority_requests_lose_their_cache_first():
     for rid, base, p in (("hi", 800, -1), ("lo", 900, 3)):
         core.add_request(
             [base + i for i in range(40)],
-            SamplingParams(max_tokens=1, ignore_eos=True, priority=p),
+            SamplingParams(max_tokens=1, ignore_eos=True),
             rid=rid,
+            options=RequestOptions(priority=p),
         )
         run(core)
     core.add_request([700 + i for i in range(40)], SamplingParams(max_tokens=1), rid="new")
@@ -424,7 +445,7 @@ def fill(core, base, n=3):
 def test_retention_keeps_a_prompt_through_pressure_then_expires():
     core, clock = retention_core(retention_max_share=0.5)
     agent = [400 + j for j in range(40)]
-    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="step0")
+    core.add_request(agent, SamplingParams(max_tokens=1), rid="step0", options=HOLD_30)
     run(core)
     retention = core.scheduler.retention
     assert retention.num_held_blocks == 10
@@ -447,8 +468,9 @@ def test_retention_is_bounded_and_released_early_or_when_short():
         # the younger ones are refused
         core.add_request(
             [3000 + 50 * i + j for j in range(40)],
-            SamplingParams(max_tokens=1, cache_ttl_s=1000),
+            SamplingParams(max_tokens=1),
             rid=f"h{i}",
+            options=RequestOptions(cache_ttl_s=1000),
         )
         run(core)
         assert retention.num_held_blocks <= 10
@@ -456,14 +478,20 @@ def test_retention_is_bounded_and_released_early_or_when_short():
     assert retention.holds["h0"].expires == 5  # capped by retention_max_ttl_s
     assert retention.release("h0") and not retention.release("h0")
     assert not core.release_cache_hold("h0")
-    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    core.add_request(
+        [2900] * 40, SamplingParams(max_tokens=1), rid="h3", options=RequestOptions(cache_ttl_s=9)
+    )
     run(core)
-    core.add_request([2901] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h4")
+    core.add_request(
+        [2901] * 40, SamplingParams(max_tokens=1), rid="h4", options=RequestOptions(cache_ttl_s=9)
+    )
     run(core)
     assert list(retention.holds) == ["h3"]  # the share bound: one 10-block hold
     core.flush_cache()  # a flush ends the holds too
     assert not retention.holds and core.cache.cached_blocks == 0
-    core.add_request([2900] * 40, SamplingParams(max_tokens=1, cache_ttl_s=9), rid="h3")
+    core.add_request(
+        [2900] * 40, SamplingParams(max_tokens=1), rid="h3", options=RequestOptions(cache_ttl_s=9)
+    )
     run(core)
     # a request that needs the whole pool gets it: the hold is given up, not a deadlock
     core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
@@ -475,7 +503,7 @@ def test_retention_is_bounded_and_released_early_or_when_short():
 def test_retention_hold_goes_to_the_host_tier():
     core = make_core(num_kv_blocks=40, host_blocks=200, retention_max_share=0.5)
     agent = [400 + j for j in range(40)]
-    core.add_request(agent, SamplingParams(max_tokens=1, cache_ttl_s=30), rid="a")
+    core.add_request(agent, SamplingParams(max_tokens=1), rid="a", options=HOLD_30)
     run(core)
     core.add_request([3600 + j for j in range(150)], SamplingParams(max_tokens=2), rid="big")
     run(core)  # needs the whole pool: the hold is released and written back, not dropped
@@ -497,14 +525,13 @@ def test_salted_mixed_load_matches_an_unconstrained_run(host_blocks):
         for step in range(4):
             for a in range(8):
                 salt = ("abc"[a % 3] if a % 4 else None) if salted else None
-                sp = SamplingParams(
-                    max_tokens=4,
-                    ignore_eos=True,
+                sp = SamplingParams(max_tokens=4, ignore_eos=True)
+                options = RequestOptions(
                     cache_salt=salt,
                     priority=a % 3 - 1 if salted else 0,
                     cache_ttl_s=10 if salted else 0,
                 )
-                core.add_request(hist[a], sp, rid=f"a{a}s{step}")
+                core.add_request(hist[a], sp, rid=f"a{a}s{step}", options=options)
             while core.has_work:
                 for d in core.step():
                     out.setdefault(d.rid, []).extend(d.new_token_ids)
@@ -540,8 +567,8 @@ def test_dsl_program_salt_covers_gens_selects_and_prefills():
             self.salts = []
             self.released = []
 
-        def generate(self, prompt_ids, params, on_delta=None):
-            self.salts.append(("gen" if params.max_tokens else "prefill", params.cache_salt))
+        def generate(self, prompt_ids, params, on_delta=None, options=DEFAULT_OPTIONS):
+            self.salts.append(("gen" if params.max_tokens else "prefill", options.cache_salt))
             rid = f"r{len(self.salts)}"
             return GenResult("ok", [1], "length", len(prompt_ids), 1, 0, rid=rid)
 
@@ -582,7 +609,7 @@ def test_held_blocks_count_every_block_a_hold_keeps_once():
     retention = core.scheduler.retention
     shared = [700 + j for j in range(10)]  # 2 full blocks of 4 and 2 tokens of the third
     for rid, tail in (("a", [20, 21]), ("b", [30, 31])):
-        core.add_request(shared + tail, SamplingParams(max_tokens=1, cache_ttl_s=30), rid=rid)
+        core.add_request(shared + tail, SamplingParams(max_tokens=1), rid=rid, options=HOLD_30)
     run(core)
     a, b = retention.holds["a"], retention.holds["b"]
     assert len(a.blocks) == 3 and len(b.blocks) == 4  # b: its copy of block 2 and a's
@@ -603,18 +630,20 @@ def test_retention_lineages_keep_the_oldest_and_give_way_youngest_first():
     retention, stats = core.scheduler.retention, core.scheduler.stats
     x = [800 + j for j in range(39)]  # 40 tokens with the output: 10 blocks
     y = [900 + j for j in range(31)]  # 8 blocks
-    hold = SamplingParams(max_tokens=1, cache_ttl_s=30, ignore_eos=True)
-    core.add_request(x, hold, rid="x0")
+    hold = SamplingParams(max_tokens=1, ignore_eos=True)
+    core.add_request(x, hold, rid="x0", options=HOLD_30)
     run(core)
-    core.add_request(y, hold, rid="y0")
+    core.add_request(y, hold, rid="y0", options=HOLD_30)
     run(core)
     assert set(retention.holds) == {"x0", "y0"} and retention.num_held_blocks == 18
     x_seq = x + [retention.holds["x0"].tokens[-1]]
-    core.add_request(x_seq + [5] * 15, hold, rid="x1")  # 56 tokens: 14 blocks
+    core.add_request(x_seq + [5] * 15, hold, rid="x1", options=HOLD_30)  # 56 tokens: 14 blocks
     run(core)
     assert set(retention.holds) == {"x1"}  # x0 covered, y0 (younger) given up for room
     assert retention.holds["x1"].born == 0 and stats.retention_released == 1
-    core.add_request([950 + j for j in range(31)], hold, rid="z0")  # 8 blocks: no room
+    core.add_request(
+        [950 + j for j in range(31)], hold, rid="z0", options=HOLD_30
+    )  # 8 blocks: no room
     run(core)
     assert set(retention.holds) == {"x1"} and stats.retention_refused == 1
     core.check_integrity()
@@ -631,8 +660,10 @@ def test_retention_bounds_each_tenant_over_all_its_salts():
 
     def hold(tenant, base, n, salt_prefix):
         for i in range(n):  # 40 tokens with the output: 10 blocks each
-            sp = SamplingParams(max_tokens=1, cache_ttl_s=60, cache_salt=f"{salt_prefix}{i}")
-            core.add_request([base + 50 * i + j for j in range(39)], sp, tenant=tenant)
+            sp = SamplingParams(max_tokens=1)
+            options = RequestOptions(cache_ttl_s=60, cache_salt=f"{salt_prefix}{i}")
+            ids = [base + 50 * i + j for j in range(39)]
+            core.add_request(ids, sp, tenant=tenant, options=options)
             run(core)
 
     hold(b, 3500, 1, "b")
@@ -657,8 +688,8 @@ def test_a_waiting_request_does_not_take_an_older_hold_while_others_run():
     nothing deadlocks); a running request may take them."""
     core, _ = retention_core(retention_max_share=1.0)
     retention = core.scheduler.retention
-    core.add_request([400 + j for j in range(95)], SamplingParams(max_tokens=1, cache_ttl_s=30),
-                     rid="agent")  # fmt: skip
+    core.add_request([400 + j for j in range(95)], SamplingParams(max_tokens=1), rid="agent",
+                     options=HOLD_30)  # fmt: skip
     run(core)  # 24 blocks held
     long = SamplingParams(max_tokens=24, ignore_eos=True)
     core.add_request([600 + j for j in range(8)], long, rid="running")  # up to 8 blocks
@@ -683,10 +714,12 @@ def test_cache_pressure_reports_holds_against_the_share_as_data():
     empty = core.cache_pressure()
     assert (empty.num_blocks, empty.max_held_blocks, empty.held_blocks) == (40, 20, 0)
     assert empty.room_blocks == 20 and empty.held == frozenset() and empty.block_size == 4
-    hold = SamplingParams(max_tokens=1, cache_ttl_s=30, ignore_eos=True)
-    core.add_request([800 + j for j in range(59)], hold, rid="x0")  # 15 blocks
+    hold = SamplingParams(max_tokens=1, ignore_eos=True)
+    core.add_request([800 + j for j in range(59)], hold, rid="x0", options=HOLD_30)  # 15 blocks
     run(core)
-    core.add_request([900 + j for j in range(31)], hold, rid="y0")  # 8 blocks: no room
+    core.add_request(
+        [900 + j for j in range(31)], hold, rid="y0", options=HOLD_30
+    )  # 8 blocks: no room
     run(core)
     p = core.cache_pressure()
     assert p.held == frozenset({"x0"}) and p.held_blocks == 15 and p.room_blocks == 5

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from radixrt.frontend import Backend, GenResult
 from radixrt.frontend.chat import ChatTemplate
 from radixrt.frontend.interpreter import program_hold_s
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, SamplingParams
 
 from .accounting import Call, CallLog
 from .base import ProgramSpec
@@ -30,8 +30,8 @@ class Wrapper(Backend):
     def chat_template(self) -> ChatTemplate:  # type: ignore[override]
         return self.inner.chat_template
 
-    def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
-        return self.inner.generate(prompt_ids, params, on_delta)
+    def generate(self, prompt_ids, params, on_delta=None, options=DEFAULT_OPTIONS) -> GenResult:
+        return self.inner.generate(prompt_ids, params, on_delta, options=options)
 
     def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         return self.inner.score_continuations(prefix_ids, continuations, cache_salt)
@@ -50,9 +50,9 @@ class Recording(Wrapper):
         super().__init__(inner)
         self.log = log
 
-    def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
+    def generate(self, prompt_ids, params, on_delta=None, options=DEFAULT_OPTIONS) -> GenResult:
         slot = self.log.reserve()
-        result = self.inner.generate(prompt_ids, params, on_delta)
+        result = self.inner.generate(prompt_ids, params, on_delta, options=options)
         kind = "gen" if params.max_tokens else "hint"
         ids = tuple(prompt_ids)
         self.log.put(slot, Call(kind, ids, params.max_tokens or 0, len(ids) - 1,
@@ -90,9 +90,9 @@ class Serial(Wrapper):
         super().__init__(inner)
         self._lock = threading.Lock()
 
-    def generate(self, prompt_ids, params, on_delta=None) -> GenResult:
+    def generate(self, prompt_ids, params, on_delta=None, options=DEFAULT_OPTIONS) -> GenResult:
         with self._lock:
-            return self.inner.generate(prompt_ids, params, on_delta)
+            return self.inner.generate(prompt_ids, params, on_delta, options=options)
 
     def score_continuations(self, prefix_ids, continuations, cache_salt=None) -> list[list[float]]:
         with self._lock:
@@ -107,7 +107,9 @@ class Dry(Backend):
         self.tokenizer = tokenizer
         self.filler_token = filler_token
 
-    def generate(self, prompt_ids, params: SamplingParams, on_delta=None) -> GenResult:
+    def generate(
+        self, prompt_ids, params: SamplingParams, on_delta=None, options=DEFAULT_OPTIONS
+    ) -> GenResult:
         n = params.max_tokens or 0
         token = params.logit_bias[0][0] if params.logit_bias else self.filler_token
         ids = [token] * n

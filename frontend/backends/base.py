@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.stats import CachePressure
 
 from ..chat import ChatTemplate
@@ -60,12 +60,14 @@ class Backend(ABC):
         prompt_ids: list[int],
         params: SamplingParams,
         on_delta: DeltaCallback | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> GenResult:
-        """Generate from `prompt_ids`; `on_delta` (if given) gets text pieces as they arrive
-        (their concatenation is the result's text). Backends that serve LoRA adapters take
-        `lora=name` too (`adapter_kw`). Raises ValueError for input the model rejects,
-        BackendError when the backend cannot serve; an adapter that is not loaded raises
-        radixrt.lora.UnknownLora in process and a BackendError (HTTP 404) naming it over HTTP."""
+        """Generate from `prompt_ids` with `options` (cache salt, priority, retention);
+        `on_delta` (if given) gets text pieces as they arrive (their concatenation is the
+        result's text). Backends that serve LoRA adapters take `lora=name` too (`adapter_kw`).
+        Raises ValueError for input the model rejects, BackendError when the backend cannot
+        serve; an adapter that is not loaded raises radixrt.lora.UnknownLora in process and a
+        BackendError (HTTP 404) naming it over HTTP."""
 
     @abstractmethod
     def score_continuations(
@@ -88,8 +90,8 @@ class Backend(ABC):
         them (under `cache_salt`, and `lora=name` as in `generate`) for the requests that
         follow; `cache_ttl_s` > 0: held that long (a retention hint; the result's `rid`
         releases it)."""
-        params = SamplingParams(max_tokens=0, cache_salt=cache_salt, cache_ttl_s=cache_ttl_s)
-        return self.generate(prompt_ids, params, **adapter)
+        options = RequestOptions(cache_salt=cache_salt, cache_ttl_s=cache_ttl_s)
+        return self.generate(prompt_ids, SamplingParams(max_tokens=0), options=options, **adapter)
 
     def release_cache_holds(self, rids: list[str]) -> None:  # noqa: B027 (optional)
         """End the retention holds (`cache_ttl_s`) of finished requests `rids` early (a

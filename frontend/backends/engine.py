@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrt.config import holds_back_shared_prefixes
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.stats import CachePressure
 
 from ..errors import BackendError
@@ -36,6 +36,7 @@ class _Submit:
 
     prompts: list[list[int]]
     params: list[SamplingParams]
+    options: RequestOptions
     futures: list[Future]
     on_delta: DeltaCallback | None
     lora: str | None = None  # the LoRA adapter's name (None: the base model)
@@ -94,16 +95,18 @@ class EngineBackend(Backend):
         prompts: Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams],
         on_delta: DeltaCallback | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
         lora: str | None = None,
     ) -> list[Future]:
-        """Queue requests to be added in the same engine step, under LoRA adapter `lora`
-        (a loaded one's name; None: the base model); returns one Future per prompt resolving
-        to a GenResult (or raising ValueError, UnknownLora / BackendError)."""
+        """Queue requests (all with `options`, under LoRA adapter `lora`: a loaded one's name,
+        None: the base model) to be added in the same engine step; returns one Future per
+        prompt resolving to a GenResult (or raising ValueError, UnknownLora / BackendError)."""
         if self._closed:
             raise BackendError("the EngineBackend is closed")
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         futures: list[Future] = [Future() for _ in prompts]
-        self._inbox.put(_Submit([list(p) for p in prompts], plist, futures, on_delta, lora))
+        submit = _Submit([list(p) for p in prompts], plist, options, futures, on_delta, lora)
+        self._inbox.put(submit)
         return futures
 
     def generate(
@@ -111,9 +114,10 @@ class EngineBackend(Backend):
         prompt_ids: list[int],
         params: SamplingParams,
         on_delta: DeltaCallback | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
         lora: str | None = None,
     ) -> GenResult:
-        return self.submit([prompt_ids], params, on_delta, lora)[0].result()
+        return self.submit([prompt_ids], params, on_delta, options, lora)[0].result()
 
     def score_continuations(
         self,
@@ -126,9 +130,10 @@ class EngineBackend(Backend):
             max_tokens=0,
             prompt_logprobs=True,
             logprob_start_len=max(1, len(prefix_ids)),
-            cache_salt=cache_salt,
         )
-        futures = self.submit([prefix_ids + c for c in continuations], params, lora=lora)
+        options = RequestOptions(cache_salt=cache_salt)
+        prompts = [prefix_ids + c for c in continuations]
+        futures = self.submit(prompts, params, options=options, lora=lora)
         return [f.result().prompt_logprobs for f in futures]
 
     def release_cache_holds(self, rids: list[str]) -> None:
@@ -195,7 +200,8 @@ class EngineBackend(Backend):
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                rid = self.engine.add_request(ids, self.engine.with_lora(params, sub.lora))
+                options = self.engine.with_lora(sub.options, sub.lora)
+                rid = self.engine.add_request(ids, params, options=options)
             except Exception as e:  # bad input (ValueError): that caller gets the error
                 future.set_exception(e)
                 continue

@@ -31,7 +31,7 @@ import urllib.request
 from typing import Any
 
 from radixrt.config import holds_back_shared_prefixes
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.stats import CachePressure
 
 from ..errors import BackendError
@@ -121,17 +121,18 @@ class RuntimeEndpoint(Backend):
         prompt_ids: list[int],
         params: SamplingParams,
         on_delta: DeltaCallback | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
         lora: str | None = None,
     ) -> GenResult:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_json(params)}
         if lora is not None:  # SGLang's field: the adapter's name
             body["lora_path"] = lora
-        if params.cache_salt is not None:  # /generate takes these beside sampling_params
-            body["cache_salt"] = params.cache_salt
-        if params.priority:
-            body["priority"] = params.priority
-        if params.cache_ttl_s:
-            body["cache_ttl_s"] = params.cache_ttl_s
+        if options.cache_salt is not None:  # /generate takes these beside sampling_params
+            body["cache_salt"] = options.cache_salt
+        if options.priority:
+            body["priority"] = options.priority
+        if options.cache_ttl_s:
+            body["cache_ttl_s"] = options.cache_ttl_s
         if on_delta is None:
             return self._result(self._request("POST", "/generate", body))
         body["stream"] = True

@@ -33,7 +33,13 @@ from radixrt.grammar.spec import grammar_spec
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import resolve_max_model_len, resolve_max_tokens
 from radixrt.plan import Runner, StepHandle, StepPlan
-from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
+from radixrt.sampling import (
+    DEFAULT_OPTIONS,
+    BeamSearchParams,
+    LoraRef,
+    RequestOptions,
+    SamplingParams,
+)
 from radixrt.scheduler.beam import BeamHypothesis
 from radixrt.scheduler.request import FinishReason, Request, Status
 from radixrt.scheduler.scheduler import Scheduler
@@ -170,12 +176,14 @@ class EngineCore:
         params: SamplingParams,
         rid: str | None = None,
         tenant: Tenant | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue one request of `tenant` (None: no tenants); returns its id (generated when
-        `rid` is None). Raises ValueError on bad input (nothing is queued then): a
-        RequestValueError naming the field at fault where one is."""
+        """Queue one request of `tenant` (None: no tenants) with `options` (cache salt,
+        priority, retention, LoRA adapter); returns its id (generated when `rid` is None).
+        Raises ValueError on bad input (nothing is queued then): a RequestValueError naming
+        the field at fault where one is."""
         ids = self._check_ids(prompt_ids)
-        self._check_lora(params.lora)
+        self._check_lora(options.lora)
         vocab = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
@@ -193,6 +201,7 @@ class EngineCore:
             params=params,
             max_tokens=max_tokens,
             tenant=tenant,
+            options=options,
         )
         if params.n > 1:
             # deltas come per child: rid fork_rid(rid, i), parent_rid rid, index i
@@ -209,16 +218,17 @@ class EngineCore:
         params: BeamSearchParams,
         rid: str | None = None,
         tenant: Tenant | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue a beam search of `tenant`; its one delta (when it ends) carries `beams`, best
-        first. Raises ValueError on bad input (nothing is queued then)."""
+        """Queue a beam search of `tenant` with `options`; its one delta (when it ends)
+        carries `beams`, best first. Raises ValueError on bad input (nothing is queued then)."""
         ids = self._check_ids(prompt_ids)
-        self._check_lora(params.lora)
+        self._check_lora(options.lora)
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if max_tokens < 1:
             raise RequestValueError("beam search needs room for at least one token in the context")
         rid = rid if rid is not None else self._new_rid()
-        self.scheduler.add_beam_search(rid, ids, params, max_tokens, tenant)
+        self.scheduler.add_beam_search(rid, ids, params, max_tokens, tenant, options)
         self._sent[rid] = 0
         return rid
 
@@ -246,7 +256,7 @@ class EngineCore:
         return [
             rid
             for rid, r in self.scheduler.queues.requests.items()
-            if r.params.lora is not None and r.params.lora.key == key
+            if r.options.lora is not None and r.options.lora.key == key
         ]
 
     def _new_rid(self) -> str:

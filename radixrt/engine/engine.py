@@ -14,7 +14,13 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.engine.core import EngineCore, RequestDelta
 from radixrt.lora import LoraInUse, LoraRegistry
 from radixrt.plan import Runner
-from radixrt.sampling import BeamSearchParams, LoraRef, SamplingParams
+from radixrt.sampling import (
+    DEFAULT_OPTIONS,
+    BeamSearchParams,
+    LoraRef,
+    RequestOptions,
+    SamplingParams,
+)
 from radixrt.scheduler.request import FinishReason, fork_rid
 from radixrt.stats import CachePressure
 from radixrt.token_bytes import TokenBytes
@@ -137,21 +143,26 @@ class Engine:
             raise LoraInUse(name, users)
         self.loras.unload(name)
 
-    def with_lora(self, params: SamplingParams, lora: str | None) -> SamplingParams:
-        """`params` running under adapter `lora` (None: unchanged). UnknownLora if it is not
+    def with_lora(self, options: RequestOptions, lora: str | None) -> RequestOptions:
+        """`options` running under adapter `lora` (None: unchanged). UnknownLora if it is not
         loaded."""
         if lora is None:
-            return params
-        return replace(params, lora=self.loras.resolve(lora))
+            return options
+        return replace(options, lora=self.loras.resolve(lora))
 
     # ---- low level: add / step / abort ----
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue one request; returns its id. Raises ValueError on bad input. With n > 1
+        """Queue one request with `options` (cache salt, priority, retention, a resolved LoRA
+        adapter: `with_lora`); returns its id. Raises ValueError on bad input. With n > 1
         its outputs come as n requests `fork_rid(rid, i)` (deltas name `parent_rid`, `index`);
         aborting `rid` aborts them all."""
-        rid = self.core.add_request(prompt_ids, params, rid)
+        rid = self.core.add_request(prompt_ids, params, rid, options=options)
         for r in [rid] if params.n == 1 else [fork_rid(rid, i) for i in range(params.n)]:
             self._detok[r] = IncrementalDetokenizer.for_params(
                 self.tokenizer, params, list(prompt_ids), self._token_bytes
@@ -187,7 +198,7 @@ class Engine:
         self._detok.pop(rid, None)
 
     # ---- batch API ----
-    def _requests(self, prompts, sampling_params, prompt_token_ids, lora=None):
+    def _requests(self, prompts, sampling_params, prompt_token_ids, lora=None, options=None):
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -214,27 +225,38 @@ class Engine:
         loras = [lora] * n if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != n:
             raise ValueError(f"got {len(loras)} LoRA adapters for {n} prompts")
-        params = [self.with_lora(p, name) for p, name in zip(params, loras)]
-        return texts, prompt_token_ids, params
+        if options is None:
+            options = DEFAULT_OPTIONS
+        opts = [options] * n if isinstance(options, RequestOptions) else list(options)
+        if len(opts) != n:
+            raise ValueError(f"got {len(opts)} request options for {n} prompts")
+        opts = [self.with_lora(o, name) for o, name in zip(opts, loras)]
+        return texts, prompt_token_ids, params, opts
 
     def generate_stream(
-        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None
+        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None, options=None
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yields text deltas as tokens arrive (any request order)."""
-        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids, lora)
-        yield from self._run(ids, params, {})
+        texts, ids, params, opts = self._requests(
+            prompts, sampling_params, prompt_token_ids, lora, options
+        )
+        yield from self._run(ids, params, opts, {})
 
     def generate(
-        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None
+        self, prompts=None, sampling_params=None, prompt_token_ids=None, lora=None, options=None
     ) -> list[RequestOutput]:
         """Generate for a batch of prompts (text or token ids); one SamplingParams for all
         or one per prompt; `lora`: a loaded adapter's name for all, or a name (or None: the
-        base model) per prompt. Returns outputs in prompt order; a prompt with
-        SamplingParams.n > 1 contributes n consecutive outputs (`index` 0..n-1; rid
-        `fork_rid(rid, index)`). UnknownLora (nothing queued) for an adapter not loaded."""
-        texts, ids, params = self._requests(prompts, sampling_params, prompt_token_ids, lora)
+        base model) per prompt; `options`: one RequestOptions (cache salt, priority,
+        retention) for all or one per prompt (None: the defaults). Returns outputs in prompt
+        order; a prompt with SamplingParams.n > 1 contributes n consecutive outputs (`index`
+        0..n-1; rid `fork_rid(rid, index)`). UnknownLora (nothing queued) for an adapter not
+        loaded."""
+        texts, ids, params, opts = self._requests(
+            prompts, sampling_params, prompt_token_ids, lora, options
+        )
         outs: dict[tuple[int, int], RequestOutput] = {}
-        for delta in self._run(ids, params, outs):
+        for delta in self._run(ids, params, opts, outs):
             out = outs[delta.index, delta.choice]
             out.text += delta.text
             out.token_ids += delta.token_ids
@@ -243,15 +265,15 @@ class Engine:
         return [outs[k] for k in sorted(outs)]
 
     def _run(
-        self, ids, params, outs: dict[tuple[int, int], RequestOutput]
+        self, ids, params, opts, outs: dict[tuple[int, int], RequestOutput]
     ) -> Iterator[StreamDelta]:
         """Add the requests, step until all finish, yield their deltas (and keep each
         output's RequestOutput in `outs`, keyed (prompt, choice), up to date but for text
         and token ids). A consumer that stops early aborts what is left (no KV leaks)."""
         index: dict[str, tuple[int, int]] = {}
         try:
-            for i, (p, sp) in enumerate(zip(ids, params)):
-                rid = self.add_request(p, sp)
+            for i, (p, sp, o) in enumerate(zip(ids, params, opts)):
+                rid = self.add_request(p, sp, options=o)
                 for c in range(sp.n):
                     r = rid if sp.n == 1 else fork_rid(rid, c)
                     index[r] = (i, c)
@@ -280,19 +302,25 @@ class Engine:
 
     # ---- beam search ----
     def beam_search(
-        self, prompts=None, params: BeamSearchParams | None = None, prompt_token_ids=None
+        self,
+        prompts=None,
+        params: BeamSearchParams | None = None,
+        prompt_token_ids=None,
+        lora=None,
+        options=None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (text or token ids), all in the same batches:
         per prompt, `params.beam_width` sequences, best first (HF transformers'
         `generate(num_beams=W, do_sample=False)` semantics, early_stopping=False; see
-        radixrt.scheduler.beam). Raises ValueError on bad input (nothing is queued)."""
+        radixrt.scheduler.beam); `lora` and `options` as for `generate`. Raises ValueError
+        on bad input (nothing is queued)."""
         params = params if params is not None else BeamSearchParams()
-        texts, ids, _ = self._requests(prompts, None, prompt_token_ids)
+        texts, ids, _, opts = self._requests(prompts, None, prompt_token_ids, lora, options)
         rids: dict[str, int] = {}
         outs: dict[int, BeamSearchOutput] = {}
         try:
-            for i, p in enumerate(ids):
-                rids[self.core.add_beam_search(p, params)] = i
+            for i, (p, o) in enumerate(zip(ids, opts)):
+                rids[self.core.add_beam_search(p, params, options=o)] = i
             while len(outs) < len(rids):
                 for d, _ in self.step():
                     if d.rid not in rids or d.beams is None:

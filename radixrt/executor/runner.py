@@ -430,8 +430,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         lora = None
         if self.lora is not None:
-            params = self.slots.params
-            lora = self.lora.batch([params[s].lora for s in layout.slots], layout.num_new)
+            loras = self.slots.loras
+            lora = self.lora.batch([loras[s] for s in layout.slots], layout.num_new)
         # decode graphs are captured without adapters: LoRA steps run eagerly
         graphed = lora is None and ctx.use_cuda_graph and graphs is not None
         if graphed and graphs.can_run(plan, layout):

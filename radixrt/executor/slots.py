@@ -25,7 +25,7 @@ import torch
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.executor.inputs import StepLayout, host_forward_batch
 from radixrt.plan import SlotEntry, StepPlan
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import LoraRef, SamplingParams
 
 
 class SlotState:
@@ -37,12 +37,14 @@ class SlotState:
         self.block_tables = np.zeros((num_slots, max_blocks_per_seq), dtype=np.int32)  # host
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)  # [slots]
         self.params: list[SamplingParams] = [SamplingParams()] * num_slots
+        self.loras: list[LoraRef | None] = [None] * num_slots  # each slot's adapter
         self.incarnations = [0] * num_slots  # of the entry that set each slot (0: none yet)
 
     def enter(self, entries: Sequence[SlotEntry]) -> None:
-        """Record each entry's sampling parameters and incarnation for its slot."""
+        """Record each entry's sampling parameters, adapter and incarnation for its slot."""
         for e in entries:
             self.params[e.slot] = e.params
+            self.loras[e.slot] = e.lora
             self.incarnations[e.slot] = e.incarnation
 
     def apply_table_deltas(self, plan: StepPlan) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from radixrt.plan import BlockOp, PlanRow, StepResult
-from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, BeamSearchParams, RequestOptions, SamplingParams
 from radixrt.scheduler.beam import BeamState
 from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.kv_manager import KVManager
@@ -68,6 +68,7 @@ class GroupsFeature(SchedulerFeature):
                 max_tokens=req.max_tokens,
                 index=i,
                 tenant=req.tenant,
+                options=req.options,
             )
             for i in range(n)
         ]
@@ -79,6 +80,7 @@ class GroupsFeature(SchedulerFeature):
         params: BeamSearchParams,
         max_tokens: int,
         tenant: Tenant | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> tuple[Request, Request, BeamState]:
         """The request, its first beam and the search state of a beam search. Raises
         ValueError on bad input."""
@@ -90,13 +92,9 @@ class GroupsFeature(SchedulerFeature):
             temperature=0,
             ignore_eos=True,
             top_logprobs=k,
-            cache_salt=params.cache_salt,
-            priority=params.priority,
-            cache_ttl_s=params.cache_ttl_s,
-            lora=params.lora,
         )
         ids = list(prompt_ids)
-        req = Request(rid, len(ids), ids, beam_params, max_tokens, tenant=tenant)
+        req = Request(rid, len(ids), ids, beam_params, max_tokens, tenant=tenant, options=options)
         beam = Request(
             fork_rid(rid, 0),
             len(ids),
@@ -105,6 +103,7 @@ class GroupsFeature(SchedulerFeature):
             max_tokens,
             reports=False,
             tenant=tenant,
+            options=options,
         )
         state = BeamState(params.beam_width, k, max_tokens, params.length_penalty, eos)
         return req, beam, state
@@ -121,6 +120,7 @@ class GroupsFeature(SchedulerFeature):
             max_tokens=0,
             reports=beam is not None,
             tenant=req.tenant,
+            options=req.options,
         )
         group = RequestGroup(parent, children, beam=beam)
         parent.group = group
@@ -288,6 +288,7 @@ class GroupsFeature(SchedulerFeature):
                     group=g,
                     reports=False,
                     tenant=src.tenant,
+                    options=src.options,
                 )
                 if copies is None:  # no block for the copy: recompute this beam later
                     beam.status = Status.WAITING

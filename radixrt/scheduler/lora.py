@@ -22,10 +22,10 @@ class LoraFeature(SchedulerFeature):
 
     def running_adapters(self) -> Counter[str]:
         """Running sequences per adapter key (base rows not counted)."""
-        return Counter(r.params.lora.key for r in self.queues.running if r.params.lora)
+        return Counter(r.options.lora.key for r in self.queues.running if r.options.lora)
 
     def admissible(self, req: Request) -> bool:
-        lora = req.params.lora
+        lora = req.options.lora
         if lora is None:
             return True
         running = self.running_adapters()
@@ -34,7 +34,7 @@ class LoraFeature(SchedulerFeature):
     def on_finish(self, req: Request) -> None:
         """Count a finished request that reports to its client (not an n > 1 parent or a
         beam) under its adapter's name."""
-        lora = req.params.lora
+        lora = req.options.lora
         if lora is None or not req.reports:
             return
         s, name = self.stats, lora.name

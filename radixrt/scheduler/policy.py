@@ -14,7 +14,7 @@ Bound (tested): a waiting request is never overtaken by one that arrived more th
 max_prompt_len / aging_tokens_per_step steps after it, so lpm delays a request at most by
 the requests arriving in that window, compared with FCFS.
 
-Priority (SamplingParams.priority, lower first) comes before every policy: the waiting queue
+Priority (RequestOptions.priority, lower first) comes before every policy: the waiting queue
 is ordered by effective priority, then by the policy within each level (a stable sort, so
 fcfs keeps arrival order, a preempted request first). A request's effective priority is its
 priority minus one per `priority_aging_steps` steps it waited (0: no aging across levels).

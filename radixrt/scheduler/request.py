@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrt.cache.namespace import CacheNamespace
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.tenant import Tenant
 
 _arrival_counter = itertools.count()
@@ -76,24 +76,25 @@ class Request:
     index: int = 0  # a fork child's index (choice) in its group
     reports: bool = True  # gets RequestDeltas (False: an n > 1 parent, a beam)
     tenant: Tenant | None = None  # None: the server has no tenants (one tenant)
+    options: RequestOptions = DEFAULT_OPTIONS  # cache salt, priority, retention, LoRA adapter
     queued_at: float = 0.0  # the scheduler's clock when it was queued (the wait bound)
 
     @property
     def cache_salt(self) -> str | None:
-        """The request's tenant cache salt (None: unsalted); see SamplingParams."""
-        return self.params.cache_salt
+        """The request's tenant cache salt (None: unsalted); see RequestOptions."""
+        return self.options.cache_salt
 
     @functools.cached_property
     def cache_namespace(self) -> CacheNamespace:
         """The prefix-cache namespace of the request: it shares cached KV only within it
         (made once: drafts ask for it every decode step)."""
-        lora = self.params.lora
-        return CacheNamespace(self.params.cache_salt, None if lora is None else lora.key)
+        lora = self.options.lora
+        return CacheNamespace(self.options.cache_salt, None if lora is None else lora.key)
 
     @property
     def priority(self) -> int:
-        """Lower runs first (SamplingParams.priority)."""
-        return self.params.priority
+        """Lower runs first (RequestOptions.priority)."""
+        return self.options.priority
 
     @property
     def num_output(self) -> int:

@@ -1,5 +1,5 @@
 """Retention hints: a finished request's context (prompt and output) stays cached for
-`cache_ttl_s` seconds (`SamplingParams.cache_ttl_s`), e.g. an agent's context while it waits
+`cache_ttl_s` seconds (`RequestOptions.cache_ttl_s`), e.g. an agent's context while it waits
 for a tool call, or a DSL program's context between its calls.
 
 A hold is a lock on the sequence's cached path, taken when the request finishes (its finish
@@ -110,7 +110,7 @@ class RetentionFeature(SchedulerFeature):
 
     def after_update(self, changed: list[Request]) -> None:
         for req in changed:
-            if req.params.cache_ttl_s > 0 and req.finish_reason in (
+            if req.options.cache_ttl_s > 0 and req.finish_reason in (
                 FinishReason.STOP,
                 FinishReason.LENGTH,
             ):
@@ -135,7 +135,7 @@ class RetentionFeature(SchedulerFeature):
         for rid in covered:
             self._drop(rid)
         cache.lock(m.handle)
-        ttl = min(req.params.cache_ttl_s, self.max_ttl_s)
+        ttl = min(req.options.cache_ttl_s, self.max_ttl_s)
         name = None if req.tenant is None else req.tenant.name
         expires = self.clock() + ttl
         self.holds[req.rid] = hold = Hold(

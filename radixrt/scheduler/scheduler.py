@@ -32,7 +32,7 @@ from radixrt.errors import RequestValueError
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import check_fits
 from radixrt.plan import StepPlan, StepResult
-from radixrt.sampling import BeamSearchParams
+from radixrt.sampling import DEFAULT_OPTIONS, BeamSearchParams, RequestOptions
 from radixrt.scheduler.admission import Admission
 from radixrt.scheduler.features import Hooks, SchedulerFeature, StepTables
 from radixrt.scheduler.grammar import GrammarFeature, NoGrammar
@@ -261,11 +261,14 @@ class Scheduler:
         params: BeamSearchParams,
         max_tokens: int,
         tenant: Tenant | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
     ) -> Request:
         """Queue a beam search (`max_tokens` resolved against the context) of `tenant`. The
         returned request gets one output when the search ends: `group.beam.finished`, best
         first. Raises ValueError on bad input (nothing is queued)."""
-        req, beam, state = self.groups.beam_search(rid, prompt_ids, params, max_tokens, tenant)
+        req, beam, state = self.groups.beam_search(
+            rid, prompt_ids, params, max_tokens, tenant, options
+        )
         self._check_fits(req, params.beam_width, "beam_width")
         parent = self.groups.make_group(req, [beam], state)
         parent.queued_at = self.clock()

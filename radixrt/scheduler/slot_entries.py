@@ -2,9 +2,10 @@
 (plain Python).
 
 When a sequence takes a runner slot (admission, a fork's child, a beam re-parented into a
-reserved slot) an entry with its sampling parameters is queued; with penalties it carries the
-tokens the runner counts (the prompt when repetition_penalty needs it, any earlier output of a
-re-admitted request), or names the slot it copies (a fork: the parent's) and the tokens on top.
+reserved slot) an entry with its sampling parameters and LoRA adapter is queued; with penalties
+it carries the tokens the runner counts (the prompt when repetition_penalty needs it, any
+earlier output of a re-admitted request), or names the slot it copies (a fork: the parent's) and
+the tokens on top.
 Each entry gets a new incarnation number. The runner then counts the row's own samples on the
 device (`radixrt.executor.penalties`); `Request.num_output_counted` mirrors how many output tokens
 its slot counts, so tokens appended on the host without a sample (jump-forward, a beam's pick)
@@ -29,7 +30,7 @@ class SlotEntries:
         assert req.slot is not None
         self.num_incarnations += 1
         p = req.params
-        entry = SlotEntry(req.slot, self.num_incarnations, p)
+        entry = SlotEntry(req.slot, self.num_incarnations, p, lora=req.options.lora)
         req.slot_incarnation = self.num_incarnations
         req.num_output_counted = req.num_output
         if p.has_penalties:

@@ -26,6 +26,7 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.errors import RequestValueError
 from radixrt.limits import resolve_max_tokens
 from radixrt.lora import LoraRegistry, UnknownLora
+from radixrt.sampling import RequestOptions
 from radixrt.server.channel import Channel
 from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
@@ -299,6 +300,7 @@ class Front:
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
         self._resolve_lora(spec)
+        options = spec.options()
         all_ids = self.encode(spec) if prompt_ids is None else prompt_ids
         prepared = [self._prepare(spec, ids, i) for i, ids in enumerate(all_ids)]
         events = Outbox()
@@ -310,13 +312,23 @@ class Front:
             def state(rid: str, j: int, n: int, ids=ids, max_tokens=max_tokens, first=first):
                 index, choice = first + j, j if n > 1 else 0
                 return self._state(
-                    spec, rid, index, choice, n, ids, max_tokens, events, client_rid, tenant
+                    spec,
+                    rid,
+                    index,
+                    choice,
+                    n,
+                    ids,
+                    max_tokens,
+                    events,
+                    client_rid,
+                    tenant,
+                    options,
                 )
 
             rid = self._new_rid()
             if spec.beam_width is not None:
                 beam = beam_params(self.ready, spec, len(ids), max_tokens)
-                messages.append(BeamSearchRequest(rid, ids, beam, tag))
+                messages.append(BeamSearchRequest(rid, ids, beam, tag, options))
                 groups[rid] = [state(rid, 0, 1)]
             elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
                 # echo + logprobs: every choice scores the prompt itself (a fork computes it
@@ -324,10 +336,12 @@ class Front:
                 for j in range(spec.n):
                     rid = rid if j == 0 else self._new_rid()
                     groups[rid] = [state(rid, j, 1)]
-                    messages.append(TokenizedRequest(rid, ids, spec.params(max_tokens, j), tag))
+                    params = spec.params(max_tokens, j)
+                    messages.append(TokenizedRequest(rid, ids, params, tag, options))
             else:
                 check_group_fits(self.ready, spec.n, spec.n_param, len(ids), max_tokens)
-                messages.append(TokenizedRequest(rid, ids, spec.request_params(max_tokens), tag))
+                params = spec.request_params(max_tokens)
+                messages.append(TokenizedRequest(rid, ids, params, tag, options))
                 groups[rid] = [state(rid, j, spec.n) for j in range(spec.n)]
         states = [st for group in groups.values() for st in group]
         try:  # encode all first: a failure leaves nothing behind
@@ -361,7 +375,7 @@ class Front:
                 st.client_rid or st.rid
                 for group in self.outputs.states.values()
                 for st in group
-                if st.params.lora is not None and st.params.lora.name == name
+                if st.options.lora is not None and st.options.lora.name == name
             }
         )
 
@@ -381,6 +395,7 @@ class Front:
         events: Outbox,
         client_rid: str | None,
         tenant: str | None,
+        options: RequestOptions,
     ) -> RequestState:
         """The front's state of output `index` of the HTTP request: choice `choice` of the
         scheduler request `rid` (its own detokenizer and stop strings)."""
@@ -399,6 +414,7 @@ class Front:
             num_choices,
             beam=beam,
             grammar_param=spec.grammar_param,
+            options=options,
             field_names={
                 "max_tokens": spec.max_tokens_param,
                 "prompt": spec.prompt_param,

@@ -203,9 +203,9 @@ class FrontOutputs:
         if final:
             if reason != "abort":
                 self._on_finished()
-            if reason in ("stop", "length") and not st.stop_seen and st.params.cache_ttl_s > 0:
+            if reason in ("stop", "length") and not st.stop_seen and st.options.cache_ttl_s > 0:
                 # the scheduler held its context (out.rid: a child's own id) or refused to
-                self._record_hold(st.tenant, st.client_id, out.rid, st.params.cache_ttl_s)
+                self._record_hold(st.tenant, st.client_id, out.rid, st.options.cache_ttl_s)
             self.finish(st, reason)
         return len(new_ids)
 

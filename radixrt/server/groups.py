@@ -53,10 +53,6 @@ def beam_params(
         length_penalty=spec.length_penalty,
         ignore_eos=bool(spec.sampling.get("ignore_eos", False)),
         skip_special_tokens=bool(spec.sampling.get("skip_special_tokens", True)),
-        cache_salt=spec.sampling.get("cache_salt"),
-        priority=spec.sampling.get("priority", 0),
-        cache_ttl_s=spec.sampling.get("cache_ttl_s", 0.0),
-        lora=spec.sampling.get("lora"),
     )
     try:
         beam.check_candidates(ready.num_eos_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixrt.sampling import BeamSearchParams, SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, BeamSearchParams, RequestOptions, SamplingParams
 from radixrt.stats import CachePressure, EngineStats
 from radixrt.tenant import Tenant
 
@@ -24,6 +24,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, frozen=True):
     prompt_ids: list[int]
     params: SamplingParams
     tenant: Tenant | None = None  # who sent it, from its API key (None: no tenants)
+    options: RequestOptions = DEFAULT_OPTIONS  # cache salt, priority, retention, adapter
 
 
 class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
@@ -33,6 +34,7 @@ class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
     prompt_ids: list[int]
     params: BeamSearchParams
     tenant: Tenant | None = None  # as TokenizedRequest's
+    options: RequestOptions = DEFAULT_OPTIONS  # as TokenizedRequest's
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):

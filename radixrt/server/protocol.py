@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
 from radixrt.errors import RequestValueError
 from radixrt.json_depth import MAX_JSON_DEPTH, too_deep_path
-from radixrt.sampling import MAX_BEAM_WIDTH, MAX_N, SEED_RANGE, SamplingParams  # noqa: F401
+from radixrt.sampling import (  # noqa: F401
+    MAX_BEAM_WIDTH,
+    MAX_N,
+    SEED_RANGE,
+    RequestOptions,
+    SamplingParams,
+)
 
 # ---- limits (the README's "Limits" lists them) ----
 GENERATE_DEFAULT_MAX_TOKENS = 128  # /generate without max_new_tokens (as SGLang)
@@ -104,7 +110,9 @@ class GenerationSpec:
     """What one HTTP request asks for, before tokenization."""
 
     prompts: list[str | list[int]]  # per input: text to tokenize, or token ids
-    sampling: dict[str, Any]  # SamplingParams keyword arguments except max_tokens
+    # SamplingParams keyword arguments except max_tokens, and the OPTION_FIELDS of
+    # RequestOptions (the tenant's salt and policy apply to those before the request is sent)
+    sampling: dict[str, Any]
     max_tokens: int | None  # as asked; None: not given, use default_max_tokens
     # when not given: at most this many, and no more than the context length leaves
     # after the prompt (None: all that it leaves)
@@ -131,7 +139,7 @@ class GenerationSpec:
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """SamplingParams for one request; choice i of a seeded n > 1 uses
         (seed + i) mod 2^63."""
-        kw = dict(self.sampling)
+        kw = self._sampling_keywords()
         if kw.get("seed") is not None:
             kw["seed"] = (kw["seed"] + choice) % SEED_RANGE
         return make_params(max_tokens=max_tokens, **kw)
@@ -139,7 +147,22 @@ class GenerationSpec:
     def request_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams of the one scheduler request of a prompt: n = self.n (the
         scheduler seeds child i with (seed + i) mod 2^63)."""
-        return make_params(max_tokens=max_tokens, n=self.n, **self.sampling)
+        return make_params(max_tokens=max_tokens, n=self.n, **self._sampling_keywords())
+
+    def options(self) -> RequestOptions:
+        """The request's RequestOptions (salt, priority, retention, adapter); ApiError naming
+        the field."""
+        kw = {k: v for k, v in self.sampling.items() if k in OPTION_FIELDS}
+        try:
+            return RequestOptions(**kw)
+        except RequestValueError as e:
+            raise ApiError(str(e), param=e.field) from e
+
+    def _sampling_keywords(self) -> dict[str, Any]:
+        return {k: v for k, v in self.sampling.items() if k not in OPTION_FIELDS}
+
+
+OPTION_FIELDS = frozenset(f.name for f in fields(RequestOptions))  # not SamplingParams'
 
 
 def make_params(**kwargs: Any) -> SamplingParams:

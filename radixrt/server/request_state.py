@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.sampling import SamplingParams
+from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.server.protocol import ApiError
 
 
@@ -52,6 +52,7 @@ class RequestState:
     num_choices: int = 1  # n of its scheduler request (1 for a beam search)
     beam: bool = False  # a beam search: no deltas but the last, results in `beams`
     grammar_param: str | None = None  # the request field holding its constraint, if any
+    options: RequestOptions = DEFAULT_OPTIONS  # as sent: salt, priority, retention, adapter
     # the request's names of the engine's `max_tokens` / `prompt` (for the scheduler's errors)
     field_names: dict[str, str] = field(default_factory=dict)
     tenant: str | None = None  # whose API key made the request (None: no tenants)

@@ -241,9 +241,13 @@ class SchedulerLoop:
             if isinstance(msg, (TokenizedRequest, BeamSearchRequest)):
                 try:
                     if isinstance(msg, TokenizedRequest):
-                        self.core.add_request(msg.prompt_ids, msg.params, msg.rid, msg.tenant)
+                        self.core.add_request(
+                            msg.prompt_ids, msg.params, msg.rid, msg.tenant, msg.options
+                        )
                     else:
-                        self.core.add_beam_search(msg.prompt_ids, msg.params, msg.rid, msg.tenant)
+                        self.core.add_beam_search(
+                            msg.prompt_ids, msg.params, msg.rid, msg.tenant, msg.options
+                        )
                 except ValueError as e:  # bad input: a RequestValueError names the field
                     field = e.field if isinstance(e, RequestValueError) else None
                     errors.append(RequestError(msg.rid, str(e), 400, param=field))

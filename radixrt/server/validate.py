@@ -314,8 +314,8 @@ def _check_openai(req: OpenAIFields, model: ModelInfo) -> dict[str, Any]:
 def _tenancy(
     cache_salt: str | None, priority: int | None, cache_ttl_s: float | None
 ) -> dict[str, Any]:
-    """SamplingParams keywords of the request's cache salt, priority and retention hint
-    (ranges: schemas)."""
+    """RequestOptions keywords of the request's cache salt, priority and retention hint
+    (ranges: schemas), which ride in `GenerationSpec.sampling` beside its sampling."""
     kw: dict[str, Any] = {"priority": priority or 0, "cache_ttl_s": cache_ttl_s or 0.0}
     if cache_salt is not None:
         kw["cache_salt"] = cache_salt

@@ -50,6 +50,7 @@ assert tuple(f.name for f in fields(SlotEntry)) == (
     "copy_from",
     "prompt_ids",
     "output_ids",
+    "lora",
 ), "SlotEntry changed: update the codec"
 PROMPT_LOGPROBS_AT = ROW_FIELDS.index("prompt_logprobs")
 OP_KINDS = (CopyBlock, SwapOut, SwapIn)
