@@ -1,7 +1,7 @@
 """A fake scheduler process for the front-capacity benchmark (benchmarks.bench_front).
 
 It speaks the real protocol (radixrt.server.messages over radixrt.server.channel): `Ready`
-once, then per step one `TokenBatchOut` with one `TokenOut` per running row and a
+once, then per step one `TokenBatchOut` with one `RequestDelta` per running row and a
 `SchedulerSnapshot`. It runs no model: at a fixed step interval every running request gets
 its next token, a real text token of the tokenizer (`stream_tokens`: the shipped corpus,
 multi-byte characters included), until `max_tokens` ("length"). `AbortRequest` ends a row
@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from benchmarks.front_boot import boot
+from radixrt.deltas import FinishReason, RequestDelta
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.messages import (
     AbortRequest,
@@ -37,7 +38,6 @@ from radixrt.server.messages import (
     Shutdown,
     TokenBatchOut,
     TokenizedRequest,
-    TokenOut,
     ToScheduler,
 )
 from radixrt.stats import EngineStats
@@ -192,7 +192,7 @@ class FakeScheduler:
             events = dict(poller.poll(timeout))
             if self.control in events:
                 self._on_control(msgspec.msgpack.decode(self.control.recv()))
-            outputs: list[TokenOut] = []
+            outputs: list[RequestDelta] = []
             if self.inbox.sock in events:
                 msgs = self.inbox.drain()
                 if any(isinstance(m, Shutdown) for m in msgs):
@@ -228,7 +228,7 @@ class FakeScheduler:
             }
         self.control.send(msgspec.msgpack.encode(reply))
 
-    def _handle(self, msgs: list[ToScheduler]) -> list[TokenOut]:
+    def _handle(self, msgs: list[ToScheduler]) -> list[RequestDelta]:
         """New requests wait for the next step; aborts end their row now."""
         finished = []
         for msg in msgs:
@@ -246,7 +246,7 @@ class FakeScheduler:
                         self.requests_done += 1
         return finished
 
-    def _step(self, now: float) -> list[TokenOut]:
+    def _step(self, now: float) -> list[RequestDelta]:
         """One token for every running row (waiting rows join first)."""
         self.running += self.waiting
         self.waiting = []
@@ -285,5 +285,6 @@ class FakeScheduler:
         )
 
 
-def _out(row: _Row, new_ids: list[int], finish_reason: str | None) -> TokenOut:
-    return TokenOut(row.rid, new_ids, finish_reason, row.prompt_tokens, 0, [], [])
+def _out(row: _Row, new_ids: list[int], finish_reason: str | None) -> RequestDelta:
+    reason = None if finish_reason is None else FinishReason(finish_reason)
+    return RequestDelta(row.rid, new_ids, reason, row.prompt_tokens, 0, 0)

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixrt.deltas import FinishReason, RequestDelta
 from radixrt.server.channel import MsgpackCodec
 from radixrt.server.front import Front
 from radixrt.server.messages import (
@@ -17,7 +18,6 @@ from radixrt.server.messages import (
     RequestError,
     TokenBatchOut,
     TokenizedRequest,
-    TokenOut,
     ToScheduler,
 )
 from radixrt.server.metrics import ServerMetrics
@@ -66,8 +66,8 @@ def spec(body: bytes):
     return g.gen, g.rid
 
 
-def out(rid: str, ids: list[int], reason: str | None = None) -> TokenOut:
-    return TokenOut(rid, ids, reason, 3, 0, [], [])
+def out(rid: str, ids: list[int], reason: str | None = None) -> RequestDelta:
+    return RequestDelta(rid, ids, reason and FinishReason(reason), 3, 0, 0)
 
 
 def batch(outputs=(), errors=()) -> TokenBatchOut:

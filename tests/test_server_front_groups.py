@@ -12,14 +12,13 @@ import json
 import pytest
 from test_server_front import MODEL, READY, CharTokenizer, FakeChannel, batch, spec
 
+from radixrt.deltas import BeamOut, FinishReason, RequestDelta
 from radixrt.server.front import Front
 from radixrt.server.messages import (
     AbortRequest,
-    BeamOut,
     BeamSearchRequest,
     RequestError,
     TokenizedRequest,
-    TokenOut,
 )
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import ApiError
@@ -34,8 +33,9 @@ def make_front(**ready) -> Front:
     return front
 
 
-def child_out(rid: str, index: int, ids: list[int], reason: str | None = None) -> TokenOut:
-    return TokenOut(f"{rid}#{index}", ids, reason, 2, 0, [], [], parent_rid=rid, index=index)
+def child_out(rid: str, index: int, ids: list[int], reason: str | None = None) -> RequestDelta:
+    reason_ = reason and FinishReason(reason)
+    return RequestDelta(f"{rid}#{index}", ids, reason_, 2, 0, 0, parent_rid=rid, index=index)
 
 
 def body(**kw) -> bytes:
@@ -138,8 +138,9 @@ def test_beam_search_request_and_results():
             3,
             0.5,
         )
-        beams = [BeamOut([1, 2], -1.0, -0.7, "stop"), BeamOut([3, 4, 5], -2.0, -1.1, "length")]
-        front._dispatch(batch([TokenOut(msg.rid, [], "stop", 2, 0, [], [], beams=beams)]))
+        stop, length = FinishReason.STOP, FinishReason.LENGTH
+        beams = [BeamOut([1, 2], -1.0, -0.7, stop), BeamOut([3, 4, 5], -2.0, -1.1, length)]
+        front._dispatch(batch([RequestDelta(msg.rid, [], stop, 2, 0, 0, beams=beams)]))
         (st,) = await g.wait()
         assert [(b.text, b.output_ids, b.score) for b in st.beams] == [
             ("bc", [1, 2], -0.7),

@@ -1,6 +1,6 @@
 """The scheduler process's side of n > 1 and beam search, without processes: `SchedulerLoop`
 over an EngineCore with the scripted runner. One TokenizedRequest forks n children whose
-TokenOuts name parent_rid / index; an AbortRequest with `index` ends that child alone (its
+RequestDeltas name parent_rid / index; an AbortRequest with `index` ends that child alone (its
 siblings go on); a BeamSearchRequest reports once with its beams; refusals are 400s naming
 the field; the snapshot carries the fork / beam counters. Integrity after every step."""
 
@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 from test_fork_beam_scheduler import beam_tops, content_core, ctx_token, expect
 
 from radixrt.errors import RequestValueError
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.request import fork_rid
-from radixrt.server.messages import AbortRequest, BeamSearchRequest, TokenizedRequest
-from radixrt.server.scheduler_process import SchedulerLoop, _token_out
+from radixrt.server.messages import (
+    AbortRequest,
+    BeamSearchRequest,
+    FromScheduler,
+    SchedulerSnapshot,
+    TokenBatchOut,
+    TokenizedRequest,
+)
+from radixrt.server.scheduler_process import SchedulerLoop
 
 PROMPT = list(range(100, 111))
 
@@ -28,8 +36,12 @@ def step(loop: SchedulerLoop, outs: dict, msgs=()) -> None:
     core = loop.core
     errors, finished = loop._handle(list(msgs))
     assert not errors, errors
-    for d in (*finished, *(core.step() if core.has_work else [])):
-        o = _token_out(d)
+    deltas = [*finished, *(core.step() if core.has_work else [])]
+    # what the front gets: the engine's deltas through the wire as they are
+    sent = TokenBatchOut(deltas, [], SchedulerSnapshot(core.stats_struct()))
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=FromScheduler)
+    assert got == sent
+    for o in got.outputs:
         outs.setdefault((o.parent_rid, o.index, o.rid), []).append(o)
     core.check_integrity()
 
@@ -46,7 +58,7 @@ def test_one_request_forks_and_one_child_is_aborted_alone():
     while core.has_work:
         step(loop, outs)
     assert set(outs) == {("p", c, fork_rid("p", c)) for c in range(3)}
-    tokens = {k[1]: [t for o in v for t in o.new_ids] for k, v in outs.items()}
+    tokens = {k[1]: [t for o in v for t in o.new_token_ids] for k, v in outs.items()}
     reasons = {k[1]: v[-1].finish_reason for k, v in outs.items()}
     assert reasons == {0: "length", 1: "stop", 2: "length"}
     for c in (0, 2):
@@ -67,10 +79,10 @@ def test_beam_search_request_reports_its_beams_once():
         step(loop, outs)
     ((key, (out,)),) = outs.items()
     assert key == (None, 0, "b") and out.finish_reason in ("stop", "length")
-    assert len(out.beams) == 3 and out.new_ids == []
+    assert len(out.beams) == 3 and out.new_token_ids == []
     assert [b.score for b in out.beams] == sorted((b.score for b in out.beams), reverse=True)
     for b in out.beams:
-        assert b.finish_reason == ("stop" if b.output_ids[-1] in core.scheduler.eos_token_ids
+        assert b.finish_reason == ("stop" if b.output_token_ids[-1] in core.scheduler.eos_token_ids
                                    else "length")  # fmt: skip
     assert loop._snapshot().stats.beam_steps > 0
 

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import msgspec
 
@@ -26,6 +26,7 @@ from radixrt.cache import create_prefix_cache
 from radixrt.cache.radix_storage import StorageRadixCache
 from radixrt.cache.storage import PageKeyer, StorageTier
 from radixrt.config import EngineConfig, ModelConfig
+from radixrt.deltas import BeamOut, FinishReason, RequestDelta
 from radixrt.engine.tier_stats import host_tier_stats, storage_tier_stats
 from radixrt.errors import RequestValueError
 from radixrt.grammar.base import GrammarBackend, GrammarStats
@@ -41,7 +42,7 @@ from radixrt.sampling import (
     SamplingParams,
 )
 from radixrt.scheduler.beam import BeamHypothesis
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, Status
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
 from radixrt.stats import CachePressure, EngineStats
@@ -51,34 +52,6 @@ logger = logging.getLogger(__name__)
 # A step that planned nothing while grammars compile waits this long (or until one is done)
 # for them instead of spinning (a spinning loop also starves the compile threads of the GIL)
 GRAMMAR_IDLE_WAIT_S = 0.01
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """What one step produced for one request (only requests that changed get one)."""
-
-    rid: str
-    new_token_ids: list[int]  # output tokens since the previous delta
-    finish_reason: FinishReason | None  # set on the request's last delta
-    prompt_tokens: int
-    num_output_tokens: int  # output tokens so far
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    error: str | None = None  # with FinishReason.ERROR: what failed
-    invalid_request: bool = False  # with ERROR: the request's fault (bad grammar): a 400
-    error_param: str | None = None  # with invalid_request: the SamplingParams field at fault
-    unavailable: bool = False  # with ERROR: a part it needs is down (a 503)
-    new_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
-    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_logprobs: list[float] = field(default_factory=list)  # on the last delta, if asked
-    num_draft_tokens: int = 0  # speculative drafts verified for the request so far
-    num_accepted_tokens: int = 0  # of those, accepted
-    parent_rid: str | None = None  # n > 1: the id the request was added with
-    index: int = 0  # n > 1: the child's index (choice), 0..n-1
-    beams: list[BeamHypothesis] | None = None  # beam search: on the last delta, best first
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class EngineCore:
@@ -479,7 +452,9 @@ class EngineCore:
                 prompt_tokens=req.prompt_len + 1,
                 num_output_tokens=0,
                 num_cached_tokens=req.num_cached_tokens,
-                beams=list(g.beam.finished) if req.finish_reason in _BEAMS_DONE else [],
+                beams=[_beam_out(h) for h in g.beam.finished]
+                if req.finish_reason in _BEAMS_DONE
+                else [],
                 error=req.error,
             )
         delta = RequestDelta(
@@ -575,6 +550,11 @@ class EngineCore:
 
 
 _BEAMS_DONE = (FinishReason.STOP, FinishReason.LENGTH)  # a beam search that has results
+
+
+def _beam_out(h: BeamHypothesis) -> BeamOut:
+    reason = FinishReason.STOP if h.stopped else FinishReason.LENGTH
+    return BeamOut(h.output_token_ids, h.cumulative_logprob, h.score, reason)
 
 
 class FatalEngineError(RuntimeError):

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from radixrt.config import ModelConfig, resolve_config
+from radixrt.deltas import FinishReason, RequestDelta
 from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.engine.core import EngineCore, RequestDelta
+from radixrt.engine.core import EngineCore
 from radixrt.lora import LoraInUse, LoraRegistry
 from radixrt.plan import Runner
 from radixrt.sampling import (
@@ -21,7 +22,7 @@ from radixrt.sampling import (
     RequestOptions,
     SamplingParams,
 )
-from radixrt.scheduler.request import FinishReason, fork_rid
+from radixrt.scheduler.request import fork_rid
 from radixrt.stats import CachePressure
 from radixrt.token_bytes import TokenBytes
 

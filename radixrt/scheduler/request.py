@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrt.cache.namespace import CacheNamespace
+from radixrt.deltas import FinishReason
 from radixrt.sampling import DEFAULT_OPTIONS, RequestOptions, SamplingParams
 from radixrt.tenant import Tenant
 
@@ -20,13 +21,6 @@ class Status(enum.Enum):
     RUNNING = "running"
     FORKED = "forked"  # a fork parent whose children run (it holds nothing)
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id, or a stop string (the front / Engine aborts)
-    LENGTH = "length"  # max_tokens or the context length reached
-    ABORT = "abort"  # the client went away or asked to abort
-    ERROR = "error"  # the engine failed this request (a bug or a failed step: `Request.error`)
 
 
 @dataclass(eq=False)

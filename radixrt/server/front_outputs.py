@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from radixrt.deltas import RequestDelta
 from radixrt.detokenizer import StopRegexTimeout
 from radixrt.grammar.api import SAMPLING_FIELDS
 from radixrt.server.messages import (
@@ -22,7 +23,6 @@ from radixrt.server.messages import (
     Ready,
     SchedulerSnapshot,
     TokenBatchOut,
-    TokenOut,
     ToScheduler,
 )
 from radixrt.server.metrics import ServerMetrics
@@ -152,7 +152,7 @@ class FrontOutputs:
         self.snapshot = msg.snapshot
         self.metrics.update(msg.snapshot)
 
-    def _on_output(self, st: RequestState, out: TokenOut, now: float) -> int:
+    def _on_output(self, st: RequestState, out: RequestDelta, now: float) -> int:
         """One step's output of one choice (arrived at `now`): its text so far, stop
         strings, the delta for its HTTP handler. Returns how many tokens it generated (for
         the step's counter)."""
@@ -168,7 +168,7 @@ class FrontOutputs:
             new_lps: list[float] = []
             new_top: list[list[tuple[int, float]]] = []
         else:  # the decoded message's own lists: nothing else holds them
-            new_ids, new_lps = out.new_ids, out.new_logprobs
+            new_ids, new_lps = out.new_token_ids, out.new_logprobs
             new_top = [list(map(tuple, top)) for top in out.new_top_logprobs]
         if new_ids:
             if st.last_token_at is None:
@@ -190,12 +190,12 @@ class FrontOutputs:
             st.text_parts.append(text)
         if st.detok.stopped and not st.stop_seen:
             # A stop string: the text is complete. The scheduler ends the request with
-            # reason "stop" and its final TokenOut (with prompt log-probs) finishes it here.
+            # reason "stop" and its final delta (with prompt log-probs) finishes it here.
             st.stop_seen = True
             if not final:  # this choice alone (an n > 1 request's others go on)
                 index = st.choice if st.num_choices > 1 else None
                 self._send(AbortRequest(st.rid, reason="stop", index=index))
-        reason = out.finish_reason
+        reason = None if out.finish_reason is None else out.finish_reason.value
         if reason is not None and st.stop_seen:
             reason = "stop"
         if text or new_ids or final:
@@ -218,24 +218,25 @@ class FrontOutputs:
             index = st.choice if st.num_choices > 1 else None
             self._send(AbortRequest(st.rid, reason="abort", index=index))
 
-    def _on_beams(self, st: RequestState, out: TokenOut) -> int:
+    def _on_beams(self, st: RequestState, out: RequestDelta) -> int:
         """A beam search's only output: its sequences, best first ([] when aborted)."""
         assert out.finish_reason is not None, "a beam search reports once, at its end"
+        reason = out.finish_reason.value
         skip = st.params.skip_special_tokens
         st.beams = [
             BeamResult(
-                self._decode(b.output_ids, skip),
-                list(b.output_ids),
+                self._decode(b.output_token_ids, skip),
+                list(b.output_token_ids),
                 b.cumulative_logprob,
                 b.score,
-                b.finish_reason,
+                b.finish_reason.value,
             )
-            for b in out.beams
+            for b in out.beams or []
         ]
         if st.beams:
             st.output_ids, st.text = st.beams[0].output_ids, st.beams[0].text
-        st.events.put(st, Delta(st.text, list(st.output_ids), [], out.finish_reason))
-        self.finish(st, out.finish_reason)
+        st.events.put(st, Delta(st.text, list(st.output_ids), [], reason))
+        self.finish(st, reason)
         return sum(len(b.output_ids) for b in st.beams)
 
 

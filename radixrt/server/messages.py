@@ -4,15 +4,17 @@ front -> scheduler (`ToScheduler`): `TokenizedRequest` (n > 1: one message, the 
 forks the children), `BeamSearchRequest`, `AbortRequest`, `FlushCache`, `ReleaseCacheHolds`,
 `ReadCachePressure`, `Shutdown`.
 scheduler -> front (`FromScheduler`): `Ready` once after the model loads, then one
-`TokenBatchOut` per loop iteration that did something (a step, or handled messages), and
-`SchedulerFailed` if the loop dies of an exception, `CacheFlushed` per `FlushCache`,
-`CacheHoldsReleased` per `ReleaseCacheHolds`, `CachePressureRead` per `ReadCachePressure`.
+`TokenBatchOut` per loop iteration that did something (a step, or handled messages), which
+carries the engine's `RequestDelta`s as they are (`radixrt.deltas`), and `SchedulerFailed` if
+the loop dies of an exception, `CacheFlushed` per `FlushCache`, `CacheHoldsReleased` per
+`ReleaseCacheHolds`, `CachePressureRead` per `ReadCachePressure`.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from radixrt.deltas import RequestDelta
 from radixrt.sampling import DEFAULT_OPTIONS, BeamSearchParams, RequestOptions, SamplingParams
 from radixrt.stats import CachePressure, EngineStats
 from radixrt.tenant import Tenant
@@ -28,7 +30,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 class BeamSearchRequest(msgspec.Struct, tag=True, frozen=True):
-    """A beam search (EngineCore.add_beam_search): one TokenOut when it ends, with `beams`."""
+    """A beam search (EngineCore.add_beam_search): one RequestDelta when it ends, with `beams`."""
 
     rid: str
     prompt_ids: list[int]
@@ -113,43 +115,6 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     prefix_cache: str = "radix"  # radix | blockhash | none (CacheConfig.prefix_cache)
 
 
-class BeamOut(msgspec.Struct, frozen=True):
-    """One finished beam-search sequence."""
-
-    output_ids: list[int]  # generated tokens (a final EOS included)
-    cumulative_logprob: float  # sum of their log-probs
-    score: float  # cumulative_logprob / len(output_ids) ** length_penalty
-    finish_reason: str = "length"  # "stop": it ended with an EOS id; "length": max_tokens
-
-
-class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """One request's progress in one step. A child of an n > 1 request reports as itself
-    (`rid` the scheduler's child id) with `parent_rid` the id it was sent with and `index`
-    its choice 0..n-1; a beam search reports once, at the end, with `beams`.
-
-    Sent as an array, not a map (one per running row per step: 7x smaller, 2x faster to
-    decode, 7x to encode); both ends run the same code."""
-
-    rid: str
-    new_ids: list[int]  # output token ids generated since the previous TokenOut
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
-    prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    new_logprobs: list[float]  # log-probs of new_ids (when params.logprobs)
-    # when params.prompt_logprobs, on the finishing TokenOut only: prompt tokens
-    # [logprob_start_len, prompt_tokens)
-    prompt_logprobs: list[float]
-    # when params.logprobs and params.top_logprobs > 0: per id of new_ids, the
-    # params.top_logprobs most likely (token id, log-prob) pairs, most likely first
-    new_top_logprobs: list[list[tuple[int, float]]] = []
-    parent_rid: str | None = None  # n > 1: the rid the request was sent with
-    index: int = 0  # n > 1: the child's choice index, 0..n-1
-    beams: list[BeamOut] = []  # beam search, on its (only) TokenOut: best first
-    # speculative decoding, for the request so far: drafts verified, and of those accepted
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
 class RequestError(msgspec.Struct, frozen=True):
     """A request the scheduler refused (EngineCore.add_request raised ValueError: 400) or
     failed on its side (an exception while planning, stopping or running it: 500)."""
@@ -171,7 +136,7 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True):
 
 
 class TokenBatchOut(msgspec.Struct, tag=True, frozen=True):
-    outputs: list[TokenOut]
+    outputs: list[RequestDelta]  # as EngineCore.step made them (errors go as RequestError)
     errors: list[RequestError]
     snapshot: SchedulerSnapshot
 

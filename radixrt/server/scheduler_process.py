@@ -18,17 +18,16 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 
+from radixrt.deltas import FinishReason, RequestDelta
 from radixrt.errors import RequestValueError
 from radixrt.server.channel import Channel, MsgpackCodec
 from radixrt.server.kv_publisher import KVEventsConfig, ZmqEventPublisher
 from radixrt.server.liveness import HEARTBEAT_S
 from radixrt.server.messages import (
     AbortRequest,
-    BeamOut,
     BeamSearchRequest,
     CacheFlushed,
     CacheHoldsReleased,
@@ -44,12 +43,8 @@ from radixrt.server.messages import (
     Shutdown,
     TokenBatchOut,
     TokenizedRequest,
-    TokenOut,
     ToScheduler,
 )
-
-if TYPE_CHECKING:  # the front imports this module for SchedulerProcessArgs: no engine there
-    from radixrt.engine.core import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +197,7 @@ class SchedulerLoop:
                 last_sent = now
                 outputs = []
                 for d in (*finished, *changed):
-                    if d.finish_reason == "error":  # failed on our side: a 500
+                    if d.finish_reason is FinishReason.ERROR:  # failed on our side: a 500
                         message = d.error or "internal error"
                         # a bad grammar: 400; the grammar compiler down: 503
                         status = 400 if d.invalid_request else 503 if d.unavailable else 500
@@ -218,7 +213,7 @@ class SchedulerLoop:
                             )
                         )
                     else:
-                        outputs.append(_token_out(d))
+                        outputs.append(d)
                 self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -234,9 +229,9 @@ class SchedulerLoop:
             return []
         return [first, *self.inbox.drain()]
 
-    def _handle(self, msgs: Sequence[ToScheduler]) -> tuple[list[RequestError], list]:
+    def _handle(self, msgs: Sequence[ToScheduler]) -> tuple[list[RequestError], list[RequestDelta]]:
         errors: list[RequestError] = []
-        finished = []
+        finished: list[RequestDelta] = []
         for msg in msgs:
             if isinstance(msg, (TokenizedRequest, BeamSearchRequest)):
                 try:
@@ -255,7 +250,7 @@ class SchedulerLoop:
                     logger.exception("adding request %s failed", msg.rid)
                     errors.append(RequestError(msg.rid, f"internal error: {e}", 500))
             elif isinstance(msg, AbortRequest):
-                from radixrt.scheduler.request import FinishReason, fork_rid
+                from radixrt.scheduler.request import fork_rid
 
                 rid = msg.rid if msg.index is None else fork_rid(msg.rid, msg.index)
                 delta = self.core.abort(rid, FinishReason(msg.reason))
@@ -293,30 +288,3 @@ class SchedulerLoop:
                 integrity_error = traceback.format_exc()
                 logger.error("integrity check failed:\n%s", integrity_error)
         return SchedulerSnapshot(core.stats_struct(), integrity_error)
-
-
-def _token_out(d: RequestDelta) -> TokenOut:
-    beams = [
-        BeamOut(
-            h.output_token_ids,
-            h.cumulative_logprob,
-            h.score,
-            "stop" if h.stopped else "length",
-        )
-        for h in d.beams or []
-    ]
-    return TokenOut(
-        rid=d.rid,
-        new_ids=d.new_token_ids,
-        finish_reason=None if d.finish_reason is None else d.finish_reason.value,
-        prompt_tokens=d.prompt_tokens,
-        num_cached_tokens=d.num_cached_tokens,
-        new_logprobs=d.new_logprobs,
-        prompt_logprobs=d.prompt_logprobs,
-        new_top_logprobs=d.new_top_logprobs,
-        parent_rid=d.parent_rid,
-        index=d.index,
-        beams=beams,
-        num_draft_tokens=d.num_draft_tokens,
-        num_accepted_tokens=d.num_accepted_tokens,
-    )
