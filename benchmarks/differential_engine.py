@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 from benchmarks.differential import Answer, Job
+from radixrt.deltas import FinishReason
 from radixrt.sampling import BeamSearchParams, SamplingParams
-from radixrt.scheduler.request import FinishReason
 
 STEPS_PER_SECOND = 50  # a job's delay_s -> steps before its abort
 MAX_STEPS = 200_000

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from radixrt import BeamSearchParams, SamplingParams
-from radixrt.scheduler.request import FinishReason
+from radixrt.deltas import FinishReason
 
 PROMPTS = [
     "The quick brown fox jumps",

@@ -15,8 +15,9 @@ from test_fork_beam_scheduler import (
     reference_beams,
 )
 
+from radixrt.deltas import FinishReason
 from radixrt.sampling import BeamSearchParams, SamplingParams
-from radixrt.scheduler.request import FinishReason, fork_rid
+from radixrt.scheduler.request import fork_rid
 
 PLAIN = list(range(60, 70))
 PROMPT = list(range(100, 111))

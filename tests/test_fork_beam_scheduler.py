@@ -9,9 +9,10 @@ import random
 import pytest
 from test_step_plan import EOS, make_core
 
+from radixrt.deltas import FinishReason
 from radixrt.sampling import BeamSearchParams, SamplingParams
 from radixrt.scheduler.beam import BeamState
-from radixrt.scheduler.request import FinishReason, fork_rid
+from radixrt.scheduler.request import fork_rid
 
 
 def ctx_token(rid: str, context) -> int:

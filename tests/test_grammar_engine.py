@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
+from radixrt.deltas import FinishReason
 from radixrt.grammar.spec import JSON_OBJECT_EBNF
-from radixrt.scheduler.request import FinishReason
 
 pytest.importorskip("xgrammar")
 

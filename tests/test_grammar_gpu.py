@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.scheduler.request import FinishReason
+from radixrt.deltas import FinishReason
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("xgrammar")

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from radixrt import SamplingParams
+from radixrt.deltas import FinishReason
 from radixrt.grammar.json_schema_support import SUPPORTED_KEYWORDS, check_json_schema
 from radixrt.grammar.regex_limits import MAX_OPTIONAL_RUN, check_regex, regex_cost
 from radixrt.grammar.spec import GrammarSpec
-from radixrt.scheduler.request import FinishReason
 
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 # compiles for minutes (about cubic in the 600 optional items); no pre-compile limit on EBNF

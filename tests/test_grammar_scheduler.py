@@ -12,10 +12,11 @@ import pytest
 sys.path.insert(0, "tests")
 from test_step_plan import EOS, make_core  # noqa: E402
 
+from radixrt.deltas import FinishReason  # noqa: E402
 from radixrt.grammar.base import CompileOutcome, GrammarStats  # noqa: E402
 from radixrt.plan import PlanRow, StepPlan, TokenBitmasks  # noqa: E402
 from radixrt.sampling import SamplingParams  # noqa: E402
-from radixrt.scheduler.request import FinishReason, Status  # noqa: E402
+from radixrt.scheduler.request import RequestStatus  # noqa: E402
 
 VOCAB = 2048
 # per output position, the allowed tokens: 3 forced positions (20, 21, EOS) after choices
@@ -204,7 +205,7 @@ def test_grammar_pending_request_waits_alone():
     for _ in range(10):
         finished += [d.rid for d in core.step() if d.finished]
     c0 = core.request("c0")
-    assert finished == ["f0"] and c0.status is Status.WAITING and not c0.block_table
+    assert finished == ["f0"] and c0.status is RequestStatus.WAITING and not c0.block_table
     grammar = core.scheduler.grammar
     assert grammar.compiling(c0) and grammar.matcher(c0) is None
     backend.ready.add(GRAMMAR)

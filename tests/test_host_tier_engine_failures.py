@@ -12,7 +12,7 @@ from test_host_tier_engine import check_pools
 from test_host_tier_failures import fail_once, has_swap_in
 
 from radixrt import SamplingParams
-from radixrt.scheduler.request import FinishReason
+from radixrt.deltas import FinishReason
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 HISTORY = [10 + (7 * i) % 150 for i in range(40)]

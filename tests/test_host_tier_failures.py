@@ -15,10 +15,10 @@ from collections import Counter
 import pytest
 from test_host_tier_scheduler import check_pools, make_core
 
+from radixrt.deltas import FinishReason
 from radixrt.engine.core import EngineCore
 from radixrt.plan import StepPlan, SwapIn, SwapOut
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import FinishReason
 
 SP = SamplingParams(max_tokens=3, ignore_eos=True)
 HISTORY = list(range(500, 560))  # 15 blocks of 4

@@ -13,9 +13,9 @@ import pytest
 from test_host_tier_failures import check_tree_content, fail_once
 from test_host_tier_scheduler import check_pools, make_core
 
+from radixrt.deltas import FinishReason
 from radixrt.plan import SwapIn, SwapOut
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import FinishReason
 
 
 def run_rounds(seed: int, overlap: bool) -> dict:

@@ -21,7 +21,7 @@ from radixrt.executor.runner_features import RunnerFeature, StepContext
 from radixrt.executor.sampler import apply_penalties
 from radixrt.executor.slots import SlotState
 from radixrt.plan import PlanRow, SlotEntry, StepPlan
-from radixrt.scheduler.request import Status
+from radixrt.scheduler.request import RequestStatus
 
 VOCAB = 64
 KINDS = [
@@ -177,7 +177,7 @@ def test_preempt_and_readmit_into_the_same_slot_while_in_flight():
             core.scheduler.lifecycle.preempt(r0)
             for d in core.step():  # re-admits r0 (LIFO free slots: the same slot)
                 out[d.rid] += d.new_token_ids
-            assert r0.status is Status.RUNNING and r0.slot == slot
+            assert r0.status is RequestStatus.RUNNING and r0.slot == slot
             assert r0.slot_incarnation > incarnation
             readmitted = True
     core.check_integrity()

@@ -16,10 +16,11 @@ from test_step_plan import make_core, run
 
 from radixrt.cache.radix import RadixCache
 from radixrt.config import SpeculativeConfig, resolve_config
+from radixrt.deltas import FinishReason
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.features import Hooks
-from radixrt.scheduler.request import FinishReason, Request
+from radixrt.scheduler.request import Request
 from radixrt.speculative import create_proposer
 from radixrt.speculative.base import Proposer
 from radixrt.speculative.ngram import NgramProposer, ngram_lookup

@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 
 from radixrt.config import EngineConfig, SchedulerConfig
+from radixrt.deltas import FinishReason
 from radixrt.engine.core import EngineCore
 from radixrt.sampling import SamplingParams
-from radixrt.scheduler.request import FinishReason
 from radixrt.speculative.base import Proposer
 from radixrt.testing import ScriptedRunner, default_token, scripted_model_config
 

@@ -42,7 +42,7 @@ from radixrt.sampling import (
     SamplingParams,
 )
 from radixrt.scheduler.beam import BeamHypothesis
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.scheduler.scheduler import Scheduler
 from radixrt.speculative import create_proposer
 from radixrt.stats import CachePressure, EngineStats
@@ -414,7 +414,7 @@ class EngineCore:
     def _fail_for_report(self, req: Request, message: str) -> list[Request]:
         """Fail `req` (live: with its group; finished: only counted). Returns the other
         members of its group that failed with it and report."""
-        if req.status is Status.FINISHED:
+        if req.status is RequestStatus.FINISHED:
             self.scheduler.stats.failed_requests += int(req.reports)
             return []
         return [r for r in self.scheduler.fail_request(req, message) if r is not req]

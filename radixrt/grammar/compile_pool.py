@@ -46,9 +46,9 @@ from radixrt.grammar.compile_worker import (
     BOOT,
     FORK,
     CompileError,
-    Ready,
     Reply,
     SetupFailed,
+    TemplateReady,
     WorkerSetup,
 )
 from radixrt.grammar.spec import GrammarSpec
@@ -94,7 +94,7 @@ class CompilePool:
         setup: WorkerSetup,
         num_workers: int,
         time_limit_s: float,
-        decode: Callable[[Ready, GrammarSpec, str], Any],
+        decode: Callable[[TemplateReady, GrammarSpec, str], Any],
         slice_s: float = PREEMPT_SLICE_S,
     ) -> None:
         assert num_workers >= 1 and time_limit_s > 0
@@ -104,7 +104,7 @@ class CompilePool:
         self.slice_s = slice_s
         self.decode = decode
         self.stats = PoolStats()
-        self.ready: Ready | None = None  # the template's, once it has loaded the tokenizer
+        self.ready: TemplateReady | None = None  # the template's, once it has loaded the tokenizer
         self.failure: str | None = None  # the template failed: every job fails
         self._queue: list[_Job] = []  # heap, guarded by _lock
         self._lock = threading.Lock()
@@ -251,7 +251,7 @@ class CompilePool:
         self._resolve(job, reply)
 
     def _template_message(self) -> None:
-        """Ready or SetupFailed; end-of-file: the template died."""
+        """TemplateReady or SetupFailed; end-of-file: the template died."""
         assert self._template_conn is not None
         try:
             msg = self._template_conn.recv()
@@ -260,7 +260,7 @@ class CompilePool:
             logger.error("the grammar compiler exited (%s): constrained requests get 503", code)
             self._fail_pool(f"internal error: the grammar compiler exited ({code})")
             return
-        if isinstance(msg, Ready):
+        if isinstance(msg, TemplateReady):
             self.ready = msg
         else:
             assert isinstance(msg, SetupFailed), msg

@@ -3,7 +3,7 @@
 
 The parent starts `python -c BOOT <fd>` with one end of a socket pair and sends a
 `WorkerSetup`; this template process loads the tokenizer and builds xgrammar's TokenizerInfo
-once (seconds: xgrammar imports torch) and answers `Ready` (the TokenizerInfo as xgrammar's
+once (seconds: xgrammar imports torch) and answers `TemplateReady` (the TokenizerInfo as xgrammar's
 JSON, which the parent needs to deserialize compiled grammars, and the control-byte mask of
 JSON schemas). Then each `FORK` it receives forks a worker (milliseconds, memory shared
 copy-on-write) and answers the worker's pid, passing the parent its end of a new socket pair
@@ -41,7 +41,7 @@ class WorkerSetup:
 
 
 @dataclass(frozen=True, slots=True)
-class Ready:
+class TemplateReady:
     tokenizer_info_json: str  # xgr.TokenizerInfo.serialize_json()
     no_control_mask: bytes  # [ceil(V / 32)] int32: tokens without bytes < 0x20 (see below)
 
@@ -82,7 +82,7 @@ def main(fd: int) -> None:
     except Exception:
         conn.send(SetupFailed(traceback.format_exc()))
         return
-    conn.send(Ready(template.info.serialize_json(), template.no_control.tobytes()))
+    conn.send(TemplateReady(template.info.serialize_json(), template.no_control.tobytes()))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     while True:
         try:
@@ -140,7 +140,7 @@ class _Template:
 
     def serve(self, conn) -> None:
         """A worker's life: compile what the parent sends until it closes the socket."""
-        worker = _Worker(self)
+        worker = _Compiler(self)
         while True:
             try:
                 job_id, spec = conn.recv()
@@ -149,7 +149,7 @@ class _Template:
             conn.send(worker.compile(job_id, spec))
 
 
-class _Worker:
+class _Compiler:
     def __init__(self, template: _Template) -> None:
         import xgrammar as xgr
 

@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from radixrt.grammar.base import CompileOutcome, GrammarStats
 from radixrt.grammar.compile_pool import CompilePool, InternalCompileError
-from radixrt.grammar.compile_worker import CompileError, Ready, WorkerSetup
+from radixrt.grammar.compile_worker import CompileError, TemplateReady, WorkerSetup
 from radixrt.grammar.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class XGrammarBackend:
         self.cache_bytes = cache_bytes
         self.cache_stats = GrammarCacheStats()
         self._pool: CompilePool | None = None
-        self._info: xgr.TokenizerInfo | None = None  # the manager thread's, from Ready
+        self._info: xgr.TokenizerInfo | None = None  # the manager thread's, from TemplateReady
         self._no_control: np.ndarray | None = None
         # scheduler thread only: spec -> compile, least recently used first; sizes of the
         # finished ones (None: not yet accounted)
@@ -233,7 +233,7 @@ class XGrammarBackend:
         s.entries = len(self._cache)
 
     # ---- the manager thread ----
-    def _decode(self, ready: Ready, spec: GrammarSpec, grammar_json: str) -> Compiled:
+    def _decode(self, ready: TemplateReady, spec: GrammarSpec, grammar_json: str) -> Compiled:
         if self._info is None:
             self._info = xgr.TokenizerInfo.deserialize_json(ready.tokenizer_info_json)
             self._no_control = np.frombuffer(ready.no_control_mask, dtype=np.int32).copy()

@@ -42,8 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrt.deltas import FinishReason
 from radixrt.plan import BlockOp, PlanRow, StepPlan, StepResult, TokenBitmasks
-from radixrt.scheduler.request import FinishReason, Request
+from radixrt.scheduler.request import Request
 
 
 @dataclass

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixrt.deltas import FinishReason
 from radixrt.grammar.spec import grammar_spec
 from radixrt.plan import BlockOp, PlanRow
 from radixrt.scheduler.features import SchedulerFeature, StepTables
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.stats import SchedulerCounters
 
 
@@ -121,17 +122,17 @@ class GrammarFeature(SchedulerFeature):
         those whose grammar allows no next token (`_dead_end`). One that raises fails alone
         (its group with it): the failed requests join `changed`."""
         matchers = self._matchers
-        reqs = [r for r in changed if r in matchers and r.status is Status.RUNNING]
+        reqs = [r for r in changed if r in matchers and r.status is RequestStatus.RUNNING]
         if not reqs:
             return
         self._fill_masks(reqs)
         for req in reqs:
-            if req.status is not Status.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 continue  # its group failed with an earlier member
             try:
                 if self.jump_forward and self._jump_forward(req):
                     continue
-                if req.status is Status.RUNNING:
+                if req.status is RequestStatus.RUNNING:
                     self._dead_end(req)
             except Exception as e:
                 changed += self.lifecycle.fail(req, e)
@@ -153,7 +154,7 @@ class GrammarFeature(SchedulerFeature):
         )
         req.invalid_request = True
         self.stats.grammar_errors += 1
-        was_waiting = req.status is Status.WAITING
+        was_waiting = req.status is RequestStatus.WAITING
         self.lifecycle.stop(req, FinishReason.ERROR)
         if was_waiting:
             self.lifecycle.report(req)
@@ -168,7 +169,7 @@ class GrammarFeature(SchedulerFeature):
             assert m.num_accepted == req.num_output, (
                 f"{req.rid}: matcher saw {m.num_accepted} tokens, the request has {req.num_output}"
             )
-        assert all(r.status is Status.WAITING for r in self._tickets)
+        assert all(r.status is RequestStatus.WAITING for r in self._tickets)
 
     # ---- for the engine loop and speculation ----
     def wait(self, timeout_s: float) -> None:
@@ -286,7 +287,7 @@ class GrammarFeature(SchedulerFeature):
             self.stats.grammar_forced_tokens += 1
             reason = self.on_token(req, token) or self.lifecycle.stop_reason(req, token)
             if reason is not None:
-                was_waiting = req.status is Status.WAITING
+                was_waiting = req.status is RequestStatus.WAITING
                 self.lifecycle.stop(req, reason)
                 if was_waiting:
                     self.lifecycle.report(req)

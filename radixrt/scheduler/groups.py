@@ -27,7 +27,7 @@ from radixrt.scheduler.request import (
     FinishReason,
     Request,
     RequestGroup,
-    Status,
+    RequestStatus,
     fork_rid,
 )
 from radixrt.stats import SchedulerCounters
@@ -162,7 +162,7 @@ class GroupsFeature(SchedulerFeature):
     def after_update(self, changed: list[Request]) -> None:
         groups, self._beam_groups = self._beam_groups, {}
         for g in groups.values():
-            if g.parent.status is Status.FORKED and all(
+            if g.parent.status is RequestStatus.FORKED and all(
                 b in self._top_logprobs for b in g.children
             ):
                 try:
@@ -177,7 +177,7 @@ class GroupsFeature(SchedulerFeature):
         self._top_logprobs.pop(req, None)
 
     def check_integrity(self) -> None:
-        assert all(b.status is Status.RUNNING and not b.reports for b in self._top_logprobs)
+        assert all(b.status is RequestStatus.RUNNING and not b.reports for b in self._top_logprobs)
 
     def idle_members(self) -> tuple[list[Request], list[int]]:
         """The live groups' members that hold nothing but wait outside the waiting queue
@@ -188,16 +188,16 @@ class GroupsFeature(SchedulerFeature):
         idle: list[Request] = []
         reserved: list[int] = []
         for g in groups.values():
-            assert g.parent.status is not Status.FINISHED
-            assert all(c.group is g and c.status is not Status.FINISHED for c in g.children)
+            assert g.parent.status is not RequestStatus.FINISHED
+            assert all(c.group is g and c.status is not RequestStatus.FINISHED for c in g.children)
             assert g.beam is None or len(g.children) <= g.beam.width
-            idle += [c for c in g.children if c.status is Status.WAITING]
-            if g.parent.status is Status.FORKED:
+            idle += [c for c in g.children if c.status is RequestStatus.WAITING]
+            if g.parent.status is RequestStatus.FORKED:
                 idle.append(g.parent)
                 assert not g.ready and g.children
-            elif g.parent.status is Status.WAITING:
+            elif g.parent.status is RequestStatus.WAITING:
                 assert not g.reserved_slots and not g.ready
-                assert all(c.status is Status.WAITING for c in g.children)
+                assert all(c.status is RequestStatus.WAITING for c in g.children)
             reserved += g.reserved_slots
         return idle, reserved
 
@@ -232,7 +232,7 @@ class GroupsFeature(SchedulerFeature):
         self.queues.running.remove(parent)
         parent.block_table, parent.slot, parent.cache_handle = [], None, None
         parent.num_computed = parent.num_kv_done = parent.num_table_sent = 0
-        parent.status = Status.FORKED
+        parent.status = RequestStatus.FORKED
         g.ready = False
         if g.beam is None:
             kv.give_slots(g.reserved_slots)
@@ -291,7 +291,7 @@ class GroupsFeature(SchedulerFeature):
                     options=src.options,
                 )
                 if copies is None:  # no block for the copy: recompute this beam later
-                    beam.status = Status.WAITING
+                    beam.status = RequestStatus.WAITING
                 else:
                     kv.share_prefix(src, beam, copies.pop() if partial else None, kv.pending_ops)
                     beam.slot = g.reserved_slots.pop()

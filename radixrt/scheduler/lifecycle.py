@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 
+from radixrt.deltas import FinishReason
 from radixrt.scheduler.features import Hooks
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues, is_queued
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.stats import SchedulerCounters
 
 logger = logging.getLogger("radixrt.scheduler.scheduler")
@@ -79,7 +80,7 @@ class Lifecycle:
             # the whole group: every child (an n > 1 parent finishes with its last child)
             for child in list(g.children):
                 self.stop(child, reason)
-            if req.status is not Status.FINISHED:
+            if req.status is not RequestStatus.FINISHED:
                 self.stop(req, reason)
             return req
         self.stop(req, reason)
@@ -88,10 +89,10 @@ class Lifecycle:
     def stop(self, req: Request, reason: FinishReason) -> None:
         """Finish `req` whatever its status (waiting, running, forked)."""
         q = self.queues
-        if req.status is Status.WAITING:
+        if req.status is RequestStatus.WAITING:
             if is_queued(req):
                 q.waiting.remove(req)
-        elif req.status is Status.RUNNING:
+        elif req.status is RequestStatus.RUNNING:
             q.running.remove(req)
         self.finish(req, reason)
 
@@ -104,7 +105,7 @@ class Lifecycle:
         the KV, record the reason; the last child of an n > 1 request finishes its parent."""
         self.kv.cache_finished(req)
         self.kv.release(req)
-        req.status = Status.FINISHED
+        req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         for hook in self.on_finish:
             hook(req)
@@ -128,7 +129,7 @@ class Lifecycle:
             return [req]
         failed = []
         for member in [*g.children, g.parent]:  # the last n > 1 child finishes the parent
-            if member.status is not Status.FINISHED:
+            if member.status is not RequestStatus.FINISHED:
                 self.fail_one(member, error)
                 if member.reports:
                     failed.append(member)
@@ -145,7 +146,7 @@ class Lifecycle:
         req.error = error
         if req.reports:
             self.stats.failed_requests += 1
-        if req.status is Status.RUNNING:
+        if req.status is RequestStatus.RUNNING:
             if req in q.running:  # a failure half-way through moving it may have left it
                 q.running.remove(req)
         elif req in q.waiting:
@@ -158,7 +159,7 @@ class Lifecycle:
             q.requests.pop(req.rid, None)
             if req.group is not None and req in req.group.children:
                 req.group.children.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
             for hook in self.on_finish:
                 hook(req)
 
@@ -171,7 +172,7 @@ class Lifecycle:
         g = req.group
         if g is not None:
             for child in g.children:
-                if child.status is Status.RUNNING:
+                if child.status is RequestStatus.RUNNING:
                     self._unrun(child)
             g.ready = False
             req = g.parent
@@ -186,11 +187,11 @@ class Lifecycle:
     def _unrun(self, seq: Request) -> None:
         """Preemption of one sequence: out of `running`, its KV freed, a new epoch (results of
         steps in flight for it are ignored), waiting again."""
-        if seq.status is Status.RUNNING:
+        if seq.status is RequestStatus.RUNNING:
             self.queues.running.remove(seq)
         self.kv.release(seq)
         seq.epoch += 1
-        seq.status = Status.WAITING
+        seq.status = RequestStatus.WAITING
         seq.num_preemptions += 1
         for hook in self.on_preempt:
             hook(seq)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 
 
 class RequestQueues:
@@ -22,7 +22,7 @@ class RequestQueues:
 
     def run(self, req: Request) -> None:
         """`req` (holding its KV and slot now) starts running: newest admission."""
-        req.status = Status.RUNNING
+        req.status = RequestStatus.RUNNING
         self._admissions += 1
         req.admission_seq = self._admissions
         self.running.append(req)

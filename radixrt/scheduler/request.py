@@ -16,7 +16,7 @@ from radixrt.tenant import Tenant
 _arrival_counter = itertools.count()
 
 
-class Status(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FORKED = "forked"  # a fork parent whose children run (it holds nothing)
@@ -34,7 +34,7 @@ class Request:
     seq_token_ids: list[int]  # the sequence: prompt, then the output tokens on the host
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context (see limits.py)
-    status: Status = Status.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival_counter))  # FCFS order
     block_table: list[int] = field(default_factory=list)  # KV blocks, position p -> [p // B]
     slot: int | None = None  # runner-side row state while the request holds blocks
@@ -115,7 +115,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is RequestStatus.FINISHED
 
 
 def fork_rid(rid: str, index: int) -> str:

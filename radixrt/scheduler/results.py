@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from radixrt.deltas import FinishReason
 from radixrt.plan import PlanRow, StepPlan, StepResult
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.stats import SchedulerCounters
 
 
@@ -47,7 +48,7 @@ class ResultApplier:
         assert result.step_id == plan.step_id
         changed: list[Request] = []
         for i, (row, req, epoch) in enumerate(zip(plan.rows, requests, epochs)):
-            if req.epoch != epoch or req.status is not Status.RUNNING:
+            if req.epoch != epoch or req.status is not RequestStatus.RUNNING:
                 self.stats.dropped_tokens += len(result.tokens[i])
                 continue  # finished, aborted or preempted since the plan was made
             try:

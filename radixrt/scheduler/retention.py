@@ -41,11 +41,12 @@ from typing import Any
 
 from radixrt.cache.namespace import CacheNamespace
 from radixrt.config import SchedulerConfig
+from radixrt.deltas import FinishReason
 from radixrt.plan import BlockOp
 from radixrt.scheduler.features import SchedulerFeature
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.stats import SchedulerCounters
 from radixrt.tenant import Tenant
 
@@ -211,7 +212,7 @@ class RetentionFeature(SchedulerFeature):
         `req`: the request the blocks are for; a waiting one, while others run, takes only
         holds of lineages younger than its own (see the module docstring)."""
         limit = -1
-        if req is not None and req.status is Status.WAITING and self.queues.running:
+        if req is not None and req.status is RequestStatus.WAITING and self.queues.running:
             limit = self.lineage(req)
         cache = self.kv.cache
         for rid in sorted(self.holds, key=lambda r: -self.holds[r].born):

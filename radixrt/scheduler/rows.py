@@ -21,7 +21,7 @@ from radixrt.scheduler.features import StepTables
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.stats import SchedulerCounters
 
 _ADMISSION_ORDER = attrgetter("priority", "admission_seq")  # decode rows reserve in this order
@@ -57,7 +57,7 @@ def chunk_len(req: Request, budget: int, cfg: SchedulerConfig) -> int:
 
 def schedulable(req: Request) -> bool:
     """Running and not waiting for the host result of a step in flight."""
-    return req.status is Status.RUNNING and not req.awaiting_result_for
+    return req.status is RequestStatus.RUNNING and not req.awaiting_result_for
 
 
 def extend_due(req: Request) -> bool:
@@ -110,14 +110,14 @@ class RowPlanner:
         ]
         chosen = self._drafts(due) if self.drafter is not None else {}
         for req in due:
-            if req.status is not Status.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier row's blocks, or failed drafting
             drafts = chosen.get(req, [])
             while not self.kv.reserve(req, 1 + len(drafts)):
                 self.lifecycle.preempt_newest(exclude=[r for r, _ in scheduled])
                 # a group goes as a whole, rows already picked for it too
-                scheduled = [(r, d) for r, d in scheduled if r.status is Status.RUNNING]
-                if req.status is not Status.RUNNING:
+                scheduled = [(r, d) for r, d in scheduled if r.status is RequestStatus.RUNNING]
+                if req.status is not RequestStatus.RUNNING:
                     break
             else:
                 scheduled.append((req, drafts))
@@ -138,7 +138,7 @@ class RowPlanner:
                 continue
             if drafts:
                 proposals.append((req, drafts))
-        proposals = [(r, d) for r, d in proposals if r.status is Status.RUNNING]
+        proposals = [(r, d) for r, d in proposals if r.status is RequestStatus.RUNNING]
         return self.drafter.choose(proposals, len(due), spare) if proposals else {}
 
     def plan_row(self, req: Request, n: int, drafts: list[int], tables: StepTables) -> PlanRow:

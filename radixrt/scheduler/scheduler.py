@@ -28,6 +28,7 @@ from typing import Any
 from radixrt.cache.base import PrefixCache
 from radixrt.cache.radix_storage import StorageRadixCache
 from radixrt.config import SchedulerConfig
+from radixrt.deltas import FinishReason
 from radixrt.errors import RequestValueError
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.limits import check_fits
@@ -41,7 +42,7 @@ from radixrt.scheduler.kv_manager import KVManager, is_swap
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.lora import LoraFeature
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import FinishReason, Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 from radixrt.scheduler.results import ResultApplier
 from radixrt.scheduler.retention import RetentionFeature
 from radixrt.scheduler.rows import RowPlanner, chunk_len, extend_due, schedulable
@@ -228,7 +229,7 @@ class Scheduler:
             return True
         spec = self.speculation
         return spec is not None and spec.worth_waiting(
-            [r for r in self.queues.running if r.status is Status.RUNNING]
+            [r for r in self.queues.running if r.status is RequestStatus.RUNNING]
         )
 
     # ---- requests in and out ----
@@ -302,7 +303,7 @@ class Scheduler:
     def fail_request(self, req: Request, error: str) -> list[Request]:
         """Fail a live request now (a member of a group: the group), e.g. when its output
         cannot be reported. Returns the failed requests that report."""
-        assert req.status is not Status.FINISHED
+        assert req.status is not RequestStatus.FINISHED
         return self.lifecycle.fail(req, error)
 
     def drain_finished(self) -> list[Request]:
@@ -367,7 +368,7 @@ class Scheduler:
         self.stats.failed_steps += 1
         failed = []
         for req, epoch in zip(launched.requests, launched.epochs):
-            if req.epoch == epoch and req.status is Status.RUNNING:
+            if req.epoch == epoch and req.status is RequestStatus.RUNNING:
                 failed += self.lifecycle.fail(req, error)
         if any(is_swap(op) for op in plan.block_ops):
             later = self.inflight.block_ops_after(plan.step_id)
@@ -384,7 +385,7 @@ class Scheduler:
         extend: list[tuple[Request, int]] = []
         for req in [r for r in self.queues.running if schedulable(r) and extend_due(r)]:
             n = chunk_len(req, budget, self.cfg)
-            if n == 0 or req.status is not Status.RUNNING:
+            if n == 0 or req.status is not RequestStatus.RUNNING:
                 break
             if not self.kv.reserve(req, n) and not (
                 not has_decode and not extend and self._preempt_until_reserved(req, n)
@@ -403,7 +404,7 @@ class Scheduler:
             if len(self.queues.running) < 2:
                 return False
             self.lifecycle.preempt_newest(exclude=[req])
-            if req.status is not Status.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 return False
         return True
 
@@ -428,7 +429,7 @@ class Scheduler:
                 continue
             reqs.append(req)
         if failed:  # rows of a failed group's other members go too
-            kept = [i for i, r in enumerate(reqs) if r.status is Status.RUNNING]
+            kept = [i for i, r in enumerate(reqs) if r.status is RequestStatus.RUNNING]
             rows, reqs = [rows[i] for i in kept], [reqs[i] for i in kept]
         return rows, reqs
 

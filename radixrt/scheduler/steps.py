@@ -25,7 +25,7 @@ from radixrt.plan import BlockOp, StepPlan
 from radixrt.scheduler.kv_manager import KVManager
 from radixrt.scheduler.lifecycle import Lifecycle
 from radixrt.scheduler.queues import RequestQueues
-from radixrt.scheduler.request import Request, Status
+from radixrt.scheduler.request import Request, RequestStatus
 
 
 @dataclass
@@ -89,7 +89,7 @@ def discard_unmade_copies(
         return _on_path(handle, stale)
 
     for req in list(queues.running):
-        if req.status is Status.RUNNING and (
+        if req.status is RequestStatus.RUNNING and (
             not device_blocks.isdisjoint(req.block_table) or on_lost_path(req.cache_handle)
         ):
             lifecycle.preempt(req)
