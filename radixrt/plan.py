@@ -127,10 +127,6 @@ class PlanRow:
     waits_for_result: list[str] = field(default_factory=list)
 
     @property
-    def needs_host_result(self) -> bool:
-        return bool(self.waits_for_result)
-
-    @property
     def end(self) -> int:
         """Absolute position one past the row's last new token (KV length after the step)."""
         return self.start + self.num_tokens
@@ -161,17 +157,6 @@ class StepPlan:
     def row_drafts(self, i: int) -> list[int]:
         """Row i's host drafts ([] for rows without drafts or with device drafts)."""
         return self.drafts.get(i, [])
-
-    def row_bitmasks(self, i: int) -> bytes | None:
-        """Row i's grammar masks (one per sample, back to back), None if it has none."""
-        masks = self.bitmasks
-        if masks is None or i not in masks.rows:
-            return None
-        counts = [len(self.rows[j].sample_offsets) for j in masks.rows]
-        width = len(masks.data) // sum(counts)
-        at = masks.rows.index(i)
-        first = sum(counts[:at]) * width
-        return masks.data[first : first + counts[at] * width]
 
     @property
     def num_tokens(self) -> int:

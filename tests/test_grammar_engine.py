@@ -89,9 +89,9 @@ def test_json_object_outputs_parse(make_engine):
 def test_greedy_is_argmax_over_allowed_tokens(make_engine, tiny_model_dir):
     """Recompute every constrained greedy token from HF transformers' logits of the whole
     sequence and an independent matcher's mask."""
+    from grammar_helpers import allowed_tokens
     from transformers import AutoModelForCausalLM
 
-    from radixrt.executor.grammar_masks import allowed_tokens
     from radixrt.grammar.spec import GrammarSpec
 
     engine = make_engine()
@@ -214,7 +214,7 @@ def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method)
 def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     """allowed_drafts keeps the longest allowed prefix and leaves the matcher unchanged; the
     row's masks are one per sample (current state, then after each draft)."""
-    from radixrt.executor.grammar_masks import allowed_tokens
+    from grammar_helpers import allowed_tokens
 
     engine = make_engine()
     tok = engine.tokenizer
@@ -331,7 +331,9 @@ def test_string_level_jump_forward_follows_the_grammar_in_fewer_steps(make_engin
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]])
 def test_apply_token_bitmasks_matches_reference(rows):
-    from radixrt.executor.grammar_masks import allowed_tokens, apply_token_bitmasks
+    from grammar_helpers import allowed_tokens
+
+    from radixrt.executor.grammar_masks import apply_token_bitmasks
 
     g = torch.Generator().manual_seed(1)
     vocab = 100  # not a multiple of 32: the last word is partly padding

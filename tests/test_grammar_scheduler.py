@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 sys.path.insert(0, "tests")
+from grammar_helpers import row_bitmasks  # noqa: E402
 from test_step_plan import EOS, make_core  # noqa: E402
 
 from radixrt.deltas import FinishReason  # noqa: E402
@@ -122,8 +123,8 @@ class MaskingRunner:
         handle = self.inner.execute(plan)
         result = handle.result()
         for i, row in enumerate(plan.rows):
-            if plan.row_bitmasks(i) is not None and result.tokens[i]:
-                allowed = unpack(plan.row_bitmasks(i))
+            if row_bitmasks(plan, i) is not None and result.tokens[i]:
+                allowed = unpack(row_bitmasks(plan, i))
                 (token,) = result.tokens[i]
                 result.tokens[i] = [allowed[token % len(allowed)]]
                 self.inner.last_sample[row.slot] = result.tokens[i][0]
@@ -183,7 +184,7 @@ def test_jump_forward_same_outputs_fewer_steps_and_prefilled_runs(overlap):
         for plan in runner.plans:
             for i, row in enumerate(plan.rows):
                 if row.rid.startswith("c") and row.sample_offsets:
-                    assert plan.row_bitmasks(i) is not None and row.needs_host_result
+                    assert row_bitmasks(plan, i) is not None and row.waits_for_result
                     assert not row.reads_last_sample and not row.num_draft_tokens
         stats = core.stats()
         results[jf] = (out, stats["steps"], stats["grammar_forced_tokens"], runner.plans)
@@ -304,7 +305,7 @@ def test_plan_codec_carries_the_bitmask():
     ]
     sent = StepPlan(0, rows, bitmasks=TokenBitmasks([1], mask))
     _, plan = PlanDecoder().decode(PlanEncoder().encode(sent))
-    assert plan == sent and plan.row_bitmasks(1) == mask and plan.row_bitmasks(0) is None
+    assert plan == sent and row_bitmasks(plan, 1) == mask and row_bitmasks(plan, 0) is None
 
 
 def test_scheduler_grammar_path_and_front_import_no_torch_or_xgrammar():

@@ -172,7 +172,7 @@ def test_penalised_rows_overlap():
     assert out == expected(prompts(2), [6, 6])
     for rid in ("r0", "r1"):
         assert any(r.reads_last_sample for p in plans for r in p.rows if r.rid == rid)
-    assert not any(r.needs_host_result for p in plans for r in p.rows)
+    assert not any(r.waits_for_result for p in plans for r in p.rows)
     entries = [e for p in plans for e in p.new_slots]
     assert len(entries) == 2
     penalised = next(e for e in entries if e.params.has_penalties)
@@ -213,7 +213,7 @@ def test_speculative_rows_accept_and_roll_back(good, overlap):
     assert run(core, reqs, params) == expected(reqs, max_tokens)
     drafted = [r for p in plans for r in p.rows if r.num_draft_tokens]
     assert drafted and all(len(r.sample_offsets) == r.num_draft_tokens + 1 for r in drafted)
-    assert all(r.needs_host_result for r in drafted)
+    assert all(r.waits_for_result for r in drafted)
     assert all(
         len(p.drafts[i]) == r.num_draft_tokens
         for p in plans
@@ -221,7 +221,7 @@ def test_speculative_rows_accept_and_roll_back(good, overlap):
         if r.num_draft_tokens
     )
     # rows that did not draft do not wait for their result
-    assert not any(r.needs_host_result for p in plans for r in p.rows if not r.num_draft_tokens)
+    assert not any(r.waits_for_result for p in plans for r in p.rows if not r.num_draft_tokens)
     steps_plain = sum(max_tokens)
     if good == 4:  # every draft right: far fewer decode rows than tokens
         assert sum(1 for p in plans for r in p.rows if r.sample_offsets) < steps_plain / 2

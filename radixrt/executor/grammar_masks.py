@@ -90,12 +90,3 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, W, 32]
     allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
     logits.masked_fill_(~allowed, float("-inf"))
-
-
-def allowed_tokens(mask: bytes, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] bool: the reference decoding of one mask (tests)."""
-    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
-    out = np.zeros(vocab_size, dtype=bool)
-    n = min(vocab_size, len(bits))
-    out[:n] = bits[:n].astype(bool)
-    return torch.from_numpy(out)
