@@ -16,6 +16,7 @@ from radixrt.engine.core import EngineCore
 from radixrt.kv.allocator import BlockAllocator
 from radixrt.sampling import (
     DEFAULT_OPTIONS,
+    MAX_CACHE_SALT_CHARS,
     MAX_PRIORITY,
     MIN_PRIORITY,
     RequestOptions,
@@ -727,3 +728,22 @@ def test_cache_pressure_reports_holds_against_the_share_as_data():
     core.scheduler.retention.release("x0")
     assert core.cache_pressure().held == frozenset() and core.cache_pressure().room_blocks == 20
     core.check_integrity()
+
+
+def test_engine_generate_takes_request_options_per_prompt(make_engine):
+    """`Engine.generate(options=...)`: one RequestOptions for every prompt or one per prompt;
+    a salt keeps a prompt's cached KV from other salts', and the list must match the prompts."""
+    engine = make_engine()
+    prompt = list(range(10, 50))
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    a, b = RequestOptions(cache_salt="a"), RequestOptions(cache_salt="b", priority=-1)
+    engine.generate(prompt_token_ids=[prompt], sampling_params=greedy, options=a)
+    outs = engine.generate(
+        prompt_token_ids=[prompt, prompt], sampling_params=greedy, options=[b, a]
+    )
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens > 0
+    assert outs[0].token_ids == outs[1].token_ids
+    with pytest.raises(ValueError, match="2 request options for 1 prompts"):
+        engine.generate(prompt_token_ids=[prompt], sampling_params=greedy, options=[a, b])
+    with pytest.raises(ValueError, match="cache_salt"):
+        RequestOptions(cache_salt="x" * (MAX_CACHE_SALT_CHARS + 1))
