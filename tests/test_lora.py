@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from lora_adapters import ADAPTERS, edit_config, make_adapters
+from peft_helpers import peft_greedy
 from safetensors.torch import save_file
 
 from radixrt import SamplingParams
@@ -43,27 +44,8 @@ def reference(tiny_model_dir, adapters):
         model.eval()
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
-            out[name, prompt] = _greedy(model, ids)
+            out[name, prompt] = peft_greedy(model, ids, MAX_NEW)
     return out
-
-
-def _greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probs (PEFT's forward with HF's KV cache)."""
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=MAX_NEW,
-            min_new_tokens=MAX_NEW,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    new = out.sequences[0, len(ids) :].tolist()
-    scores = [float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, new)]
-    return new, scores
 
 
 def _engine(make_engine, adapters, **options):

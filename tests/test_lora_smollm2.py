@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from peft_helpers import peft_greedy
 from smollm2_model import smollm2_gguf  # noqa: F401  (fixture)
 
 from radixrt import Engine, SamplingParams
@@ -67,29 +68,11 @@ def peft_run(smollm2_gguf, tmp_path_factory):  # noqa: F811
         for prompt, ids in zip(PROMPTS, prompt_ids):
             if adapter is None:
                 with model.disable_adapter():
-                    ref[adapter, prompt] = _greedy(model, ids)
+                    ref[adapter, prompt] = peft_greedy(model, ids, MAX_NEW)
             else:
                 model.set_adapter(adapter)
-                ref[adapter, prompt] = _greedy(model, ids)
+                ref[adapter, prompt] = peft_greedy(model, ids, MAX_NEW)
     return {"dirs": dirs, "ref": ref, "prompt_ids": prompt_ids}
-
-
-def _greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=MAX_NEW,
-            min_new_tokens=MAX_NEW,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    new = out.sequences[0, len(ids) :].tolist()
-    scores = [float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, new)]
-    return new, scores
 
 
 def _check(out, ref, what):
