@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from radixrt.model.layers import RotaryEmbedding
 from radixrt.model.linear import (
+    EXACT_ROWS,
     PACKED_MIN_ROWS,
     Linear,
     can_prepack,
+    padded_rows,
     prepack_linears,
 )
 
@@ -30,7 +34,7 @@ def _linear(inp: int, out: int, bias: bool, **kw) -> Linear:
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 7, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 128, 300])
+@pytest.mark.parametrize("rows", [1, 7, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 128, 130, 300])
 @pytest.mark.parametrize("shape", [(192, 320, False), (512, 192, False), (64, 48, True)])
 def test_packed_linear_matches_f_linear(rows: int, shape: tuple[int, int, bool]) -> None:
     inp, out, bias = shape
@@ -151,3 +155,33 @@ def test_rmsnorm_float32_equals_hf_formula_bitwise(shape, with_residual) -> None
         assert torch.equal(got[0], want) and torch.equal(got[1], h)
     else:
         assert torch.equal(got, want)
+
+
+def test_padded_rows_bound_the_shapes() -> None:
+    sizes = {padded_rows(r) for r in range(1, 8192)}
+    # exact below 64, then 8 per doubling up to 8,192 (8,191 rounds up to it)
+    assert len(sizes) == (EXACT_ROWS - 1) + 7 * 8 + 1
+    for r in range(1, 8193):
+        p = padded_rows(r)
+        assert r <= p and (r < EXACT_ROWS or (p - r) * 8 < r), (r, p)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@needs_onednn
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_many_row_counts_keep_rss_bounded() -> None:
+    """oneDNN caches a primitive per input shape (~0.7 MB each here): 1,000 distinct row counts
+    through the packed path without row padding grew RSS ~690 MB; padded, ~30 MB."""
+    lin = _linear(128, 256, True)
+    assert lin.prepack()
+    x = torch.randn(1100, 128)
+    with torch.inference_mode():
+        lin(x[:EXACT_ROWS])  # oneDNN's own start-up
+        before = _rss_mb()
+        for rows in range(EXACT_ROWS, EXACT_ROWS + 1000):
+            lin(x[:rows])
+    assert _rss_mb() - before < 200

@@ -313,7 +313,8 @@ VLLM_CHAT = [
 VLLM_STREAM_OPTIONS = ["include_usage", "continuous_usage_stats"]
 
 # OpenAI's deprecated function calling, and SGLang completion fields radixrt shares with chat
-RADIXRT_CHAT = ["functions", "function_call", "json_schema", "custom_labels", "cache_ttl_s"]
+RADIXRT_CHAT = ["functions", "function_call", "json_schema", "custom_labels", "cache_ttl_s",
+                "max_tool_calls"]  # fmt: skip
 RADIXRT_COMPLETION = ["cache_ttl_s"]  # a retention hint (radixrt.scheduler.retention)
 # radixrt's own /generate fields (beyond SGLang's)
 RADIXRT_GENERATE = ["model", "return_prompt_logprob", "cache_ttl_s"]

@@ -81,6 +81,51 @@ def test_parallel_calls_each_valid(client):
         _valid(c.function.name, c.function.arguments)
 
 
+def _calls_and_reason(client, stream: bool, **kw) -> tuple[list[tuple[str, str]], str]:
+    """((name, arguments) of each call, finish_reason), from a whole or a streamed answer."""
+    if not stream:
+        choice = _chat(client, **kw).choices[0]
+        calls = choice.message.tool_calls or []
+        return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
+    parts: dict[int, list[str]] = {}
+    reason = None
+    for chunk in _chat(client, stream=True, **kw):
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            for tc in ch.delta.tool_calls or []:
+                if tc.id is not None:
+                    parts[tc.index] = [tc.function.name, ""]
+                parts[tc.index][1] += tc.function.arguments or ""
+    return [(parts[i][0], parts[i][1]) for i in sorted(parts)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_calls_end_at_max_tool_calls(client, stream):
+    """Greedy, the tiny model repeats its call (~49 tokens each) until max_tokens; with
+    max_tool_calls 2 the grammar ends the output after the second call, as tool_calls."""
+    kw = dict(tool_choice="required", temperature=0, max_tokens=200)
+    calls, reason = _calls_and_reason(client, stream, **kw)
+    assert reason == "length" and len(calls) > 2, (reason, calls)  # the default bound: 16
+    calls, reason = _calls_and_reason(client, stream, extra_body={"max_tool_calls": 2}, **kw)
+    assert reason == "tool_calls" and len(calls) == 2, (reason, calls)
+    for name, arguments in calls:
+        _valid(name, arguments)
+
+
+def test_one_call_ends_within_64_tokens(client):
+    kw = dict(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64)
+    for stream in (False, True):
+        calls, reason = _calls_and_reason(client, stream, **kw)
+        assert reason == "tool_calls" and len(calls) == 1, (reason, calls)
+        _valid(*calls[0])
+
+
+def test_max_tool_calls_out_of_range_is_400(server):
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tool_calls": 0}
+    status, out = http_call(server.url + "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "max_tool_calls", out
+
+
 def test_named_call_without_parallel_calls(client):
     out = _chat(
         client,

@@ -62,16 +62,16 @@ def _accepts(grammar, text: str) -> bool:
 def test_required_and_named_calls(name):
     fmt = create_tool_format(name)
     one, two, _ = TEXTS[name]
-    required = _grammar(fmt, [WEATHER, NOW], at_least_one=True, parallel=True)
+    required = _grammar(fmt, [WEATHER, NOW], at_least_one=True, max_calls=64)
     assert _accepts(required, one.format(*GOOD))
     assert _accepts(required, two.format(*GOOD))
     assert not _accepts(required, one.format(BAD, "{}"))
     assert not _accepts(required, one.format(*GOOD).replace("get_weather", "get_time"))
     assert not _accepts(required, "Sure, here you go.")
     assert not _accepts(required, "")
-    single = _grammar(fmt, [WEATHER, NOW], at_least_one=True, parallel=False)
+    single = _grammar(fmt, [WEATHER, NOW], at_least_one=True, max_calls=1)
     assert _accepts(single, one.format(*GOOD)) and not _accepts(single, two.format(*GOOD))
-    named = _grammar(fmt, [NOW], at_least_one=True, parallel=False)
+    named = _grammar(fmt, [NOW], at_least_one=True, max_calls=1)
     assert not _accepts(named, one.format(*GOOD))
     # what the grammar accepts, the parser reads back
     scan = fmt.parse(two.format(*GOOD))
@@ -85,7 +85,7 @@ def test_required_and_named_calls(name):
 def test_auto_constrains_a_started_call(name):
     fmt = create_tool_format(name)
     _, _, mixed = TEXTS[name]
-    auto = _grammar(fmt, [WEATHER, NOW], at_least_one=False, parallel=True)
+    auto = _grammar(fmt, [WEATHER, NOW], at_least_one=False, max_calls=64)
     assert _accepts(auto, "No call needed: 4.")
     assert _accepts(auto, mixed.format(*GOOD))
     assert not _accepts(auto, mixed.format(BAD, "{}"))
@@ -95,7 +95,7 @@ def test_auto_constrains_a_started_call(name):
 
 def test_llama3_has_no_constrained_auto():
     with pytest.raises(ValueError, match="no constrained auto"):
-        create_tool_format("llama3_json").calls_format([NOW], at_least_one=False, parallel=True)
+        create_tool_format("llama3_json").calls_format([NOW], at_least_one=False, max_calls=64)
 
 
 def _spec(parser: str, **fields):
@@ -171,9 +171,9 @@ def test_auto_leaves_text_answers_alone_in_a_mixed_batch(make_engine, tiny_model
         for q in questions
     ]  # fmt: skip
     plain = SamplingParams(max_tokens=48, temperature=0)
-    auto_tag = tag(at_least_one=False, parallel=True)
+    auto_tag = tag(at_least_one=False, max_calls=64)
     auto = SamplingParams(max_tokens=48, temperature=0, structural_tag=auto_tag)
-    required_tag = tag(at_least_one=True, parallel=False)
+    required_tag = tag(at_least_one=True, max_calls=1)
     required = SamplingParams(max_tokens=160, temperature=0.8, seed=1, structural_tag=required_tag)
     outs = engine.generate(prompts * 3, [plain] * 3 + [auto] * 3 + [required] * 3)
     assert [o.text for o in outs[:3]] == [o.text for o in outs[3:6]]
@@ -181,3 +181,23 @@ def test_auto_leaves_text_answers_alone_in_a_mixed_batch(make_engine, tiny_model
         (call,) = fmt.parse(o.text).calls
         assert call.name == "get_time" and set(json.loads(call.arguments)) == {"tz"}
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_required_calls_end_after_max_calls(name):
+    """Parallel calls stop at `max_calls`: the output may end after each call and must end
+    after the last one allowed."""
+    fmt = create_tool_format(name)
+    one, two, _ = TEXTS[name]
+    two_calls = two.format(*GOOD)
+    two_max = _grammar(fmt, [WEATHER, NOW], at_least_one=True, max_calls=2)
+    assert _accepts(two_max, one.format(*GOOD)) and _accepts(two_max, two_calls)
+    sep = {"hermes": "\n", "llama3_json": "; ", "mistral": ", "}[name]
+    call = one.format(*GOOD)
+    if name == "mistral":  # one bracket around the calls: add a third inside it
+        call = call.removeprefix("[TOOL_CALLS][").removesuffix("]")
+        three = two_calls[:-1] + sep + call + "]"
+    else:
+        three = two_calls + sep + call
+    assert not _accepts(two_max, three)
+    assert _accepts(_grammar(fmt, [WEATHER, NOW], at_least_one=True, max_calls=3), three)

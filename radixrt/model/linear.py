@@ -14,6 +14,12 @@ Numerics: oneDNN sums the K products in another order than MKL, so results
 differ in the last bits (relative ~1e-6 in float32; tests/test_cpu_linear.py bounds it against
 `F.linear`).
 
+Memory: oneDNN builds (and caches, ~1,024 entries) one primitive per input shape, each a few
+hundred KB; a server's prefill chunks come in every row count, so the caches grew the scheduler
+process for as long as it met new row counts (benchmarks/soak.py). The packed path therefore
+pads its rows up to `padded_rows(rows)` (under 1/8 more rows, 8 sizes per power of two), which
+bounds the shapes it ever sees.
+
 Contract: `prepack()` snapshots the weight; a packed copy is used only while the weight is
 unchanged (its version counter is checked on every call, and a changed weight falls back to
 `F.linear` until `prepack()` runs again). The packed copy doubles the weight's memory: a CPU
@@ -28,6 +34,32 @@ from torch import nn
 
 PACKED_MIN_ROWS = 8  # rows from which the packed oneDNN GEMM beats MKL's (see above)
 PACK_HINT_ROWS = 128  # batch-size hint of oneDNN's weight reorder (the layout is the same)
+EXACT_ROWS = 64  # row counts below this run as they are (one shape each)
+ROW_BUCKETS_PER_DOUBLING = 8  # padded row counts per power of two above (padding < 1/8)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count the packed GEMM runs at for `rows` input rows: `rows` below EXACT_ROWS,
+    else rounded up to a multiple of 1/ROW_BUCKETS_PER_DOUBLING of the power of two at or
+    below it, so a bounded set of shapes reaches oneDNN (see the module docstring)."""
+    if rows < EXACT_ROWS:
+        return rows
+    step = (1 << (rows.bit_length() - 1)) // ROW_BUCKETS_PER_DOUBLING
+    return -(-rows // step) * step
+
+
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., in] @ packed `weight` (+ bias) -> [..., out] contiguous, run at `padded_rows`."""
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    rows = flat.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, in_features)])
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -96,7 +128,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self._packed_version != self.weight._version:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, full[0], full[1], "none", [], "")
+        return _packed_linear(x, full[0], full[1])
 
     def forward_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """x [..., in] -> output features [start, stop) [..., stop - start], contiguous."""
@@ -107,7 +139,7 @@ class Linear(nn.Linear):
             and x.is_cpu  # a model moved off the CPU after prepack() keeps F.linear
             and self._packed_version == self.weight._version
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, packed[0], packed[1], "none", [], "")
+            return _packed_linear(x, packed[0], packed[1])
         bias = None if self.bias is None else self.bias[start:stop]
         return F.linear(x, self.weight[start:stop], bias)
 

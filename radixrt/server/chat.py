@@ -31,8 +31,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 def check_chat_length(req_messages: list, tools: list | None, model: ModelInfo) -> None:
     """ApiError when the text of a chat request cannot fit the context: the tools (names,
     descriptions, parameter schemas as JSON), then everything (that plus the messages'
-    contents and their calls' arguments), at `ModelInfo.max_prompt_chars`. Linear in the
-    request and checked before anything is rendered, parsed or tokenized."""
+    contents and their calls' arguments), at `ModelInfo.max_prompt_chars`, and the number of
+    messages at the context length (the template renders each into one token at least).
+    Linear in the request and checked before anything is rendered, parsed or tokenized."""
+    if len(req_messages) > model.max_model_len:
+        raise ApiError(
+            f"messages has {len(req_messages)} messages; this model's context of "
+            f"{model.max_model_len} tokens takes at most {model.max_model_len}",
+            param="messages",
+        )
     chars = 0
     for t in tools or ():
         f = t.function

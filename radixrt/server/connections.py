@@ -12,7 +12,8 @@ shuts down its sending side, even after a complete request. Here:
   `100 Continue` (HTTP/1.1 clients must accept unsolicited 1xx responses) draws a reset from
   a closed socket, which a periodic SO_ERROR check sees; its handler is then cancelled
   (aborting its generation) as for any other disconnect.
-- `body_deadline_middleware` reads a request's body within `body_timeout_s` (408 else).
+- `body_deadline_middleware` reads a request's body within `body_timeout_s` (408 else), and
+  refuses one over the size limit (413 naming it) by its Content-Length before reading it.
 - `ConnectionGuard` makes the protocol of each accepted connection and counts them; over
   the cap a connection gets a canned 503 and is closed, without parsing anything.
 - `raise_fd_limit` raises the soft RLIMIT_NOFILE to the hard limit; `connection_cap` keeps
@@ -273,13 +274,19 @@ class GuardedSite(web.BaseSite):
         self._server = await loop.create_server(self._guard, sock=self._sock, backlog=1024)
 
 
-def body_deadline_middleware(timeout_s: float, metrics: ServerMetrics) -> Callable:
+def body_deadline_middleware(timeout_s: float, metrics: ServerMetrics, max_bytes: int) -> Callable:
     """Read every request body whole within `timeout_s` (handlers then get it from
-    aiohttp's cache); 408 otherwise."""
+    aiohttp's cache); 408 otherwise. A body over `max_bytes` is a 413 naming the limit: at
+    once by its Content-Length (nothing of it is read), or once that much has arrived (a
+    chunked one); the app's `client_max_size` must be `max_bytes`."""
+    too_large = f"the request body is over the limit of {max_bytes} bytes"
 
     @web.middleware
     async def body_deadline(request: web.Request, handler: Callable) -> web.StreamResponse:
         if request.body_exists:
+            length = request.content_length
+            if length is not None and length > max_bytes:
+                raise ApiError(f"{too_large} (Content-Length {length})", status=413)
             try:
                 await asyncio.wait_for(request.read(), timeout_s)
             except asyncio.TimeoutError:
@@ -287,6 +294,8 @@ def body_deadline_middleware(timeout_s: float, metrics: ServerMetrics) -> Callab
                 raise ApiError(
                     f"the request body did not arrive within {timeout_s:g} s", status=408
                 ) from None
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(too_large, status=413) from None
         return await handler(request)
 
     return body_deadline

@@ -57,6 +57,7 @@ def nested_schemas(schema: type[msgspec.Struct]) -> dict[str, type[msgspec.Struc
     return out
 
 
+@functools.cache  # unknown_names asks once per object of a request (1.5 M messages: 50 MB)
 def field_names(schema: type[msgspec.Struct]) -> tuple[str, ...]:
     """Every JSON name `schema` declares (the fuzz test and docs list these)."""
     return tuple(f.encode_name for f in msgspec.inspect.type_info(schema).fields)

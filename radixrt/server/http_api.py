@@ -78,7 +78,7 @@ def create_app(
     middlewares = [
         _error_middleware,
         _auth_middleware(api_key, tenants),
-        body_deadline_middleware(body_timeout_s, front.metrics),
+        body_deadline_middleware(body_timeout_s, front.metrics, MAX_BODY_BYTES),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front

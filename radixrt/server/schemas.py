@@ -34,6 +34,11 @@ from radixrt.sampling import (
     MIN_PRIORITY,
 )
 from radixrt.server.protocol import MAX_TOOLS
+from radixrt.server.tools.request import MAX_TOOL_CALLS
+
+# messages of one chat request: refused while decoding, before the per-message checks (a
+# 50 MB body holds 1.5 M short ones); the context length bounds them further
+MAX_MESSAGES = 65536
 
 NEUTRAL = "neutral"  # key of `msgspec.Meta.extra`: the accepted values of a neutral field
 
@@ -221,7 +226,7 @@ class ToolDef(Body, kw_only=True):
 
 
 class ChatCompletionRequest(OpenAIFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, ints(0)] | None = None  # wins over max_tokens
     # functions the model may call (radixrt.server.tools)
     tools: Annotated[list[ToolDef], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
@@ -231,6 +236,8 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
     functions: Annotated[Any, neutral(None, why="deprecated: use tools")] = None
     function_call: Annotated[Any, neutral(None, why="deprecated: use tool_choice")] = None
     parallel_tool_calls: bool | None = None  # false: at most one call (default true)
+    # calls in one answer at most with parallel calls (default tools.DEFAULT_MAX_TOOL_CALLS)
+    max_tool_calls: Annotated[int, ints(1, MAX_TOOL_CALLS)] | None = None
     structural_tag: Unset = None
     bad_words: Annotated[Any, neutral(None, [], why="no banned word lists")] = None
     logprobs: bool | None = False
@@ -390,7 +397,7 @@ class TokenizeRequest(Body, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False

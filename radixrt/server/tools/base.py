@@ -69,11 +69,11 @@ class ToolFormat(ABC):
         (begin text, the arguments' JSON schema, end text)."""
 
     @abstractmethod
-    def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
-        """xgrammar structural-tag format of the whole output: calls of `tools` only
-        (`at_least_one`: required / named) or text with calls that are constrained once
-        started (auto, where `constrains_auto`; else ValueError); `parallel`: more than
-        one call allowed."""
+    def calls_format(self, tools: list[Tool], *, at_least_one: bool, max_calls: int) -> dict:
+        """xgrammar structural-tag format of the whole output: 1 to `max_calls` calls of
+        `tools` only (`at_least_one`: required / named) or text with calls that are
+        constrained once started (auto, where `constrains_auto`; else ValueError; auto
+        bounds only `max_calls` 1)."""
 
     def parse(self, text: str) -> Scan:
         """The whole output's content and calls."""
@@ -86,6 +86,21 @@ def held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-k:]):
             return k
     return 0
+
+
+def calls_sequence(tags: list[dict[str, Any]], separator: str, max_calls: int) -> dict[str, Any]:
+    """xgrammar structural-tag format of 1 to `max_calls` of `tags`, joined by `separator`:
+    the output may end after each complete call and must end after the last one allowed (a
+    model that repeats its call stops there rather than at `max_tokens`)."""
+    if max_calls == 1:  # one call: xgrammar's own form
+        return {"type": "tags_with_separator", "tags": tags, "separator": separator,
+                "at_least_one": True, "stop_after_first": True}  # fmt: skip
+    call = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    more = {"type": "sequence", "elements": [{"type": "const_string", "value": separator}, call]}
+    return {
+        "type": "sequence",
+        "elements": [call, {"type": "repeat", "min": 0, "max": max_calls - 1, "content": more}],
+    }
 
 
 def arguments_format(tool: Tool) -> dict[str, Any]:

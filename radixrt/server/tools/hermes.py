@@ -12,6 +12,7 @@ from radixrt.server.tools.base import (
     Tool,
     ToolFormat,
     arguments_format,
+    calls_sequence,
     held_back,
 )
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws
@@ -73,20 +74,14 @@ class HermesFormat(ToolFormat):
             "end": f"}}\n{END}",
         }
 
-    def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
+    def calls_format(self, tools: list[Tool], *, at_least_one: bool, max_calls: int) -> dict:
         tags = [self.call_tag(t) for t in tools]
         if at_least_one:
-            return {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "\n",
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            }
+            return calls_sequence(tags, "\n", max_calls)
         return {
             "type": "triggered_tags",
             "triggers": [START],
             "tags": tags,
             "at_least_one": False,
-            "stop_after_first": not parallel,
+            "stop_after_first": max_calls == 1,
         }

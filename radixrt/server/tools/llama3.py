@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixrt.server.tools.base import PartialCall, Scan, Tool, ToolFormat, arguments_format
+from radixrt.server.tools.base import (
+    PartialCall,
+    Scan,
+    Tool,
+    ToolFormat,
+    arguments_format,
+    calls_sequence,
+)
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
@@ -74,13 +81,7 @@ class Llama3JsonFormat(ToolFormat):
             "end": "}",
         }
 
-    def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
+    def calls_format(self, tools: list[Tool], *, at_least_one: bool, max_calls: int) -> dict:
         if not at_least_one:
             raise ValueError("llama3_json has no constrained auto mode")
-        return {
-            "type": "tags_with_separator",
-            "tags": [self.call_tag(t) for t in tools],
-            "separator": SEPARATOR,
-            "at_least_one": True,
-            "stop_after_first": not parallel,
-        }
+        return calls_sequence([self.call_tag(t) for t in tools], SEPARATOR, max_calls)

@@ -14,6 +14,7 @@ from radixrt.server.tools.base import (
     Tool,
     ToolFormat,
     arguments_format,
+    calls_sequence,
     held_back,
 )
 from radixrt.server.tools.json_scan import Status, call_object, skip_ws, value_span
@@ -98,14 +99,8 @@ class MistralFormat(ToolFormat):
             "end": "}",
         }
 
-    def calls_format(self, tools: list[Tool], *, at_least_one: bool, parallel: bool) -> dict:
-        calls = {
-            "type": "tags_with_separator",
-            "tags": [self.call_tag(t) for t in tools],
-            "separator": ", ",
-            "at_least_one": True,
-            "stop_after_first": not parallel,
-        }
+    def calls_format(self, tools: list[Tool], *, at_least_one: bool, max_calls: int) -> dict:
+        calls = calls_sequence([self.call_tag(t) for t in tools], ", ", max_calls)
         block = {"type": "tag", "begin": START + "[", "content": calls, "end": "]"}
         if at_least_one:
             return block

@@ -14,6 +14,10 @@ from radixrt.server.tools.base import Tool, ToolFormat
 from radixrt.server.tools.schema_check import check_schema
 
 CHOICES = ("none", "auto", "required")
+MAX_TOOL_CALLS = 128  # `max_tool_calls` at most
+# calls in one answer when `max_tool_calls` is absent: a model that repeats its call ends
+# there with finish_reason tool_calls instead of running into max_tokens
+DEFAULT_MAX_TOOL_CALLS = 16
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's function names
 
 
@@ -25,7 +29,7 @@ class ToolRequest:
     template_tools: tuple[dict, ...]  # the same as the chat template takes them (OpenAI's)
     choice: str  # "none" | "auto" | "required" | "function" (a named one)
     forced: str | None  # choice "function": the function's name
-    parallel: bool  # more than one call allowed
+    max_calls: int  # calls allowed in the answer (1: parallel_tool_calls false, or a named call)
     fmt: ToolFormat | None  # how the model writes calls; None with choice "none"
 
     def structural_tag(self) -> str | None:
@@ -38,17 +42,14 @@ class ToolRequest:
         if self.choice == "auto" and not self.fmt.constrains_auto:
             return None
         tools = [t for t in self.tools if self.forced in (None, t.name)]
-        fmt = self.fmt.calls_format(
-            tools,
-            at_least_one=self.choice != "auto",
-            parallel=self.parallel and self.forced is None,  # a named call: one
-        )
+        fmt = self.fmt.calls_format(tools, at_least_one=self.choice != "auto",
+                                    max_calls=self.max_calls)  # fmt: skip
         return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def parse_tools(req: Any, fmt_name: str) -> ToolRequest | None:
-    """The request's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`) checked;
-    None when it offers no tools."""
+    """The request's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`,
+    `max_tool_calls`) checked; None when it offers no tools."""
     from radixrt.server.tools import create_tool_format
 
     choice, forced = _choice(req.tool_choice)
@@ -63,8 +64,11 @@ def parse_tools(req: Any, fmt_name: str) -> ToolRequest | None:
         )
     names = frozenset(t.name for t in tools)
     fmt = None if choice == "none" else create_tool_format(fmt_name, names)
-    parallel = req.parallel_tool_calls is not False
-    return ToolRequest(tuple(tools), tuple(template_tools), choice, forced, parallel, fmt)
+    if req.parallel_tool_calls is False or forced is not None:  # a named choice: one call
+        max_calls = 1
+    else:
+        max_calls = req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS
+    return ToolRequest(tuple(tools), tuple(template_tools), choice, forced, max_calls, fmt)
 
 
 def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
