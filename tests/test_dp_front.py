@@ -227,3 +227,19 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+def test_fan_out_answers_merge_nested_counters():
+    """Replicas' dicts (per-adapter or per-tenant counters) are summed key by key, not the
+    first replica's kept."""
+    from radixrt.server.dp_front import _merge
+
+    a = {"block_size": 16, "held_blocks": 2, "by_lora": {"x": 1, "y": 2}, "ok": True}
+    b = {"block_size": 16, "held_blocks": 3, "by_lora": {"y": 5, "z": 1}, "ok": False}
+    assert _merge([a, b], "/cache_pressure", 1) == {
+        "block_size": 16,
+        "held_blocks": 5,
+        "by_lora": {"x": 1, "y": 7, "z": 1},
+        "ok": False,
+        "replicas_unreachable": 1,
+    }

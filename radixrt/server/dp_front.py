@@ -301,22 +301,29 @@ async def _each_replica(request: web.Request, body: bytes | None) -> list[tuple[
 
 def _merge(outs: list[dict], path: str, missing: int) -> dict[str, Any]:
     """One answer from the replicas' answers: numbers summed, lists joined, booleans
-    and-ed; `replicas_unreachable` counts those that did not answer 200."""
+    and-ed, dicts (per-adapter counters, ...) merged the same way key by key;
+    `replicas_unreachable` counts those that did not answer 200."""
     merged: dict[str, Any] = {}
     for out in outs:
-        for k, v in out.items():
-            if k in SAME_ON_EVERY_REPLICA:
-                merged.setdefault(k, v)
-            elif isinstance(v, bool):
-                merged[k] = merged.get(k, True) and v
-            elif isinstance(v, (int, float)):
-                merged[k] = merged.get(k, 0) + v
-            elif isinstance(v, list):
-                merged[k] = sorted({*merged.get(k, []), *v}, key=str)
-            else:
-                merged.setdefault(k, v)
+        _merge_into(merged, out)
     merged["replicas_unreachable"] = missing
     return merged
+
+
+def _merge_into(merged: dict[str, Any], out: dict[str, Any], top: bool = True) -> None:
+    for k, v in out.items():
+        if top and k in SAME_ON_EVERY_REPLICA:
+            merged.setdefault(k, v)
+        elif isinstance(v, bool):
+            merged[k] = merged.get(k, True) and v
+        elif isinstance(v, (int, float)):
+            merged[k] = merged.get(k, 0) + v
+        elif isinstance(v, list):
+            merged[k] = sorted({*merged.get(k, []), *v}, key=str)
+        elif isinstance(v, dict) and isinstance(merged.get(k, {}), dict):
+            _merge_into(merged.setdefault(k, {}), v, top=False)
+        else:
+            merged.setdefault(k, v)
 
 
 async def _to_one_replica(request: web.Request) -> web.StreamResponse:
