@@ -742,11 +742,6 @@ class EngineConfig:
                 f"prefix_cache is {self.cache.prefix_cache!r}; use prefix_cache='radix' or "
                 "speculative_method 'ngram'"
             )
-        if self.lora.enabled and tp > 1:
-            raise ValueError(
-                f"LoRA adapters (max_loras={self.lora.max_loras}) run with tensor_parallel_size "
-                f"1 only for now, got tensor_parallel_size={tp}"
-            )
         if self.lora.enabled and self.quantization is not None:
             raise ValueError(
                 f"LoRA adapters (max_loras={self.lora.max_loras}) need a 16/32-bit base; "

@@ -175,6 +175,7 @@ class ModelRunner:
             lora.host_capacity,
             self.device,
             self.dtype,
+            shard=self.model.shard,
         )
 
     def _build_attention(self, attn_cfg: ModelConfig) -> None:

@@ -6,7 +6,8 @@ For every layer and merged projection (qkv_proj, o_proj, gate_up_proj, down_proj
 the slot-major weights that `radixrt.lora.batch` describes (an adapter of rank r < R and a
 projection it does not adapt leave zeros), and makes each forward's `LoraBatch`: the
 segmented Triton kernels on CUDA (where Triton is installed), torch ops elsewhere (chosen
-at construction).
+at construction). Under tensor parallelism each rank's pool holds its shard of every adapter
+(`radixrt.lora.shard`): the shapes of its base layers' shards, read from the same directory.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from radixrt.lora.adapter import (
     WEIGHTS_FILE,
     adapter_scaling,
     digest,
-    module_shapes,
     parse_tensor_name,
     read_config,
 )
 from radixrt.lora.batch import LayerLora, LoraBatch, MaskedLoraBatch, SegmentedLoraBatch
+from radixrt.lora.shard import local_module_shapes, shard_lora_pair
+from radixrt.model.tp.shard import TPShard
 from radixrt.sampling import LoraRef
 
 # merged projection -> the PEFT modules it is made of, in order
@@ -46,7 +48,7 @@ MERGED = {
 @dataclass
 class HostAdapter:
     """An adapter's weights in host memory: (layer, module) -> (A [r, in], B * scaling
-    [out, r]), float32."""
+    [out, r]), float32; a tensor-parallel rank's shard of them (in, out: its local features)."""
 
     ref: LoraRef
     rank: int
@@ -57,9 +59,10 @@ class HostAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def read_host_adapter(ref: LoraRef) -> HostAdapter:
-    """Read `ref`'s weights from its directory. Raises ValueError when its files changed
-    since the registry checked them (their key differs: cached KV would be wrong)."""
+def read_host_adapter(ref: LoraRef, shard: TPShard) -> HostAdapter:
+    """Read `ref`'s weights from its directory, `shard`'s part of them. Raises ValueError when
+    its files changed since the registry checked them (their key differs: cached KV would be
+    wrong)."""
     if digest(ref.path) != ref.key:
         raise ValueError(
             f"LoRA adapter {ref.name!r}: the files in {ref.path} changed since it was loaded"
@@ -72,7 +75,10 @@ def read_host_adapter(ref: LoraRef) -> HostAdapter:
         assert parsed is not None and parsed[1] in SERVED_MODULES, name  # checked at load
         layer, module, kind = parsed
         pairs.setdefault((layer, module), {})[kind] = tensor.float()
-    weights = {k: (v["A"], v["B"] * scaling) for k, v in pairs.items()}
+    weights = {}
+    for (layer, module), v in pairs.items():
+        a, b = shard_lora_pair(module, v["A"], v["B"], shard)
+        weights[layer, module] = (a.contiguous(), b * scaling)
     return HostAdapter(ref, config["r"], weights)
 
 
@@ -90,6 +96,7 @@ class LoraSlots:
         device: torch.device,
         dtype: torch.dtype,
         segmented: bool | None = None,  # Triton kernels (None: on CUDA with Triton) or torch
+        shard: TPShard | None = None,  # this tensor-parallel rank's part (None: one rank)
     ) -> None:
         self.num_slots, self.rank = max_loras, max_rank
         if segmented is None:
@@ -97,8 +104,9 @@ class LoraSlots:
         self._make_batch = self._segmented_batch if segmented else self._masked_batch
         self.host_capacity = host_capacity
         self.device, self.dtype = device, dtype
+        self.shard = shard or TPShard.of(model, 0, 1)
         L, R = max_loras, max_rank
-        shapes = module_shapes(model)
+        shapes = local_module_shapes(model, self.shard)
         self.layers: list[dict[str, LayerLora]] = []
         for _ in range(model.num_layers):
             layer = {}
@@ -151,7 +159,7 @@ class LoraSlots:
         if host is not None:
             self._host.move_to_end(ref.key)
             return host
-        host = read_host_adapter(ref)
+        host = read_host_adapter(ref, self.shard)
         self.num_host_reads += 1
         self._host[ref.key] = host
         while len(self._host) > self.host_capacity:

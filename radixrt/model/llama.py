@@ -27,6 +27,7 @@ from radixrt.model.kv_scales import is_kv_scale_name
 from radixrt.model.layer_ops import LayerOps, ModuleOps
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
+from radixrt.model.tp.layers import Fp8RowParallelLinear, RowParallelLinear
 from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme
 
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         out = self.ops.attention(self.layer_id, self.rope, rope, q, k, v, backend, pool)
         out = out.reshape(-1, self.q_size)
         if lora is not None:
-            return lora.apply(self.o_proj(out), out, self.layer_id, "o_proj")
+            return _with_lora(self.o_proj, out, lora, self.layer_id, "o_proj")
         return linear_product(self.o_proj, out)
 
 
@@ -137,7 +138,7 @@ class MLP(nn.Module):
             assert isinstance(x, torch.Tensor)  # LoRA runs over 16/32-bit bases only
             gate_up = lora.apply(self.gate_up_proj(x), x, self.layer_id, "gate_up_proj")
             act = self.ops.silu_and_mul(gate_up)
-            return lora.apply(self.down_proj(act), act, self.layer_id, "down_proj")
+            return _with_lora(self.down_proj, act, lora, self.layer_id, "down_proj")
         if self.fused_fp8:
             down = self.down_proj
             assert isinstance(down, Fp8Linear)
@@ -154,6 +155,21 @@ class MLP(nn.Module):
         gate = self.gate_up_proj.forward_rows(x, 0, self.inter)
         up = self.gate_up_proj.forward_rows(x, self.inter, 2 * self.inter)
         return self.down_proj(silu_mul_(gate, up))
+
+
+def _with_lora(
+    layer: Linear, x: torch.Tensor, lora: LoraBatch, layer_id: int, module: str
+) -> torch.Tensor:
+    """`layer(x)` plus each row's LoRA delta of `module` (o_proj, down_proj). Row-parallel,
+    each rank adds its input features' part of the delta (its columns of A: radixrt.lora.shard)
+    to its partial product before the layer's all-reduce, which sums both."""
+
+    def add(out: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
+        return lora.apply(out, x_local, layer_id, module)
+
+    if isinstance(layer, RowParallelLinear):
+        return layer.forward_adding(x, add)
+    return add(layer(x), x)
 
 
 def _fp8_for(fp8: Fp8Scheme | None, prefix: str, parts: tuple[str, ...]) -> Fp8Scheme | None:
@@ -191,8 +207,6 @@ def _row_linear(
     fp8 versions under an fp8 scheme."""
     if group is None:
         return _linear(in_local, out_features, fp8)
-    from radixrt.model.tp.layers import Fp8RowParallelLinear, RowParallelLinear
-
     if fp8 is not None:
         return Fp8RowParallelLinear(in_local, out_features, fp8, group)
     return RowParallelLinear(in_local, out_features, group)

@@ -10,6 +10,8 @@ row-parallel layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -30,6 +32,14 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
+
+    def forward_adding(
+        self, x: torch.Tensor, add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """all_reduce(add(x_local @ W_local^T, x_local)): `add` puts a term of this rank's
+        input features (its part of a LoRA delta) into the partial sum, in place, and the
+        one all-reduce sums both over ranks."""
+        return self.group.all_reduce(add(super().forward(x), x))
 
 
 class Fp8RowParallelLinear(Fp8Linear):
