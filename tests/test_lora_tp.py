@@ -1,7 +1,8 @@
 """LoRA under tensor parallelism on a CPU with gloo (2 ranks, float32): each rank's slot pool
 holds its shard of every adapter (B's output rows of column-parallel layers, A's input
 columns of row-parallel ones), the shards' deltas make the whole delta, and a mixed batch of
-two adapters and the base gives one rank's greedy tokens and log-probs (within 1e-4)."""
+two adapters and the base gives one rank's greedy tokens and log-probs (within 1e-4), with KV
+heads split over the ranks or replicated on them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from radixrt.kernels import HAS_TRITON
 from radixrt.lora.adapter import digest, module_shapes
 from radixrt.lora.shard import local_module_shapes
 from radixrt.lora.slots import MERGED, LoraSlots
+from radixrt.model.tiny import make_hf_checkpoint
 from radixrt.model.tp.shard import TPShard
 from radixrt.sampling import LoraRef
 
@@ -121,21 +123,30 @@ def test_rank_pools_hold_their_shards(tiny_model_dir, tmp_path, segmented):
             assert torch.equal(want[base_rows], torch.zeros_like(want[base_rows]))
 
 
-def test_mixed_batch_same_as_one_rank(tiny_model_dir, make_engine, tmp_path):
+@pytest.fixture(params=["tiny", "qwen3-kv1"])
+def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model (KV heads split over the ranks), or a random Qwen3 with ONE KV head
+    (replicated: both ranks take the same k/v rows of B), q/k norms and q_size != hidden."""
+    if request.param == "tiny":
+        return tiny_model_dir
+    path = str(tmp_path_factory.mktemp("lora-tp") / request.param)
+    return make_hf_checkpoint(path, "qwen3", num_heads=4, num_kv_heads=1)
+
+
+def test_mixed_batch_same_as_one_rank(model_dir, make_engine, tmp_path):
     """Two adapters and the base in one batch on two ranks: one rank's greedy tokens and
     log-probs; the adapters change the outputs (the delta is applied at all)."""
-    refs = _refs(tiny_model_dir, tmp_path)
+    refs = _refs(model_dir, tmp_path)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
-    prompts = ["The quick brown fox", "Once upon a time, in a small village by the sea"]
     loras = [None, "a0", "a1"]
-    prompts = [p for p in prompts for _ in loras]
+    prompts = [p for p in ([5, 6, 7, 8, 9, 10], list(range(20, 47))) for _ in loras]
     loras = loras * 2
     outs = []
     for tp in (1, TP):
-        engine = make_engine(max_loras=2, max_lora_rank=RANK, tensor_parallel_size=tp)
+        engine = make_engine(model_dir, max_loras=2, max_lora_rank=RANK, tensor_parallel_size=tp)
         for ref in refs:
             engine.load_lora(ref.name, ref.path)
-        outs.append(engine.generate(prompts, params, lora=loras))
+        outs.append(engine.generate(prompt_token_ids=prompts, sampling_params=params, lora=loras))
     want, got = outs
     for a, b in zip(want, got):
         assert b.token_ids == a.token_ids
