@@ -157,8 +157,8 @@ def test_model_names():
 
 def test_top_k_off_spellings_and_seed_wrap():
     for off in (-1, 0, None):
-        assert "top_k" not in comp(top_k=off).sampling
-    assert comp(top_k=2048).sampling["top_k"] == 2048
+        assert comp(top_k=off).sampling.top_k is None
+    assert comp(top_k=2048).sampling.top_k == 2048
     spec = comp(seed=2**63 - 1, n=3)
     assert [spec.params(4, choice=i).seed for i in range(3)] == [2**63 - 1, 0, 1]
 
@@ -179,7 +179,7 @@ def test_everything_that_validates_encodes_for_the_scheduler():
         cache_ttl_s=MAX_CACHE_TTL_S,
     )
     codec = msgspec.msgpack.Decoder(ToScheduler)
-    options = replace(spec.options(), lora=LoraRef("judge", "k" * 64, "/adapters/judge"))
+    options = replace(spec.options, lora=LoraRef("judge", "k" * 64, "/adapters/judge"))
     assert options.cache_salt == "c" * MAX_CACHE_SALT_CHARS and options.priority == MIN_PRIORITY
     for choice in range(MAX_N):
         params = spec.params(2**31 - 1, choice)
@@ -189,13 +189,14 @@ def test_everything_that_validates_encodes_for_the_scheduler():
 
 def test_logprob_fields():
     s = comp(logprobs=3).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 3)
+    assert (s.logprobs, s.top_logprobs) == (True, 3)
     s = comp(logprobs=0).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 0)
-    assert comp(echo=True, logprobs=1).sampling["prompt_logprobs"]
+    assert (s.logprobs, s.top_logprobs) == (True, 0)
+    assert comp(echo=True, logprobs=1).sampling.prompt_logprobs
+    assert not comp(echo=True).sampling.prompt_logprobs
     s = chat(logprobs=True, top_logprobs=20).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 20)
-    assert comp(logit_bias={"7": 1.5, "3": -2}).sampling["logit_bias"] == ((3, -2.0), (7, 1.5))
+    assert (s.logprobs, s.top_logprobs) == (True, 20)
+    assert comp(logit_bias={"7": 1.5, "3": -2}).sampling.logit_bias == ((3, -2.0), (7, 1.5))
 
 
 @pytest.mark.parametrize(
