@@ -163,6 +163,27 @@ def test_top_k_off_spellings_and_seed_wrap():
     assert [spec.params(4, choice=i).seed for i in range(3)] == [2**63 - 1, 0, 1]
 
 
+def test_spec_params_set_max_tokens_seed_and_n():
+    spec = comp(seed=5, n=3, temperature=0.5)
+    assert spec.sampling.max_tokens is None and spec.sampling.n == 1  # set per request
+    p = spec.request_params(7)
+    assert (p.max_tokens, p.n, p.seed, p.temperature) == (7, 3, 5, 0.5)
+    assert spec.params(7, choice=2) == replace(spec.sampling, max_tokens=7, seed=7)
+    assert comp(n=2).params(3, choice=1).seed is None
+
+
+def test_late_sampling_fields_are_refused_when_parsed():
+    """Fields set after the shared sampling fields are checked are refused by the parser,
+    naming the SamplingParams field, as when the front made the params."""
+    for fn, fields in [
+        (comp, {"min_tokens": 2**31}),
+        (chat, {"min_tokens": 2**40}),
+        (gen, {"sampling_params": {"min_new_tokens": 2**31}}),
+    ]:
+        e = error(fn, **fields)
+        assert (e.status, e.param) == (400, "min_tokens")
+
+
 def test_everything_that_validates_encodes_for_the_scheduler():
     """The msgpack message of the most extreme valid values round-trips."""
     spec = comp(

@@ -168,11 +168,6 @@ def checked(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise ApiError(str(e)) from e
 
 
-def make_params(**kwargs: Any) -> SamplingParams:
-    """SamplingParams(**kwargs), turning its ValueError into ApiError naming the field."""
-    return checked(SamplingParams, **kwargs)
-
-
 # ---- decoding ----
 def decode(body: bytes, schema: type[msgspec.Struct]) -> Any:
     """The body as `schema`; ApiError naming the field for anything wrong."""

@@ -49,7 +49,6 @@ from radixrt.server.protocol import (
     GenerationSpec,
     ModelInfo,
     checked,
-    make_params,
 )
 from radixrt.server.schemas import (
     ChatCompletionRequest,
@@ -183,7 +182,7 @@ def _checked(kw: dict[str, Any], prefix: str, f: SamplingFields) -> SamplingPara
     """SamplingParams(max_tokens=None, **kw); errors name `prefix` + field, or for a
     constraint the request field of `f` that held it."""
     try:
-        return make_params(max_tokens=None, **kw)
+        return checked(SamplingParams, max_tokens=None, **kw)
     except ApiError as e:
         if e.param in SAMPLING_FIELDS:
             e.param = constraint_param(f, e.param, prefix)
