@@ -492,16 +492,16 @@ def test_unknown_names_warn_once_or_are_refused(caplog):
 
 def test_honoured_fields_reach_the_sampling_params():
     s = comp(min_tokens=3, include_stop_str_in_output=True, stop_regex=["a+b"]).sampling
-    assert (s["min_tokens"], s["include_stop_str_in_output"], s["stop_regex"]) == (
+    assert (s.min_tokens, s.include_stop_str_in_output, s.stop_regex) == (
         3, True, ("a+b",),
     )  # fmt: skip
     s = gen(sampling_params={"min_new_tokens": 2, "no_stop_trim": True, "stop_regex": "x"})
-    assert s.gen.sampling["min_tokens"] == 2 and s.gen.sampling["stop_regex"] == ("x",)
-    assert s.gen.sampling["include_stop_str_in_output"]
-    assert gen(sampling_params={"sampling_seed": 5}).gen.sampling["seed"] == 5
-    assert comp(guided_choice=["yes", "n.o"]).sampling["regex"] == r"yes|n\.o"
-    assert comp(guided_regex="[0-9]+").sampling["regex"] == "[0-9]+"
-    assert comp(guided_grammar='root ::= "a"').sampling["grammar"] == 'root ::= "a"'
+    assert s.gen.sampling.min_tokens == 2 and s.gen.sampling.stop_regex == ("x",)
+    assert s.gen.sampling.include_stop_str_in_output
+    assert gen(sampling_params={"sampling_seed": 5}).gen.sampling.seed == 5
+    assert comp(guided_choice=["yes", "n.o"]).sampling.regex == r"yes|n\.o"
+    assert comp(guided_regex="[0-9]+").sampling.regex == "[0-9]+"
+    assert comp(guided_grammar='root ::= "a"').sampling.grammar == 'root ::= "a"'
     assert not comp(add_special_tokens=False).add_special_tokens
     assert comp(truncate_prompt_tokens=5).truncate_prompt_tokens == 5
     spec = chat(stream=True, stream_options={"continuous_usage_stats": True})

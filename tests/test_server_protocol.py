@@ -157,10 +157,31 @@ def test_model_names():
 
 def test_top_k_off_spellings_and_seed_wrap():
     for off in (-1, 0, None):
-        assert "top_k" not in comp(top_k=off).sampling
-    assert comp(top_k=2048).sampling["top_k"] == 2048
+        assert comp(top_k=off).sampling.top_k is None
+    assert comp(top_k=2048).sampling.top_k == 2048
     spec = comp(seed=2**63 - 1, n=3)
     assert [spec.params(4, choice=i).seed for i in range(3)] == [2**63 - 1, 0, 1]
+
+
+def test_spec_params_set_max_tokens_seed_and_n():
+    spec = comp(seed=5, n=3, temperature=0.5)
+    assert spec.sampling.max_tokens is None and spec.sampling.n == 1  # set per request
+    p = spec.request_params(7)
+    assert (p.max_tokens, p.n, p.seed, p.temperature) == (7, 3, 5, 0.5)
+    assert spec.params(7, choice=2) == replace(spec.sampling, max_tokens=7, seed=7)
+    assert comp(n=2).params(3, choice=1).seed is None
+
+
+def test_late_sampling_fields_are_refused_when_parsed():
+    """Fields set after the shared sampling fields are checked are refused by the parser,
+    naming the SamplingParams field, as when the front made the params."""
+    for fn, fields in [
+        (comp, {"min_tokens": 2**31}),
+        (chat, {"min_tokens": 2**40}),
+        (gen, {"sampling_params": {"min_new_tokens": 2**31}}),
+    ]:
+        e = error(fn, **fields)
+        assert (e.status, e.param) == (400, "min_tokens")
 
 
 def test_everything_that_validates_encodes_for_the_scheduler():
@@ -179,7 +200,7 @@ def test_everything_that_validates_encodes_for_the_scheduler():
         cache_ttl_s=MAX_CACHE_TTL_S,
     )
     codec = msgspec.msgpack.Decoder(ToScheduler)
-    options = replace(spec.options(), lora=LoraRef("judge", "k" * 64, "/adapters/judge"))
+    options = replace(spec.options, lora=LoraRef("judge", "k" * 64, "/adapters/judge"))
     assert options.cache_salt == "c" * MAX_CACHE_SALT_CHARS and options.priority == MIN_PRIORITY
     for choice in range(MAX_N):
         params = spec.params(2**31 - 1, choice)
@@ -189,13 +210,14 @@ def test_everything_that_validates_encodes_for_the_scheduler():
 
 def test_logprob_fields():
     s = comp(logprobs=3).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 3)
+    assert (s.logprobs, s.top_logprobs) == (True, 3)
     s = comp(logprobs=0).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 0)
-    assert comp(echo=True, logprobs=1).sampling["prompt_logprobs"]
+    assert (s.logprobs, s.top_logprobs) == (True, 0)
+    assert comp(echo=True, logprobs=1).sampling.prompt_logprobs
+    assert not comp(echo=True).sampling.prompt_logprobs
     s = chat(logprobs=True, top_logprobs=20).sampling
-    assert (s["logprobs"], s["top_logprobs"]) == (True, 20)
-    assert comp(logit_bias={"7": 1.5, "3": -2}).sampling["logit_bias"] == ((3, -2.0), (7, 1.5))
+    assert (s.logprobs, s.top_logprobs) == (True, 20)
+    assert comp(logit_bias={"7": 1.5, "3": -2}).sampling.logit_bias == ((3, -2.0), (7, 1.5))
 
 
 @pytest.mark.parametrize(

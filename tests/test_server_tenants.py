@@ -6,11 +6,13 @@ sees nor releases another's retention holds."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from server_utils import http_call, serving, sse_events
 from test_server_fields import chat, comp, gen
 
+from radixrt.sampling import RequestOptions
 from radixrt.server.protocol import ApiError
 from radixrt.server.tenants import (
     SHARED_TENANT,
@@ -77,16 +79,17 @@ def test_tenant_policies_bound_what_requests_claim():
     )
     assert t.policy("acme") == TenantPolicy(0, 0, 0, None)  # no claims without a policy
     assert t.policy("beta") == TenantPolicy(-5, 5, 2, 60.0)
-    kw = {"priority": 0, "cache_ttl_s": 0.0}
-    t.policy("beta").apply(kw)
-    assert kw["priority"] == 2  # the schemas' default becomes the tenant's
+    asked = RequestOptions(cache_salt="s", cache_ttl_s=30.0)
+    # the schemas' default becomes the tenant's; the rest is kept
+    assert t.policy("beta").apply(asked) == replace(asked, priority=2)
+    assert t.policy("beta").apply(replace(asked, priority=-4)).priority == -4
     for policy, kw, param in [
         (t.policy("acme"), {"priority": -1}, "priority"),
         (t.policy("beta"), {"priority": 6}, "priority"),
         (t.policy("beta"), {"priority": -5, "cache_ttl_s": 61.0}, "cache_ttl_s"),
     ]:
         with pytest.raises(ApiError) as e:
-            policy.apply(kw)
+            policy.apply(RequestOptions(**kw))
         assert (e.value.status, e.value.param) == (400, param)
     assert TenantPolicy.parse(["priority=3..9"]).default_priority == 3  # 0 is out of range
     for bad in (
@@ -135,18 +138,20 @@ def test_a_tenant_cannot_send_another_tenants_salt():
     assert len(salts) == 19  # every (tenant, salt) pair its own namespace
     # what a client of b would send to reach a's namespace is hashed under b again
     assert tenant_salt("b", tenant_salt("a", None)) != tenant_salt("a", None)
-    kw = {"cache_salt": "s"}
-    apply_tenant(kw, "a")
-    assert kw["cache_salt"] == tenant_salt("a", "s")
+    spec = comp(cache_salt="s", priority=-3)
+    salted = apply_tenant(spec, "a")
+    assert salted.options == replace(spec.options, cache_salt=tenant_salt("a", "s"))
+    assert salted.sampling == spec.sampling and spec.options.cache_salt == "s"
+    assert apply_tenant(comp(), SHARED_TENANT).options.cache_salt is None
+    assert apply_tenant(spec, None) == spec
 
 
 def test_cache_salt_and_priority_are_honoured_on_every_route():
     for spec in (comp(cache_salt="s", priority=-3), chat(cache_salt="s", priority=-3)):
-        assert spec.sampling["cache_salt"] == "s" and spec.sampling["priority"] == -3
-        assert spec.options().cache_salt == "s" and spec.options().priority == -3
+        assert spec.options.cache_salt == "s" and spec.options.priority == -3
     g = gen(cache_salt="s", priority=2).gen
-    assert g.sampling["cache_salt"] == "s" and g.options().priority == 2
-    assert "cache_salt" not in comp().sampling and comp().sampling["priority"] == 0
+    assert g.options.cache_salt == "s" and g.options.priority == 2
+    assert comp().options == RequestOptions()
     for call, fields, param in [
         (comp, {"cache_salt": ""}, "cache_salt"),
         (chat, {"priority": 2**31}, "priority"),
@@ -194,8 +199,8 @@ def test_cache_ttl_s_is_honoured_and_reported():
     from radixrt.server.metrics import ServerMetrics
     from radixrt.stats import EngineStats
 
-    assert comp(cache_ttl_s=30).options().cache_ttl_s == 30
-    assert gen(cache_ttl_s=2.5).gen.options().cache_ttl_s == 2.5
+    assert comp(cache_ttl_s=30).options.cache_ttl_s == 30
+    assert gen(cache_ttl_s=2.5).gen.options.cache_ttl_s == 2.5
     with pytest.raises(ApiError) as e:
         chat(cache_ttl_s=-1)
     assert e.value.param == "cache_ttl_s"

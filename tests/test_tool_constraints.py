@@ -119,17 +119,17 @@ TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_parse_chat_puts_the_constraint_on_the_request(parser):
     spec, seen = _spec(parser, tools=[TOOL], tool_choice="required")
-    assert spec.grammar_param == "tools" and spec.sampling["structural_tag"]
-    assert spec.params(8).structural_tag == spec.sampling["structural_tag"]
+    assert spec.grammar_param == "tools" and spec.sampling.structural_tag
+    assert spec.params(8).structural_tag == spec.sampling.structural_tag
     assert seen["options"].tools == [{"type": "function", "function": {
         "name": "now", "description": "", "parameters": {"type": "object"}}}]  # fmt: skip
-    assert spec.sampling["skip_special_tokens"] is (parser != "mistral")
+    assert spec.sampling.skip_special_tokens is (parser != "mistral")
     auto, _ = _spec(parser, tools=[TOOL])
-    assert ("structural_tag" in auto.sampling) is (parser != "llama3_json")
+    assert (auto.sampling.structural_tag is not None) is (parser != "llama3_json")
     none, _ = _spec(parser, tools=[TOOL], tool_choice="none")
-    assert "structural_tag" not in none.sampling and none.tools.fmt is None
+    assert none.sampling.structural_tag is None and none.tools.fmt is None
     with_format, _ = _spec(parser, tools=[TOOL], response_format={"type": "json_object"})
-    assert "structural_tag" not in with_format.sampling  # auto yields to response_format
+    assert with_format.sampling.structural_tag is None  # auto yields to response_format
 
 
 def test_call_history_reaches_the_template():

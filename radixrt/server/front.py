@@ -17,6 +17,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -26,7 +27,7 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.errors import RequestValueError
 from radixrt.limits import resolve_max_tokens
 from radixrt.lora import LoraRegistry, UnknownLora
-from radixrt.sampling import RequestOptions
+from radixrt.sampling import LoraRef, RequestOptions
 from radixrt.server.channel import Channel
 from radixrt.server.chat import ChatTemplateOptions
 from radixrt.server.front_outputs import FrontOutputs
@@ -293,14 +294,14 @@ class Front:
         can never fit the KV pool or the running slots, or a client rid already in flight."""
         if not self.serving:
             raise self.unavailable_error()
-        tag = None
+        tag, options = None, spec.options
         if tenant is not None and self.tenants is not None:
-            self.tenants.policy(tenant).apply(spec.sampling)
+            options = self.tenants.policy(tenant).apply(options)
             tag = self.tenants.tag(tenant)
         if client_rid is not None and (tenant, client_rid) in self.outputs.by_client_rid:
             raise ApiError(f"request id {client_rid!r} is already in use", param="rid")
-        self._resolve_lora(spec)
-        options = spec.options()
+        if spec.adapter is not None:
+            options = replace(options, lora=self._resolve_lora(spec.adapter))
         all_ids = self.encode(spec) if prompt_ids is None else prompt_ids
         prepared = [self._prepare(spec, ids, i) for i, ids in enumerate(all_ids)]
         events = Outbox()
@@ -330,7 +331,7 @@ class Front:
                 beam = beam_params(self.ready, spec, len(ids), max_tokens)
                 messages.append(BeamSearchRequest(rid, ids, beam, tag, options))
                 groups[rid] = [state(rid, 0, 1)]
-            elif spec.n > 1 and spec.sampling.get("prompt_logprobs"):
+            elif spec.n > 1 and spec.sampling.prompt_logprobs:
                 # echo + logprobs: every choice scores the prompt itself (a fork computes it
                 # once, without log-probs), so these n go as n independent requests
                 for j in range(spec.n):
@@ -356,15 +357,12 @@ class Front:
                 break
         return Generation(states, events, self.abort_states)
 
-    def _resolve_lora(self, spec: GenerationSpec) -> None:
-        """The adapter name validation put in `spec.sampling` becomes its LoraRef (404 if it
-        was unloaded meanwhile)."""
-        name = spec.sampling.get("lora")
-        if not isinstance(name, str):
-            return
+    def _resolve_lora(self, name: str) -> LoraRef:
+        """The LoraRef of the adapter validation accepted as `name` (404 if it was unloaded
+        meanwhile)."""
         try:
             assert self.loras is not None  # validation names only loaded adapters
-            spec.sampling["lora"] = self.loras.resolve(name)
+            return self.loras.resolve(name)
         except UnknownLora as e:
             raise ApiError(str(e), "model", status=404, code="lora_not_found") from e
 

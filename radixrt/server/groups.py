@@ -51,8 +51,8 @@ def beam_params(
         beam_width=spec.beam_width,
         max_tokens=max_tokens,
         length_penalty=spec.length_penalty,
-        ignore_eos=bool(spec.sampling.get("ignore_eos", False)),
-        skip_special_tokens=bool(spec.sampling.get("skip_special_tokens", True)),
+        ignore_eos=spec.sampling.ignore_eos,
+        skip_special_tokens=spec.sampling.skip_special_tokens,
     )
     try:
         beam.check_candidates(ready.num_eos_ids)

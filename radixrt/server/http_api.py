@@ -225,8 +225,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     spec = g.gen
     prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
-    apply_tenant(spec.sampling, tenant)
-    top = spec.sampling["top_logprobs"]
+    spec = apply_tenant(spec, tenant)
+    top = spec.sampling.top_logprobs
     text_of = (
         (lambda t: front.tokenizer.decode([t], skip_special_tokens=False))
         if g.return_text_in_logprobs

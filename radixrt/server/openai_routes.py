@@ -152,9 +152,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
     prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
-    apply_tenant(spec.sampling, tenant)
+    spec = apply_tenant(spec, tenant)
     head = _Ids(request, "cmpl", "text_completion").head
-    want_lp = spec.sampling["logprobs"]
+    want_lp = spec.sampling.logprobs
     # known by the response's id: POST /abort and /release_cache_holds take it
     async with front.generate(spec, head["id"], tenant, prompt_ids) as gen:
         if spec.stream:
@@ -212,9 +212,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     spec = await front.off_loop(parse_chat, *parse)  # renders the chat template
     prompt_ids = await front.off_loop(front.encode, spec)
     tenant = request_tenant(request)
-    apply_tenant(spec.sampling, tenant)
+    spec = apply_tenant(spec, tenant)
     head = _Ids(request, "chatcmpl", "chat.completion").head
-    want_lp = spec.sampling["logprobs"]
+    want_lp = spec.sampling.logprobs
     # known by the response's id: POST /abort and /release_cache_holds take it
     async with front.generate(spec, head["id"], tenant, prompt_ids) as gen:
         if spec.stream:

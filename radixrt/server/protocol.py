@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -110,10 +111,13 @@ class GenerationSpec:
     """What one HTTP request asks for, before tokenization."""
 
     prompts: list[str | list[int]]  # per input: text to tokenize, or token ids
-    # SamplingParams keyword arguments except max_tokens, and the OPTION_FIELDS of
-    # RequestOptions (the tenant's salt and policy apply to those before the request is sent)
-    sampling: dict[str, Any]
+    # validated; max_tokens None and n 1 here: `params` / `request_params` set them
+    sampling: SamplingParams
     max_tokens: int | None  # as asked; None: not given, use default_max_tokens
+    # the client's salt, priority and retention (the tenant's salt and policy replace them
+    # before the request is sent); lora None here: the front resolves `adapter` into it
+    options: RequestOptions = RequestOptions()
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
     # when not given: at most this many, and no more than the context length leaves
     # after the prompt (None: all that it leaves)
     default_max_tokens: int | None = None
@@ -139,36 +143,25 @@ class GenerationSpec:
     def params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """SamplingParams for one request; choice i of a seeded n > 1 uses
         (seed + i) mod 2^63."""
-        kw = self._sampling_keywords()
-        if kw.get("seed") is not None:
-            kw["seed"] = (kw["seed"] + choice) % SEED_RANGE
-        return make_params(max_tokens=max_tokens, **kw)
+        seed = self.sampling.seed
+        if seed is not None:
+            seed = (seed + choice) % SEED_RANGE
+        return checked(replace, self.sampling, max_tokens=max_tokens, seed=seed)
 
     def request_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams of the one scheduler request of a prompt: n = self.n (the
         scheduler seeds child i with (seed + i) mod 2^63)."""
-        return make_params(max_tokens=max_tokens, n=self.n, **self._sampling_keywords())
-
-    def options(self) -> RequestOptions:
-        """The request's RequestOptions (salt, priority, retention, adapter); ApiError naming
-        the field."""
-        kw = {k: v for k, v in self.sampling.items() if k in OPTION_FIELDS}
-        try:
-            return RequestOptions(**kw)
-        except RequestValueError as e:
-            raise ApiError(str(e), param=e.field) from e
-
-    def _sampling_keywords(self) -> dict[str, Any]:
-        return {k: v for k, v in self.sampling.items() if k not in OPTION_FIELDS}
+        return checked(replace, self.sampling, max_tokens=max_tokens, n=self.n)
 
 
-OPTION_FIELDS = frozenset(f.name for f in fields(RequestOptions))  # not SamplingParams'
+T = TypeVar("T")
 
 
-def make_params(**kwargs: Any) -> SamplingParams:
-    """SamplingParams(**kwargs), turning its ValueError into ApiError naming the field."""
+def checked(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """build(*args, **kwargs) (a SamplingParams or RequestOptions, made or `replace`d), its
+    ValueError turned into ApiError naming the field."""
     try:
-        return SamplingParams(**kwargs)
+        return build(*args, **kwargs)
     except RequestValueError as e:
         raise ApiError(str(e), param=e.field) from e
     except ValueError as e:

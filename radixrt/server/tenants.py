@@ -39,12 +39,13 @@ import hashlib
 import hmac
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
+from radixrt.sampling import RequestOptions
 from radixrt.server.messages import SaltScope
-from radixrt.server.protocol import ApiError
+from radixrt.server.protocol import ApiError, GenerationSpec, checked
 from radixrt.tenant import Tenant
 
 logger = logging.getLogger("radixrt.server")
@@ -109,26 +110,27 @@ class TenantPolicy:
             kw["default_priority"] = 0 if lo <= 0 <= hi else lo
         return cls(**kw)  # type: ignore[arg-type]
 
-    def apply(self, sampling: dict) -> None:
-        """Check the SamplingParams keywords `sampling` against the policy (in place: a
-        priority of 0, the schemas' default, becomes `default_priority`); ApiError 400
-        naming the field and the allowed range."""
-        priority = sampling.get("priority", 0)
+    def apply(self, options: RequestOptions) -> RequestOptions:
+        """`options` checked against the policy (a priority of 0, the schemas' default,
+        becomes `default_priority`); ApiError 400 naming the field and the allowed range."""
+        priority = options.priority
         if priority == 0:
-            sampling["priority"] = priority = self.default_priority
+            priority = self.default_priority
+            options = checked(replace, options, priority=priority)
         if not self.min_priority <= priority <= self.max_priority:
             raise ApiError(
                 f"priority {priority} is outside the range this key may claim: "
                 f"[{self.min_priority}, {self.max_priority}]",
                 param="priority",
             )
-        ttl = sampling.get("cache_ttl_s", 0.0)
+        ttl = options.cache_ttl_s
         if self.max_cache_ttl_s is not None and ttl > self.max_cache_ttl_s:
             raise ApiError(
                 f"cache_ttl_s {ttl:g} is over what this key may claim: "
                 f"[0, {self.max_cache_ttl_s:g}]",
                 param="cache_ttl_s",
             )
+        return options
 
 
 DEFAULT_POLICY = TenantPolicy()
@@ -311,9 +313,7 @@ def tenant_scope(tenant: str) -> SaltScope:
     return SaltScope(f"tenant:{digest}:", unsalted=tenant == SHARED_TENANT)
 
 
-def apply_tenant(sampling: dict, tenant: str | None) -> None:
-    """Replace the client's `cache_salt` in the SamplingParams keywords `sampling` by the
-    tenant's (in place)."""
-    salt = tenant_salt(tenant, sampling.pop("cache_salt", None))
-    if salt is not None:
-        sampling["cache_salt"] = salt
+def apply_tenant(spec: GenerationSpec, tenant: str | None) -> GenerationSpec:
+    """`spec` with the client's cache salt replaced by the tenant's."""
+    salt = tenant_salt(tenant, spec.options.cache_salt)
+    return replace(spec, options=checked(replace, spec.options, cache_salt=salt))

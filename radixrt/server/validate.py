@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from radixrt.grammar.api import (
@@ -24,7 +24,7 @@ from radixrt.grammar.api import (
     guided_kwargs,
 )
 from radixrt.grammar.regex_limits import check_not_fuzzy
-from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE
+from radixrt.sampling import LOGIT_BIAS_RANGE, SEED_RANGE, RequestOptions, SamplingParams
 from radixrt.server.chat import (
     ChatTemplateOptions,
     chat_messages,
@@ -48,7 +48,7 @@ from radixrt.server.protocol import (
     ApiError,
     GenerationSpec,
     ModelInfo,
-    make_params,
+    checked,
 )
 from radixrt.server.schemas import (
     ChatCompletionRequest,
@@ -76,8 +76,8 @@ def _short(value: object) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str, Any]:
-    """SamplingParams keyword arguments (without max_tokens) from the shared fields."""
+def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> SamplingParams:
+    """SamplingParams (max_tokens None) from the shared fields."""
     p = lambda name: prefix + name  # the field's name in errors
     kw: dict[str, Any] = {
         name: getattr(f, name)
@@ -131,8 +131,7 @@ def _sampling(f: SamplingFields, model: ModelInfo, prefix: str = "") -> dict[str
             kw.update(guided_kwargs(f, kw))
         except ValueError as e:
             raise ApiError(str(e), param=_guided_param(f)) from None
-    _checked(kw, prefix, f)
-    return kw
+    return _checked(kw, prefix, f)
 
 
 def _guided_param(f: OpenAIFields) -> str | None:
@@ -179,11 +178,11 @@ def _logit_bias(bias: dict[str, float], vocab: int, param: str) -> tuple[tuple[i
     return tuple(sorted(pairs))
 
 
-def _checked(kw: dict[str, Any], prefix: str, f: SamplingFields) -> None:
-    """SamplingParams accepts `kw` (with any max_tokens); errors name `prefix` + field, or
-    for a constraint the request field of `f` that held it."""
+def _checked(kw: dict[str, Any], prefix: str, f: SamplingFields) -> SamplingParams:
+    """SamplingParams(max_tokens=None, **kw); errors name `prefix` + field, or for a
+    constraint the request field of `f` that held it."""
     try:
-        make_params(**kw)
+        return checked(SamplingParams, max_tokens=None, **kw)
     except ApiError as e:
         if e.param in SAMPLING_FIELDS:
             e.param = constraint_param(f, e.param, prefix)
@@ -293,33 +292,42 @@ def check_adapter(name: Any, model: ModelInfo, param: str) -> str:
     return name
 
 
-def _check_openai(req: OpenAIFields, model: ModelInfo) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _OpenAIChecked:
+    """What both OpenAI routes take from their common fields."""
+
+    sampling: SamplingParams  # without the route's log-prob fields
+    options: RequestOptions
+    adapter: str | None  # the LoRA adapter `model` or `lora_path` names (None: the base model)
+
+
+def _check_openai(req: OpenAIFields, model: ModelInfo) -> _OpenAIChecked:
     """`model` (the served model, or a LoRA adapter's name) and the fields of both OpenAI
-    routes; the sampling keywords (`lora`: the adapter's name, resolved by the front)."""
+    routes."""
     adapter = req.model if req.model in model.adapters else None
     if adapter is None:
         check_model(req.model, (*model.accepted_names, *model.adapters))
     sampling = _sampling(req, model)
     if req.lora_path is not None:
         adapter = check_adapter(req.lora_path, model, "lora_path")
-    if adapter is not None:
-        sampling["lora"] = adapter
-    sampling["min_tokens"] = req.min_tokens
-    sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
-    if req.include_stop_str_in_output:
-        sampling["include_stop_str_in_output"] = True
-    return sampling
+    keep_stop = req.include_stop_str_in_output or sampling.include_stop_str_in_output
+    sampling = checked(
+        replace, sampling, min_tokens=req.min_tokens, include_stop_str_in_output=keep_stop
+    )
+    options = _options(req.cache_salt, req.priority, req.cache_ttl_s)
+    return _OpenAIChecked(sampling, options, adapter)
 
 
-def _tenancy(
+def _options(
     cache_salt: str | None, priority: int | None, cache_ttl_s: float | None
-) -> dict[str, Any]:
-    """RequestOptions keywords of the request's cache salt, priority and retention hint
-    (ranges: schemas), which ride in `GenerationSpec.sampling` beside its sampling."""
-    kw: dict[str, Any] = {"priority": priority or 0, "cache_ttl_s": cache_ttl_s or 0.0}
-    if cache_salt is not None:
-        kw["cache_salt"] = cache_salt
-    return kw
+) -> RequestOptions:
+    """The request's cache salt, priority and retention hint (ranges: schemas)."""
+    return checked(
+        RequestOptions,
+        cache_salt=cache_salt,
+        priority=priority or 0,
+        cache_ttl_s=cache_ttl_s or 0.0,
+    )
 
 
 def _include_usage(req: OpenAIFields) -> bool:
@@ -335,22 +343,28 @@ def parse_completion(
     body: bytes, model: ModelInfo, unknown: UnknownFields = LENIENT
 ) -> GenerationSpec:
     req: CompletionRequest = decode_checked(body, CompletionRequest, "/v1/completions", unknown)
-    sampling = _check_openai(req, model)
+    common = _check_openai(req, model)
     prompts, batched = _prompt_list(req.prompt, "prompt", model)
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_n(req.n, len(prompts))
     if req.logprobs is not None:
         _int_in(req.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    sampling["logprobs"] = req.logprobs is not None
-    sampling["top_logprobs"] = req.logprobs or 0
-    if req.echo and req.logprobs is not None:
-        if req.stream:
-            raise ApiError("echo with logprobs is not supported when streaming", param="echo")
-        sampling["prompt_logprobs"] = True  # from the second prompt token on
+    prompt_logprobs = bool(req.echo and req.logprobs is not None)
+    if prompt_logprobs and req.stream:
+        raise ApiError("echo with logprobs is not supported when streaming", param="echo")
+    sampling = checked(
+        replace,
+        common.sampling,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        prompt_logprobs=prompt_logprobs,  # from the second prompt token on
+    )
     return GenerationSpec(
         prompts=prompts,
         sampling=sampling,
         max_tokens=req.max_tokens,
+        options=common.options,
+        adapter=common.adapter,
         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
         n=req.n,
         stream=bool(req.stream),
@@ -376,7 +390,7 @@ def parse_chat(
     req: ChatCompletionRequest = decode_checked(
         body, ChatCompletionRequest, "/v1/chat/completions", unknown
     )
-    sampling = _check_openai(req, model)
+    common = _check_openai(req, model)
     if not req.messages:
         raise ApiError("messages is empty: at least one message is needed", param="messages")
     check_chat_length(req.messages, req.tools, model)
@@ -390,9 +404,9 @@ def parse_chat(
         messages,
         list(tool_req.template_tools) if tool_req else None,
     )
-    grammar = grammar_param(req)
+    sampling, grammar = common.sampling, grammar_param(req)
     if tool_req is not None:
-        grammar = tool_constraint(tool_req, sampling, grammar)
+        sampling, grammar = tool_constraint(tool_req, sampling, grammar)
     max_tokens = req.max_completion_tokens
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -401,12 +415,14 @@ def parse_chat(
     _check_n(req.n, 1)
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
-    sampling["logprobs"] = bool(req.logprobs)
-    sampling["top_logprobs"] = (req.top_logprobs or 0) if req.logprobs else 0
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    sampling = checked(replace, sampling, logprobs=bool(req.logprobs), top_logprobs=top_logprobs)
     return GenerationSpec(
         prompts=[render(messages, options)],
         sampling=sampling,
         max_tokens=max_tokens,
+        options=common.options,
+        adapter=common.adapter,
         n=req.n,
         stream=bool(req.stream),
         include_usage=_include_usage(req),
@@ -472,24 +488,30 @@ def parse_generate(body: bytes, model: ModelInfo, unknown: UnknownFields = LENIE
         )
     _check_n(sp.n, len(prompts), "sampling_params.n")
     sampling = _sampling(sp, model, prefix="sampling_params.")
-    sampling["min_tokens"] = sp.min_new_tokens
-    sampling.update(_tenancy(req.cache_salt, req.priority, req.cache_ttl_s))
+    adapter = None
     if req.lora_path is not None:
-        sampling["lora"] = check_adapter(req.lora_path, model, "lora_path")
+        adapter = check_adapter(req.lora_path, model, "lora_path")
     return_logprob = bool(req.return_logprob)
     start = req.logprob_start_len
     if start == -1 or not (return_logprob or req.return_prompt_logprob):
         start = None  # SGLang: no prompt log-probs
     if req.return_prompt_logprob and start is None:
         start = 1  # radixrt's: from the second prompt token on
-    sampling["logprobs"] = return_logprob
-    sampling["top_logprobs"] = (req.top_logprobs_num or 0) if return_logprob else 0
-    sampling["prompt_logprobs"] = start is not None
-    sampling["logprob_start_len"] = max(1, start or 1)
+    sampling = checked(
+        replace,
+        sampling,
+        min_tokens=sp.min_new_tokens,
+        logprobs=return_logprob,
+        top_logprobs=(req.top_logprobs_num or 0) if return_logprob else 0,
+        prompt_logprobs=start is not None,
+        logprob_start_len=max(1, start or 1),
+    )
     gen = GenerationSpec(
         prompts=prompts,
         sampling=sampling,
         max_tokens=max_tokens,
+        options=_options(req.cache_salt, req.priority, req.cache_ttl_s),
+        adapter=adapter,
         default_max_tokens=GENERATE_DEFAULT_MAX_TOKENS,
         n=sp.n,
         beam_width=sp.beam_width,

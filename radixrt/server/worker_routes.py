@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixrt.sampling import SamplingParams
 from radixrt.server.chat import chat_messages, check_chat_length, template_options
 from radixrt.server.fields import decode_checked
 from radixrt.server.http_util import FRONT, MODEL_NAME, UNKNOWN_FIELDS, json_response, read_body
@@ -255,11 +256,7 @@ async def cache_pressure(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """200 once one token comes out of a 1-token generation; 503 otherwise."""
     front = request.app[FRONT]
-    spec = GenerationSpec(
-        prompts=[[0]],
-        sampling={"temperature": 0.0},
-        max_tokens=1,
-    )
+    spec = GenerationSpec(prompts=[[0]], sampling=SamplingParams(temperature=0.0), max_tokens=1)
     try:
         async with front.generate(spec) as gen:
             await asyncio.wait_for(gen.wait(), HEALTH_GENERATE_TIMEOUT_S)

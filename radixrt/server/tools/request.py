@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from radixrt.sampling import MAX_GRAMMAR_CHARS
-from radixrt.server.protocol import ApiError
+from radixrt.sampling import MAX_GRAMMAR_CHARS, SamplingParams
+from radixrt.server.protocol import ApiError, checked
 from radixrt.server.tools.base import Tool, ToolFormat
 from radixrt.server.tools.schema_check import check_schema
 
@@ -99,27 +99,28 @@ def checked_tools(defs: list[Any]) -> tuple[list[Tool], list[dict]]:
     return tools, template_tools
 
 
-def tool_constraint(t: ToolRequest, sampling: dict[str, Any], grammar: str | None) -> str | None:
-    """Put the tool constraint into the SamplingParams keywords `sampling`; return the
-    field that now sets structured output (`grammar`: the one that did before). Auto
-    yields to a response_format; required and named calls cannot be combined with one."""
+def tool_constraint(
+    t: ToolRequest, sampling: SamplingParams, grammar: str | None
+) -> tuple[SamplingParams, str | None]:
+    """`sampling` under the tool constraint, and the field that now sets structured output
+    (`grammar`: the one that did before). Auto yields to a response_format; required and
+    named calls cannot be combined with one."""
     if t.fmt is not None and t.fmt.keeps_special_tokens:
-        sampling["skip_special_tokens"] = False  # the call markers are special tokens
+        sampling = replace(sampling, skip_special_tokens=False)  # the call markers are special
     tag = t.structural_tag()
     if tag is None or (t.choice == "auto" and grammar is not None):
-        return grammar
+        return sampling, grammar
     if grammar is not None:
         raise ApiError(f"tool_choice {t.choice!r} cannot be combined with {grammar}", "tool_choice")
     if len(tag) > MAX_GRAMMAR_CHARS:
         if t.choice == "auto":
-            return None  # too large to constrain: calls are parsed, not constrained
+            return sampling, None  # too large to constrain: calls are parsed, not constrained
         raise ApiError(
             f"the tools' schemas make a grammar of {len(tag)} characters; at most "
             f"{MAX_GRAMMAR_CHARS} can be constrained (tool_choice {t.choice!r})",
             "tools",
         )
-    sampling["structural_tag"] = tag
-    return "tools"
+    return checked(replace, sampling, structural_tag=tag), "tools"
 
 
 def _choice(value: Any) -> tuple[str, str | None]:
