@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixrt.cache.storage_cost import LOAD_POLICIES
 from radixrt.options import option
 from radixrt.quantization import (
     FP8_ACTIVATION_SCALES,
@@ -266,6 +267,12 @@ class CacheConfig:
     kv_storage_prefetch_timeout_s: float = option(
         2.0, "how long a request waits for its prefix pages from storage before it computes"
     )
+    kv_storage_load_policy: str = option(
+        "auto",
+        "whether a prefix missing GPU and host memory is read from storage: `auto` (when the "
+        "measured read is faster than the measured prefill it replaces), `always`, `never`",
+        choices=LOAD_POLICIES,
+    )
     kv_events: bool = option(
         False,
         "record KV cache events (radix cache only); the server publishes them in vLLM's format",
@@ -316,6 +323,11 @@ class CacheConfig:
             raise ValueError(
                 "kv_storage_prefetch_timeout_s must be >= 0, got "
                 f"{self.kv_storage_prefetch_timeout_s}"
+            )
+        if self.kv_storage_load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"kv_storage_load_policy must be one of {', '.join(LOAD_POLICIES)}, got "
+                f"{self.kv_storage_load_policy!r}"
             )
         if self.host_tier and self.prefix_cache != "radix":
             raise ValueError(

@@ -235,6 +235,24 @@ class EngineStats(SchedulerCounters, kw_only=True):
     storage_prefetch_wait_seconds: Annotated[
         float, _doc("Seconds requests waited for fetches, since start")
     ] = 0.0
+    storage_loads_chosen: Annotated[
+        int, _doc("Prefixes missing GPU and host memory that the load policy read from storage")
+    ] = 0
+    storage_recomputes_chosen: Annotated[
+        int, _doc("Prefixes in reach of storage that the cost model left to prefill instead")
+    ] = 0
+    storage_probe_fetches: Annotated[
+        int, _doc("Of those, prefixes fetched anyway (nobody waiting) to measure storage")
+    ] = 0
+    storage_read_bandwidth_bytes_per_second: Annotated[
+        float, _doc("The cost model's storage read bandwidth (a conservative seed until timed)")
+    ] = 0.0
+    storage_fetch_latency_seconds: Annotated[
+        float, _doc("The cost model's per-fetch latency (a seed until timed)")
+    ] = 0.0
+    storage_prefill_tokens_per_second: Annotated[
+        float, _doc("The cost model's prefill throughput (0 until a prefill step is timed)")
+    ] = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """The flat view (`EngineCore.stats()`): each scalar field under its name, the

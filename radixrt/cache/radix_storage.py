@@ -102,7 +102,7 @@ class StorageRadixCache(HostRadixCache):
         room."""
         bs = self.block_size
         first = num_cached // bs
-        num = min(len(tokens) // bs - first, self.host.allocator.num_blocks // MAX_FETCH_FRACTION)
+        num = self.pages_to_fetch(len(tokens), num_cached)
         if num <= 0:
             return None
         host_blocks = self._host_allocate(num)
@@ -115,6 +115,13 @@ class StorageRadixCache(HostRadixCache):
         self._fetches[ticket] = _Fetch(tokens, namespace, first, host_blocks)
         self.storage.fetch(FetchPages(ticket, tuple(keys), tuple(host_blocks)))
         return ticket
+
+    def pages_to_fetch(self, num_tokens: int, num_cached: int) -> int:
+        """How many pages `begin_fetch` would ask for past a match of `num_cached` tokens in a
+        prefix of `num_tokens` (<= 0: none)."""
+        first = num_cached // self.block_size
+        room = self.host.allocator.num_blocks // MAX_FETCH_FRACTION
+        return min(num_tokens // self.block_size - first, room)
 
     @property
     def num_fetches(self) -> int:
@@ -131,6 +138,7 @@ class StorageRadixCache(HostRadixCache):
         f = self._fetches.pop(done.ticket)
         bs, k = self.block_size, done.num_pages
         self.storage.stats.pages_fetched += k
+        self.storage.cost.observe_fetch(k, done.page_bytes, done.lookup_s, done.read_s)
         end = (f.first + k) * bs
         top = self._root_of(f.namespace, create=bool(k))
         path, pos = self._walk(f.tokens[:end], top)

@@ -22,11 +22,12 @@ import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixrt.cache.kv_events import BlockHasher
 from radixrt.cache.namespace import CacheNamespace
+from radixrt.cache.storage_cost import StorageCostModel
 
 KEY_BYTES = 32  # a page key: one SHA-256 digest
 STORAGE_HASH_SEED = "radixrt-kv-storage"  # the chain's NONE_HASH seed (fixed: keys outlive runs)
@@ -199,10 +200,14 @@ StorageOp = StorePage | StoreHostPage | FetchPages
 
 @dataclass(frozen=True, slots=True)
 class FetchDone:
-    """A finished `FetchPages`: its first `num_pages` host blocks hold their pages."""
+    """A finished `FetchPages`: its first `num_pages` host blocks hold their pages. The
+    timings feed the load-or-recompute cost model (`radixrt.cache.storage_cost`)."""
 
     ticket: int
     num_pages: int
+    page_bytes: int = field(default=0, compare=False)  # payload bytes of one page
+    lookup_s: float = field(default=0.0, compare=False)  # seconds the `exists` call took
+    read_s: float = field(default=0.0, compare=False)  # seconds the `get` of the pages took
 
 
 @dataclass
@@ -230,15 +235,25 @@ class StorageTierStats:
     prefetch_waits: int = 0  # requests that waited for a fetch
     prefetch_timeouts: int = 0  # of those, requests admitted before their fetch ended
     prefetch_wait_s: float = 0.0  # total time requests waited for fetches
+    loads_chosen: int = 0  # prefixes the load policy sent to storage (the request waits)
+    recomputes_chosen: int = 0  # prefixes the cost model left to prefill (no wait)
+    probe_fetches: int = 0  # of those, fetches made anyway to measure storage (no wait)
 
 
 class StorageTier:
     """The scheduler side of the storage tier: the page keyer, the ops for the runner (in the
-    order they were made) and the counters."""
+    order they were made), the load-or-recompute cost model and the counters."""
 
-    def __init__(self, keyer: PageKeyer, prefetch_timeout_s: float) -> None:
+    def __init__(
+        self,
+        keyer: PageKeyer,
+        prefetch_timeout_s: float,
+        cost: StorageCostModel | None = None,
+    ) -> None:
+        """`cost`: the load-or-recompute decision (default: policy `auto`)."""
         self.keyer = keyer
         self.prefetch_timeout_s = prefetch_timeout_s  # a request waits this long for a fetch
+        self.cost = cost if cost is not None else StorageCostModel()
         self.stats = StorageTierStats()
         self._ops: list[StorageOp] = []
 

@@ -25,6 +25,7 @@ import msgspec
 from radixrt.cache import create_prefix_cache
 from radixrt.cache.radix_storage import StorageRadixCache
 from radixrt.cache.storage import PageKeyer, StorageTier
+from radixrt.cache.storage_cost import StorageCostModel
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.deltas import BeamOut, FinishReason, RequestDelta
 from radixrt.engine.tier_stats import host_tier_stats, storage_tier_stats
@@ -621,4 +622,5 @@ def _storage_tier(cfg: EngineConfig, runner: Runner) -> StorageTier | None:
     if identity is None:
         return None
     keyer = PageKeyer(identity, cfg.cache.block_size)
-    return StorageTier(keyer, cfg.cache.kv_storage_prefetch_timeout_s)
+    cost = StorageCostModel(cfg.cache.kv_storage_load_policy)
+    return StorageTier(keyer, cfg.cache.kv_storage_prefetch_timeout_s, cost)

@@ -46,10 +46,11 @@ def host_tier_stats(cache: PrefixCache, runner: Runner) -> dict[str, float]:
 
 def storage_tier_stats(cache: PrefixCache, runner: StorageRunner) -> dict[str, float]:
     """The storage tier's fields of EngineStats: the scheduler side's (fetches, prefetch
-    waits) and, from a runner with a storage tier, its writes and its backend's counters."""
+    waits, load-or-recompute decisions and rates) and, from a runner with a storage tier, its
+    writes and its backend's counters."""
     if not isinstance(cache, StorageRadixCache):
         return {}
-    t = cache.storage.stats
+    t, cost = cache.storage.stats, cache.storage.cost
     out: dict[str, float] = dict(
         storage_fetches=t.fetches,
         storage_fetched_pages=t.pages_fetched,
@@ -57,6 +58,12 @@ def storage_tier_stats(cache: PrefixCache, runner: StorageRunner) -> dict[str, f
         storage_prefetch_waits=t.prefetch_waits,
         storage_prefetch_timeouts=t.prefetch_timeouts,
         storage_prefetch_wait_seconds=t.prefetch_wait_s,
+        storage_loads_chosen=t.loads_chosen,
+        storage_recomputes_chosen=t.recomputes_chosen,
+        storage_probe_fetches=t.probe_fetches,
+        storage_read_bandwidth_bytes_per_second=cost.read_bandwidth.value,
+        storage_fetch_latency_seconds=cost.fetch_latency.value,
+        storage_prefill_tokens_per_second=cost.prefill_throughput.value or 0.0,
     )
     io = runner.storage_stats()
     b = io.backend

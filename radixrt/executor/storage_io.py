@@ -11,8 +11,9 @@ background thread.
   pools hold) are copied out of the host block at once (after the copy stream's work so far
   on CUDA, so an earlier step's write-back into it is complete) and written like the others.
 - `FetchPages` ops: the thread asks the backend which of the keys exist, reads the leading run
-  into the named host blocks (the scheduler holds them) and reports a `FetchDone`. Fetches go
-  before queued writes.
+  into the named host blocks (the scheduler holds them) and reports a `FetchDone` with the
+  seconds the lookup and the read took (the cost model's samples). Fetches go before queued
+  writes.
 `exchange(ops)` takes a step's ops and returns the fetches finished since the last call; the
 engine calls it before every plan executes.
 """
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import replace
 
@@ -240,11 +242,16 @@ class StorageIO:
                     self._cond.notify_all()
 
     def _fetch(self, op: FetchPages) -> FetchDone:
+        lookup_s = read_s = 0.0
         try:
+            t0 = time.perf_counter()
             num = leading_run(self.backend.exists(op.keys))
+            t1 = time.perf_counter()
+            lookup_s = t1 - t0
             kv = self.host_pool.kv
             views = [page_view(kv[h]) for h in op.host_blocks[:num]]
-            num = leading_run(self.backend.get(op.keys[:num], views))
+            num = leading_run(self.backend.get(op.keys[:num], views)) if num else 0
+            read_s = time.perf_counter() - t1
         except StorageUnavailable as e:  # the backend logs its outages
             logger.debug("kv storage: a fetch of %d pages failed: %s", len(op.keys), e)
             with self._cond:
@@ -255,7 +262,7 @@ class StorageIO:
             with self._cond:
                 self._stats.fetch_errors += 1
             num = 0
-        return FetchDone(op.ticket, num)
+        return FetchDone(op.ticket, num, self.backend.page_bytes, lookup_s, read_s)
 
     def _write(self, keys: list[bytes], slots: list[int], event) -> None:
         if event is not None:

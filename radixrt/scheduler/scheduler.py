@@ -104,6 +104,8 @@ class Scheduler:
             self.kv, self.lifecycle, self.stats, h.on_row_result, h.on_token, h.after_update
         )
         self.inflight = InFlight()
+        self.storage: StorageFeature | None = None  # the storage tier's (made by _compose)
+        self._last_result_at = 0.0  # the clock when the latest step result was applied
         self._jump_forward = (jump_forward, jump_forward_retokenize)
         self._step_ids = itertools.count()  # of plans, over the scheduler's life
         self.grammar: GrammarFeature | None = None
@@ -170,7 +172,9 @@ class Scheduler:
         grammar = self.grammar if self.grammar is not None else NoGrammar()
         features: list[SchedulerFeature] = [self.groups, grammar, self.retention]
         if isinstance(self.kv.cache, StorageRadixCache):
-            features.append(StorageFeature(self.kv.cache))
+            if self.storage is None:
+                self.storage = StorageFeature(self.kv.cache, self.clock)
+            features.append(self.storage)
         if self.lora is not None:
             features.append(self.lora)
         if self.speculation is not None:
@@ -341,14 +345,17 @@ class Scheduler:
         for hook in self.hooks.before_rows:
             hook([r for r, _ in decode] + [r for r, _ in extend])
         tables = StepTables()
+        computed = self.stats.prompt_tokens_computed
         rows, reqs = self._plan_rows(decode, extend, tables)
+        computed = self.stats.prompt_tokens_computed - computed
         if not rows:
             kv.keep_ops()
             return None
         step_id = next(self._step_ids)
         ops = kv.launch_ops()
         verify = any(r.num_draft_tokens for r in rows)
-        self.inflight.launch(step_id, Launched(reqs, [r.epoch for r in reqs], ops, verify))
+        launched = Launched(reqs, [r.epoch for r in reqs], ops, verify, computed, self.clock())
+        self.inflight.launch(step_id, launched)
         self.stats.steps += 1
         plan = StepPlan(step_id, rows, ops, new_slots=kv.entries.launch())
         tables.fill(plan)
@@ -358,6 +365,13 @@ class Scheduler:
         """Apply an executed plan's result (plans are applied in the order they were
         made). Returns the requests that got tokens or finished."""
         launched = self.inflight.pop(plan.step_id)
+        if self.storage is not None:
+            # overlapped steps run one after another: a step's time starts at its launch or
+            # at the previous result, whichever is later
+            now = self.clock()
+            start = max(launched.launched_at, self._last_result_at)
+            self.storage.on_step(launched.prompt_tokens, now - start)
+            self._last_result_at = now
         return self.results.apply(plan, result, launched.requests, launched.epochs)
 
     def fail_step(self, plan: StepPlan, error: str) -> list[Request]:

@@ -37,6 +37,8 @@ class Launched:
     epochs: list[int]
     block_ops: list[BlockOp]  # the plan's (a failed earlier plan may have left them wrong inputs)
     has_verify_rows: bool  # rows with drafts (their next row starts where acceptance ends)
+    prompt_tokens: int = 0  # prompt tokens its rows compute
+    launched_at: float = 0.0  # the scheduler's clock when it was planned
 
 
 class InFlight:
