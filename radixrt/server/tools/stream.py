@@ -15,7 +15,7 @@ def new_call_id() -> str:
 
 
 @dataclass
-class StreamDelta:
+class ToolStreamDelta:
     content: str  # new content text
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI `delta.tool_calls` items
 
@@ -33,11 +33,11 @@ class ToolStream:
         self._args_sent: list[int] = []  # per call: characters of its arguments sent
         self.scan = Scan("")  # the latest scan
 
-    def feed(self, delta: str, final: bool = False) -> StreamDelta:
+    def feed(self, delta: str, final: bool = False) -> ToolStreamDelta:
         self.text += delta
         scan = self.scan = self.fmt.scan(self.text, final)
         assert len(scan.content) >= self._content_sent, "a scan took back content"
-        out = StreamDelta(scan.content[self._content_sent :])
+        out = ToolStreamDelta(scan.content[self._content_sent :])
         self._content_sent = len(scan.content)
         for i, call in enumerate(scan.calls):
             if i == len(self.ids):
