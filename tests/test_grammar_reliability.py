@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,7 @@ def _wait_started(backend, timeout_s: float = 300.0) -> None:
     backend.start()
     pool = backend.pool
     deadline = time.monotonic() + timeout_s
-    while pool.ready is None or len(pool.worker_pids) < pool.num_workers:
+    while pool.ready is None or len(pool.processes().idle) < pool.num_workers:
         assert time.monotonic() < deadline, "compile workers did not start"
         time.sleep(0.05)
 
@@ -133,6 +134,19 @@ def _outcome(backend, ticket, timeout_s: float = 120.0):
         assert time.monotonic() < deadline, f"{ticket.spec.kind} never finished"
         backend.wait([ticket], 0.05)
     return outcome
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of `pid`'s child processes, as the kernel lists them (not as the pool does)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:  # the process exited meanwhile
+            continue
+        if int(fields[1]) == pid:  # fields: state, ppid, ...
+            children.append(int(stat.parent.name))
+    return children
 
 
 def _alive(pid: int) -> bool:
@@ -157,7 +171,7 @@ def test_slow_compiles_are_killed_and_do_not_starve_other_clients(tiny_model_dir
         _wait_started(backend)
         slow = [backend.submit(GrammarSpec("ebnf", SLOW_EBNF + f' "{i}"')) for i in range(2)]
         time.sleep(0.3)
-        busy = [w.pid for w in backend.pool._workers if w.job is not None]
+        busy = backend.pool.processes().busy
         assert len(busy) == 2
         latencies = []
         for text in (DATE, r"[0-9]{4}-x"):
@@ -187,7 +201,7 @@ def test_slow_compiles_are_killed_and_do_not_starve_other_clients(tiny_model_dir
         # pool replaces it
         crash = backend.submit(GrammarSpec("ebnf", SLOW_EBNF + ' "crash"'))
         deadline = time.monotonic() + 30
-        while not (busy := [w.pid for w in backend.pool._workers if w.job is not None]):
+        while not (busy := backend.pool.processes().busy):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         os.kill(busy[0], signal.SIGKILL)
@@ -198,10 +212,15 @@ def test_slow_compiles_are_killed_and_do_not_starve_other_clients(tiny_model_dir
         assert backend.stats().grammar_cache_misses == misses + 1
         assert _outcome(backend, backend.submit(GrammarSpec("regex", "[a-c]{2}"))).error is None
         backend.check_integrity()
-        pids = [*backend.pool.worker_pids, backend.pool.template_pid]
+        procs = backend.pool.processes()
+        assert procs.template is not None and set(_children(procs.template)) >= {
+            *procs.idle,
+            *procs.busy,
+        }
+        pids = [procs.template, *procs.idle, *procs.busy, *_children(procs.template)]
     finally:
         backend.close()
-    assert pids and not any(_alive(pid) for pid in pids)  # close() stops every process
+    assert len(pids) > 1 and not any(_alive(pid) for pid in pids)  # close() stops them all
 
 
 def test_grammar_cache_stays_within_its_bytes(tiny_model_dir):

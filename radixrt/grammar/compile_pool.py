@@ -84,6 +84,13 @@ class PoolStats:
     num_preemptions: int = 0  # compiles killed to let a waiting one run (then requeued)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolProcesses:
+    template: int | None  # pid of the template process; None before it starts
+    idle: tuple[int, ...]  # pids of workers without a compile
+    busy: tuple[int, ...]  # pids of workers running a compile
+
+
 class CompilePool:
     """See the module docstring. `submit` may be called from any thread; the futures are
     resolved on the manager thread (with `decode`'s result, or CompileError for the
@@ -135,14 +142,17 @@ class CompilePool:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    @property
-    def worker_pids(self) -> list[int]:
-        """Pids of the live workers (tests)."""
-        return [w.pid for w in list(self._workers)]
-
-    @property
-    def template_pid(self) -> int | None:
-        return None if self._template is None else self._template.pid
+    def processes(self) -> PoolProcesses:
+        """The pool's live processes, so that reliability checks can kill a busy worker
+        from outside (the crash path) and see every process gone after `close`. A snapshot
+        of the manager thread's state: it may be one step behind."""
+        workers = list(self._workers)
+        template = self._template
+        return PoolProcesses(
+            template=None if template is None else template.pid,
+            idle=tuple(w.pid for w in workers if w.job is None),
+            busy=tuple(w.pid for w in workers if w.job is not None),
+        )
 
     # ---- the manager thread ----
     def _run(self) -> None:
