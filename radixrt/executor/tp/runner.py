@@ -143,8 +143,10 @@ class TensorParallelRunner:
             raise TensorParallelError(self.broken)
 
     def compare_last_tokens(self) -> bool:
-        """Whether every rank holds the same last sample in every slot (a check that ranks
-        sample alike; tests)."""
+        """Whether every rank holds the same last sample in every slot. Ranks that sample
+        differently corrupt each other's KV without an error, and their samples live in the
+        worker processes, so only a message on the plan channel can check them: for tests
+        and for diagnosing output that differs from one rank's."""
         with self._watched("compare"):
             self._send(self._encoder.control(ControlKind.COMPARE_LAST_TOKENS))
             assert self.group is not None
