@@ -11,6 +11,13 @@ out, so no tokenizer round trip hides a difference). `compare` checks every gree
 reference's: equal when it ran to the end, a prefix of it when it was aborted.
 `check_balanced` asserts the KV accounting of an idle server.
 
+The LoRA mix (`LORA_ADAPTERS`): the same workload spread over two PEFT adapters and the base
+model (`lora_path` per request), about a third of the prompts repeating an earlier one under
+another adapter, so that a prefix-cache entry reused across adapters would change an answer.
+Its reference (`LORA_REFERENCE_ARGS`, driven one request at a time) has no prefix cache: each
+answer is that of the request alone; the server under test mixes adapters in batches and in
+the cache under KV pressure (`lora_config`).
+
 Used by tests/test_differential_soak.py (CI, small) and benchmarks/soak_differential.py
 (longer). A new feature adds a row to `CONFIGS`.
 """
@@ -18,6 +25,7 @@ Used by tests/test_differential_soak.py (CI, small) and benchmarks/soak_differen
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -40,6 +48,11 @@ CONFIGS: dict[str, list[str]] = {
     "ngram": PRESSURE + NGRAM,
     "host+ngram": PRESSURE + HOST + NGRAM,
 }
+
+# The LoRA mix: adapter names, and the reference (no prefix cache; run with concurrency 1).
+LORA_ADAPTERS = ("la", "lb")
+LORA_REFERENCE_ARGS = ["--prefix-cache", "none", "--num-kv-blocks", "1024", "--block-size", "8"]
+LORA_SHARED_PROMPTS = 0.35  # of the LoRA mix's prompts: an earlier prompt, any adapter
 
 GREEDY_KINDS = ("greedy", "stream", "grammar", "greedy_n", "beam")
 KINDS = {  # kind -> weight in the mix
@@ -73,7 +86,12 @@ class Answer:
     finished: bool = True  # False: aborted or dropped (outputs may be partial or empty)
 
 
-def make_workload(seed: int, num_requests: int, max_tokens: int = 24) -> list[Job]:
+def make_workload(
+    seed: int, num_requests: int, max_tokens: int = 24, loras: tuple[str, ...] = ()
+) -> list[Job]:
+    """`num_requests` jobs of seed `seed`; with `loras`, spread over those adapters and the
+    base model (the LoRA mix: the same jobs as without, adapters and repeated prompts drawn
+    from a second stream)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(*VOCAB) for _ in range(n)] for n in (5, 12, 30, 60)]
     kinds, weights = zip(*KINDS.items())
@@ -98,7 +116,63 @@ def make_workload(seed: int, num_requests: int, max_tokens: int = 24) -> list[Jo
             sp.update(temperature=0.9, seed=rng.randrange(1 << 30))
         body = {"input_ids": prompt, "sampling_params": sp, "stream": kind == "stream"}
         jobs.append(Job(f"d{seed}-{i}", kind, fate, rng.uniform(0.0, 0.3), body))
+    if loras:
+        lrng = random.Random(f"lora-{seed}")
+        for i, job in enumerate(jobs):
+            if i and lrng.random() < LORA_SHARED_PROMPTS:
+                job.body["input_ids"] = list(lrng.choice(jobs[:i]).body["input_ids"])
+            adapter = lrng.choice((None, *loras))
+            if adapter is not None:
+                job.body["lora_path"] = adapter
     return jobs
+
+
+def make_lora_adapters(model_dir: str, out_dir: str) -> dict[str, str]:
+    """The LoRA mix's adapters for the model in `model_dir`, made and saved by PEFT (random A
+    and B of a size that moves greedy answers, every projection): name -> directory."""
+    import peft
+    import torch
+    import transformers
+
+    paths = {}
+    for i, name in enumerate(LORA_ADAPTERS):
+        torch.manual_seed(i)
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=4 * (i + 1),
+            lora_alpha=8,
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+            init_lora_weights=False,
+            lora_dropout=0.0,
+        )
+        model = peft.get_peft_model(base, config)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0.0, 0.5 / max(p.shape) ** 0.5)
+        paths[name] = os.path.join(out_dir, name)
+        model.save_pretrained(paths[name])
+    return paths
+
+
+def lora_args(paths: dict[str, str]) -> list[str]:
+    """Serve args that load the LoRA mix's adapters at start."""
+    mods = [f"{name}={path}" for name, path in paths.items()]
+    return ["--max-loras", str(len(paths)), "--lora-modules", *mods]
+
+
+def lora_config(paths: dict[str, str]) -> list[str]:
+    """The LoRA mix's server under test: adapters and the base model batched together, the
+    radix cache and the host tier (both keyed per adapter) under KV pressure."""
+    return PRESSURE + HOST + lora_args(paths)
 
 
 def run_workload(url: str, jobs: list[Job], concurrency: int, fates: bool = True) -> dict:

@@ -1,9 +1,12 @@
 """Differential soak (minutes; the CI test tests/test_differential_soak.py is its small case):
 seeded mixed workloads against a plain server and against each feature configuration of
-`benchmarks.differential.CONFIGS`; counts the greedy answers compared and the mismatches.
+`benchmarks.differential.CONFIGS`, and the LoRA mix (`lora`: two PEFT adapters made at the
+start and the base model in one workload, against each request run alone without a prefix
+cache); counts the greedy answers compared and the mismatches.
 
     python -m benchmarks.soak_differential                         # tiny model, CPU
     python -m benchmarks.soak_differential --seeds 0-9 --requests 300 --configs host host+ngram
+    python -m benchmarks.soak_differential --seeds 3 --requests 100 --configs lora
 
 Each configuration's server runs every seed's workload (aborts and disconnects included) and
 must be idle and balanced afterwards; the reference runs each workload to the end. Exits
@@ -20,9 +23,14 @@ import time
 
 from benchmarks.differential import (
     CONFIGS,
+    LORA_ADAPTERS,
+    LORA_REFERENCE_ARGS,
     REFERENCE_ARGS,
     check_balanced,
     compare,
+    lora_args,
+    lora_config,
+    make_lora_adapters,
     make_workload,
     run_workload,
 )
@@ -49,39 +57,38 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=200, help="per seed")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=12)
-    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=[*CONFIGS, "lora"], choices=[*CONFIGS, "lora"])
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()
     from radixrt.model.tiny import ensure_tiny_model
 
     model = args.model or ensure_tiny_model()
     log = os.path.join(tempfile.gettempdir(), "radixrt-soak-differential.log")
-    workloads = {s: make_workload(s, args.requests, args.max_tokens) for s in seed_list(args.seeds)}
+    seeds = seed_list(args.seeds)
     start = time.perf_counter()
-    with ServerProcess(model, CPU_ARGS + REFERENCE_ARGS, log) as srv:
-        reference = {}
-        for jobs in workloads.values():
-            reference.update(run_workload(srv.url, jobs, args.concurrency, fates=False))
-        check_balanced(srv.url)
-    report: dict = {"seeds": list(workloads), "requests_per_seed": args.requests, "configs": {}}
+    report: dict = {"seeds": seeds, "requests_per_seed": args.requests, "configs": {}}
     failed = False
-    for name in args.configs:
-        with ServerProcess(model, CPU_ARGS + CONFIGS[name], log) as srv:
-            compared, mismatches = 0, []
-            for jobs in workloads.values():
-                answers = run_workload(srv.url, jobs, args.concurrency)
-                result = compare(jobs, reference, answers)
-                compared += result.num_compared
-                mismatches += result.mismatches
-            snap = check_balanced(srv.url)
-        report["configs"][name] = {
-            "greedy_compared": compared,
-            "mismatches": len(mismatches),
-            "first_mismatches": mismatches[:5],
-            **{k: snap[k] for k in STATS},
-        }
-        failed |= bool(mismatches)
-        print(name, json.dumps(report["configs"][name]), flush=True)
+    plain = [name for name in args.configs if name != "lora"]
+    if plain:
+        workloads = {s: make_workload(s, args.requests, args.max_tokens) for s in seeds}
+        reference = run_all(model, REFERENCE_ARGS, log, workloads, args.concurrency, None)
+        for name in plain:
+            args_ = CONFIGS[name]
+            result = run_all(model, args_, log, workloads, args.concurrency, reference)
+            report["configs"][name] = result
+            failed |= bool(result["mismatches"])
+            print(name, json.dumps(result), flush=True)
+    if "lora" in args.configs:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = make_lora_adapters(model, tmp)
+            loras = LORA_ADAPTERS
+            workloads = {s: make_workload(s, args.requests, args.max_tokens, loras) for s in seeds}
+            ref_args = LORA_REFERENCE_ARGS + lora_args(paths)
+            reference = run_all(model, ref_args, log, workloads, 1, None)
+            result = run_all(model, lora_config(paths), log, workloads, args.concurrency, reference)
+        report["configs"]["lora"] = result
+        failed |= bool(result["mismatches"])
+        print("lora", json.dumps(result), flush=True)
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=2))
     if args.json:
@@ -89,6 +96,29 @@ def main() -> None:
             json.dump(report, f, indent=2)
     if failed:
         raise SystemExit("MISMATCH: a configuration's greedy answers differ from the reference")
+
+
+def run_all(model, serve_args, log, workloads, concurrency, reference):
+    """Every workload on one server. Without `reference`: rid -> Answer, each job run to the
+    end; with it: the comparison's counts and the server's stats once idle."""
+    with ServerProcess(model, CPU_ARGS + serve_args, log) as srv:
+        answers, compared, mismatches = {}, 0, []
+        for jobs in workloads.values():
+            got = run_workload(srv.url, jobs, concurrency, fates=reference is not None)
+            answers.update(got)
+            if reference is not None:
+                result = compare(jobs, reference, got)
+                compared += result.num_compared
+                mismatches += result.mismatches
+        snap = check_balanced(srv.url)
+    if reference is None:
+        return answers
+    return {
+        "greedy_compared": compared,
+        "mismatches": len(mismatches),
+        "first_mismatches": mismatches[:5],
+        **{k: snap[k] for k in STATS},
+    }
 
 
 if __name__ == "__main__":
