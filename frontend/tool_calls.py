@@ -18,7 +18,7 @@ from typing import Any
 from radixrt.sampling import SamplingParams
 from radixrt.server.protocol import ApiError
 from radixrt.server.tools import Tool, ToolFormat, create_tool_format, default_tool_parser
-from radixrt.server.tools.request import ToolRequest
+from radixrt.server.tools.request import DEFAULT_MAX_TOOL_CALLS, ToolRequest
 from radixrt.server.tools.schema_check import check_schema
 from radixrt.server.tools.stream import parse_calls
 
@@ -61,7 +61,8 @@ def constrained(
     fmt = create_tool_format(default_tool_parser(chat_template), frozenset(names))
     forced = None if choice in ("auto", "required") else choice
     kind = "function" if forced else choice
-    request = ToolRequest(tools, defs, kind, forced, parallel, fmt)
+    max_calls = DEFAULT_MAX_TOOL_CALLS if parallel else 1
+    request = ToolRequest(tools, defs, kind, forced, max_calls, fmt)
     tag = request.structural_tag()
     if tag is not None and any(getattr(params, f) for f in ("regex", "json_schema", "grammar")):
         raise ValueError("a gen with tool_choice cannot also have regex or json_schema")

@@ -55,13 +55,14 @@ def test_a_dead_grammar_compiler_is_503_and_health_fails(server):
     template = [p for p in children(scheduler) if b"-c" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(template) == 1, template
     os.kill(template[0], signal.SIGKILL)
+    # The pool learns of the death from the template's socket; until then a surviving
+    # worker may still compile (and correctly serve) a grammar, so wait for /health first.
     deadline = time.monotonic() + 30
-    while True:  # a new grammar (the cache has the first one) needs the compiler
-        body = {"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "[a-c]+"}}
-        status, headers, out = post(server, "/generate", body)
-        if status != 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    while server.get("/health")[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # a new grammar (the cache has the first one) needs the compiler
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "[a-c]+"}}
+    status, headers, out = post(server, "/generate", body)
     assert status == 503, out
     assert headers.get("Retry-After") == "5" and out["error"]["type"] == "server_error"
     for pattern in ("[d-f]+", "[g-i]+"):

@@ -12,7 +12,7 @@ from radixrt.grammar.json_schema_support import check_json_schema
 from radixrt.server.protocol import ApiError
 from radixrt.server.tools.hermes import HermesFormat
 from radixrt.server.tools.output import chat_message
-from radixrt.server.tools.request import ToolRequest
+from radixrt.server.tools.request import DEFAULT_MAX_TOOL_CALLS, ToolRequest
 from radixrt.server.tools.schema_check import check_schema
 
 PARAM = "tools[0].function.parameters"
@@ -65,7 +65,7 @@ def test_enforceable_keywords_are_accepted(schema):
 
 def _tools(parallel: bool = True) -> ToolRequest:
     fmt = HermesFormat()
-    return ToolRequest((), (), "required", None, parallel, fmt)
+    return ToolRequest((), (), "required", None, DEFAULT_MAX_TOOL_CALLS if parallel else 1, fmt)
 
 
 def test_a_call_cut_by_max_tokens_is_not_returned():

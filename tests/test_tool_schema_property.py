@@ -116,7 +116,7 @@ def test_every_returned_call_validates(make_engine, schema):
         assert e.param == "tools[0].function.parameters" and " at /" in e.message, e.message
         return
     fmt = create_tool_format("hermes", frozenset({"f"}))
-    request = ToolRequest(tuple(tools), tuple(template), "required", None, False, fmt)
+    request = ToolRequest(tuple(tools), tuple(template), "required", None, 1, fmt)
     tag = request.structural_tag()
     params = SamplingParams(max_tokens=160, temperature=1.5, seed=0, structural_tag=tag)
     calls = 0

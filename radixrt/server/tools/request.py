@@ -32,6 +32,11 @@ class ToolRequest:
     max_calls: int  # calls allowed in the answer (1: parallel_tool_calls false, or a named call)
     fmt: ToolFormat | None  # how the model writes calls; None with choice "none"
 
+    def __post_init__(self) -> None:
+        # a bool here (the field was once `parallel`) would silently mean 0 or 1 calls
+        if type(self.max_calls) is not int or not 1 <= self.max_calls <= MAX_TOOL_CALLS:
+            raise ValueError(f"max_calls: an int in 1..{MAX_TOOL_CALLS}, got {self.max_calls!r}")
+
     def structural_tag(self) -> str | None:
         """The xgrammar structural tag that constrains the output (JSON), or None: required
         and named calls are calls of the offered tools (or that one) whose arguments match
