@@ -61,7 +61,7 @@ def constrained(
     fmt = create_tool_format(default_tool_parser(chat_template), frozenset(names))
     forced = None if choice in ("auto", "required") else choice
     kind = "function" if forced else choice
-    max_calls = DEFAULT_MAX_TOOL_CALLS if parallel else 1
+    max_calls = DEFAULT_MAX_TOOL_CALLS if parallel and forced is None else 1  # named: one call
     request = ToolRequest(tools, defs, kind, forced, max_calls, fmt)
     tag = request.structural_tag()
     if tag is not None and any(getattr(params, f) for f in ("regex", "json_schema", "grammar")):

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from radixrt.cache.storage_cost import LOAD_POLICIES
 from radixrt.options import option
 from radixrt.quantization import (
     FP8_ACTIVATION_SCALES,
@@ -31,6 +30,8 @@ PREFIX_CACHES = ("radix", "blockhash", "none")
 POLICIES = ("fcfs", "lpm", "dfs-weight", "random")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 SPECULATIVE_METHODS = ("none", "ngram", "radix", "draft")
+# kv_storage_load_policy: the cost model decides (radixrt.cache.storage_cost), or always / never
+LOAD_POLICIES = ("auto", "always", "never")
 MAX_NGRAM = 64  # longest n-gram the prompt-lookup proposer may match
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")  # what model.layers.rope_inv_freq computes
 HIDDEN_ACTS = ("silu", "swish")  # the MLP's activation (one function, two names)

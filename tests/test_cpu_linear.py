@@ -110,7 +110,7 @@ def test_mlp_split_gate_up_matches_fused(rows: int) -> None:
     from radixrt.config import ModelConfig
     from radixrt.model.layers import silu_and_mul
     from radixrt.model.llama import MLP
-    from radixrt.model.tp.shard import TPShard
+    from radixrt.tp_shard import TPShard
 
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=96,

@@ -23,8 +23,8 @@ from radixrt.kernels.fp8_quant import Fp8Product
 from radixrt.model import LlamaForCausalLM
 from radixrt.model.fp8_linear import EPILOGUE_MAX_ROWS, Fp8Linear, as_tensor
 from radixrt.model.loader import iterate_hf_weight_slices, iterate_hf_weights
-from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme, checkpoint_scheme, resolve_scheme
+from radixrt.tp_shard import TPShard
 
 MIN_TOP1, MAX_MEAN_DLOGPROB = 0.95, 0.04
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)

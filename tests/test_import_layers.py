@@ -29,7 +29,7 @@ LAYERS = [
     {"radixrt.sampling", "radixrt.quantization"},
     {"radixrt.options"},
     {"radixrt.config"},
-    {"radixrt.hf_dir"},
+    {"radixrt.hf_dir", "radixrt.tp_shard"},
     {"radixrt.lora"},
     {"radixrt.plan", "radixrt.detokenizer"},
     {"radixrt.kv"},

@@ -20,8 +20,8 @@ from radixrt.lora.adapter import digest, module_shapes
 from radixrt.lora.shard import local_module_shapes
 from radixrt.lora.slots import MERGED, LoraSlots
 from radixrt.model.tiny import make_hf_checkpoint
-from radixrt.model.tp.shard import TPShard
 from radixrt.sampling import LoraRef
+from radixrt.tp_shard import TPShard
 
 TP = 2
 RANK = 8

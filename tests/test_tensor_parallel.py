@@ -23,7 +23,7 @@ from radixrt.engine.core import EngineCore
 from radixrt.model import LlamaForCausalLM, build_model
 from radixrt.model.loader import iterate_hf_weight_slices
 from radixrt.model.tiny import EOS_IDS
-from radixrt.model.tp.shard import TPShard, check_devices
+from radixrt.tp_shard import TPShard, check_devices
 
 B = 4  # block size: matches end mid-block
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)

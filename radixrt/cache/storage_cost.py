@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import enum
 
-LOAD_POLICIES = ("auto", "always", "never")
+from radixrt.config import LOAD_POLICIES
+
 DECAY = 0.8  # weight of the older samples against each new one
 SEED_READ_BANDWIDTH = 256.0 * 2**20  # bytes/s until a read is timed: below local disks'
 SEED_FETCH_LATENCY_S = 0.005  # seconds until a fetch is timed: a network store's order

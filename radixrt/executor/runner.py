@@ -123,7 +123,7 @@ class ModelRunner:
         shard = None
         attn_cfg = model_cfg
         if tp is not None:
-            from radixrt.model.tp.shard import TPShard
+            from radixrt.tp_shard import TPShard
 
             shard = TPShard.of(model_cfg, tp.rank, tp.size)
             # Attention on a rank is attention over its heads.

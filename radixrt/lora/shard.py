@@ -18,7 +18,7 @@ import torch
 
 from radixrt.config import ModelConfig
 from radixrt.lora.adapter import module_shapes
-from radixrt.model.tp.shard import TPShard
+from radixrt.tp_shard import TPShard
 
 
 def local_module_shapes(cfg: ModelConfig, shard: TPShard) -> dict[str, tuple[int, int]]:

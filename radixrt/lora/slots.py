@@ -33,8 +33,8 @@ from radixrt.lora.adapter import (
 )
 from radixrt.lora.batch import LayerLora, LoraBatch, MaskedLoraBatch, SegmentedLoraBatch
 from radixrt.lora.shard import local_module_shapes, shard_lora_pair
-from radixrt.model.tp.shard import TPShard
 from radixrt.sampling import LoraRef
+from radixrt.tp_shard import TPShard
 
 # merged projection -> the PEFT modules it is made of, in order
 MERGED = {

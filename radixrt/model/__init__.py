@@ -15,7 +15,7 @@ from radixrt.quantization import Fp8Scheme
 
 if TYPE_CHECKING:
     from radixrt.model.tp.group import TPGroup
-    from radixrt.model.tp.shard import TPShard
+    from radixrt.tp_shard import TPShard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

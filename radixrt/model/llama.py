@@ -28,8 +28,8 @@ from radixrt.model.layer_ops import LayerOps, ModuleOps
 from radixrt.model.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_mul_
 from radixrt.model.linear import PACKED_MIN_ROWS, Linear
 from radixrt.model.tp.layers import Fp8RowParallelLinear, RowParallelLinear
-from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme
+from radixrt.tp_shard import TPShard
 
 if TYPE_CHECKING:
     from radixrt.lora.slots import LoraBatch

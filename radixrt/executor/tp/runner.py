@@ -24,8 +24,8 @@ from radixrt.executor.runner import ModelRunner
 from radixrt.executor.tp.plan_codec import ControlKind, PlanEncoder
 from radixrt.executor.tp.workers import TensorParallelError, WorkerArgs, WorkerSet
 from radixrt.model.tp.group import TPGroup, create_store, set_nccl_env
-from radixrt.model.tp.shard import check_devices, check_divisible
 from radixrt.plan import StepPlan, StepResult, SwapStats
+from radixrt.tp_shard import check_devices, check_divisible
 
 logger = logging.getLogger(__name__)
 

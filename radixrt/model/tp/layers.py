@@ -19,8 +19,8 @@ from radixrt.kernels.fp8_quant import Fp8Activation
 from radixrt.model.fp8_linear import Fp8Linear
 from radixrt.model.linear import Linear
 from radixrt.model.tp.group import TPGroup
-from radixrt.model.tp.shard import TPShard
 from radixrt.quantization import Fp8Scheme
+from radixrt.tp_shard import TPShard
 
 
 class RowParallelLinear(Linear):
