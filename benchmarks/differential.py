@@ -157,7 +157,7 @@ def make_lora_adapters(model_dir: str, out_dir: str) -> dict[str, str]:
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_" in n:
-                    p.normal_(0.0, 0.5 / max(p.shape) ** 0.5)
+                    p.normal_(0.0, 1.0 / max(p.shape) ** 0.5)
         paths[name] = os.path.join(out_dir, name)
         model.save_pretrained(paths[name])
     return paths

@@ -6,6 +6,7 @@
 # .device/base, e.g. `git archive <commit> | tar -x -C .device/base`). Logs and JSON to $OUT.
 #   STEPS   which parts run (default "suite bf16 fp8")
 #   ROUNDS  alternations of base/new per precision (default 1)
+#   BATCH_TIMEOUT_S  limit of one bench_one_batch run (default 420)
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 BASE=${BASE:-.device/base}
@@ -21,7 +22,7 @@ one_batch() {  # tree label extra-args...
   # a tree from before checkout_env.sh imports from its root (its radixrt extended __path__)
   (cd "$tree" && { [[ -f benchmarks/checkout_env.sh ]] && source benchmarks/checkout_env.sh ||
     export PYTHONPATH=$PWD:$PYTHONPATH; } &&
-    timeout 420 python -m benchmarks.bench_one_batch --engine-core --json "$OUT/$label.json" "$@" \
+    timeout "${BATCH_TIMEOUT_S:-420}" python -m benchmarks.bench_one_batch --engine-core --json "$OUT/$label.json" "$@" \
       > "$OUT/$label.log" 2>&1)
   echo "$label exit $?"
   tail -12 "$OUT/$label.log"
