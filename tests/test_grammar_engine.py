@@ -241,6 +241,31 @@ def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     engine.abort(req.rid)
 
 
+def test_a_draft_that_ends_the_grammar_gets_a_mask_after_it(make_engine):
+    """A draft run that ends on the grammar's stop token is allowed whole, and the row's masks
+    still have one per sample (the one after the stop is never used): a terminated matcher
+    has no next mask (found by the schema fuzz campaign under ngram speculation)."""
+    engine = make_engine()
+    tok = engine.tokenizer
+    grammar = engine.scheduler.grammar
+    engine.add_request(tok.encode("x"), SamplingParams(max_tokens=20, regex="[a-z]{1,40}"))
+    while True:  # until the grammar compiled and the request runs
+        engine.core.step()
+        req = next(iter(engine.scheduler.requests.values()))
+        if grammar.matcher(req) is not None:
+            break
+    m = grammar.matcher(req)
+    before = (m.num_accepted, m.next_mask())
+    whole = [t for t in tok.encode("abc") if t != tok.bos_token_id] + [tok.eos_token_id]
+    drafts = grammar.allowed_drafts(req, whole)
+    assert drafts == whole
+    masks = grammar._masks(req, drafts)
+    width = len(before[1])
+    assert len(masks) == width * (len(drafts) + 1) and masks[-width:] == b"\xff" * width
+    assert (m.num_accepted, m.next_mask()) == before
+    engine.abort(req.rid)
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [

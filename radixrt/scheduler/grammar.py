@@ -257,7 +257,9 @@ class GrammarFeature(SchedulerFeature):
         masks = [m.next_mask()]
         for token in drafts:
             assert m.accept(token), f"draft {token} is outside {req.rid}'s grammar"
-            masks.append(m.next_mask())
+            # a draft the grammar ends on (its stop token) ends the request: the sample after
+            # it is never used, and a terminated matcher has no next mask
+            masks.append(b"\xff" * len(masks[0]) if m.is_terminated() else m.next_mask())
         m.rollback(len(drafts))
         return b"".join(masks)
 
