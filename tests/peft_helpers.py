@@ -8,12 +8,14 @@ import torch
 def peft_greedy(model, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
     """`max_new` greedy tokens after `ids` and their log-probs (HF generate, its KV cache)."""
     x = torch.tensor([ids])
+    # no end-of-sequence token at all, as ignore_eos: min_new_tokens would instead mask the
+    # EOS ids out of the logits and pick another token where greedy picks one
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(
             input_ids=x,
             attention_mask=torch.ones_like(x),
             max_new_tokens=max_new,
-            min_new_tokens=max_new,
             do_sample=False,
             pad_token_id=0,
             output_logits=True,

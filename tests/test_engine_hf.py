@@ -31,6 +31,7 @@ def model_dir(request) -> str:
 def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens masks EOS out)
     outs = []
     with torch.no_grad():
         for ids in prompt_ids:
@@ -40,9 +41,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=max_new,
                 do_sample=False,
-                eos_token_id=None,
                 pad_token_id=0,
-                min_new_tokens=max_new,
             )
             outs.append(y[0, len(ids) :].tolist())
     return outs

@@ -50,14 +50,13 @@ def _assert_matches_hf(path: str, **engine_kw) -> None:
             1, torch.tensor(IDS[1:]).unsqueeze(1)
         )[:, 0]
         x = torch.tensor([IDS])
+        hf.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens masks EOS out)
         ref_tokens = hf.generate(
             x,
             attention_mask=torch.ones_like(x),
             max_new_tokens=12,
             do_sample=False,
-            eos_token_id=None,
             pad_token_id=0,
-            min_new_tokens=12,
         )[0, len(IDS) :].tolist()
     engine = Engine(path, device="cpu", dtype="float32", block_size=4, **engine_kw)
     out = engine.generate(
