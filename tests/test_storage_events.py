@@ -8,6 +8,7 @@ radixrt.cache.storage_events says."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import msgspec
 from redis_server import redis_server  # noqa: F401 (a fixture)
@@ -49,6 +50,7 @@ class Stream:
     def __init__(self, engine, medium: str = MEDIUM_DISK) -> None:
         self.engine = engine
         self.medium = medium  # the store's
+        self.rids = itertools.count()
         self.index = Index(MEDIUMS)
         self.gpu: dict[int, int | None] = {}  # hash -> parent of every block stored on GPU
         self.disk_stored = 0  # blocks stored on the store's medium
@@ -81,7 +83,7 @@ class Stream:
         reported."""
         cached = {}
         for i, ids in enumerate(batch):
-            self.engine.add_request(ids, params, rid=f"r{i}-{len(self.gpu)}")
+            self.engine.add_request(ids, params, rid=f"r{next(self.rids)}")
             while self.engine.core.has_work:
                 for d, _ in self.step():
                     cached[i] = d.num_cached_tokens
