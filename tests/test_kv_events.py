@@ -125,8 +125,8 @@ def test_wire_format_is_vllms():
 class Index:
     """What an event-driven router keeps: per medium, block hash -> parent hash."""
 
-    def __init__(self) -> None:
-        self.blocks: dict[str, dict[int, int | None]] = {"GPU": {}, "CPU": {}}
+    def __init__(self, mediums: tuple[str, ...] = ("GPU", "CPU")) -> None:
+        self.blocks: dict[str, dict[int, int | None]] = {m: {} for m in mediums}
 
     def apply(self, payload: bytes) -> None:
         ts, events, *_ = msgspec.msgpack.decode(payload)

@@ -119,7 +119,7 @@ def test_local_size_bound_deletes_least_recently_used(tmp_path):
     keys = PageKeyer(identity(), BS).keys(list(range(4 * 5)), DEFAULT_NAMESPACE)
     store.set(keys[:3], [page(i) for i in range(3)])
     store.get(keys[:1], [bytearray(PAGE)])  # keys[0] is now the most recently used
-    store.set(keys[3:5], [page(3), page(4)])
+    assert store.set(keys[3:5], [page(3), page(4)]) == [keys[1], keys[2]]  # deleted for room
     assert store.exists(keys) == [True, False, False, True, True]
     assert store.stats().pages_evicted == 2
     assert len(list(tmp_path.rglob("*.kvpage"))) == 3

@@ -124,16 +124,14 @@ def drain(sched, cache, tier, runner, clock, store) -> int:
     """Run to the end as the engine loop does; returns the steps that ran."""
     steps = 0
     while sched.has_work:
-        for done in store.exchange(tier.take_ops()):
-            cache.finish_fetch(done)
+        cache.finish_storage_io(store.exchange(tier.take_ops()))
         plan = sched.schedule()
         if plan is None:
             continue
         clock.now += STEP_S
         sched.update(plan, runner.execute(plan).result())
         steps += 1
-    for done in store.exchange(tier.take_ops()):
-        cache.finish_fetch(done)
+    cache.finish_storage_io(store.exchange(tier.take_ops()))
     sched.check_integrity()
     cache.check_integrity()
     return steps

@@ -15,6 +15,7 @@ from radixrt.cache.storage import (
     FetchDone,
     FetchPages,
     PageKeyer,
+    PagesRemoved,
     StorageIdentity,
     StorageStats,
     StorageTier,
@@ -129,6 +130,7 @@ class SlowBackend:
     def set(self, keys, buffers):
         self.release.wait(30)
         self.written += keys
+        return []
 
     def delete(self, keys):
         pass
@@ -160,6 +162,7 @@ class DownOnceBackend:
             raise StorageUnavailable("down")
         for k, b in zip(keys, buffers):
             self.pages[k] = bytes(b)
+        return []
 
     def delete(self, keys):
         pass
@@ -228,5 +231,5 @@ def test_wait_for_fetch_returns_when_the_fetch_ends():
     assert io.exchange([FetchPages(7, (bytes(32),), (0,))]) == []
     io.wait_for_fetch(5.0)
     assert 0.15 < time.monotonic() - t0 < 4.0
-    assert io.exchange([]) == [FetchDone(7, 0)]
+    assert io.exchange([]) == [PagesRemoved((bytes(32),)), FetchDone(7, 0)]
     io.close()

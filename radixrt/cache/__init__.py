@@ -10,7 +10,7 @@ from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.kv.allocator import BlockAllocator
 
 if TYPE_CHECKING:
-    from radixrt.cache.radix_node import TreeObserver
+    from radixrt.cache.radix_events import RadixEventRecorder
     from radixrt.cache.storage import StorageTier
 
 
@@ -19,14 +19,15 @@ def create_prefix_cache(
     allocator: BlockAllocator,
     block_size: int,
     num_host_blocks: int = 0,
-    events: TreeObserver | None = None,
+    events: RadixEventRecorder | None = None,
     storage: StorageTier | None = None,
 ) -> PrefixCache:
     """Build the cache named by `kind` (radix | blockhash | none) over `allocator`: for radix,
     the base tree, or its host-tier layer with `num_host_blocks` host blocks when > 0, which
     report to `events` (a `radixrt.cache.radix_events.RadixEventRecorder`) when given. A host
     tier or events with another kind: ValueError. `storage` (a storage tier under the host
-    tier) makes it the storage layer of the host tier's tree."""
+    tier) makes it the storage layer of the host tier's tree (whose pages get events on the
+    storage's medium with `events`)."""
     if num_host_blocks and kind != "radix":
         raise ValueError(f"a host KV tier needs prefix_cache 'radix', got {kind!r}")
     if events is not None and kind != "radix":
@@ -35,9 +36,15 @@ def create_prefix_cache(
         raise ValueError("a storage KV tier needs prefix_cache 'radix' and a host tier")
     if storage is not None:
         from radixrt.cache.radix_storage import StorageRadixCache
+        from radixrt.cache.storage_events import StorageEventRecorder
         from radixrt.cache.tiers import HostTier
 
-        return StorageRadixCache(allocator, block_size, HostTier(num_host_blocks), storage, events)
+        storage_events = None
+        if events is not None:  # a step's ops name at most every device and host block
+            max_pending = allocator.num_blocks + num_host_blocks
+            storage_events = StorageEventRecorder(events, storage.medium, max_pending)
+        host = HostTier(num_host_blocks)
+        return StorageRadixCache(allocator, block_size, host, storage, events, storage_events)
     if kind == "radix" and num_host_blocks:
         from radixrt.cache.radix_host import HostRadixCache
         from radixrt.cache.tiers import HostTier

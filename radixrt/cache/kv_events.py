@@ -12,6 +12,10 @@ canonical=True))` where `parent` is block i-1's hash, or `NONE_HASH = sha256_cbo
 block 0. Events carry each hash as the integer of its last 8 bytes, big-endian (vLLM's
 `maybe_convert_block_hash` with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, its default), and
 the parent of block 0 as None. Only full blocks have hashes.
+
+Mediums: "GPU" and "CPU" as vLLM's offloading connector names them; the storage tier uses
+"DISK" (a local directory) and "EXTERNAL" (a shared store: Redis), the tier names Dynamo's and
+llm-d's routers score besides GPU and CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import msgspec
 
 MEDIUM_GPU = "GPU"  # the device KV pool
 MEDIUM_CPU = "CPU"  # the host KV tier
+MEDIUM_DISK = "DISK"  # the storage tier in a local directory
+MEDIUM_EXTERNAL = "EXTERNAL"  # the storage tier in a shared store (Redis)
 VLLM_VERSION = "0.11.0"  # the vLLM release whose event schema and block hashes these follow
 
 
@@ -44,7 +50,7 @@ class BlockStored(KVCacheEvent):
     token_ids: list[int]  # block_size tokens per hash
     block_size: int
     lora_id: int | None
-    medium: str | None  # MEDIUM_GPU | MEDIUM_CPU
+    medium: str | None  # MEDIUM_GPU | MEDIUM_CPU | MEDIUM_DISK | MEDIUM_EXTERNAL
 
 
 class BlockRemoved(KVCacheEvent):

@@ -24,11 +24,13 @@ without events reports to a `NoObserver`):
 A node's hashes are computed once, when it enters the tree (kept in `node.block_hashes`; a
 split divides them, a trim cuts them). A sequence's first block hashes in its namespace's
 `event_salt` (`radixrt.cache.namespace`).
+Holders outside the tree count on their own medium through `hold` / `release`: the storage
+tier's pages (`radixrt.cache.storage_events`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 from radixrt.cache.kv_events import (
     MEDIUM_CPU,
@@ -52,7 +54,8 @@ class RadixEventRecorder:
     def __init__(self, hasher: BlockHasher) -> None:
         self.hasher = hasher
         self.block_size = hasher.block_size
-        self._held = {MEDIUM_GPU: Counter(), MEDIUM_CPU: Counter()}  # hash -> nodes holding it
+        # medium -> hash -> holders (tree nodes; on a storage medium, stored pages)
+        self._held: defaultdict[str, Counter[bytes]] = defaultdict(Counter)
         self._events: list[KVCacheEvent] = []
         self._reset_mark: int | None = None
 
@@ -66,20 +69,9 @@ class RadixEventRecorder:
     def stored(self, node: RadixNode, medium: str) -> None:
         """`node`'s KV is now on `medium` (it was not)."""
         hashes = node.block_hashes
-        if not hashes:
-            return
-        held = self._held[medium]
         first = node.start // self.block_size
-        run_start = None  # index in hashes of the current run of new hashes
-        for i, h in enumerate(hashes):
-            held[h] += 1
-            if held[h] == 1 and run_start is None:
-                run_start = i
-            elif held[h] > 1 and run_start is not None:
-                self._emit_stored(node, first, hashes, run_start, i, medium)
-                run_start = None
-        if run_start is not None:
-            self._emit_stored(node, first, hashes, run_start, len(hashes), medium)
+        for lo, hi in self._count(hashes, medium):
+            self._emit_stored(node, first, hashes, lo, hi, medium)
 
     def removed(self, node: RadixNode, medium: str) -> None:
         """`node`'s KV left `medium`."""
@@ -96,6 +88,39 @@ class RadixEventRecorder:
         num_up = lower.start // self.block_size - upper.start // self.block_size
         upper.block_hashes = lower.block_hashes[:num_up]
         lower.block_hashes = lower.block_hashes[num_up:]
+
+    # ---- holders outside the tree (the storage tier) ----
+    def hold(
+        self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], medium: str
+    ) -> None:
+        """Blocks `hashes` (consecutive, after the block hashed `parent`, None: from the first;
+        `token_ids`: block_size per hash) are held once more on `medium`."""
+        bs = self.block_size
+        for lo, hi in self._count(hashes, medium):
+            before = parent if lo == 0 else hashes[lo - 1]
+            self._append_stored(hashes[lo:hi], before, token_ids[lo * bs : hi * bs], medium)
+
+    def release(self, hashes: list[bytes], medium: str) -> None:
+        """One holder of each of `hashes` on `medium` holds it no more."""
+        self._remove(hashes, medium)
+
+    def _count(self, hashes: list[bytes] | None, medium: str) -> list[tuple[int, int]]:
+        """Count `hashes` held once more on `medium`; the runs [lo, hi) of those new on it."""
+        if not hashes:
+            return []
+        held = self._held[medium]
+        runs = []
+        run_start = None  # index in hashes of the current run of new hashes
+        for i, h in enumerate(hashes):
+            held[h] += 1
+            if held[h] == 1 and run_start is None:
+                run_start = i
+            elif held[h] > 1 and run_start is not None:
+                runs.append((run_start, i))
+                run_start = None
+        if run_start is not None:
+            runs.append((run_start, len(hashes)))
+        return runs
 
     def _remove(self, hashes: list[bytes], medium: str) -> None:
         """The nodes holding `hashes` on `medium` hold them no more."""
@@ -116,9 +141,10 @@ class RadixEventRecorder:
         self._reset_mark = len(self._events)
 
     def reset_done(self) -> None:
-        """A reset left nothing cached: one AllBlocksCleared replaces its removals."""
+        """A reset left nothing cached on any medium (storage included): one AllBlocksCleared
+        replaces its removals."""
         assert self._reset_mark is not None
-        if not self._held[MEDIUM_GPU] and not self._held[MEDIUM_CPU]:
+        if not any(self._held.values()):
             del self._events[self._reset_mark :]
             self._events.append(AllBlocksCleared())
         self._reset_mark = None
@@ -130,8 +156,12 @@ class RadixEventRecorder:
         return events
 
     def held(self, medium: str) -> set[int]:
-        """External hashes of the full blocks the tree holds on `medium` now."""
-        return {external_hash(h) for h in self._held[medium]}
+        """External hashes of the full blocks held on `medium` now."""
+        return {external_hash(h) for h in self._held.get(medium, ())}
+
+    def held_counts(self, medium: str) -> Counter[bytes]:
+        """Holders of each hash on `medium` now (a copy)."""
+        return Counter(self._held.get(medium, ()))
 
     def check_integrity(self, roots: list[RadixNode]) -> None:
         """Every node's hashes cover its full blocks, and the counts per medium are the
@@ -149,7 +179,8 @@ class RadixEventRecorder:
             if node.host_blocks:
                 want[MEDIUM_CPU].update(hashes)
             stack += node.children.values()
-        assert want == self._held, "KV event counts out of sync with the tree"
+        have = {medium: self._held.get(medium, Counter()) for medium in want}
+        assert want == have, "KV event counts out of sync with the tree"
 
     # ---- internals ----
     def _emit_stored(
@@ -157,14 +188,19 @@ class RadixEventRecorder:
     ) -> None:
         """BlockStored for hashes[lo:hi] (block indices first + lo ..)."""
         bs = self.block_size
-        parent = self._hash_before(node, first + lo) if lo == 0 else hashes[lo - 1]
+        parent = self.hash_before(node, first + lo) if lo == 0 else hashes[lo - 1]
         tokens = self._tokens(node, (first + lo) * bs, (first + hi) * bs)
+        self._append_stored(hashes[lo:hi], parent, tokens, medium)
+
+    def _append_stored(
+        self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], medium: str
+    ) -> None:
         self._events.append(
             BlockStored(
-                [external_hash(h) for h in hashes[lo:hi]],
+                [external_hash(h) for h in hashes],
                 None if parent is None else external_hash(parent),
-                tokens,
-                bs,
+                token_ids,
+                self.block_size,
                 None,
                 medium,
             )
@@ -177,12 +213,12 @@ class RadixEventRecorder:
         if end <= first:
             node.block_hashes = []
             return
-        parent = self._hash_before(node, first)
+        parent = self.hash_before(node, first)
         salt = namespace.event_salt if parent is None else None
         tokens = self._tokens(node, first * bs, end * bs)
         node.block_hashes = self.hasher.chain(parent, tokens, salt)
 
-    def _hash_before(self, node: RadixNode, index: int) -> bytes | None:
+    def hash_before(self, node: RadixNode, index: int) -> bytes | None:
         """Hash of block index-1 of node's path (None for index 0): an ancestor owns it."""
         if index == 0:
             return None

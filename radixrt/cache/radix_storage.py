@@ -15,6 +15,8 @@ The tree keeps no node for what is only in storage; storage is content-addressed
   block whose last token is on its edge (as write-through numbers them); the runner writes
   those whose write-through never reached storage (dropped under pressure, or the store was
   down), so a prefix evicted from GPU and host is still found in storage.
+- KV events (with `events`): the pages of those writes and of fetched leaves are named to a
+  `StorageEventRecorder`, which announces them when the runner reports they landed.
 Plain Python (no torch).
 """
 
@@ -29,7 +31,15 @@ from radixrt.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixrt.cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from radixrt.cache.radix_host import HostRadixCache
 from radixrt.cache.radix_node import RadixNode, TreeObserver
-from radixrt.cache.storage import FetchDone, FetchPages, StorageTier
+from radixrt.cache.storage import (
+    FetchDone,
+    FetchPages,
+    PagesRemoved,
+    PagesStored,
+    StorageResult,
+    StorageTier,
+)
+from radixrt.cache.storage_events import StorageEventRecorder
 from radixrt.cache.tiers import KVTier
 from radixrt.kv.allocator import BlockAllocator
 
@@ -41,6 +51,7 @@ class _Fetch:
     tokens: list[int]  # the prompt prefix whose pages first.. were asked for
     namespace: CacheNamespace
     first: int  # block index of the first page asked for
+    keys: tuple[bytes, ...]  # the keys of the pages asked for
     host_blocks: list[int]  # one per page asked for, held until the fetch ends
 
 
@@ -54,9 +65,12 @@ class StorageRadixCache(HostRadixCache):
         host: KVTier,
         storage: StorageTier,
         observer: TreeObserver | None = None,
+        events: StorageEventRecorder | None = None,
     ) -> None:
+        """`events`: the storage tier's KV events (None: off)."""
         super().__init__(allocator, block_size, host, observer)
         self.storage = storage
+        self.events = events
         self._fetches: dict[int, _Fetch] = {}
         self._next_ticket = 0
 
@@ -76,6 +90,8 @@ class StorageRadixCache(HostRadixCache):
             if hi > lo:
                 keys = self.storage.keyer.keys(tokens[: hi * bs], namespace)[lo:]
                 self.storage.store(leaf.blocks[: hi - lo], keys)
+                if self.events is not None:
+                    self.events.expect(keys, leaf, tokens)
         return result
 
     # ---- write-back ----
@@ -90,6 +106,8 @@ class StorageRadixCache(HostRadixCache):
                 tokens = [t for n in self._path(node) for t in n.key]
                 keys = self.storage.keyer.keys(tokens[: hi * bs], self._namespace_of(node))
                 self.storage.write_back(node.host_blocks[: hi - lo], keys[lo:])
+                if self.events is not None:
+                    self.events.expect(keys[lo:], node, tokens)
         super()._evict_host_one()
 
     # ---- prefetch ----
@@ -112,7 +130,7 @@ class StorageRadixCache(HostRadixCache):
         keys = self.storage.keyer.keys(tokens, namespace)[first:]
         ticket = self._next_ticket
         self._next_ticket += 1
-        self._fetches[ticket] = _Fetch(tokens, namespace, first, host_blocks)
+        self._fetches[ticket] = _Fetch(tokens, namespace, first, tuple(keys), host_blocks)
         self.storage.fetch(FetchPages(ticket, tuple(keys), tuple(host_blocks)))
         return ticket
 
@@ -131,6 +149,20 @@ class StorageRadixCache(HostRadixCache):
     def fetching(self, ticket: int) -> bool:
         """Whether the fetch `ticket` has not ended yet."""
         return ticket in self._fetches
+
+    def finish_storage_io(self, results: list[StorageResult]) -> None:
+        """Take what the runner side reports (`StorageRunner.storage_io`), in order: finished
+        fetches enter the tree, stored and removed pages go to the KV events."""
+        for result in results:
+            if isinstance(result, FetchDone):
+                self.finish_fetch(result)
+            elif self.events is None:
+                continue
+            elif isinstance(result, PagesStored):
+                self.events.landed(result.keys)
+            else:
+                assert isinstance(result, PagesRemoved)
+                self.events.removed(result.keys)
 
     def finish_fetch(self, done: FetchDone) -> int:
         """Put the pages a fetch loaded into the tree, past what is cached by now, as a
@@ -165,6 +197,8 @@ class StorageRadixCache(HostRadixCache):
         self.observer.added(leaf, f.namespace)
         self.observer.removed(leaf, MEDIUM_GPU)
         self.observer.stored(leaf, MEDIUM_CPU)
+        if self.events is not None:
+            self.events.found(f.keys[start_page:k], leaf, f.tokens)
         self._relist(leaf)
         self._relist(parent)
         self.storage.stats.pages_adopted += len(leaf.host_blocks)
@@ -175,6 +209,12 @@ class StorageRadixCache(HostRadixCache):
         if top is not self.root and self._roots.get(namespace) is top:
             del self._roots[namespace]
             del self._root_namespaces[top.id]
+
+    def check_integrity(self) -> None:
+        """The host tier's checks, then the storage tier's KV events'."""
+        super().check_integrity()
+        if self.events is not None:
+            self.events.check_integrity()
 
     # ---- layer hooks ----
     def _host_blocks_held(self) -> Counter[int]:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixrt.cache.kv_events import BlockHasher
+from radixrt.cache.kv_events import MEDIUM_DISK, BlockHasher
 from radixrt.cache.namespace import CacheNamespace
 from radixrt.cache.storage_cost import StorageCostModel
 
@@ -137,8 +137,10 @@ class StorageBackend(Protocol):
         not check (the buffer's content is undefined then)."""
         ...
 
-    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
-        """Store each buffer under the key beside it (a key already stored keeps its page)."""
+    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bytes]:
+        """Store each buffer under the key beside it (a key already stored keeps its page).
+        Returns the keys of the pages it deleted to stay within its size bound ([] for a
+        store that bounds itself: Redis evicts unseen)."""
         ...
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -199,6 +201,21 @@ StorageOp = StorePage | StoreHostPage | FetchPages
 
 
 @dataclass(frozen=True, slots=True)
+class PagesStored:
+    """Writes that landed: storage holds these pages now."""
+
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PagesRemoved:
+    """Pages that left storage, as far as the runner saw: deleted by the backend for room, or
+    asked for by a fetch and not found whole (absent, torn or corrupt)."""
+
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class FetchDone:
     """A finished `FetchPages`: its first `num_pages` host blocks hold their pages. The
     timings feed the load-or-recompute cost model (`radixrt.cache.storage_cost`)."""
@@ -208,6 +225,9 @@ class FetchDone:
     page_bytes: int = field(default=0, compare=False)  # payload bytes of one page
     lookup_s: float = field(default=0.0, compare=False)  # seconds the `exists` call took
     read_s: float = field(default=0.0, compare=False)  # seconds the `get` of the pages took
+
+
+StorageResult = FetchDone | PagesStored | PagesRemoved  # what the runner side reports, in order
 
 
 @dataclass
@@ -249,9 +269,12 @@ class StorageTier:
         keyer: PageKeyer,
         prefetch_timeout_s: float,
         cost: StorageCostModel | None = None,
+        medium: str = MEDIUM_DISK,
     ) -> None:
-        """`cost`: the load-or-recompute decision (default: policy `auto`)."""
+        """`cost`: the load-or-recompute decision (default: policy `auto`); `medium`: what KV
+        events call the store (`radixrt.cache.storage_backends.storage_medium`)."""
         self.keyer = keyer
+        self.medium = medium
         self.prefetch_timeout_s = prefetch_timeout_s  # a request waits this long for a fetch
         self.cost = cost if cost is not None else StorageCostModel()
         self.stats = StorageTierStats()
@@ -284,8 +307,9 @@ class StorageRunner(Protocol):
 
     storage_identity: StorageIdentity | None  # None: no storage tier
 
-    def storage_io(self, ops: list[StorageOp]) -> list[FetchDone]:
-        """Start `ops`; the fetches finished since the last call."""
+    def storage_io(self, ops: list[StorageOp]) -> list[StorageResult]:
+        """Start `ops`; what finished since the last call, in order: fetches, writes that
+        landed, pages seen leaving the store."""
         ...
 
     def storage_wait(self, timeout_s: float) -> None:

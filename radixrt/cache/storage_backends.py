@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from radixrt.cache.kv_events import MEDIUM_DISK, MEDIUM_EXTERNAL
 from radixrt.cache.storage import StorageBackend
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # a `kv_storage` naming a Redis server
@@ -19,3 +20,8 @@ def open_backend(spec: str, page_bytes: int, max_bytes: int) -> StorageBackend:
     from radixrt.cache.storage_local import LocalDirBackend
 
     return LocalDirBackend(spec, page_bytes, max_bytes)
+
+
+def storage_medium(spec: str) -> str:
+    """What KV events call the store a `kv_storage` option names."""
+    return MEDIUM_EXTERNAL if spec.startswith(REDIS_SCHEMES) else MEDIUM_DISK

@@ -10,10 +10,10 @@ bad file is deleted): never wrong KV.
 
 The directory is bounded by `max_bytes`: after a write, least recently used pages (by the
 in-memory order, rebuilt from the files' modification times when the backend opens) are
-deleted until it fits. A hit refreshes the file's modification time, so the order survives a
-restart. Several processes may share a directory: `exists` finds the pages another one wrote
-since (a stat per key this process has not indexed), and each bounds the size it sees (they
-may over-count it between restarts).
+deleted until it fits (`set` returns their keys). A hit refreshes the file's modification
+time, so the order survives a restart. Several processes may share a directory: `exists` finds
+the pages another one wrote since (a stat per key this process has not indexed), and each
+bounds the size it sees (they may over-count it between restarts).
 """
 
 from __future__ import annotations
@@ -80,13 +80,16 @@ class LocalDirBackend:
             out.append(ok)
         return out
 
-    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
+    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bytes]:
+        """Write the pages not indexed yet; the keys deleted for room (least recently used)."""
+        deleted = []
         for key, buf in zip(keys, buffers, strict=True):
             with self._lock:
                 if key in self._lru:
                     self._lru.move_to_end(key)
                     continue
-            self._write(key, buf)
+            deleted += self._write(key, buf)
+        return deleted
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -123,7 +126,8 @@ class LocalDirBackend:
         os.utime(path)  # the LRU order survives a restart
         return True
 
-    def _write(self, key: bytes, buf: memoryview) -> None:
+    def _write(self, key: bytes, buf: memoryview) -> list[bytes]:
+        """Write `key`'s page; the keys deleted to fit it."""
         data = memoryview(buf).cast("B")
         assert len(data) == self.page_bytes, f"a page of {len(data)} bytes, not {self.page_bytes}"
         path = self.path_of(key)
@@ -149,6 +153,7 @@ class LocalDirBackend:
             self._stats.pages_evicted += len(victims)
         for victim in victims:
             self.path_of(victim).unlink(missing_ok=True)
+        return victims
 
     def _adopt(self, key: bytes) -> bool:
         """Index `key`'s file if it exists (written by another process)."""

@@ -8,7 +8,8 @@ use `SET NX` (a key already stored keeps its page); a batch goes in one pipeline
 (one `MGET` to read), split so that none carries more than `batch_bytes`.
 The server bounds its memory (`maxmemory` with an LRU `maxmemory-policy`): this backend deletes
 nothing for room, and `num_pages`/`num_bytes` count what this process wrote, less what it
-deleted.
+deleted. The server's evictions are invisible here: KV events learn of them only when a fetch
+misses the page (`radixrt.executor.storage_io`).
 
 A server that answers but refuses writes (full, with `maxmemory-policy noeviction`) fails
 them with `StorageUnavailable` (logged once) and still serves reads. When the server cannot
@@ -117,11 +118,13 @@ class RedisBackend:
             self._call(self._client.delete, *[self._name(k) for k in bad])
         return out
 
-    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
+    def set(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bytes]:
+        """Store the pages; deletes none for room (the server evicts, unseen: [])."""
         assert len(keys) == len(buffers)
         for i in range(0, len(keys), self.batch_pages):
             batch = slice(i, i + self.batch_pages)
             self._set_batch(keys[batch], buffers[batch])
+        return []
 
     def _set_batch(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
         pipe = self._client.pipeline(transaction=False)

@@ -25,6 +25,7 @@ import msgspec
 from radixrt.cache import create_prefix_cache
 from radixrt.cache.radix_storage import StorageRadixCache
 from radixrt.cache.storage import PageKeyer, StorageTier
+from radixrt.cache.storage_backends import storage_medium
 from radixrt.cache.storage_cost import StorageCostModel
 from radixrt.config import EngineConfig, ModelConfig
 from radixrt.deltas import BeamOut, FinishReason, RequestDelta
@@ -294,10 +295,10 @@ class EngineCore:
         return self.runner.execute(plan)
 
     def _exchange_storage(self) -> None:
-        """Hand the storage tier's queued ops to the runner; finished fetches enter the tree."""
+        """Hand the storage tier's queued ops to the runner; what finished comes back to the
+        cache (fetches enter the tree; stored and removed pages become KV events)."""
         if isinstance(self.cache, StorageRadixCache):
-            for done in self.runner.storage_io(self.cache.storage.take_ops()):
-                self.cache.finish_fetch(done)
+            self.cache.finish_storage_io(self.runner.storage_io(self.cache.storage.take_ops()))
 
     def _finish_step(self, plan: StepPlan, handle: StepHandle) -> list[Request]:
         try:
@@ -623,4 +624,5 @@ def _storage_tier(cfg: EngineConfig, runner: Runner) -> StorageTier | None:
         return None
     keyer = PageKeyer(identity, cfg.cache.block_size)
     cost = StorageCostModel(cfg.cache.kv_storage_load_policy)
-    return StorageTier(keyer, cfg.cache.kv_storage_prefetch_timeout_s, cost)
+    medium = storage_medium(cfg.cache.kv_storage)
+    return StorageTier(keyer, cfg.cache.kv_storage_prefetch_timeout_s, cost, medium)

@@ -27,10 +27,10 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.cache.storage import (
-    FetchDone,
     StorageIdentity,
     StorageIOStats,
     StorageOp,
+    StorageResult,
 )
 from radixrt.cache.storage_backends import open_backend
 from radixrt.config import EngineConfig, ModelConfig
@@ -306,8 +306,8 @@ class ModelRunner:
             tp_size=1 if self.tp is None else self.tp.size,
         )
 
-    def storage_io(self, ops: list[StorageOp]) -> list[FetchDone]:
-        """Start the storage tier's ops; the fetches finished since the last call."""
+    def storage_io(self, ops: list[StorageOp]) -> list[StorageResult]:
+        """Start the storage tier's ops; what finished since the last call, in order."""
         assert self.storage is not None, "storage ops without a storage tier"
         return self.storage.exchange(ops)
 

@@ -14,8 +14,12 @@ background thread.
   into the named host blocks (the scheduler holds them) and reports a `FetchDone` with the
   seconds the lookup and the read took (the cost model's samples). Fetches go before queued
   writes.
-`exchange(ops)` takes a step's ops and returns the fetches finished since the last call; the
-engine calls it before every plan executes.
+- What the store holds, as far as this side sees it: a write that lands reports
+  `PagesStored`, and the pages the backend deleted for room with it `PagesRemoved`; a fetch
+  reports the keys it asked for and did not find whole as `PagesRemoved` (a store that evicts
+  on its own, Redis, is seen only so). A write that fails, even in part, reports nothing.
+`exchange(ops)` takes a step's ops and returns what finished since the last call, in the order
+it happened; the engine calls it before every plan executes.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ import torch
 from radixrt.cache.storage import (
     FetchDone,
     FetchPages,
+    PagesRemoved,
+    PagesStored,
     StorageBackend,
     StorageIOStats,
     StorageOp,
+    StorageResult,
     StorageUnavailable,
     StoreHostPage,
     StorePage,
@@ -90,15 +97,17 @@ class StorageIO:
         self._cond = threading.Condition()
         self._fetches: deque[FetchPages] = deque()
         self._writes: deque[tuple[list[bytes], list[int], torch.cuda.Event | None]] = deque()
-        self._done: list[FetchDone] = []
+        self._done: list[StorageResult] = []
+        self._fetches_done = 0  # FetchDone in `_done`
         self._closed = False
         self._busy = False
         self._fetching = False  # the thread is reading a fetch
         self._thread = threading.Thread(target=self._work, name="kv-storage", daemon=True)
         self._thread.start()
 
-    def exchange(self, ops: list[StorageOp]) -> list[FetchDone]:
-        """Start `ops` (see the module docstring); the fetches finished since the last call."""
+    def exchange(self, ops: list[StorageOp]) -> list[StorageResult]:
+        """Start `ops` (see the module docstring); what finished since the last call, in
+        order."""
         stores = [op for op in ops if isinstance(op, StorePage)]
         if stores:
             self._stage(stores)
@@ -111,6 +120,7 @@ class StorageIO:
             if fetches:
                 self._cond.notify()
             done, self._done = self._done, []
+            self._fetches_done = 0
         return done
 
     def stats(self) -> StorageIOStats:
@@ -122,7 +132,9 @@ class StorageIO:
         (the step loop's idle wait: it sleeps instead of spinning, so this thread is not
         starved of the GIL)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._done or not self._fetches_pending(), timeout_s)
+            self._cond.wait_for(
+                lambda: self._fetches_done or not self._fetches_pending(), timeout_s
+            )
 
     def _fetches_pending(self) -> bool:
         """Caller holds `_cond`: fetches queued or being read."""
@@ -230,9 +242,12 @@ class StorageIO:
                 self._fetching = fetch is not None
             try:
                 if fetch is not None:
-                    done = self._fetch(fetch)
+                    done, missing = self._fetch(fetch)
                     with self._cond:
+                        if missing:
+                            self._done.append(PagesRemoved(tuple(missing)))
                         self._done.append(done)
+                        self._fetches_done += 1
                 else:
                     self._write(*write)
             finally:
@@ -241,17 +256,23 @@ class StorageIO:
                     self._fetching = False
                     self._cond.notify_all()
 
-    def _fetch(self, op: FetchPages) -> FetchDone:
+    def _fetch(self, op: FetchPages) -> tuple[FetchDone, list[bytes]]:
+        """The fetch's result, and the keys it found absent or unreadable."""
         lookup_s = read_s = 0.0
+        missing: list[bytes] = []
         try:
             t0 = time.perf_counter()
-            num = leading_run(self.backend.exists(op.keys))
+            found = self.backend.exists(op.keys)
             t1 = time.perf_counter()
             lookup_s = t1 - t0
+            num = leading_run(found)
             kv = self.host_pool.kv
             views = [page_view(kv[h]) for h in op.host_blocks[:num]]
-            num = leading_run(self.backend.get(op.keys[:num], views)) if num else 0
+            read = self.backend.get(op.keys[:num], views) if num else []
             read_s = time.perf_counter() - t1
+            num = leading_run(read)
+            missing = [k for k, ok in zip(op.keys, found) if not ok]
+            missing += [k for k, ok in zip(op.keys, read) if not ok]
         except StorageUnavailable as e:  # the backend logs its outages
             logger.debug("kv storage: a fetch of %d pages failed: %s", len(op.keys), e)
             with self._cond:
@@ -262,13 +283,14 @@ class StorageIO:
             with self._cond:
                 self._stats.fetch_errors += 1
             num = 0
-        return FetchDone(op.ticket, num, self.backend.page_bytes, lookup_s, read_s)
+        return FetchDone(op.ticket, num, self.backend.page_bytes, lookup_s, read_s), missing
 
     def _write(self, keys: list[bytes], slots: list[int], event) -> None:
         if event is not None:
             event.synchronize()
+        deleted: list[bytes] = []
         try:
-            self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
+            deleted = self.backend.set(keys, [page_view(self._staging[s]) for s in slots])
             ok = True
         except StorageUnavailable as e:  # the backend logs its outages
             logger.debug("kv storage: a write of %d pages failed: %s", len(keys), e)
@@ -281,6 +303,9 @@ class StorageIO:
             if ok:
                 for key in keys:
                     self._unwritten.pop(key, None)
+                self._done.append(PagesStored(tuple(keys)))
+                if deleted:
+                    self._done.append(PagesRemoved(tuple(deleted)))
             else:
                 self._stats.write_errors += len(keys)
                 self._remember_unwritten(keys)
