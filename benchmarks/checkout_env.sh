@@ -6,3 +6,6 @@ cp -rs "$PWD/radixrt" "$_radixrt_overlay/radixrt"
 ln -s "$PWD/kernels" "$_radixrt_overlay/radixrt/kernels"
 ln -s "$PWD/frontend" "$_radixrt_overlay/radixrt/frontend"
 export PYTHONPATH=$_radixrt_overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# `python -m` would put the working directory first on sys.path, where radixrt/ lacks the
+# kernels/ and frontend/ links: keep the overlay first (the root stays, after it, for benchmarks)
+export PYTHONSAFEPATH=1
