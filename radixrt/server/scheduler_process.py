@@ -49,6 +49,7 @@ from radixrt.server.messages import (
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5  # idle wait on the socket between checks that the parent lives
+IDLE_SNAPSHOT_S = 2.0  # the stats the front serves (/health, /metrics) are this fresh when idle
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,10 @@ class SchedulerLoop:
                     self.kv_publisher.publish(events)
             now = time.monotonic()
             # a heartbeat (an empty batch) when steps go by without output: the front
-            # takes any message as progress (radixrt.server.liveness)
-            if msgs or changed or (stepped and now - last_sent >= HEARTBEAT_S):
+            # takes any message as progress (radixrt.server.liveness); idle, one now and
+            # then carries fresh stats, so /health sees a fault (a dead grammar compiler)
+            # that no request has met yet
+            if msgs or changed or now - last_sent >= (HEARTBEAT_S if stepped else IDLE_SNAPSHOT_S):
                 last_sent = now
                 outputs = []
                 for d in (*finished, *changed):
