@@ -2,7 +2,8 @@
 greedy rows interleaved with streamed, grammar-constrained, n > 1, beam-search and sampled
 rows; aborts and client disconnects) against a plain `radixrt serve` and against servers with
 features on under KV pressure (`benchmarks.differential.CONFIGS`: host tier, ngram
-speculation, both): every greedy answer the same, and the KV accounting balanced once idle.
+speculation, both; and a storage tier across restarts and damage to its pages): every greedy
+answer the same, and the KV accounting balanced once idle.
 
 Two drivers of the same workload: real server processes (the workload goes through the front:
 streams, /abort, dropped connections, concurrency as clients make it; on the CPU the server
@@ -20,6 +21,8 @@ from server_utils import serving
 from benchmarks import differential_engine
 from benchmarks.differential import (
     CONFIGS,
+    HOST,
+    PRESSURE,
     REFERENCE_ARGS,
     check_balanced,
     compare,
@@ -63,6 +66,43 @@ def test_greedy_answers_match_the_plain_server(tiny_model_dir, workload, referen
     fates = {job.fate for job in workload}
     assert {"grammar", "beam", "greedy_n", "sampled_n"} <= kinds
     assert {"abort", "disconnect"} <= fates
+
+
+def _damage(store) -> tuple[int, int]:
+    """Behind the server's back: of every three pages, delete one and corrupt one's payload."""
+    pages = sorted(store.rglob("*.kvpage"))
+    for path in pages[0::3]:
+        path.unlink()
+    for path in pages[1::3]:
+        data = bytearray(path.read_bytes())
+        data[-100:] = bytes(b ^ 0xFF for b in data[-100:])
+        path.write_bytes(bytes(data))
+    return len(pages[0::3]), len(pages[1::3])
+
+
+def test_storage_tier_across_restarts_matches_the_plain_server(
+    tiny_model_dir, workload, reference, tmp_path
+):
+    """The storage tier (a directory) under the host tier and KV pressure: a server that
+    fills the store, a restarted one that reads it, and one more after a third of its pages
+    were deleted and a third corrupted. Every greedy answer equals the plain server's."""
+    store = tmp_path / "kv"
+    args = [*PRESSURE, *HOST, "--kv-storage", str(store)]
+    for run in ("fill", "restart", "damaged"):
+        if run == "damaged":
+            deleted, corrupted = _damage(store)
+            assert deleted and corrupted
+        with serving(tiny_model_dir, *args) as srv:
+            answers = run_workload(srv.url, workload, CONCURRENCY)
+            snap = check_balanced(srv.url)
+        result = compare(workload, reference, answers)
+        assert not result.mismatches, (run, "\n".join(result.mismatches[:10]))
+        assert result.num_compared >= NUM_REQUESTS // 2
+        assert snap["storage_written_pages"] > 0 or run != "fill", snap
+        if run != "fill":
+            assert snap["storage_hits"] > 0, snap  # found what an earlier server stored
+        if run == "damaged":
+            assert snap["storage_corrupt_pages"] + snap["storage_misses"] > 0, snap
 
 
 ENGINE_SEED = 2  # a run where a copy queued into a freed block met a host load into it

@@ -229,6 +229,9 @@ def test_wait_for_fetch_returns_when_the_fetch_ends():
     io.wait_for_fetch(5.0)  # nothing in flight: at once
     assert time.monotonic() - t0 < 1.0
     assert io.exchange([FetchPages(7, (bytes(32),), (0,))]) == []
+    io.wait_for_fetch(5.0)  # it starts at the next exchange (after this step's swap copies)
+    assert time.monotonic() - t0 < 1.0
+    assert io.exchange([]) == []
     io.wait_for_fetch(5.0)
     assert 0.15 < time.monotonic() - t0 < 4.0
     assert io.exchange([]) == [PagesRemoved((bytes(32),)), FetchDone(7, 0)]

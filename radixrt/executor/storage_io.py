@@ -13,7 +13,10 @@ background thread.
 - `FetchPages` ops: the thread asks the backend which of the keys exist, reads the leading run
   into the named host blocks (the scheduler holds them) and reports a `FetchDone` with the
   seconds the lookup and the read took (the cost model's samples). Fetches go before queued
-  writes.
+  writes. A fetch starts at the exchange after the one that brought it (on CUDA, once the
+  copy stream's work enqueued by then is done): its host blocks were free when the scheduler
+  took them, but the plan of that step may still copy into or out of them (a host copy
+  evicted for the fetch after the same step queued its load).
 - What the store holds, as far as this side sees it: a write that lands reports
   `PagesStored`, and the pages the backend deleted for room with it `PagesRemoved`; a fetch
   reports the keys it asked for and did not find whole as `PagesRemoved` (a store that evicts
@@ -95,7 +98,8 @@ class StorageIO:
         self._max_unwritten = host_pool.num_blocks + host_pool.device_pool.num_blocks
         self._stats = StorageIOStats()
         self._cond = threading.Condition()
-        self._fetches: deque[FetchPages] = deque()
+        self._fetches: deque[tuple[FetchPages, torch.cuda.Event | None]] = deque()
+        self._deferred: list[FetchPages] = []  # the last exchange's fetches: they wait one
         self._writes: deque[tuple[list[bytes], list[int], torch.cuda.Event | None]] = deque()
         self._done: list[StorageResult] = []
         self._fetches_done = 0  # FetchDone in `_done`
@@ -114,9 +118,13 @@ class StorageIO:
         evicted = [op for op in ops if isinstance(op, StoreHostPage)]
         if evicted:
             self._stage_evicted(evicted)
-        fetches = [op for op in ops if isinstance(op, FetchPages)]
+        fetches, self._deferred = self._deferred, [op for op in ops if isinstance(op, FetchPages)]
+        event = None
+        if fetches and self.host_pool.is_cuda:  # the swap copies enqueued so far end first
+            event = torch.cuda.Event()
+            event.record(self.host_pool.stream)
         with self._cond:
-            self._fetches.extend(fetches)
+            self._fetches.extend((op, event) for op in fetches)
             if fetches:
                 self._cond.notify()
             done, self._done = self._done, []
@@ -242,7 +250,7 @@ class StorageIO:
                 self._fetching = fetch is not None
             try:
                 if fetch is not None:
-                    done, missing = self._fetch(fetch)
+                    done, missing = self._fetch(*fetch)
                     with self._cond:
                         if missing:
                             self._done.append(PagesRemoved(tuple(missing)))
@@ -256,10 +264,12 @@ class StorageIO:
                     self._fetching = False
                     self._cond.notify_all()
 
-    def _fetch(self, op: FetchPages) -> tuple[FetchDone, list[bytes]]:
+    def _fetch(self, op: FetchPages, event) -> tuple[FetchDone, list[bytes]]:
         """The fetch's result, and the keys it found absent or unreadable."""
         lookup_s = read_s = 0.0
         missing: list[bytes] = []
+        if event is not None:
+            event.synchronize()
         try:
             t0 = time.perf_counter()
             found = self.backend.exists(op.keys)
