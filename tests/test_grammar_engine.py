@@ -211,6 +211,19 @@ def test_constrained_rows_draft_checked_against_the_grammar(make_engine, method)
     assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0
 
 
+def _running_constrained(engine, regex: str):
+    """A request constrained by `regex`, stepped until its grammar compiled and it runs:
+    (the request, its matcher)."""
+    grammar = engine.scheduler.grammar
+    engine.add_request(engine.tokenizer.encode("x"), SamplingParams(max_tokens=20, regex=regex))
+    while True:  # until the grammar compiled and the request runs
+        engine.core.step()
+        req = next(iter(engine.scheduler.requests.values()))
+        if grammar.matcher(req) is not None:
+            break
+    return req, grammar.matcher(req)
+
+
 def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     """allowed_drafts keeps the longest allowed prefix and leaves the matcher unchanged; the
     row's masks are one per sample (current state, then after each draft)."""
@@ -219,13 +232,7 @@ def test_grammar_drafts_are_cut_at_the_first_refused_token(make_engine):
     engine = make_engine()
     tok = engine.tokenizer
     grammar = engine.scheduler.grammar
-    engine.add_request(tok.encode("x"), SamplingParams(max_tokens=20, regex="abcabc"))
-    while True:  # until the grammar compiled and the request runs
-        engine.core.step()
-        req = next(iter(engine.scheduler.requests.values()))
-        if grammar.matcher(req) is not None:
-            break
-    m = grammar.matcher(req)
+    req, m = _running_constrained(engine, "abcabc")
     before = (m.num_accepted, m.next_mask())
     good = [t for t in tok.encode("abcabc") if t != tok.bos_token_id]
     bad = tok.encode("z")[-1]
@@ -248,13 +255,7 @@ def test_a_draft_that_ends_the_grammar_gets_a_mask_after_it(make_engine):
     engine = make_engine()
     tok = engine.tokenizer
     grammar = engine.scheduler.grammar
-    engine.add_request(tok.encode("x"), SamplingParams(max_tokens=20, regex="[a-z]{1,40}"))
-    while True:  # until the grammar compiled and the request runs
-        engine.core.step()
-        req = next(iter(engine.scheduler.requests.values()))
-        if grammar.matcher(req) is not None:
-            break
-    m = grammar.matcher(req)
+    req, m = _running_constrained(engine, "[a-z]{1,40}")
     before = (m.num_accepted, m.next_mask())
     whole = [t for t in tok.encode("abc") if t != tok.bos_token_id] + [tok.eos_token_id]
     drafts = grammar.allowed_drafts(req, whole)
