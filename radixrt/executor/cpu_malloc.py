@@ -10,8 +10,9 @@ in the heap: the faults drop to ~0. The cost: the process keeps its peak heap in
 returning it to the kernel, and that peak creeps up as requests of new shapes (prompt
 log-probs: [prompt tokens, vocab] float32 logits) leave holes the next shapes do not fit: a
 schema fuzz grew the scheduler by ~120 MiB per 2,500 requests (benchmarks/fuzz_campaign.py).
-So `HeapTrim` gives the free pages back every TRIM_EVERY_STEPS steps (`malloc_trim`): the
-kept memory is bounded by what those steps use, and the faults come back once per interval.
+So `HeapTrim` bounds what is kept: once the RSS has grown KEEP_FREED_BYTES past where the
+last trim left it, it gives the free pages back (`malloc_trim`); steps whose activations fit
+that bound fault nothing, and a peak of one request's shape stays one step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import platform
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,8 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
 THRESHOLD_BYTES = 1 << 30  # allocations below this come from the heap, which is never trimmed
-TRIM_EVERY_STEPS = 64  # steps between two malloc_trim calls: one step's faults per interval
+KEEP_FREED_BYTES = 64 << 20  # freed memory kept past the last trim: a few steps' activations
+STATM = "/proc/self/statm"
 
 
 @functools.cache
@@ -54,22 +57,33 @@ def keep_freed_memory() -> bool:
 
 
 class HeapTrim:
-    """Keeps freed memory between steps (`keep_freed_memory`) and gives the heap's free pages
-    back to the kernel every `every_steps` steps. Off glibc both do nothing."""
+    """Keeps freed memory between steps (`keep_freed_memory`), at most `keep_bytes` of it:
+    after a step that left the process's RSS more than `keep_bytes` above where the last trim
+    left it, gives the heap's free pages back to the kernel (`malloc_trim`: every arena, whole
+    free pages). Off glibc (or without /proc) both do nothing."""
 
-    def __init__(self, every_steps: int = TRIM_EVERY_STEPS) -> None:
-        assert every_steps >= 1, every_steps
-        libc = _libc() if keep_freed_memory() else None
+    def __init__(self, keep_bytes: int = KEEP_FREED_BYTES) -> None:
+        assert keep_bytes > 0, keep_bytes
+        libc = _libc() if keep_freed_memory() and os.path.exists(STATM) else None
         self._malloc_trim = None if libc is None else libc.malloc_trim
-        self.every_steps = every_steps
-        self._steps = 0
+        self.keep_bytes = keep_bytes
+        self._page_bytes = os.sysconf("SC_PAGE_SIZE")
+        self._floor = 0  # RSS bytes after the last trim (or the lowest since)
         self.num_trims = 0  # malloc_trim calls so far
 
     def after_step(self) -> None:
-        """Count a step; on every `every_steps`-th, trim (all arenas, whole free pages)."""
+        """Trim if the RSS grew more than `keep_bytes` since the last trim (one read of
+        /proc/self/statm per step)."""
         if self._malloc_trim is None:
             return
-        self._steps += 1
-        if self._steps % self.every_steps == 0:
+        rss = self._rss_bytes()
+        if rss - self._floor > self.keep_bytes:
             self._malloc_trim(0)
             self.num_trims += 1
+            self._floor = self._rss_bytes()
+        else:
+            self._floor = min(self._floor, rss)
+
+    def _rss_bytes(self) -> int:
+        with open(STATM, "rb") as f:  # size resident shared text lib data dt, in pages
+            return int(f.read().split()[1]) * self._page_bytes

@@ -109,7 +109,7 @@ class ModelRunner:
 
     # ---- build steps (in the order __init__ runs them) ----
     def _setup_cpu(self) -> None:
-        # CPU: freed activations stay in the heap, its free pages go back now and then
+        # CPU: freed activations stay in the heap, up to a bound (cpu_malloc.HeapTrim)
         self.heap_trim = HeapTrim() if self.device.type == "cpu" else None
         if self.device.type != "cpu":
             return
