@@ -34,7 +34,7 @@ from radixrt.cache.storage import (
 )
 from radixrt.cache.storage_backends import open_backend
 from radixrt.config import EngineConfig, ModelConfig
-from radixrt.executor.cpu_malloc import keep_freed_memory
+from radixrt.executor.cpu_malloc import HeapTrim
 from radixrt.executor.cuda_graph import DECODE_BUCKETS, DecodeCudaGraphs
 from radixrt.executor.inputs import StepLayout, layout_plan
 from radixrt.executor.penalties import SlotPenalties
@@ -109,12 +109,13 @@ class ModelRunner:
 
     # ---- build steps (in the order __init__ runs them) ----
     def _setup_cpu(self) -> None:
+        # CPU: freed activations stay in the heap, up to a bound (cpu_malloc.HeapTrim)
+        self.heap_trim = HeapTrim() if self.device.type == "cpu" else None
         if self.device.type != "cpu":
             return
         if self.cfg.cpu_threads is not None:
             torch.set_num_threads(self.cfg.cpu_threads)
             logger.info("CPU: %d torch threads", self.cfg.cpu_threads)
-        keep_freed_memory()  # no page faults on every step's activations (cpu_malloc)
         prebuild(CPU_LIBRARIES)  # the native kernels, compiled at once on a first start
 
     def _load_model(self, max_model_len: int) -> ModelConfig:
@@ -375,6 +376,8 @@ class ModelRunner:
         logits, scores = self._forward(ctx)
         outputs = self.sampler.sample(ctx, logits)
         outputs.prompt_logprobs = scores
+        if self.heap_trim is not None:
+            self.heap_trim.after_step()
         return PendingResult(plan, ctx.layout, outputs, copy_to_host=self._copy_to_host)
 
     def _begin(self, plan: StepPlan) -> StepLayout:
