@@ -217,7 +217,9 @@ class SchedulerLoop:
                         )
                     else:
                         outputs.append(d)
-                self.outbox.send(TokenBatchOut(outputs, errors, self._snapshot()))
+                # the debug integrity check runs after messages and steps, not on idle refreshes
+                snapshot = self._snapshot(check=bool(msgs or stepped))
+                self.outbox.send(TokenBatchOut(outputs, errors, snapshot))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
     def _parent_alive(self) -> bool:
@@ -281,10 +283,10 @@ class SchedulerLoop:
         logger.info("prefix cache flushed: %d blocks freed", freed)
         return CacheFlushed(msg.flush_id, freed)
 
-    def _snapshot(self) -> SchedulerSnapshot:
+    def _snapshot(self, check: bool) -> SchedulerSnapshot:
         core = self.core
         integrity_error = None
-        if self.debug and not core.has_work:
+        if self.debug and check and not core.has_work:
             try:
                 core.check_integrity()
             except AssertionError:
