@@ -283,7 +283,7 @@ class SchedulerLoop:
         logger.info("prefix cache flushed: %d blocks freed", freed)
         return CacheFlushed(msg.flush_id, freed)
 
-    def _snapshot(self, check: bool) -> SchedulerSnapshot:
+    def _snapshot(self, check: bool = True) -> SchedulerSnapshot:
         core = self.core
         integrity_error = None
         if self.debug and check and not core.has_work:
