@@ -747,3 +747,23 @@ def test_engine_generate_takes_request_options_per_prompt(make_engine):
         engine.generate(prompt_token_ids=[prompt], sampling_params=greedy, options=[a, b])
     with pytest.raises(ValueError, match="cache_salt"):
         RequestOptions(cache_salt="x" * (MAX_CACHE_SALT_CHARS + 1))
+
+
+def test_a_hold_keeps_only_device_blocks_when_its_last_token_is_cached_on_the_host():
+    """A finished request's sampled token (no KV of its own) may continue into a host-only
+    node, cached by an earlier request: the hold ends at the device part of the path, so
+    loading that node later does not change the blocks the hold counts."""
+    core = make_core(num_kv_blocks=40, host_blocks=200, retention_max_share=0.5)
+    prefix = [900 + j for j in range(6)]
+    tail = [ctx_token("", prefix)] + [950 + j for j in range(5)]  # the token `prefix` samples
+    core.add_request(prefix + tail, SamplingParams(max_tokens=1), rid="long")
+    run(core)
+    fill(core, 1000, n=4)  # "long" goes to the host tier
+    assert core.cache.match(prefix + tail).num_host_tokens == 12
+    core.add_request(prefix, SamplingParams(max_tokens=1), rid="h", options=HOLD_30)
+    run(core)
+    hold = core.scheduler.retention.holds["h"]
+    assert hold.blocks == core.cache.locked_blocks(hold.handle) and len(hold.blocks) == 2
+    core.add_request(prefix + tail + [7], SamplingParams(max_tokens=1), rid="again")
+    assert run(core)["again"] == 12  # loads the host-only rest of the path
+    assert core.scheduler.retention.num_held_blocks == 2

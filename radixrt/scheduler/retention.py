@@ -120,6 +120,11 @@ class RetentionFeature(SchedulerFeature):
     def _hold(self, req: Request) -> None:
         cache, salt = self.kv.cache, req.cache_salt
         m = cache.match(req.seq_token_ids, req.cache_namespace)  # what its finish inserted
+        # the sampled token (no KV) may run into an older host-only entry: hold the device
+        # part, so the blocks the hold counts stay those its lock keeps (a load adds some)
+        if m.num_host_tokens:
+            device = m.num_cached_tokens - m.num_host_tokens
+            m = cache.match(req.seq_token_ids[:device], req.cache_namespace)
         if m.num_cached_tokens == 0:
             return
         self.release(req.rid)  # a request id held again: the newer hold counts
