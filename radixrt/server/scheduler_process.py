@@ -217,8 +217,7 @@ class SchedulerLoop:
                         )
                     else:
                         outputs.append(d)
-                # the debug integrity check runs after messages and steps, not on idle refreshes
-                snapshot = self._snapshot(check=bool(msgs or stepped))
+                snapshot = self._snapshot()
                 self.outbox.send(TokenBatchOut(outputs, errors, snapshot))
         logger.info("parent process %d is gone; exiting", self.parent_pid)
 
@@ -283,10 +282,10 @@ class SchedulerLoop:
         logger.info("prefix cache flushed: %d blocks freed", freed)
         return CacheFlushed(msg.flush_id, freed)
 
-    def _snapshot(self, check: bool = True) -> SchedulerSnapshot:
+    def _snapshot(self) -> SchedulerSnapshot:
         core = self.core
         integrity_error = None
-        if self.debug and check and not core.has_work:
+        if self.debug and not core.has_work:
             try:
                 core.check_integrity()
             except AssertionError:
