@@ -7,6 +7,8 @@
 #   STEPS   which parts run (default "suite bf16 fp8")
 #   ROUNDS  alternations of base/new per precision (default 1)
 #   BATCH_TIMEOUT_S  limit of one bench_one_batch run (default 420)
+# Steps on this tree only: `fused` (the layer-op choices, bf16 and fp8 KV), `lora` (the LoRA
+# delta kernels), `storage` (the storage tier across a restart, 4k/16k/32k histories, disk read).
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 BASE=${BASE:-.device/base}
@@ -38,6 +40,29 @@ for step in $STEPS; do
         one_batch "$BASE" "base-$step-$r" "${extra[@]}"
         one_batch "$here" "new-$step-$r" "${extra[@]}"
       done
+      ;;
+    fused)
+      for kv in auto fp8_e4m3; do
+        (source benchmarks/checkout_env.sh && timeout "${BATCH_TIMEOUT_S:-420}" python -m \
+          benchmarks.bench_one_batch --fused-ops flashinfer,triton --batches 1,32,256 --iters 20 \
+          --kv-cache-dtype $kv --json "$OUT/fused-$kv.json" > "$OUT/fused-$kv.log" 2>&1)
+        echo "fused $kv exit $?"
+        tail -30 "$OUT/fused-$kv.log"
+      done
+      ;;
+    lora)
+      (source benchmarks/checkout_env.sh && timeout 240 python -m benchmarks.bench_lora_delta \
+        --json "$OUT/lora-delta.json" > "$OUT/lora-delta.log" 2>&1)
+      echo "lora exit $?"
+      tail -30 "$OUT/lora-delta.log"
+      ;;
+    storage)
+      df -h "$here" /tmp | tee "$OUT/storage-df.txt"  # the store lies under the checkout, not /tmp
+      (source benchmarks/checkout_env.sh && timeout 420 python -m benchmarks.bench_storage \
+        --store-dir "$here" --model llama-3-8b-32k --stores dir --history 4096,16384,32000 --chats 3 \
+        --drop-page-cache --policies auto,always --disk-gib 8 > "$OUT/storage.log" 2>&1)
+      echo "storage exit $?"
+      grep '^{' "$OUT/storage.log" || tail -30 "$OUT/storage.log"
       ;;
     *) echo "unknown step $step" ;;
   esac
