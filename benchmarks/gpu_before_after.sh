@@ -7,8 +7,8 @@
 #   STEPS   which parts run (default "suite bf16 fp8")
 #   ROUNDS  alternations of base/new per precision (default 1)
 #   BATCH_TIMEOUT_S  limit of one bench_one_batch run (default 420)
-# Steps on this tree only: `fused` (the layer-op choices, bf16 and fp8 KV), `lora` (the LoRA
-# delta kernels), `storage` (the storage tier across a restart, 4k/16k/32k histories, disk read).
+# Steps on this tree only: `fused` (the layer-op choices, bf16 and fp8 KV), `lora` (LoRA
+# batches through the engine, the delta kernels), `storage` (the storage tier across a restart, 4k/16k/32k histories, disk read).
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 BASE=${BASE:-.device/base}
@@ -51,9 +51,13 @@ for step in $STEPS; do
       done
       ;;
     lora)
-      (source benchmarks/checkout_env.sh && timeout 240 python -m benchmarks.bench_lora_delta \
+      (source benchmarks/checkout_env.sh && timeout "${LORA_TIMEOUT_S:-330}" python -m \
+        benchmarks.bench_lora_engine --json "$OUT/lora-engine.json" > "$OUT/lora-engine.log" 2>&1)
+      echo "lora engine exit $?"
+      tail -40 "$OUT/lora-engine.log"
+      (source benchmarks/checkout_env.sh && timeout 120 python -m benchmarks.bench_lora_delta \
         --json "$OUT/lora-delta.json" > "$OUT/lora-delta.log" 2>&1)
-      echo "lora exit $?"
+      echo "lora delta exit $?"
       tail -30 "$OUT/lora-delta.log"
       ;;
     storage)
