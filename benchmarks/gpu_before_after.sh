@@ -8,7 +8,8 @@
 #   ROUNDS  alternations of base/new per precision (default 1)
 #   BATCH_TIMEOUT_S  limit of one bench_one_batch run (default 420)
 # Steps on this tree only: `fused` (the layer-op choices, bf16 and fp8 KV), `lora` (LoRA
-# batches through the engine, the delta kernels), `storage` (the storage tier across a restart, 4k/16k/32k histories, disk read).
+# batches through the engine, the delta kernels), `storage` (the storage tier across a restart,
+# 4k/16k/32k-token histories, the disk's read rate).
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 BASE=${BASE:-.device/base}
