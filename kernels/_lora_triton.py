@@ -2,7 +2,9 @@
 
 Both kernels run one program per (tile, block of output columns). A tile is up to BLOCK_M
 adapted tokens of one slot (`LoraSegments`), so every program reads one slot's weights and
-multiplies them with tl.dot over its tokens: prefill segments and decode rows alike.
+multiplies them with tl.dot over its tokens: prefill segments and decode rows alike. An
+empty tile (start == end, the padding of a CUDA graph's segments) returns at once, before
+it reads a token or a weight.
 """
 
 import triton
@@ -14,7 +16,7 @@ def lora_shrink_kernel(
     x_ptr,  # [T, in]: every token of the batch
     a_ptr,  # [in, L * C]: slot s's columns are [s * C, (s + 1) * C)
     y_ptr,  # [N, C], written: row j is token token_index[j]'s product
-    token_index_ptr,  # [N] int32: the adapted tokens, grouped by slot
+    token_index_ptr,  # [N] int32: the adapted tokens by slot (what no tile covers: unread)
     tile_start_ptr,  # [NT] int32: first position in token_index
     tile_end_ptr,  # [NT] int32: one past the last
     tile_slot_ptr,  # [NT] int32
@@ -31,6 +33,8 @@ def lora_shrink_kernel(
     tile = tl.program_id(0)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
+    if start >= end:  # an empty tile: a CUDA graph's padding
+        return
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
@@ -82,6 +86,8 @@ def lora_expand_kernel(
     tile = tl.program_id(0)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
+    if start >= end:  # an empty tile: a CUDA graph's padding
+        return
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
