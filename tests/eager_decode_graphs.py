@@ -1,6 +1,8 @@
 """A CPU stand-in for DecodeCudaGraphs that runs the model eagerly from the same host
 metadata the graphs replay with (`decode_rows` + `decode_metadata`, no padding), so the
-verify-rows-as-decode-rows path and the runner's graph-path wiring run on CPU."""
+verify-rows-as-decode-rows path and the runner's graph-path wiring run on CPU. LoRA steps
+take the graphs' LoRA inputs: padded static segments of the step's bucket, filled from its
+token -> slot map, through the segmented kernels (Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -10,21 +12,40 @@ import torch
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.executor.cuda_graph import (
     DecodeCudaGraphs,
+    decode_buckets,
     decode_metadata,
     decode_rows,
     sample_logits,
 )
+from radixrt.kernels.lora import StaticLoraSegments
 
 
 class EagerDecodeGraphs:
     def __init__(self, runner, max_batch_size: int = 256) -> None:
         self.runner = runner
         self.max_batch_size = max_batch_size
+        self.buckets = decode_buckets(max_batch_size)
         self.calls: list[tuple[int, int, int]] = []  # (rows, tokens, samples) of every run
+        self.num_replays = self.num_lora_replays = 0
+        self.lora_buckets: list[tuple[int, int]] = []  # (tokens, bucket) of every LoRA run
+        self._lora_segments = None
+        if runner.lora is not None:
+            self._lora_segments = StaticLoraSegments(
+                self.buckets[-1], runner.lora.num_slots, runner.device
+            )
 
     can_run = DecodeCudaGraphs.can_run
+    bucket = DecodeCudaGraphs.bucket
 
-    def run(self, layout, tables, last_tokens, on_inputs_staged=None, device_inputs=None):
+    def run(
+        self,
+        layout,
+        tables,
+        last_tokens,
+        on_inputs_staged=None,
+        device_inputs=None,
+        lora_token_slot=None,
+    ):
         runner = self.runner
         num_tokens, bs = layout.num_tokens, runner.block_size
         positions, tables = decode_rows(layout, tables)
@@ -53,6 +74,13 @@ class EagerDecodeGraphs:
             kv_indptr_cpu=t(meta.kv_indptr),
             block_size=bs,
         )
+        if lora_token_slot is not None:
+            bucket = self.bucket(num_tokens)  # rows past num_tokens: padding, in the tiles only
+            self._lora_segments.fill(lora_token_slot, bucket)
+            fb.lora = runner.lora.graph_batch(self._lora_segments.view(bucket))
+            self.lora_buckets.append((num_tokens, bucket))
+            self.num_lora_replays += 1
+        self.num_replays += 1
         runner.backend.prepare(fb)
         if on_inputs_staged is not None:
             on_inputs_staged()

@@ -2,14 +2,18 @@
 (radixrt.kernels.lora.StaticLoraSegments) through the segmented kernels give the per-step
 segments' delta, the torch reference's and the masked torch path's, on CPU through Triton's
 interpreter: mixes of adapters and base rows, repeated slots, a slot of two tiles, buckets
-larger than the step."""
+larger than the step. The runner's graph path with adapters runs on CPU through a stand-in
+that feeds the graphs' inputs to an eager forward (tests/eager_decode_graphs.py); on CUDA an
+engine serving several adapters replays LoRA graphs and matches its eager steps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from lora_adapters import write_random_adapter
 
+from radixrt import SamplingParams
 from radixrt.kernels import HAS_TRITON
 from radixrt.kernels.lora import (
     DECODE_BLOCK_M,
@@ -30,6 +34,7 @@ STEPS = [
     ([None, None, None, 3], 4),  # one adapted row, no padding
     ([0], 1),
 ]
+ADAPTER_RANKS = (8, 16, 16, 8)
 
 
 def _token_slot(slots) -> np.ndarray:
@@ -157,3 +162,121 @@ def test_padded_segments_match_step_segments_and_references(device, rank, dtype)
         torch.testing.assert_close(
             got[:T], masked.apply(base_out[:T].clone(), x[:T], 0, "qkv_proj"), **tol
         )
+
+
+def _write_adapters(model_dir, tmp_path) -> dict[str, str]:
+    return {
+        f"a{i}": write_random_adapter(model_dir, str(tmp_path / f"a{i}"), r=r, seed=i)
+        for i, r in enumerate(ADAPTER_RANKS)
+    }
+
+
+def _mixed_requests(engine, names):
+    """Prompts over every adapter and the base model, some of them short enough that their
+    prefill runs in a graph too (rows of <= 16 tokens)."""
+    prompts = ["The quick brown fox", "Once upon a time, in a small village by the sea", "A"]
+    loras = [None, *names] * 2
+    ids = [engine.tokenizer.encode(prompts[i % len(prompts)]) for i in range(len(loras))]
+    return ids, loras
+
+
+def _check_graph_steps(runner, tol: float) -> list[int]:
+    """Wrap runner.execute: each step that a graph runs with adapted rows is also run
+    eagerly (same plan, same KV), and their logits must agree (relative error < tol).
+    Returns the list that collects each such step's token count."""
+    execute = runner.execute
+    checked = []
+
+    def checked_execute(plan, **kwargs):
+        row_loras = [runner.slots.loras[r.slot] for r in plan.rows]
+        if plan.num_decode == len(plan.rows) and any(row_loras):
+            before = runner.cuda_graphs.num_lora_replays
+            graph_logits = runner.logits(plan).clone()
+            if runner.cuda_graphs.num_lora_replays > before:
+                eager_logits = runner.logits(plan, use_cuda_graph=False)
+                err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
+                assert err < tol, f"{len(plan.rows)} rows: graph vs eager rel err {err:.2e}"
+                checked.append(sum(r.num_tokens for r in plan.rows))
+        return execute(plan, **kwargs)
+
+    runner.execute = checked_execute
+    return checked
+
+
+def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp_path):
+    """The runner's graph path with adapters (the graphs' padded segments, interpreted)
+    gives the eager CPU engine's greedy tokens and log-probs, and its logits on the same
+    steps; steps with adapted rows took the LoRA graph path, padded to their bucket."""
+    from eager_decode_graphs import EagerDecodeGraphs
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    names = _write_adapters(tiny_model_dir, tmp_path)
+    engines = [make_engine(max_loras=NUM_SLOTS, max_lora_rank=16) for _ in range(2)]
+    for engine in engines:
+        for name, path in names.items():
+            engine.load_lora(name, path)
+    eager, graphed = engines
+    runner = graphed.core.runner
+    graphs = runner.cuda_graphs = EagerDecodeGraphs(runner)
+    checked = _check_graph_steps(runner, 1e-5)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    ids, loras = _mixed_requests(eager, names)
+    want = eager.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    got = graphed.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert checked and graphs.num_lora_replays >= len(checked)
+    assert any(bucket > tokens for tokens, bucket in graphs.lora_buckets)  # padded tiles
+    base_only = graphs.num_replays - graphs.num_lora_replays
+    graphed.generate(prompt_token_ids=ids[:2], sampling_params=params)  # no adapter
+    assert graphs.num_replays - graphs.num_lora_replays > base_only
+
+
+@pytest.mark.gpu
+def test_lora_decode_graphs_match_eager(make_engine, tiny_model_dir, tmp_path):
+    """An engine with CUDA graphs serving 4 adapters and the base (bf16, FlashInfer):
+    every graph step with adapted rows matches the eager forward of the same plan, greedy
+    tokens and log-probs match an engine without graphs, and LoRA graphs were replayed
+    (base-only steps replay the base graphs)."""
+    names = _write_adapters(tiny_model_dir, tmp_path)
+    options = dict(
+        device="cuda",
+        dtype="bfloat16",
+        num_kv_blocks=512,
+        attention_backend="flashinfer",
+        max_loras=NUM_SLOTS,
+        max_lora_rank=16,
+    )
+    graphed = make_engine(enable_cuda_graph=True, **options)
+    eager = make_engine(enable_cuda_graph=False, **options)
+    graphs = graphed.core.runner.cuda_graphs
+    assert graphs is not None and eager.core.runner.cuda_graphs is None
+    assert set(graphs.lora_graphs) == set(graphs.graphs) == set(graphs.buckets)
+    for engine in (graphed, eager):
+        for name, path in names.items():
+            engine.load_lora(name, path)
+    params = SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    ids, loras = _mixed_requests(graphed, names)
+    ids, loras = ids * 2, loras * 2  # 20 rows: the 24-row bucket, 4 padding rows
+    want = eager.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    checked = _check_graph_steps(graphed.core.runner, 1e-2)
+    got = graphed.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    assert len(checked) >= 8 and graphs.num_lora_replays >= len(checked)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        first = next(
+            (j for j, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b),
+            len(w.token_ids),
+        )
+        if first < len(w.token_ids):  # only at a near tie of the eager run's two best
+            (_, lp0), (_, lp1) = w.top_logprobs[first]
+            assert abs(lp0 - lp1) < 0.05, f"request {i}: tokens differ at {first}, no tie"
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs[:first]), torch.tensor(w.logprobs[:first]), rtol=0, atol=3e-2
+        )
+    base_only = graphs.num_replays - graphs.num_lora_replays
+    graphed.generate(prompt_token_ids=ids[:4], sampling_params=params)  # no adapter
+    assert graphs.num_replays - graphs.num_lora_replays > base_only

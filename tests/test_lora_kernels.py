@@ -139,7 +139,7 @@ def _compare_pools(cfg, pools, row_refs):
     import numpy as np
 
     num_new = np.array([n for _, n in ROWS])
-    batches = [pool.batch(row_refs, num_new) for pool in pools]
+    batches = [pool.batch(pool.token_slots(row_refs, num_new)) for pool in pools]
     gen = torch.Generator().manual_seed(0)
     T = int(num_new.sum())
     for layer in range(cfg.num_layers):

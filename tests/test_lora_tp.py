@@ -78,7 +78,7 @@ def test_rank_pools_hold_their_shards(tiny_model_dir, tmp_path, segmented):
     ranks = [_pool(cfg, s, segmented) for s in shards]
     row_refs = [None if a is None else refs[a] for a, _ in ROWS]
     num_new = np.array([n for _, n in ROWS])
-    batches = [p.batch(row_refs, num_new) for p in [whole, *ranks]]
+    batches = [p.batch(p.token_slots(row_refs, num_new)) for p in [whole, *ranks]]
     assert all(p.slot_keys == whole.slot_keys for p in ranks)
     assert ranks[0]._make_batch.__name__ == ("_segmented_batch" if segmented else "_masked_batch")
     T = int(num_new.sum())

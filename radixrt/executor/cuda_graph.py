@@ -17,6 +17,11 @@ Host-side inputs are built with numpy from the rows' block tables (no device ker
 sync), copied into static device buffers with one pinned copy (rows that read their last
 sample on the device get it by one device gather), and the attention backend plans the
 bucket's decode wrapper right before the replay.
+
+With LoRA (`lora`), each bucket has a second graph that adds the rows' adapter deltas: the
+segmented kernels over padded segments at fixed addresses (`StaticLoraSegments`), which a
+step fills from its token -> slot map with one more pinned copy; padding rows are base rows.
+Steps without adapted rows replay the first graph, which launches no LoRA kernel.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from radixrt.attention.forward_batch import ForwardBatch
 from radixrt.executor.inputs import StepLayout
+from radixrt.kernels.lora import StaticLoraSegments
 from radixrt.plan import StepPlan
+
+if TYPE_CHECKING:
+    from radixrt.lora.slots import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +77,8 @@ class DecodeCudaGraphs:
     decode rows to logits [rows, vocab] float32, written into `out` when it is given (else
     new), and must use the backend planned by `backend.prepare_cuda_graph` (see
     FlashInferBackend). Every bucket's graph writes its logits into rows of one buffer, so
-    their memory does not grow with the number of buckets."""
+    their memory does not grow with the number of buckets. With `lora`, `lora_graphs` holds
+    each bucket's graph with the adapters' deltas (see the module docstring)."""
 
     def __init__(
         self,
@@ -80,6 +90,7 @@ class DecodeCudaGraphs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.buckets = decode_buckets(max_batch_size)
         self.max_batch_size = self.buckets[-1]
@@ -99,6 +110,14 @@ class DecodeCudaGraphs:
         self._device_indices = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=device)
         backend.init_cuda_graph(n, max_blocks_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # LoRA graphs beside the base ones: base-only steps launch no empty LoRA kernels
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lora = lora
+        self._lora_segments = (
+            None if lora is None else StaticLoraSegments(n, lora.num_slots, device)
+        )
+        self.num_replays = 0  # graph replays (steps run by a graph)
+        self.num_lora_replays = 0  # of which replays of lora_graphs (steps with adapted rows)
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> graph output [bucket, vocab]
         # [max_batch_size, vocab] float32: every graph's output rows (made at the first capture)
         self._logits_out: torch.Tensor | None = None
@@ -108,9 +127,10 @@ class DecodeCudaGraphs:
             for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
                 self._capture(bs, pool)
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
-            len(self.buckets),
+            "captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1f s",
+            len(self.graphs) + len(self.lora_graphs),
             n,
+            ", with and without LoRA" if lora is not None else "",
             time.perf_counter() - start,
         )
 
@@ -185,18 +205,27 @@ class DecodeCudaGraphs:
         indices.fill_(self.scratch_block)
         fb = self._static_batch(bs)
         self._plan(bs, indptr, indices, one, one)
+        self.graphs[bs] = self._record(fb, pool)
+        if self._lora is not None:
+            self._lora_segments.fill(np.empty(0, dtype=np.int64), bs)  # every tile empty
+            fb.lora = self._lora.graph_batch(self._lora_segments.view(bs))
+            self.lora_graphs[bs] = self._record(fb, pool)
+
+    def _record(self, fb: ForwardBatch, pool) -> torch.cuda.CUDAGraph:
+        """Capture `_forward_logits(fb)` of a bucket of fb.num_decode rows into `pool`."""
+        bs = fb.num_decode
         # warm-up: kernel selection, lazy allocations, Triton JIT
         out = None if self._logits_out is None else self._logits_out[:bs]
         warm = self._forward_logits(fb, out)
         if self._logits_out is None:  # the largest bucket, captured first
-            assert bs == n
+            assert bs == self.max_batch_size
             self._logits_out = torch.empty_like(warm)
         del warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.logits[bs] = self._forward_logits(fb, self._logits_out[:bs])
-        self.graphs[bs] = graph
+        return graph
 
     def run(
         self,
@@ -205,12 +234,14 @@ class DecodeCudaGraphs:
         last_tokens: torch.Tensor,  # [slots] int64 cuda: each slot's last sample
         on_inputs_staged: Callable[[], None] | None = None,
         device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora_token_slot: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Replay the graph for a step that `can_run`; returns the logits of its samples
         [S, vocab] float32 (`sample_logits`: a view of the graph's output when every token
         is sampled, valid until the next replay). `device_inputs` = (flat token index [D]
         int64, ids [D] int64), both on the device, overwrite those input ids (a draft
-        model's drafts).
+        model's drafts). `lora_token_slot` [T] int (each token's LoRA slot, -1: base; None:
+        no adapted row) replays the bucket's LoRA graph; it needs `lora`.
         `on_inputs_staged` runs once the inputs' copies are enqueued, before the replay."""
         num_tokens, n = layout.num_tokens, self.max_batch_size
         bs = self.bucket(num_tokens)
@@ -243,9 +274,16 @@ class DecodeCudaGraphs:
             torch.from_numpy(meta.kv_last_page_len),
             torch.from_numpy(meta.seq_lens),
         )
+        graph = self.graphs[bs]
+        if lora_token_slot is not None:
+            assert self._lora_segments is not None, "a LoRA step needs graphs built with lora"
+            self._lora_segments.fill(lora_token_slot, bs)
+            graph = self.lora_graphs[bs]
+            self.num_lora_replays += 1
         if on_inputs_staged is not None:
             on_inputs_staged()
-        self.graphs[bs].replay()
+        graph.replay()
+        self.num_replays += 1
         return sample_logits(self.logits[bs], layout)
 
 

@@ -249,8 +249,8 @@ class ModelRunner:
         )
 
     def _prepare_cuda_graphs(self) -> None:
-        """Decode CUDA graphs (captured per bucket on first use); the pool's last block is
-        their scratch block."""
+        """Decode CUDA graphs (captured per bucket here; with LoRA a second graph per bucket
+        takes the step's adapters); the pool's last block is their scratch block."""
         cfg = self.cfg
         # Recorded once a step's inputs are on the device: pinned staging buffers (ours and
         # FlashInfer's plan buffers) are rewritten only after it (overlap safety).
@@ -268,6 +268,7 @@ class ModelRunner:
                     block_size=self.block_size,
                     scratch_block=self.pool.num_blocks - 1,
                     device=self.device,
+                    lora=self.lora,
                 )
             else:
                 logger.info(
@@ -432,12 +433,11 @@ class ModelRunner:
         features' `after_forward` hooks run after the target's forward."""
         plan, layout = ctx.plan, ctx.layout
         graphs = self.cuda_graphs
-        lora = None
+        token_slot = None  # each token's LoRA slot (None: every row is the base model's)
         if self.lora is not None:
             loras = self.slots.loras
-            lora = self.lora.batch([loras[s] for s in layout.slots], layout.num_new)
-        # decode graphs are captured without adapters: LoRA steps run eagerly
-        graphed = lora is None and ctx.use_cuda_graph and graphs is not None
+            token_slot = self.lora.token_slots([loras[s] for s in layout.slots], layout.num_new)
+        graphed = ctx.use_cuda_graph and graphs is not None
         if graphed and graphs.can_run(plan, layout):
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
@@ -446,12 +446,13 @@ class ModelRunner:
                 self.last_tokens,
                 self._inputs_staged,
                 device_inputs=ctx.input_writes,
+                lora_token_slot=token_slot,
             )
             for f in self.features:
                 f.after_forward(ctx, None)
             return logits, None
         fb = self.build_batch(layout)
-        fb.lora = lora
+        fb.lora = None if token_slot is None else self.lora.batch(token_slot)
         if ctx.input_writes is not None:
             index, ids = ctx.input_writes
             fb.input_ids[index] = ids

@@ -16,7 +16,9 @@ Two implementations of `LoraBatch.apply` read them; `LoraSlots` picks one at con
   on CPU for a few adapters and needs no kernel.
 
 Both are one launch sequence for any mix of adapters (no loop over adapters), and a row's
-output does not depend on its batch (zeroed columns contribute exact zeros).
+output does not depend on its batch (zeroed columns contribute exact zeros). A decode CUDA
+graph captures a `SegmentedLoraBatch` over padded segments at fixed addresses
+(`radixrt.kernels.lora.StaticLoraSegments`), which each replay's step refills.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from radixrt.config import ModelConfig
 from radixrt.kernels import HAS_TRITON
-from radixrt.kernels.lora import build_lora_segments
+from radixrt.kernels.lora import LoraSegments, build_lora_segments
 from radixrt.lora.adapter import (
     SERVED_MODULES,
     WEIGHTS_FILE,
@@ -83,9 +83,10 @@ def read_host_adapter(ref: LoraRef, shard: TPShard) -> HostAdapter:
 
 
 class LoraSlots:
-    """See the module docstring. `assign` (once a step, before the forward) makes every
-    adapter of the step resident and returns their slots; `batch` makes the forward's
-    LoraBatch."""
+    """See the module docstring. `token_slots` (once a step, before the forward) makes every
+    adapter of the step resident (`assign`) and maps its tokens to their slots; `batch` makes
+    the forward's LoraBatch from that map, `graph_batch` a CUDA graph's over fixed segments
+    (`radixrt.kernels.lora.StaticLoraSegments`)."""
 
     def __init__(
         self,
@@ -187,20 +188,29 @@ class LoraSlots:
         self.slot_keys[slot] = host.ref.key
         self.num_swaps_in += 1
 
-    def batch(
+    def token_slots(
         self,
         row_refs: Sequence[LoraRef | None],  # [R] each row's adapter
         num_new: np.ndarray,  # [R] int: each row's new tokens
-    ) -> LoraBatch | None:
-        """The forward's LoRA inputs for rows of these adapters (None when no row has one):
-        the adapters are made resident (`assign`) first."""
+    ) -> np.ndarray | None:
+        """Each new token's slot [T] int64 in flat token order, -1 for a base row's (None when
+        no row has an adapter): the adapters are made resident (`assign`) first."""
         if all(ref is None for ref in row_refs):
             return None
         slots = self.assign([ref for ref in row_refs if ref is not None])
         row_slot = np.array(
             [-1 if ref is None else slots[ref.key] for ref in row_refs], dtype=np.int64
         )
-        return self._make_batch(np.repeat(row_slot, num_new))
+        return np.repeat(row_slot, num_new)
+
+    def batch(self, token_slot: np.ndarray) -> LoraBatch:
+        """The forward's LoRA inputs for tokens of these slots (`token_slots`' [T])."""
+        return self._make_batch(token_slot)
+
+    def graph_batch(self, segments: LoraSegments) -> SegmentedLoraBatch:
+        """A LoraBatch over fixed segments (a CUDA graph's `StaticLoraSegments.view`): the
+        kernels read the slots' weights, which `assign` rewrites in place."""
+        return SegmentedLoraBatch(self.layers, segments, self.rank)
 
     def _masked_batch(self, token_slot: np.ndarray) -> MaskedLoraBatch:
         used = int(token_slot.max()) + 1
