@@ -3,7 +3,8 @@ the segmented Triton kernels (radixrt.kernels.lora) against the masked torch pat
 over every slot in use) and against the layer's base GEMMs, for a batch whose rows use 1, 8
 or 32 adapters (rank 16 and 64). Rows are spread over the adapters round-robin; each row is
 one decode token (`--decode-rows`) or a prefill segment (`--prefill`). Eager timing with CUDA
-events, median of `--iters` (LoRA steps run eagerly). Prints a table; --json writes it.
+events, median of `--iters` (launch overheads included, which a decode CUDA graph's replay
+saves). Prints a table; --json writes it.
 
     python -m benchmarks.bench_lora_delta                      # Llama-3-8B shape
 """

@@ -23,7 +23,8 @@ adapters. Each KV pool holds the largest batch and no more.
 - swap: with every slot full, `LoraSlots.assign` of an adapter in no slot (median ms, device
   synchronised): read from its directory (the host cache misses; the file is in the page
   cache, just written), and from the host cache (`max_cpu_loras` keeps the evicted ones).
-LoRA steps run eagerly (the decode CUDA graphs hold no adapters); base steps replay graphs.
+Decode steps replay CUDA graphs, with the adapters' deltas where a row has one (each bucket's
+LoRA graph, radixrt.executor.cuda_graph); prefill steps run eagerly.
 `vs_base` is tokens/s over the base model's at the same batch (1.0: no cost).
 
     python -m benchmarks.bench_lora_engine [--model llama-3-8b] [--adapters 0,1,8,32]
