@@ -1,5 +1,6 @@
 """Multi-LoRA serving through EngineCore against the base model alone: decode steps and serving
-throughput with 1, 8 or 32 adapters mixed in the batch, and the cost of swapping an adapter in.
+throughput with 1, 8 or 32 adapters mixed in the batch, the cost of swapping an adapter in, and
+multi-turn sessions that each reuse their own adapter's prefix cache.
 
 The model is a preset of radixrt.model.presets with random weights (`--model llama-3-8b`) or
 `tiny` (the trained tiny checkpoint: the CPU check). Adapters are written as PEFT directories
@@ -10,7 +11,8 @@ gives each its own key, slot and delta without writing gigabytes of 8B-shaped fi
 
 Per rank one engine serves every adapter count (`max_loras` = the largest of `--adapters`);
 `--adapters 0` is a second engine with LoRA off. Rows are spread round-robin over the
-adapters. Each KV pool holds the largest batch and no more.
+adapters. Each KV pool holds the largest batch and no more. The radix prefix cache is on (the
+sessions need it) and flushed before every cell, so the other cells compute all their prompts.
 
 - decode: B requests of `--context` random prompt tokens; once every row has `--warmup`
   output tokens, `--iters` decode steps: ms per step (median of the host wall time of
@@ -23,12 +25,22 @@ adapters. Each KV pool holds the largest batch and no more.
 - swap: with every slot full, `LoraSlots.assign` of an adapter in no slot (median ms, device
   synchronised): read from its directory (the host cache misses; the file is in the page
   cache, just written), and from the host cache (`max_cpu_loras` keeps the evicted ones).
+- sessions: `--sessions` chats over the largest adapter count's adapters round-robin (the base
+  model on the base engine), `--session-turns` turns each; a turn's prompt is the session's
+  history (earlier prompts and answers) + `--session-chunk` new random tokens, answered with
+  `--session-output` tokens; every session's turn k runs at once, then turn k + 1. Over turns
+  2..: the prefix cache's hit rate (cached / prompt tokens, `num_cached_tokens`), overall and
+  per adapter (min / median / max), against `history_share` (history / prompt tokens, its
+  ceiling), and output tokens/s. A probe then runs one fresh prompt under the first adapter,
+  the second and the base, then the first again: the others must reuse none of it
+  (`cross_cached`, else the cell fails) and the first must (`own_cached` > 0: the cache is on).
 Decode steps replay CUDA graphs, with the adapters' deltas where a row has one (each bucket's
 LoRA graph, radixrt.executor.cuda_graph); prefill steps run eagerly.
 `vs_base` is tokens/s over the base model's at the same batch (1.0: no cost).
 
     python -m benchmarks.bench_lora_engine [--model llama-3-8b] [--adapters 0,1,8,32]
-        [--ranks 16,64] [--batches 32,256] [--serve-requests 256] [--json out.json]
+        [--ranks 16,64] [--batches 32,256] [--serve-requests 256] [--sessions 16]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import torch
 from safetensors.torch import save_file
 
 from radixrt.config import ModelConfig, resolve_config
-from radixrt.deltas import FinishReason
+from radixrt.deltas import FinishReason, RequestDelta
 from radixrt.engine.core import EngineCore
 from radixrt.lora import LoraRegistry
 from radixrt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, module_shapes
@@ -112,11 +124,15 @@ def build_core(
     """The engine of one set of cells: `args.max_rows` rows of up to `args.max_len` tokens, a
     KV pool of that size; `lora`: its LoRA options (empty: LoRA off)."""
     blocks_per_row = math.ceil(args.max_len / BLOCK_SIZE) + 1  # + one a step may plan ahead
+    # a session row also holds its history's partly filled last block, which its copy replaces
+    session_blocks = args.sessions * (blocks_per_row + 1)
     options: dict[str, object] = dict(
-        prefix_cache="none",  # every cell computes its prompts (none repeats, per adapter)
+        prefix_cache="radix",  # for the sessions; the other cells flush it first
+        policy="fcfs",  # the order the other cells had without a cache (no prefix to prefer)
         block_size=BLOCK_SIZE,
         max_running_requests=args.max_rows,
-        num_kv_blocks=args.max_rows * blocks_per_row + 1,  # + the CUDA-graph scratch block
+        # + the CUDA-graph scratch block
+        num_kv_blocks=max(args.max_rows * blocks_per_row, session_blocks) + 1,
         max_model_len=args.max_len,
         **lora,
     )
@@ -136,6 +152,7 @@ def round_robin(refs: Sequence[LoraRef]) -> Callable[[int], RequestOptions]:
 
 def decode_cell(core: EngineCore, refs: Sequence[LoraRef], batch: int, args) -> dict:
     """ms per decode step and tokens/s of `batch` rows over `refs` (module docstring)."""
+    core.flush_cache()  # an earlier cell's prompts (the same per batch) would be cached
     rng = np.random.default_rng(batch)
     vocab = core.model_config.vocab_size
     max_tokens = args.warmup + args.iters + args.decode_slack
@@ -166,35 +183,108 @@ def decode_cell(core: EngineCore, refs: Sequence[LoraRef], batch: int, args) -> 
     return dict(batch=batch, ms_per_step=statistics.median(times), tok_per_s=tokens / wall_s)
 
 
+def run_requests(
+    core: EngineCore,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    options: Callable[[int], RequestOptions],
+) -> tuple[list[list[int]], list[int]]:
+    """Add every prompt (prompt i with `options(i)`) at once and step until the engine is idle.
+    Returns each request's output tokens and its prompt tokens the prefix cache served; raises
+    unless every request finished by length."""
+    rids = [core.add_request(p, params, options=options(i)) for i, p in enumerate(prompts)]
+    outputs: dict[str, list[int]] = {rid: [] for rid in rids}
+    last: dict[str, RequestDelta] = {}
+    while core.has_work:
+        for d in core.step():
+            outputs[d.rid] += d.new_token_ids
+            last[d.rid] = d
+    core.check_integrity()
+    reasons = [(rid, last[rid].finish_reason if rid in last else None) for rid in rids]
+    failed = [(rid, reason) for rid, reason in reasons if reason != FinishReason.LENGTH]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests did not finish by length: {failed[:3]}")
+    return [outputs[rid] for rid in rids], [last[rid].num_cached_tokens for rid in rids]
+
+
 def serve_cell(core: EngineCore, refs: Sequence[LoraRef], args) -> tuple[dict, list[list[int]]]:
     """Output tokens/s of `args.serve_requests` requests over `refs`, all added at once (module
     docstring); and each request's output tokens."""
+    core.flush_cache()  # the prompts are the same in every cell
     rng = np.random.default_rng(0)  # the same prompts in every cell
     vocab = core.model_config.vocab_size
     prompts = [
         rng.integers(0, vocab, args.serve_prompt).tolist() for _ in range(args.serve_requests)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.serve_output, ignore_eos=True)
-    options = round_robin(refs)
     sync(args.device)
     start = time.perf_counter()
-    rids = [core.add_request(p, params, options=options(i)) for i, p in enumerate(prompts)]
-    outputs: dict[str, list[int]] = {rid: [] for rid in rids}
-    reasons: dict[str, FinishReason] = {}
-    while core.has_work:
-        for d in core.step():
-            outputs[d.rid] += d.new_token_ids
-            if d.finish_reason is not None:
-                reasons[d.rid] = d.finish_reason
+    outputs, _ = run_requests(core, prompts, params, round_robin(refs))
     sync(args.device)
     wall_s = time.perf_counter() - start
-    core.check_integrity()
-    failed = [(rid, reasons.get(rid)) for rid in rids if reasons.get(rid) != FinishReason.LENGTH]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests did not finish by length: {failed[:3]}")
-    tokens = sum(len(outputs[rid]) for rid in rids)
-    row = dict(requests=len(rids), output_tok_s=tokens / wall_s, wall_s=wall_s)
-    return row, [outputs[rid] for rid in rids]
+    tokens = sum(len(out) for out in outputs)
+    row = dict(requests=len(prompts), output_tok_s=tokens / wall_s, wall_s=wall_s)
+    return row, outputs
+
+
+def session_cell(core: EngineCore, refs: Sequence[LoraRef], args) -> dict:
+    """Prefix-cache hit rates and output tokens/s of `args.sessions` multi-turn sessions over
+    `refs` (round-robin; the base model when empty), then the isolation probe (module
+    docstring). Raises if an adapter reused another namespace's cache or the cache is off."""
+    core.flush_cache()  # turn 1 starts cold; hits come from the sessions' own turns
+    rng = np.random.default_rng(1)
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.session_output, ignore_eos=True)
+    options = round_robin(refs)
+    names = [options(i).lora.name if options(i).lora else "base" for i in range(args.sessions)]
+    histories: list[list[int]] = [[] for _ in range(args.sessions)]
+    # adapter name -> (cached, prompt, history) tokens over turns 2..
+    totals = {name: np.zeros(3, dtype=np.int64) for name in names}
+    output_tokens, wall_s = 0, 0.0
+    for turn in range(args.session_turns):
+        chunks = [rng.integers(0, vocab, args.session_chunk).tolist() for _ in histories]
+        prompts = [h + c for h, c in zip(histories, chunks)]
+        sync(args.device)
+        start = time.perf_counter()
+        outputs, cached = run_requests(core, prompts, params, options)
+        sync(args.device)
+        if turn > 0:
+            wall_s += time.perf_counter() - start
+            output_tokens += sum(len(out) for out in outputs)
+            for name, n, prompt, history in zip(names, cached, prompts, histories):
+                totals[name] += (n, len(prompt), len(history))
+        histories = [p + out for p, out in zip(prompts, outputs)]
+    cached, prompt, history = (int(x) for x in sum(totals.values()))
+    per_adapter = [float(t[0] / t[1]) for t in totals.values()]
+    row = dict(
+        sessions=args.sessions,
+        turns=args.session_turns,
+        hit_rate=cached / prompt,
+        history_share=history / prompt,
+        hit_rate_min=min(per_adapter),
+        hit_rate_median=statistics.median(per_adapter),
+        hit_rate_max=max(per_adapter),
+        output_tok_s=output_tokens / wall_s,
+        wall_s=wall_s,
+    )
+    return dict(row, **isolation_probe(core, refs, rng, args))
+
+
+def isolation_probe(core: EngineCore, refs: Sequence[LoraRef], rng, args) -> dict:
+    """One fresh prompt run alone under refs[0], refs[1] and the base in turn, then under
+    refs[0] again: `cross_cached`, the tokens the later namespaces got from the earlier ones
+    (None without adapters), must be 0 and `own_cached` (the repeat's) must not."""
+    prompt = rng.integers(0, core.model_config.vocab_size, args.session_chunk).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    namespaces = [[ref] for ref in refs[:2]] + [[]]  # []: the base model
+    cached = [
+        run_requests(core, [prompt], params, round_robin(ns))[1][0]
+        for ns in [*namespaces, namespaces[0]]
+    ]
+    cross, own = sum(cached[1:-1]), cached[-1]
+    if cached[0] or cross or not own:  # the first run is cold: nothing may be cached
+        raise RuntimeError(f"cache namespaces leak or the cache is off: cached {cached}")
+    return dict(own_cached=own, cross_cached=cross if refs else None)
 
 
 def timed_assigns(core: EngineCore, refs: Sequence[LoraRef], host_reads: int, device: str):
@@ -284,6 +374,10 @@ def run_engine(
                 row["changed_vs_base"] = sum(a != b for a, b in zip(outputs, base_outputs))
             results["serve"].append(row)
             progress(args, "serve", row)
+    if args.sessions:
+        row = dict(rank=rank, adapters=max(counts), **session_cell(core, refs[: max(counts)], args))
+        results["sessions"].append(row)
+        progress(args, "sessions", row)
     if extra:
         for row in swap_cells(core, refs[: max(counts)], refs[max(counts) :], args):
             results["swap"].append(dict(rank=rank, max_loras=max(counts), **row))
@@ -336,6 +430,24 @@ def print_tables(results: dict, title: str, args) -> None:
                 f"| {rank(r)} | {r['adapters']} | {r['output_tok_s']:.0f} | {r['wall_s']:.2f} "
                 f"| {ratio(r)} | {'-' if changed is None else changed} |"
             )
+    if results["sessions"]:
+        print(
+            f"\n## Multi-LoRA sessions ({title}, {args.sessions} sessions x "
+            f"{args.session_turns} turns of history + {args.session_chunk} new prompt / "
+            f"{args.session_output} output tokens; turns 2..)"
+        )
+        print(
+            "| rank | adapters | hit rate | history share | per adapter min / median / max "
+            "| output tok/s | cross-adapter cached |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in results["sessions"]:
+            cross = "-" if r["cross_cached"] is None else r["cross_cached"]
+            print(
+                f"| {rank(r)} | {r['adapters']} | {r['hit_rate']:.3f} | {r['history_share']:.3f} "
+                f"| {r['hit_rate_min']:.3f} / {r['hit_rate_median']:.3f} / "
+                f"{r['hit_rate_max']:.3f} | {r['output_tok_s']:.0f} | {cross} |"
+            )
     if results["swap"]:
         print(f"\n## Adapter swap-in ({title}, every slot full; median ms of n swaps)")
         print("| rank | max_loras | from | n | ms | adapter file MB |")
@@ -368,6 +480,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--serve-prompt", type=int, default=512)
     ap.add_argument("--serve-output", type=int, default=128)
     ap.add_argument("--swap-iters", type=int, default=8, help="swap-ins timed; 0: none")
+    ap.add_argument("--sessions", type=int, default=16, help="multi-turn sessions; 0: none")
+    ap.add_argument("--session-turns", type=int, default=4)
+    ap.add_argument("--session-chunk", type=int, default=128, help="new prompt tokens a turn")
+    ap.add_argument("--session-output", type=int, default=32, help="output tokens a turn")
     ap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--json", help="write every number here")
     args = ap.parse_args(argv)
@@ -378,15 +494,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--batches, --warmup and --iters must be >= 1")
     if min(args.context, args.serve_prompt, args.serve_output) < 1:
         ap.error("--context, --serve-prompt and --serve-output must be >= 1")
-    if min(args.serve_requests, args.swap_iters) < 0:
-        ap.error("--serve-requests and --swap-iters must be >= 0")
+    if min(args.serve_requests, args.swap_iters, args.sessions) < 0:
+        ap.error("--serve-requests, --swap-iters and --sessions must be >= 0")
+    # turn 2 is the first with a history; the probe's repeat needs a token before its last
+    if args.session_turns < 2 or args.session_chunk < 2 or args.session_output < 1:
+        ap.error("--session-turns and --session-chunk must be >= 2, --session-output >= 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.decode_slack = 8  # output tokens a decode row may still make after the timed steps
-    args.max_rows = max(args.batches + [args.serve_requests])
+    args.max_rows = max(args.batches + [args.serve_requests, args.sessions])
     args.max_len = max(
         args.context + args.warmup + args.iters + args.decode_slack,
         args.serve_prompt + args.serve_output,
+        args.session_turns * (args.session_chunk + args.session_output) if args.sessions else 0,
     )
     return args
 
@@ -396,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     --json holds."""
     args = parse_args(argv)
     torch.manual_seed(0)
-    results: dict = dict(decode=[], serve=[], swap=[], engines=[])
+    results: dict = dict(decode=[], serve=[], sessions=[], swap=[], engines=[])
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         if args.model == "tiny":
             from radixrt.model.tiny import ensure_tiny_model
