@@ -37,6 +37,10 @@ class EagerDecodeGraphs:
     can_run = DecodeCudaGraphs.can_run
     bucket = DecodeCudaGraphs.bucket
 
+    @property
+    def covers_lora(self) -> bool:
+        return self._lora_segments is not None
+
     def run(
         self,
         layout,

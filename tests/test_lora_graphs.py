@@ -234,6 +234,30 @@ def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp
     assert graphs.num_replays - graphs.num_lora_replays > base_only
 
 
+def test_graphs_without_lora_leave_adapted_steps_eager(make_engine, tiny_model_dir, tmp_path):
+    """Graphs that cover no LoRA step (a failed LoRA capture falls back to this) replay only
+    steps without adapted rows; steps with adapters run eagerly, with the same outputs."""
+    from eager_decode_graphs import EagerDecodeGraphs
+
+    names = _write_adapters(tiny_model_dir, tmp_path)
+    engines = [make_engine(max_loras=NUM_SLOTS, max_lora_rank=16) for _ in range(2)]
+    for engine in engines:
+        for name, path in names.items():
+            engine.load_lora(name, path)
+    eager, graphed = engines
+    runner = graphed.core.runner
+    graphs = runner.cuda_graphs = EagerDecodeGraphs(runner)
+    graphs._lora_segments = None  # what DecodeCudaGraphs keeps after a failed LoRA capture
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids, loras = _mixed_requests(eager, names)
+    want = eager.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    got = graphed.generate(prompt_token_ids=ids, sampling_params=params, lora=loras)
+    assert [b.token_ids for b in got] == [a.token_ids for a in want]
+    assert graphs.num_lora_replays == 0 and graphs.num_replays == 0  # every step had adapters
+    graphed.generate(prompt_token_ids=ids[:2], sampling_params=params)  # no adapter
+    assert graphs.num_replays > 0 and graphs.num_lora_replays == 0
+
+
 @pytest.mark.gpu
 def test_lora_decode_graphs_match_eager(make_engine, tiny_model_dir, tmp_path):
     """An engine with CUDA graphs serving 4 adapters and the base (bf16, FlashInfer):

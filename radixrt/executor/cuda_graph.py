@@ -209,7 +209,17 @@ class DecodeCudaGraphs:
         if self._lora is not None:
             self._lora_segments.fill(np.empty(0, dtype=np.int64), bs)  # every tile empty
             fb.lora = self._lora.graph_batch(self._lora_segments.view(bs))
-            self.lora_graphs[bs] = self._record(fb, pool)
+            try:
+                self.lora_graphs[bs] = self._record(fb, pool)
+            except Exception:  # LoRA steps then run eagerly, as they did before these graphs
+                logger.exception("LoRA decode graph capture failed; LoRA steps run eagerly")
+                self._lora = None
+                self.lora_graphs.clear()
+
+    @property
+    def covers_lora(self) -> bool:
+        """Whether steps with adapted rows can replay (`run` with `lora_token_slot`)."""
+        return bool(self.lora_graphs)
 
     def _record(self, fb: ForwardBatch, pool) -> torch.cuda.CUDAGraph:
         """Capture `_forward_logits(fb)` of a bucket of fb.num_decode rows into `pool`."""
@@ -276,7 +286,7 @@ class DecodeCudaGraphs:
         )
         graph = self.graphs[bs]
         if lora_token_slot is not None:
-            assert self._lora_segments is not None, "a LoRA step needs graphs built with lora"
+            assert self.covers_lora, "a LoRA step needs graphs captured with lora"
             self._lora_segments.fill(lora_token_slot, bs)
             graph = self.lora_graphs[bs]
             self.num_lora_replays += 1

@@ -437,7 +437,9 @@ class ModelRunner:
         if self.lora is not None:
             loras = self.slots.loras
             token_slot = self.lora.token_slots([loras[s] for s in layout.slots], layout.num_new)
-        graphed = ctx.use_cuda_graph and graphs is not None
+        graphed = (
+            ctx.use_cuda_graph and graphs is not None and (token_slot is None or graphs.covers_lora)
+        )
         if graphed and graphs.can_run(plan, layout):
             tables = self.block_tables[layout.slots]
             logits = graphs.run(
