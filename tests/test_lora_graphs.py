@@ -203,15 +203,12 @@ def _check_graph_steps(runner, tol: float) -> list[int]:
     return checked
 
 
-def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp_path):
-    """The runner's graph path with adapters (the graphs' padded segments, interpreted)
-    gives the eager CPU engine's greedy tokens and log-probs, and its logits on the same
-    steps; steps with adapted rows took the LoRA graph path, padded to their bucket."""
+def _engines_with_cpu_graphs(make_engine, model_dir, tmp_path):
+    """Two engines serving the same adapters: an eager one, and one whose runner takes the
+    graph path through the CPU stand-in (returned too), and the adapters' names."""
     from eager_decode_graphs import EagerDecodeGraphs
 
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    names = _write_adapters(tiny_model_dir, tmp_path)
+    names = _write_adapters(model_dir, tmp_path)
     engines = [make_engine(max_loras=NUM_SLOTS, max_lora_rank=16) for _ in range(2)]
     for engine in engines:
         for name, path in names.items():
@@ -219,6 +216,17 @@ def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp
     eager, graphed = engines
     runner = graphed.core.runner
     graphs = runner.cuda_graphs = EagerDecodeGraphs(runner)
+    return eager, graphed, graphs, names
+
+
+def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp_path):
+    """The runner's graph path with adapters (the graphs' padded segments, interpreted)
+    gives the eager CPU engine's greedy tokens and log-probs, and its logits on the same
+    steps; steps with adapted rows took the LoRA graph path, padded to their bucket."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    eager, graphed, graphs, names = _engines_with_cpu_graphs(make_engine, tiny_model_dir, tmp_path)
+    runner = graphed.core.runner
     checked = _check_graph_steps(runner, 1e-5)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     ids, loras = _mixed_requests(eager, names)
@@ -237,16 +245,7 @@ def test_runner_graph_path_with_adapters_on_cpu(make_engine, tiny_model_dir, tmp
 def test_graphs_without_lora_leave_adapted_steps_eager(make_engine, tiny_model_dir, tmp_path):
     """Graphs that cover no LoRA step (a failed LoRA capture falls back to this) replay only
     steps without adapted rows; steps with adapters run eagerly, with the same outputs."""
-    from eager_decode_graphs import EagerDecodeGraphs
-
-    names = _write_adapters(tiny_model_dir, tmp_path)
-    engines = [make_engine(max_loras=NUM_SLOTS, max_lora_rank=16) for _ in range(2)]
-    for engine in engines:
-        for name, path in names.items():
-            engine.load_lora(name, path)
-    eager, graphed = engines
-    runner = graphed.core.runner
-    graphs = runner.cuda_graphs = EagerDecodeGraphs(runner)
+    eager, graphed, graphs, names = _engines_with_cpu_graphs(make_engine, tiny_model_dir, tmp_path)
     graphs._lora_segments = None  # what DecodeCudaGraphs keeps after a failed LoRA capture
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     ids, loras = _mixed_requests(eager, names)
